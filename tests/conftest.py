@@ -1,0 +1,20 @@
+# Without a GPU every Triton kernel runs in Triton's interpreter. TRITON_INTERPRET is read when a
+# kernel is decorated, so it must be set before any kernels/ module is imported: conftest runs first.
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_check.sh on the device)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
