@@ -1,0 +1,362 @@
+"""
+NVFP4: the 4-bit number format (paper §2), the direct-NVFP4 linear layer (§3.2's baseline: eqs. 1-2
+without the LoRA branch) and the quantization-error analysis of App. 7.
+
+The functions here are the reference: plain PyTorch that reads like the equations and runs anywhere.
+On CUDA, `quantize` and `nvfp4_matmul` hand off to the Triton kernels in kernels/ (bit-identical for RTN
+quantization, same numbers up to summation order for the GEMM); NANOFP4_REFERENCE=1 forces this file's path.
+
+Conventions (DESIGN.md; the numerics of Transformer Engine's NVFP4 recipe and torchao's NVFP4Tensor):
+  element   E2M1: +-{0, .5, 1, 1.5, 2, 3, 4, 6}; code = sign bit (bit 3) | index into E2M1_VALUES
+  global    s_g = amax(|x|) / (448 * 6)                 (256 instead of 448 with 4/6; 1 if amax == 0)
+  block     s_b = e4m3(min(amax_block / 6 / s_g, 448))  (round to nearest even, subnormals kept)
+  value     q = E2M1(clamp(x / (s_b * s_g), -6, 6)),  x_hat = q * s_b * s_g
+"""
+
+import math
+import os
+
+import torch
+import torch.nn as nn
+
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+FP4_MAX = 6.0
+E4M3_MAX = 448.0
+E4M3_MAX_46 = 256.0  # with 4/6 the x1.5 candidate scale (max -> 4) must still fit E4M3: 256 * 1.5 < 448
+BLOCKS = ((1, 16), (16, 1), (16, 16))
+# RTN decision points between neighbouring grid values. At an exact midpoint the value goes to the code with
+# an even index ("ties to even", like the hardware's cvt.rn): midpoints 0.25, 1.25, 2.5, 5 round down,
+# 0.75, 1.75, 3.5 round up.
+_RTN_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+
+def use_reference():
+    """True when NANOFP4_REFERENCE=1: every module then runs its PyTorch reference path, also on CUDA."""
+    return os.environ.get("NANOFP4_REFERENCE", "0") == "1"
+
+
+def _use_kernels(x):
+    return x.is_cuda and not use_reference()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The packed tensor
+
+class NVFP4Tensor:
+    """Real 4-bit storage: 0.5 byte per element for the codes plus one E4M3 byte per 16 elements.
+
+    codes        uint8 (*lead, M, N // 2)  row-major, two codes per byte, even element in the low nibble
+    scales       float8_e4m3fn (*lead, M // bm, N // bn)  one per block
+    global_scale fp32 0-d tensor
+    shape        the logical shape (*lead, M, N);  block  (bm, bn): (1, 16), (16, 1) or (16, 16)
+    """
+
+    def __init__(self, codes, scales, global_scale, shape, block):
+        self.codes, self.scales, self.global_scale = codes, scales, global_scale
+        self.shape, self.block = torch.Size(shape), tuple(block)
+
+    @property
+    def device(self):
+        return self.codes.device
+
+    @property
+    def nbytes(self):
+        return self.codes.nbytes + self.scales.nbytes + self.global_scale.nbytes
+
+    def unpack_codes(self):
+        """(*lead, M, N) uint8 codes, one per element."""
+        low, high = self.codes & 0xF, self.codes >> 4
+        return torch.stack((low, high), dim=-1).reshape(self.shape)
+
+    def grid_values(self):
+        """q * s_b in fp32: exactly representable in bf16 (at most 6 significant bits), no global scale."""
+        codes = self.unpack_codes().long()
+        q = E2M1_VALUES.to(self.device)[codes & 7]
+        q = torch.where(codes >= 8, -q, q)
+        bm, bn = self.block
+        s = self.scales.float().repeat_interleave(bm, dim=-2).repeat_interleave(bn, dim=-1)
+        return q * s
+
+    def dequantize(self, dtype=torch.float32):
+        return (self.grid_values() * self.global_scale).to(dtype)
+
+    def t(self):
+        """The transpose of the last two dims, re-packed: exact, no requantization. Turns a (1,16)-blocked
+        tensor into a (16,1)-blocked one and keeps (16,16): this is how the backward reuses the forward's
+        Q16x16(W) for dX = dY W (eq. 1, "reused from fwd")."""
+        codes = self.unpack_codes().transpose(-1, -2).contiguous()
+        return NVFP4Tensor(_pack(codes), self.scales.transpose(-1, -2).contiguous(), self.global_scale,
+                           codes.shape, self.block[::-1])
+
+    def __repr__(self):
+        return f"NVFP4Tensor(shape={tuple(self.shape)}, block={self.block}, global_scale={self.global_scale.item():.4g})"
+
+
+def _pack(codes):
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Quantization (reference)
+
+def _check(x, block, name):
+    if block not in BLOCKS:
+        raise ValueError(f"{name}: block must be one of {BLOCKS}, got {block}")
+    if not x.is_floating_point():
+        raise ValueError(f"{name}: expected a floating-point tensor, got {x.dtype}")
+    if x.dim() < 2:
+        raise ValueError(f"{name}: NVFP4 blocks apply to the last two dims; got shape {tuple(x.shape)}")
+    M, N = x.shape[-2:]
+    bm, bn = block
+    if M % bm or N % bn or N % 2:
+        raise ValueError(f"{name}: shape {tuple(x.shape)} does not fit NVFP4 block {block}: the last two dims "
+                         f"must be multiples of ({bm}, {max(bn, 2)})")
+    if not torch.isfinite(x).all():
+        raise ValueError(f"{name}: non-finite values (NaN/Inf) in tensor of shape {tuple(x.shape)}")
+
+
+def global_scale(amax, four_over_six=False):
+    """s_g = amax / (448 * 6) in fp32 (256 with 4/6), 1 when amax is 0 so that zeros stay zeros."""
+    s = amax.float() / ((E4M3_MAX_46 if four_over_six else E4M3_MAX) * FP4_MAX)
+    return torch.where(amax > 0, s, torch.ones_like(s))
+
+
+def to_e4m3(s):
+    """Round fp32 scales to E4M3 (nearest, ties to even; values below 2^-6 stay subnormal as in Transformer
+    Engine: torchao lifts them to 2^-6 instead), saturating at 448."""
+    return s.clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def rtn_e2m1(a):
+    """Index (0..7) of the nearest E2M1 magnitude for a in [0, 6], ties to even."""
+    idx = torch.zeros_like(a, dtype=torch.uint8)
+    for point, tie_up in _RTN_MIDPOINTS:
+        idx += (a >= point) if tie_up else (a > point)
+    return idx
+
+
+def sr_e2m1(a, rand):
+    """Stochastic rounding of a in [0, 6]: up to the next grid value with probability equal to the fractional
+    distance (unbiased: E[q] = a). rand: uniform [0, 1), same shape."""
+    grid = E2M1_VALUES.to(a.device)
+    lo = (a.unsqueeze(-1) >= grid[1:]).sum(-1)  # index of the grid value at or below a
+    hi = (lo + 1).clamp(max=7)
+    gap = grid[hi] - grid[lo]
+    frac = torch.where(gap > 0, (a - grid[lo]) / torch.where(gap > 0, gap, 1.0), 0.0)
+    return (lo + (rand < frac).long()).to(torch.uint8)
+
+
+def _quantize_reference(x, block, rounding, four_over_six, generator):
+    shape, (bm, bn) = x.shape, block
+    lead, (M, N) = shape[:-2], shape[-2:]
+    x = x.float()
+    xb = x.reshape(*lead, M // bm, bm, N // bn, bn)                      # (*, M/bm, bm, N/bn, bn)
+    s_g = global_scale(x.abs().amax(), four_over_six)
+    block_amax = xb.abs().amax(dim=(-3, -1), keepdim=True)               # (*, M/bm, 1, N/bn, 1)
+    rand = None
+    if rounding == "sr":
+        rand = torch.rand(xb.shape, generator=generator, device=x.device)
+
+    def candidate(fp4_max):
+        # the block's max maps to fp4_max (6 normally; 4 is 4/6's second candidate)
+        s_b = to_e4m3(block_amax / fp4_max / s_g)
+        denom = s_b.float() * s_g
+        a = torch.where(denom > 0, xb.abs() / torch.where(denom > 0, denom, 1.0), 0.0).clamp(max=FP4_MAX)
+        return s_b, a, denom
+
+    s_b, a, denom = candidate(FP4_MAX)
+    if four_over_six:
+        # 4/6 scaling: per block keep whichever of max->6 / max->4 reconstructs with lower squared error
+        # (ties to 6). The choice uses the RTN error even when rounding is SR, so that the random draw does
+        # not influence the scale and SR stays unbiased given the scale.
+        def rtn_error(a, denom):
+            return ((E2M1_VALUES.to(x.device)[rtn_e2m1(a).long()] * denom - xb.abs()) ** 2).sum((-3, -1), keepdim=True)
+        s_b4, a4, denom4 = candidate(4.0)
+        use4 = rtn_error(a4, denom4) < rtn_error(a, denom)
+        s_b = torch.where(use4, s_b4.float(), s_b.float()).to(torch.float8_e4m3fn)
+        a = torch.where(use4, a4, a)
+    idx = rtn_e2m1(a) if rounding == "rtn" else sr_e2m1(a, rand)
+    codes = idx | ((xb < 0).to(torch.uint8) << 3)                       # sign bit as the hardware writes it: -0 kept
+    codes = codes.reshape(shape)
+    scales = s_b.reshape(*lead, M // bm, N // bn)
+    return NVFP4Tensor(_pack(codes), scales, s_g, shape, block)
+
+
+def quantize(x, block=(1, 16), rounding="rtn", four_over_six=False, generator=None, hadamard=None, name="x"):
+    """Quantize x to NVFP4 with blocks on its last two dims. rounding: "rtn" (nearest, ties to even) or "sr"
+    (stochastic, unbiased; draws from `generator`, else torch's global RNG of x's device, so a saved RNG state
+    reproduces it). hadamard: optional (16, 16) matrix applied first along the block's 16-long dim
+    (x H for (1, 16) blocks, H^T x for (16, 1)); it is how eq. 2 quantizes the wgrad operands."""
+    if rounding not in ("rtn", "sr"):
+        raise ValueError(f"{name}: rounding must be 'rtn' or 'sr', got {rounding!r}")
+    block = tuple(block)
+    if hadamard is not None and block == (16, 16):
+        raise ValueError(f"{name}: a Hadamard rotation needs a 1-D block, (1, 16) or (16, 1)")
+    _check(x, block, name)
+    if _use_kernels(x):
+        from kernels.nvfp4_quant import quantize as quantize_kernel
+        seed = 0
+        if rounding == "sr":  # one draw from the same RNG keeps kernel runs reproducible from a saved state
+            seed = int(torch.randint(0, 2**31 - 1, (), generator=generator, device=x.device))
+        return quantize_kernel(x, block, rounding, four_over_six, seed=seed, hadamard=hadamard)
+    if hadamard is not None:
+        x = hadamard_transform(x.float(), hadamard, dim=-1 if block == (1, 16) else -2)
+    return _quantize_reference(x, block, rounding, four_over_six, generator)
+
+
+def fake_quantize(x, block=(1, 16), rounding="rtn", four_over_six=False, generator=None, hadamard=None, name="x"):
+    """Quantize then dequantize, in x's dtype (the Hadamard rotation, if any, is not undone)."""
+    return quantize(x, block, rounding, four_over_six, generator, hadamard, name).dequantize(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Random Hadamard transform (eq. 2's H_16^r)
+
+def sylvester_hadamard(n=16, device=None):
+    h = torch.ones(1, 1, device=device)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return h
+
+
+def random_hadamard(generator=None, device=None):
+    """diag(random +-1) . H16 / 4: orthogonal, drawn fresh for every backward (eq. 2). Random signs make the
+    rotation of a fixed outlier pattern different each step, so its rounding error does not repeat."""
+    device = generator.device if generator is not None else device
+    signs = torch.randint(0, 2, (16,), generator=generator, device=device)
+    return (2.0 * signs.float() - 1.0).unsqueeze(1) * sylvester_hadamard(16, device) / 4.0
+
+
+def hadamard_transform(x, H, dim=-1):
+    """x . H applied to every group of 16 consecutive elements along `dim` (for dim = -2 on a matrix this is
+    H^T x, the left-multiplication of eq. 2)."""
+    x = x.movedim(dim, -1)
+    if x.shape[-1] % 16:
+        raise ValueError(f"hadamard_transform: dim {dim} has size {x.shape[-1]}, not a multiple of 16")
+    y = (x.reshape(*x.shape[:-1], -1, 16) @ H.to(x.dtype)).reshape(x.shape)
+    return y.movedim(-1, dim)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The NVFP4 GEMM
+
+def nvfp4_matmul(a, b, out_dtype=torch.float32):
+    """a_hat @ b_hat^T for a (M, K) and b (N, K), both blocked along K. Like a native NVFP4 GEMM: the products
+    of E2M1 values and block scales are accumulated in fp32, the two global scales applied once at the end."""
+    if a.shape[-1] != b.shape[-1] or a.block[1] != 16 or b.block[1] != 16:
+        raise ValueError(f"nvfp4_matmul: need a (M, K), b (N, K) both blocked along K; got {tuple(a.shape)} "
+                         f"{a.block} and {tuple(b.shape)} {b.block}")
+    if a.codes.is_cuda and not use_reference():
+        from kernels.nvfp4_gemm import nvfp4_gemm
+        return nvfp4_gemm(a, b, out_dtype=out_dtype)
+    acc = a.grid_values() @ b.grid_values().transpose(-1, -2)
+    return (acc * (a.global_scale * b.global_scale)).to(out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Direct-NVFP4 linear layer: the three GEMMs of eqs. 1-2 without the LoRA branch
+
+class _NVFP4LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, four_over_six):
+        x2 = x.reshape(-1, x.shape[-1])                                                # (T, in)
+        xq = quantize(x2, (1, 16), "rtn", four_over_six, name="activation X")           # Q1x16(X), RTN
+        wq = quantize(weight.detach(), (16, 16), "rtn", four_over_six, name="weight W")  # Q16x16(W), RTN
+        y = nvfp4_matmul(xq, wq, out_dtype=x.dtype)                                     # (T, out)
+        # Save the packed 4-bit X (not X): that is where FP4 training saves activation memory.
+        ctx.xq, ctx.wq, ctx.four_over_six, ctx.x_shape = xq, wq, four_over_six, x.shape
+        ctx.weight_dtype = weight.dtype
+        return y.reshape(*x.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, dy):
+        xq, wq, fos = ctx.xq, ctx.wq, ctx.four_over_six
+        dy2 = dy.reshape(-1, dy.shape[-1])                                                 # (T, out)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dyq = quantize(dy2, (1, 16), "sr", fos, name="gradient dY")                     # Q1x16(dY), SR
+            dx = nvfp4_matmul(dyq, wq.t(), out_dtype=dy.dtype).reshape(ctx.x_shape)         # Q16x16(W) reused
+        if ctx.needs_input_grad[1]:
+            dw = wgrad(dy2, xq, fos).to(ctx.weight_dtype)
+        ctx.xq = ctx.wq = None
+        return dx, dw, None
+
+
+def wgrad(dy, xq, four_over_six=False):
+    """Eq. 2: dW = Q1x16(dY^T H) . Q16x1(H^T Q1x16(X)), H a fresh random Hadamard, SR on both operands.
+    dy (T, out); xq the forward's packed Q1x16(X) (T, in). The rotation spreads outliers along the token
+    (contraction) dim before the coarse 16-element blocks see them; H H^T = I leaves the product unbiased."""
+    T = dy.shape[0]
+    if T % 16:
+        raise ValueError(f"wgrad: the number of tokens ({T}) must be a multiple of 16 (the contraction dim of dW)")
+    H = random_hadamard(device=dy.device)
+    dyq = quantize(dy.t(), (1, 16), "sr", four_over_six, hadamard=H, name="gradient dY^T")  # (out, T)
+    x_hat = xq.dequantize(torch.bfloat16 if xq.device.type == "cuda" else torch.float32)
+    xhq = quantize(x_hat, (16, 1), "sr", four_over_six, hadamard=H, name="activation Q(X)")  # (T, in), 16x1
+    return nvfp4_matmul(dyq, xhq.t())                                                     # (out, in) fp32
+
+
+def nvfp4_linear(x, weight, four_over_six=False):
+    """Y = Q1x16(X) Q16x16(W)^T with the eq. 1-2 backward. Under autocast X is cast to the autocast dtype."""
+    if torch.is_autocast_enabled(x.device.type):
+        x = x.to(torch.get_autocast_dtype(x.device.type))
+    return _NVFP4LinearFn.apply(x, weight, four_over_six)
+
+
+class NVFP4Linear(nn.Module):
+    """Drop-in nn.Linear (no bias by default) whose three GEMMs run in NVFP4; the master weight stays fp32."""
+
+    def __init__(self, in_features, out_features, bias=False, four_over_six=False, device=None, dtype=None):
+        super().__init__()
+        if in_features % 16 or out_features % 16:
+            raise ValueError(f"NVFP4Linear: in_features ({in_features}) and out_features ({out_features}) "
+                             "must be multiples of 16 (the 16x16 weight blocks)")
+        self.in_features, self.out_features, self.four_over_six = in_features, out_features, four_over_six
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Linear's default
+
+    @classmethod
+    def from_linear(cls, linear, four_over_six=False):
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, four_over_six,
+                    device=linear.weight.device, dtype=linear.weight.dtype)
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight)
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias)
+        return layer
+
+    def forward(self, x):
+        y = nvfp4_linear(x, self.weight, self.four_over_six)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self):
+        return f"in_features={self.in_features}, out_features={self.out_features}, four_over_six={self.four_over_six}"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# App. 7: quantization noise in matrix products grows with the hidden dimension
+
+@torch.no_grad()
+def matmul_quant_error(hidden_dims=(512, 1024, 2048, 4096), rounding="rtn", tokens=256, out_features=256,
+                       four_over_six=False, seed=0, device=None):
+    """For each contraction length N: Y = X W^T with X (tokens, N), W (out, N) Gaussian, against
+    Q1x16(X) Q16x16(W)^T. Returns rows {N, mse, rel_mse}: App. 7 predicts mse = Theta(N) (each output sums N
+    independent rounding errors) while rel_mse = mse / mean(Y^2) stays flat for i.i.d. inputs."""
+    g = torch.Generator(device=device or "cpu").manual_seed(seed)
+    rows = []
+    for n in hidden_dims:
+        x = torch.randn(tokens, n, generator=g, device=device)
+        w = torch.randn(out_features, n, generator=g, device=device)
+        y = x @ w.t()
+        xq = quantize(x, (1, 16), rounding, four_over_six, generator=g)
+        wq = quantize(w, (16, 16), rounding, four_over_six, generator=g)
+        y_hat = nvfp4_matmul(xq, wq)
+        mse = (y_hat - y).pow(2).mean().item()
+        rows.append({"N": n, "rounding": rounding, "mse": mse, "rel_mse": mse / y.pow(2).mean().item()})
+    return rows
+
+
+def relative_mse(x, x_hat):
+    """Rel. MSE := MSE(x - x_hat) / mean(x^2), the paper's error measure (Fig. 3)."""
+    return ((x - x_hat).float().pow(2).mean() / x.float().pow(2).mean()).item()
