@@ -359,4 +359,4 @@ def matmul_quant_error(hidden_dims=(512, 1024, 2048, 4096), rounding="rtn", toke
 
 def relative_mse(x, x_hat):
     """Rel. MSE := MSE(x - x_hat) / mean(x^2), the paper's error measure (Fig. 3)."""
-    return ((x - x_hat).float().pow(2).mean() / x.float().pow(2).mean()).item()
+    return ((x.double() - x_hat.double()).pow(2).mean() / x.double().pow(2).mean()).item()

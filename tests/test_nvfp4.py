@@ -1,0 +1,269 @@
+"""The NVFP4 reference (nvfp4.py): grid, scales, packing, rounding, 4/6, edge cases, RHT, NVFP4Linear."""
+import math
+
+import pytest
+import torch
+
+import nvfp4
+from nvfp4 import E2M1_VALUES, NVFP4Tensor, quantize
+
+BLOCKS = [(1, 16), (16, 1), (16, 16)]
+
+
+def randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def unit_scale(values):
+    """A (2, 16*k) tensor whose row 0 holds 2688 = 448*6 (so s_g = 1) and row 1 the test values with a block max
+    of 6 (so s_b = 1): the scaled values are the values themselves."""
+    row1 = torch.tensor(values, dtype=torch.float32)
+    row0 = torch.zeros_like(row1)
+    row0[0] = 448 * 6
+    return torch.stack([row0, row1])
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("four_over_six", [False, True])
+def test_values_on_grid_and_scales_follow_the_convention(block, four_over_six):
+    x = randn(3, 64, 96, seed=1) * torch.logspace(-3, 2, 96)  # blocks of very different magnitude
+    t = quantize(x, block, four_over_six=four_over_six)
+    bm, bn = block
+    assert t.codes.dtype == torch.uint8 and t.codes.shape == (3, 64, 48)
+    assert t.scales.dtype == torch.float8_e4m3fn and t.scales.shape == (3, 64 // bm, 96 // bn)
+    s_g = x.abs().amax() / ((256 if four_over_six else 448) * 6)
+    assert torch.equal(t.global_scale, s_g.float())
+    # every element is an E2M1 value times its block scale times the global scale
+    s = t.scales.float().repeat_interleave(bm, -2).repeat_interleave(bn, -1)
+    assert torch.equal(t.dequantize(), t.grid_values() * s_g)
+    q = (t.grid_values() / s)[s > 0]
+    assert torch.isin(q.abs(), E2M1_VALUES).all()
+    # block scale = e4m3(block_amax / 6 / s_g) (or / 4 with 4/6)
+    amax = x.reshape(3, 64 // bm, bm, 96 // bn, bn).abs().amax((-3, -1))
+    s6 = nvfp4.to_e4m3(amax / 6 / s_g).float()
+    if four_over_six:
+        s4 = nvfp4.to_e4m3(amax / 4 / s_g).float()
+        assert ((t.scales.float() == s6) | (t.scales.float() == s4)).all()
+        if block != (16, 16):  # with 256 elements per block the max->6 candidate almost always wins
+            assert (t.scales.float() == s4).any() and (t.scales.float() == s6).any()
+    else:
+        assert torch.equal(t.scales.float(), s6)
+    # RTN error is at most half the widest grid step (2 -> 1 * scale), plus the clamp at 6 when a normal E4M3
+    # scale rounded down (relative step 2^-3); subnormal scales are coarser and are not bounded here
+    err = (t.dequantize() - x).abs()
+    normal = s >= 2**-6
+    assert (err <= s * s_g + x.abs() * 2**-3)[normal].all()
+
+
+def test_packing_even_element_in_low_nibble():
+    x = unit_scale([0.5, -1.0, 6.0, -6.0] + [0.0] * 12)
+    t = quantize(x)
+    assert t.codes[1, 0].item() == (1 | ((8 | 2) << 4))  # 0.5 -> code 1 low, -1.0 -> code 0b1010 high
+    assert t.codes[1, 1].item() == (7 | ((8 | 7) << 4))
+    assert torch.equal(t.unpack_codes()[1, :4], torch.tensor([1, 10, 7, 15], dtype=torch.uint8))
+
+
+def test_round_to_nearest_ties_to_even():
+    mids = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0]
+    x = unit_scale(mids + [-m for m in mids])
+    got = quantize(x).dequantize()[1]
+    want = [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0]
+    assert got.tolist() == want + [-w for w in want]
+    # just off the midpoints it is plain nearest
+    eps = 1e-3
+    got = quantize(unit_scale([m + eps for m in mids[:7]] + [m - eps for m in mids[:7]] + [6.0, 6.0])).dequantize()[1]
+    assert got.tolist() == [0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 6.0]
+
+
+def test_values_beyond_six_after_scale_rounding_saturate():
+    # block max 6.4 with s_g = 1: s_b = e4m3(6.4/6) = 1.0625 -> 6.4/1.0625 = 6.02 must clamp to 6, not overflow
+    t = quantize(unit_scale([6.4] + [1.0] * 15))
+    assert t.dequantize()[1, 0].item() == pytest.approx(6 * t.scales[1, 0].float().item())
+
+
+def test_stochastic_rounding_is_unbiased_and_reproducible():
+    x = randn(16, 256, seed=2)
+    g = torch.Generator().manual_seed(0)
+    n = 400
+    draws = torch.stack([quantize(x, rounding="sr", generator=g).dequantize() for _ in range(n)])
+    mean, std = draws.mean(0), draws.std(0)
+    # z-scores of the mean across draws: unbiased means |z| is O(1); RTN's bias would give z in the tens
+    z = (mean - x) / (std / math.sqrt(n)).clamp(min=1e-12)
+    moving = std > 0
+    assert z[moving].abs().mean() < 1.0 and z[moving].abs().max() < 6
+    rtn_bias = (quantize(x).dequantize() - x).abs().mean()
+    assert (mean - x).abs().mean() < rtn_bias / 5
+    # values exactly on the grid never move
+    grid = quantize(x).dequantize()
+    assert torch.equal(quantize(grid, rounding="sr", generator=g).dequantize(), grid)
+    a = quantize(x, rounding="sr", generator=torch.Generator().manual_seed(7))
+    b = quantize(x, rounding="sr", generator=torch.Generator().manual_seed(7))
+    assert torch.equal(a.codes, b.codes) and torch.equal(a.scales.float(), b.scales.float())
+
+
+def test_four_over_six_never_worse_per_block():
+    x = randn(64, 256, seed=3) ** 3  # heavy tails: blocks where 4 wins and blocks where 6 wins
+    t46 = quantize(x, four_over_six=True)
+    # the max->6 candidate under the same (256-bound) global scale
+    s_g = nvfp4.global_scale(x.abs().amax(), True)
+    xb = x.reshape(64, 16, 16)
+    s6 = nvfp4.to_e4m3(xb.abs().amax(-1, keepdim=True) / 6 / s_g).float()
+    q6 = E2M1_VALUES[nvfp4.rtn_e2m1((xb.abs() / (s6 * s_g)).clamp(max=6)).long()] * s6 * s_g * xb.sign()
+    err6 = (q6 - xb).pow(2).sum(-1)
+    err46 = (t46.dequantize().reshape(64, 16, 16) - xb).pow(2).sum(-1)
+    assert (err46 <= err6 * (1 + 1e-6)).all()
+    assert (err46 < err6).float().mean() > 0.1  # and it does pick 4 often on such data
+    assert nvfp4.relative_mse(x, t46.dequantize()) < nvfp4.relative_mse(x, quantize(x).dequantize())
+
+
+def test_zeros_subnormal_scales_and_huge_values():
+    z = torch.zeros(16, 32)
+    t = quantize(z)
+    assert t.global_scale.item() == 1.0 and (t.codes == 0).all() and (t.scales.float() == 0).all()
+    assert torch.equal(t.dequantize(), z)
+    x = randn(2, 32, seed=4)
+    x[0, :16] = 0.0                               # an all-zero block inside a non-zero tensor
+    x[1, :16] *= 1e-5                             # a block far below the tensor's max: subnormal E4M3 scale
+    t = quantize(x)
+    assert t.scales[0, 0].float() == 0 and not torch.isnan(t.dequantize()).any()
+    assert 0 < t.scales[1, 0].float() < 2**-6     # kept subnormal (Transformer Engine), not lifted to 2^-6
+    assert (t.dequantize()[0, :16] == 0).all()
+    big = randn(16, 32, seed=5) * 1e37
+    assert nvfp4.relative_mse(big, quantize(big).dequantize()) < 0.02
+
+
+def test_bad_input_errors():
+    with pytest.raises(ValueError, match=r"shape \(4, 24\).*block \(1, 16\)"):
+        quantize(torch.randn(4, 24))
+    with pytest.raises(ValueError, match="block"):
+        quantize(torch.randn(8, 32), block=(16, 16))
+    with pytest.raises(ValueError, match="last two dims"):
+        quantize(torch.randn(32))
+    bad = torch.randn(4, 32)
+    bad[1, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"grad.*non-finite"):
+        quantize(bad, name="grad")
+    bad[1, 3] = float("inf")
+    with pytest.raises(ValueError, match="non-finite"):
+        quantize(bad)
+    with pytest.raises(ValueError, match="rounding"):
+        quantize(torch.randn(4, 32), rounding="nearest")
+    with pytest.raises(ValueError, match="multiples of 16"):
+        nvfp4.NVFP4Linear(24, 32)
+
+
+def test_bf16_input_and_grid_values_exact_in_bf16():
+    x = randn(32, 64, seed=6).bfloat16()
+    t = quantize(x, (16, 16))
+    g = t.grid_values()
+    assert torch.equal(g.bfloat16().float(), g)  # q * s_b has at most 6 significant bits
+    assert torch.equal(t.dequantize(), quantize(x.float(), (16, 16)).dequantize())
+
+
+@pytest.mark.parametrize("block", [(1, 16), (16, 16)])
+def test_transpose_is_exact(block):
+    x = randn(48, 32, seed=7)
+    t = quantize(x, block)
+    assert torch.equal(t.t().dequantize(), t.dequantize().t())
+    assert t.t().block == block[::-1]
+    assert torch.equal(t.t().t().codes, t.codes)
+
+
+def test_hadamard_is_orthogonal_random_and_blockwise():
+    g = torch.Generator().manual_seed(0)
+    H = nvfp4.random_hadamard(g)
+    assert torch.allclose(H @ H.t(), torch.eye(16), atol=1e-6)
+    assert torch.equal(H.abs(), torch.full((16, 16), 0.25))
+    assert not torch.equal(H, nvfp4.random_hadamard(g))
+    x = randn(32, 48, seed=8)
+    y = nvfp4.hadamard_transform(x, H, dim=-1)
+    assert torch.allclose(y[:, 16:32], x[:, 16:32] @ H, atol=1e-6)
+    assert torch.allclose(nvfp4.hadamard_transform(y, H.t(), dim=-1), x, atol=1e-5)
+    assert torch.allclose(nvfp4.hadamard_transform(x, H, dim=0)[:16], H.t() @ x[:16], atol=1e-6)
+    assert torch.allclose(y.norm(), x.norm())
+    with pytest.raises(ValueError, match="multiple of 16"):
+        nvfp4.hadamard_transform(torch.randn(4, 20), H)
+
+
+def test_matmul_matches_dequantized_product():
+    a, b = quantize(randn(48, 64, seed=10)), quantize(randn(32, 64, seed=11), (16, 16))
+    ref = a.dequantize() @ b.dequantize().t()
+    assert torch.allclose(nvfp4.nvfp4_matmul(a, b), ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="blocked along K"):
+        nvfp4.nvfp4_matmul(a, quantize(randn(32, 64), (16, 1)))
+
+
+def test_linear_forward_is_the_quantized_product_and_saves_packed_x():
+    torch.manual_seed(0)
+    layer = nvfp4.NVFP4Linear(64, 48)
+    x = randn(2, 16, 64, seed=12, ).requires_grad_()
+    y = layer(x)
+    want = nvfp4.fake_quantize(x.detach()) @ nvfp4.fake_quantize(layer.weight.detach(), (16, 16)).t()
+    assert torch.allclose(y, want, rtol=1e-5, atol=1e-5)
+    saved = y.grad_fn.xq
+    assert isinstance(saved, NVFP4Tensor) and saved.codes.dtype == torch.uint8
+    assert saved.nbytes < x.numel() * 4 / 7  # 0.5625 byte/element + the global scale vs 4 bytes
+
+
+def test_linear_backward_replays_eqs_1_2():
+    torch.manual_seed(0)
+    layer = nvfp4.NVFP4Linear(64, 32, four_over_six=True)
+    x = randn(32, 64, seed=13).requires_grad_()
+    dy = randn(32, 32, seed=14)
+    y = layer(x)
+    torch.manual_seed(123)
+    y.backward(dy)
+    # the same computation written out with the same RNG draws, in the order the backward makes them
+    torch.manual_seed(123)
+    W = nvfp4.quantize(layer.weight.detach(), (16, 16), four_over_six=True)
+    dx = nvfp4.fake_quantize(dy, rounding="sr", four_over_six=True) @ W.dequantize()
+    H = nvfp4.random_hadamard()
+    xq = nvfp4.fake_quantize(x.detach(), four_over_six=True)
+    a = nvfp4.fake_quantize(dy.t() @ torch.block_diag(*[H] * 2), rounding="sr", four_over_six=True)
+    b = nvfp4.fake_quantize(torch.block_diag(*[H] * 2).t() @ xq, (16, 1), rounding="sr", four_over_six=True)
+    assert torch.allclose(x.grad, dx, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(layer.weight.grad, a @ b, rtol=1e-4, atol=1e-4)
+
+
+def test_linear_gradients_are_unbiased_estimates_of_the_straight_through_gradients():
+    """E[dX] = dY Q(W) and E[dW] = dY^T Q(X): SR is unbiased and H H^T = I (eq. 2), so averaging many backward
+    passes converges to autograd's gradient of the fake-quantized forward."""
+    torch.manual_seed(1)
+    layer = nvfp4.NVFP4Linear(32, 16)
+    x = randn(32, 32, seed=15).requires_grad_()
+    dy = randn(32, 16, seed=16)
+    xf = x.detach().clone().requires_grad_()
+    wf = layer.weight.detach().clone().requires_grad_()
+    (nvfp4.fake_quantize(xf) @ nvfp4.fake_quantize(wf, (16, 16)).t()).backward(dy)  # straight-through
+    # torch's fake_quantize path has no autograd through rounding; STE grads are dy @ Wq and dy^T Xq:
+    ste_dx = dy @ nvfp4.fake_quantize(layer.weight.detach(), (16, 16))
+    ste_dw = dy.t() @ nvfp4.fake_quantize(x.detach())
+    n = 300
+    dxs, dws = torch.zeros_like(ste_dx), torch.zeros_like(ste_dw)
+    for _ in range(n):
+        x.grad = layer.weight.grad = None
+        layer(x).backward(dy)
+        dxs += x.grad / n
+        dws += layer.weight.grad / n
+    one_dw = layer.weight.grad
+    assert nvfp4.relative_mse(ste_dw, dws) < nvfp4.relative_mse(ste_dw, one_dw) / 30
+    assert nvfp4.relative_mse(ste_dx, dxs) < 2e-4
+    assert nvfp4.relative_mse(ste_dw, dws) < 5e-4
+
+
+def test_linear_under_bf16_autocast_and_bad_token_count():
+    layer = nvfp4.NVFP4Linear(32, 16)
+    x = randn(16, 32, seed=17)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    assert y.dtype == torch.bfloat16
+    x = randn(10, 32, seed=18).requires_grad_()
+    with pytest.raises(ValueError, match="multiple of 16"):
+        layer(x).sum().backward()
+
+
+def test_quantization_mse_grows_linearly_with_hidden_dim():
+    rows = nvfp4.matmul_quant_error((256, 1024, 4096), tokens=64, out_features=64)
+    growth = rows[-1]["mse"] / rows[0]["mse"]
+    assert 12 < growth < 20  # 16x the contraction length -> ~16x the error (App. 7: Theta(N))
+    assert rows[-1]["rel_mse"] < 2 * rows[0]["rel_mse"]
