@@ -1,0 +1,400 @@
+"""
+LoRA-SVD linear layers (paper §3.2, App. 8-9).
+
+A weight W (out, in) is split into a high-precision low-rank principal part and an NVFP4 residual:
+
+    W = W_res + beta * L2 @ L1          L2 (out, r), L1 (r, in), both BF16 compute / fp32 master
+
+The forward (eq. 1) runs the residual through the NVFP4 GEMM and the principal part in BF16:
+
+    Y  = Q1x16(X) Q16x16(W_res)^T + beta * (X L1^T) L2^T
+    dX = Q1x16(dY, SR) Q16x16(W_res) + beta * (dY L2) L1          (W_res's quantization reused from fwd)
+    dW = Q1x16(dY^T H, SR) Q16x1(H^T Q1x16(X), SR)                 (eq. 2, fresh random Hadamard H)
+
+The backward pass stops at dW (stored in weight_res.grad). App. 8 takes the LoRA gradients from that same
+dW instead of from a second large GEMM with the high-precision X, and §3.2 defers the subspace split
+(eqs. 3-4) to the optimizer so that it runs once per optimizer step, after gradient accumulation:
+
+    Q_L2 R_L2 = L2,  Q_L1 R_L1 = L1^T                              (Cholesky-QR, eq. 3)
+    Lambda = Q_L2^T dW Q_L1,  dW_LoRA = Q_L2 Lambda Q_L1^T
+    dW_res = dW - dW_LoRA,  dL1 = beta L2^T dW_LoRA,  dL2 = beta dW_LoRA L1^T     (eq. 4)
+
+`project_all(model)` does that for every LoRA-SVD layer; call it after the last backward of a step and
+before gradient clipping and optimizer.step(). Every few thousand steps `realign_model(model, optimizer)`
+re-derives (W_res, L1, L2) from a randomized SVD of the total weight (subspace drift, §3.2).
+
+NaiveLoRALinear is the ablation baseline (Table 3, "naive LoRA"): an NVFP4 main weight plus an ordinary
+BF16 LoRA branch trained by plain autograd.
+"""
+
+import math
+import warnings
+
+import torch
+import torch.nn as nn
+
+import nvfp4
+
+# -----------------------------------------------------------------------------
+# SVD split: W -> (W_res, L1, L2)
+
+
+def check_shape(rank, in_features, out_features):
+    if in_features % 16 or out_features % 16:
+        raise ValueError(f"in_features ({in_features}) and out_features ({out_features}) must be multiples of 16 "
+                         "(the 16x16 NVFP4 weight blocks)")
+    if not isinstance(rank, int) or rank <= 0 or rank > min(in_features, out_features):
+        raise ValueError(f"LoRA rank must be an int in [1, min(in_features, out_features)] = "
+                         f"[1, {min(in_features, out_features)}], got rank={rank!r}")
+
+
+def split_from_svd(W, U, S, Vh, beta):
+    """Top-r singular triplets (U (out, r), S (r,), Vh (r, in)) of W -> (W_res, L1, L2) in fp32.
+
+    The singular values are split evenly, L2 = U sqrt(S/beta), L1 = sqrt(S/beta) Vh, because
+      - L1 and L2 then have the same norms, so their gradients dL1 = beta L2^T dW_LoRA and
+        dL2 = beta dW_LoRA L1^T have comparable scales and one LoRA learning rate fits both;
+      - cond(L1) = cond(L2) = sqrt(S_1/S_r): the Cholesky-QR of eq. 3 factors the Gram matrix A^T A whose
+        condition number is cond(A)^2 = S_1/S_r, instead of (S_1/S_r)^2 if all of S went to one side.
+    W_res is then W - beta L2 L1 computed in fp32 from the rounded fp32 L1, L2, so that
+    W_res + beta L2 L1 reproduces W up to one fp32 rounding per element (whatever the SVD's accuracy).
+    """
+    root = (S.double() / beta).sqrt()
+    L2 = (U.double() * root).float()  # (out, r)
+    L1 = (root[:, None] * Vh.double()).float()  # (r, in)
+    W_res = W.float() - beta * (L2 @ L1)  # (out, in), fp32
+    return W_res, L1, L2
+
+
+def top_r_svd(W, rank):
+    """Exact top-r SVD (init and Fig. 3), fp32 on W's device. Not the randomized SVD below: a freshly
+    initialized weight has a flat spectrum, where a sketch with a few power iterations captures only ~93-95%
+    of the top-r energy (measured: 1024x1024, r = 64, 4 iterations)."""
+    U, S, Vh = torch.linalg.svd(W.float(), full_matrices=False)
+    return U[:, :rank], S[:rank], Vh[:rank]
+
+
+def randomized_svd(W, rank, oversample=10, power_iters=2, generator=None):
+    """Top-r SVD by Halko, Martinsson & Tropp (2011), Alg. 4.4 + 5.1: a Gaussian sketch with `oversample`
+    extra columns, `power_iters` subspace iterations (re-orthonormalized each time: the spectrum of a trained
+    weight decays slowly, so plain W @ Omega would mix in the tail), then an exact SVD of the small
+    (r + p, in) projection. Cost O(out * in * (r + p) * (2 q + 2)), a few small GEMMs."""
+    out_f, in_f = W.shape
+    A = W.float()
+    k = min(rank + oversample, min(out_f, in_f))
+    omega = torch.randn(in_f, k, generator=generator, device="cpu").to(A.device)  # (in, k)
+    Q, _ = torch.linalg.qr(A @ omega)  # (out, k)
+    for _ in range(power_iters):
+        Z, _ = torch.linalg.qr(A.t() @ Q)  # (in, k)
+        Q, _ = torch.linalg.qr(A @ Z)  # (out, k)
+    B = Q.t() @ A  # (k, in)
+    Ub, S, Vh = torch.linalg.svd(B, full_matrices=False)
+    U = Q @ Ub  # (out, k)
+    return U[:, :rank], S[:rank], Vh[:rank]
+
+
+# -----------------------------------------------------------------------------
+# eqs. 1-2: the LoRA-SVD linear as one autograd function
+
+
+def branch_dtype(x):
+    # "BF16" branch of eq. 1 on the GPU; fp32 on the CPU, where bf16 matmuls are slow and the reference
+    # tests want fp32 tolerance.
+    return torch.bfloat16 if x.is_cuda else torch.float32
+
+
+def use_fused_kernels(x, fused):
+    return fused and x.is_cuda and not nvfp4.use_reference()
+
+
+class LoRASVDFunction(torch.autograd.Function):
+    """eqs. 1-2. Inputs x (T, in), weight_res (out, in), L1 (r, in), L2 (out, r). Returns y (T, out).
+
+    The residual path is NVFP4Linear's (nvfp4._NVFP4LinearFn): same quantizers, the packed Q1x16(X) and
+    Q16x16(W_res) saved for backward, nvfp4.wgrad for eq. 2, and torch's global RNG for SR and the random
+    Hadamard (so a saved RNG state replays a backward). Saved besides: L1, L2; neither X nor X L1^T, since
+    dX needs only dY, W_res, L1, L2 and the LoRA gradients come from dW (App. 8).
+    Gradients returned: dX, dW for weight_res, and zeros for L1 and L2. The zeros keep every parameter
+    "used" for DDP (no find_unused_parameters) and give project_gradients a grad to add into; the true
+    dL1, dL2 are produced by project_gradients (eqs. 3-4) once per optimizer step.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight_res, L1, L2, beta, four_over_six, fused):
+        bdt = branch_dtype(x)
+        qw = nvfp4.quantize(weight_res.detach(), (16, 16), "rtn", four_over_six, name="weight W_res")
+        if use_fused_kernels(x, fused):
+            from kernels import lora_fused
+            # App. 9: one read of X gives Q1x16(X) and X L1^T; the up-projection rides the GEMM's epilogue
+            qx, xl1 = lora_fused.quantize_down_proj(x, L1.to(bdt), "rtn", four_over_six)  # (T, r)
+            y = lora_fused.nvfp4_matmul_up_proj(qx, qw, xl1, L2.to(bdt), beta, out_dtype=x.dtype)
+        else:
+            qx = nvfp4.quantize(x, (1, 16), "rtn", four_over_six, name="activation X")  # Q1x16(X), RTN
+            xl1 = x.to(bdt) @ L1.to(bdt).t()  # (T, r)
+            y = nvfp4.nvfp4_matmul(qx, qw) + beta * (xl1 @ L2.to(bdt).t()).float()  # (T, out)
+            y = y.to(x.dtype)
+        ctx.qx, ctx.qw, ctx.beta, ctx.four_over_six, ctx.fused = qx, qw, beta, four_over_six, fused
+        ctx.save_for_backward(L1, L2)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        L1, L2 = ctx.saved_tensors
+        qx, qw, beta, fos = ctx.qx, ctx.qw, ctx.beta, ctx.four_over_six
+        bdt = branch_dtype(dy)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            # eq. 1's dX, with the forward's Q16x16(W_res) reused (transposed, not requantized).
+            # RNG order: dY's SR draw comes before eq. 2's draws (as in NVFP4Linear).
+            if use_fused_kernels(dy, ctx.fused):
+                from kernels import lora_fused
+                q_dy, dyl2 = lora_fused.quantize_down_proj(dy, L2.t().to(bdt), "sr", fos)  # (T, r)
+                dx = lora_fused.nvfp4_matmul_up_proj(q_dy, qw.t(), dyl2, L1.t().to(bdt), beta, out_dtype=dy.dtype)
+            else:
+                q_dy = nvfp4.quantize(dy, (1, 16), "sr", fos, name="gradient dY")  # Q1x16(dY), SR
+                dyl2 = dy.to(bdt) @ L2.to(bdt)  # (T, r)
+                dx = nvfp4.nvfp4_matmul(q_dy, qw.t()) + beta * (dyl2 @ L1.to(bdt)).float()  # (T, in)
+                dx = dx.to(dy.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = nvfp4.wgrad(dy, qx, fos)  # eq. 2, (out, in) fp32
+        ctx.qx = ctx.qw = None
+        return dx, dw, torch.zeros_like(L1), torch.zeros_like(L2), None, None, None
+
+
+def lora_svd_linear(x, weight_res, L1, L2, beta=1.0, four_over_six=True, fused=True):
+    """Functional LoRASVDLinear (no bias): x (..., in) -> (..., out). Under autocast X is cast to the autocast
+    dtype, as in nvfp4.nvfp4_linear."""
+    if torch.is_autocast_enabled(x.device.type):
+        x = x.to(torch.get_autocast_dtype(x.device.type))
+    y = LoRASVDFunction.apply(x.reshape(-1, x.shape[-1]), weight_res, L1, L2, float(beta), four_over_six, fused)
+    return y.reshape(*x.shape[:-1], weight_res.shape[0])
+
+
+# -----------------------------------------------------------------------------
+# modules
+
+
+class LoRASVDLinear(nn.Module):
+    """A linear layer W = weight_res + beta * L2 @ L1 trained as in §3.2 (see the module docstring).
+
+    Parameters: weight_res (out, in), L1 (rank, in), L2 (out, rank), optional bias; fp32 masters.
+    `beta` is a plain float (a constructor argument, not in the state dict).
+    Init: the dense W (`weight`, else nn.Linear's kaiming-uniform init) split by its exact top-r SVD. That SVD
+    is O(out * in * min(out, in)): seconds per 2048-wide layer on a CPU, so build big models on the GPU.
+    To re-initialize from another dense weight, call `layer.set_weight(W)`.
+    `fused` (default True) uses the App. 9 kernels on CUDA; False runs quantize, GEMM and BF16 branch apart.
+    """
+
+    def __init__(self, in_features, out_features, rank, beta=1.0, bias=False, four_over_six=True, weight=None,
+                 device=None):
+        super().__init__()
+        check_shape(rank, in_features, out_features)
+        self.in_features, self.out_features, self.rank = in_features, out_features, rank
+        self.beta, self.four_over_six, self.fused = float(beta), four_over_six, True
+        if weight is None:
+            weight = torch.empty(out_features, in_features, device=device)
+            nn.init.kaiming_uniform_(weight, a=math.sqrt(5))  # nn.Linear's default
+        device = weight.device
+        self.weight_res = nn.Parameter(torch.empty(out_features, in_features, device=device))
+        self.L1 = nn.Parameter(torch.empty(rank, in_features, device=device))
+        self.L2 = nn.Parameter(torch.empty(out_features, rank, device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
+        self.set_weight(weight)
+
+    @classmethod
+    def from_linear(cls, linear, rank, beta=1.0, four_over_six=True):
+        layer = cls(linear.in_features, linear.out_features, rank, beta=beta, bias=linear.bias is not None,
+                    four_over_six=four_over_six, weight=linear.weight.detach())
+        if linear.bias is not None:
+            with torch.no_grad():
+                layer.bias.copy_(linear.bias.float())
+        return layer
+
+    @torch.no_grad()
+    def set_weight(self, W):
+        """(W_res, L1, L2) from the exact top-r SVD of the dense W (out, in)."""
+        if W.shape != self.weight_res.shape:
+            raise ValueError(f"W has shape {tuple(W.shape)}, expected {tuple(self.weight_res.shape)}")
+        U, S, Vh = top_r_svd(W, self.rank)
+        W_res, L1, L2 = split_from_svd(W, U, S, Vh, self.beta)
+        self.weight_res.copy_(W_res)
+        self.L1.copy_(L1)
+        self.L2.copy_(L2)
+        self._projected = None
+
+    @torch.no_grad()
+    def effective_weight(self):
+        return self.weight_res.float() + self.beta * (self.L2.float() @ self.L1.float())  # (out, in)
+
+    def forward(self, x):
+        y = lora_svd_linear(x, self.weight_res, self.L1, self.L2, self.beta, self.four_over_six, self.fused)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
+                f"beta={self.beta}, bias={self.bias is not None}, four_over_six={self.four_over_six}")
+
+
+class NaiveLoRALinear(nn.Module):
+    """Ablation baseline ("naive LoRA", Table 3): y = NVFP4Linear(x; weight) + (x L1^T) L2^T, the branch in
+    BF16 (fp32 on CPU) with ordinary autograd, so dL1, dL2 use the high-precision X it saves. Standard LoRA
+    init: L1 like nn.Linear (kaiming-uniform, a=sqrt(5)), L2 = 0, so the layer starts equal to its main
+    weight. The main weight is trained too; no SVD, projection or realignment."""
+
+    def __init__(self, in_features, out_features, rank, four_over_six=True, bias=False):
+        super().__init__()
+        check_shape(rank, in_features, out_features)
+        self.in_features, self.out_features, self.rank = in_features, out_features, rank
+        self.four_over_six = four_over_six
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.L1 = nn.Parameter(torch.empty(rank, in_features))
+        self.L2 = nn.Parameter(torch.zeros(out_features, rank))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        nn.init.kaiming_uniform_(self.L1, a=math.sqrt(5))
+
+    @classmethod
+    def from_linear(cls, linear, rank, four_over_six=True):
+        layer = cls(linear.in_features, linear.out_features, rank, four_over_six=four_over_six,
+                    bias=linear.bias is not None).to(linear.weight.device)
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight.float())
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias.float())
+        return layer
+
+    def forward(self, x):
+        y = nvfp4.nvfp4_linear(x, self.weight, four_over_six=self.four_over_six)
+        bdt = branch_dtype(x)
+        y = y + ((x.to(bdt) @ self.L1.to(bdt).t()) @ self.L2.to(bdt).t()).to(y.dtype)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
+                f"bias={self.bias is not None}, four_over_six={self.four_over_six}")
+
+
+# -----------------------------------------------------------------------------
+# eqs. 3-4: subspace projection of the accumulated gradient (run by the optimizer, once per step)
+
+_warned_householder = False
+
+
+def orthonormal_basis(A):
+    """Cholesky-QR (eq. 3, App. 8): R = chol(A^T A)^T, Q = A R^-1 for a tall-thin A (d, r).
+    The r x r Gram matrix and the solve run in fp64 (negligible cost at r << d): Cholesky-QR's loss of
+    orthogonality grows like eps * cond(A)^2, which fp32 reaches for cond(A) ~ 3e3 but fp64 only at ~1e8.
+    Falls back to Householder QR (warning once) if the Gram matrix is not numerically positive definite or Q
+    comes out non-orthonormal."""
+    global _warned_householder
+    A64 = A.detach().double()
+    L, info = torch.linalg.cholesky_ex(A64.t() @ A64)  # A^T A = L L^T, R = L^T
+    if int(info) == 0:
+        Q = torch.linalg.solve_triangular(L.t(), A64, upper=True, left=False)  # (d, r) = A R^-1
+        eye = torch.eye(A.shape[1], dtype=torch.float64, device=A.device)
+        if torch.isfinite(Q).all() and (Q.t() @ Q - eye).abs().max() < 1e-6:
+            return Q.float()
+    if not _warned_householder:
+        warnings.warn("lora_svd: Cholesky-QR failed (L1 or L2 is rank deficient or ill conditioned); "
+                      "using Householder QR for the subspace projection (warned once)")
+        _warned_householder = True
+    Q, _ = torch.linalg.qr(A64)
+    return Q.float()
+
+
+@torch.no_grad()
+def project_gradients(layer):
+    """eqs. 3-4 on one LoRASVDLinear, in place, after all backward passes of a step (and after DDP's
+    all-reduce: the projection is linear in dW, so projecting the averaged dW is the same as averaging the
+    projections). Reads weight_res.grad = dW, writes
+        weight_res.grad = dW - dW_LoRA,  L1.grad += beta L2^T dW_LoRA,  L2.grad += beta dW_LoRA L1^T.
+    Idempotent: a second call on the same gradient is skipped (and would find Lambda ~ 0 anyway), so both
+    train.py (before gradient clipping) and the optimizer may call it."""
+    g = layer.weight_res.grad
+    if g is None or getattr(layer, "_projected", None) == (g.data_ptr(), g._version):
+        return
+    Q2 = orthonormal_basis(layer.L2)  # (out, r)
+    Q1 = orthonormal_basis(layer.L1.t())  # (in, r)
+    dW = g.float()
+    lam = (Q2.t() @ dW) @ Q1  # (r, r) Lambda
+    dW_lora = (Q2 @ lam) @ Q1.t()  # (out, in)
+    for p in (layer.L1, layer.L2):
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    layer.L1.grad.add_((layer.beta * (layer.L2.float().t() @ dW_lora)).to(layer.L1.grad.dtype))
+    layer.L2.grad.add_((layer.beta * (dW_lora @ layer.L1.float().t())).to(layer.L2.grad.dtype))
+    g.sub_(dW_lora.to(g.dtype))
+    layer._projected = (g.data_ptr(), g._version)
+
+
+def lora_svd_layers(model):
+    return [m for m in model.modules() if isinstance(m, LoRASVDLinear)]
+
+
+def project_all(model):
+    """project_gradients on every LoRASVDLinear of `model` (call once per optimizer step)."""
+    for layer in lora_svd_layers(model):
+        project_gradients(layer)
+
+
+# -----------------------------------------------------------------------------
+# periodic realignment (§3.2): randomized SVD of the total weight
+
+
+@torch.no_grad()
+def realign(layer, oversample=10, power_iters=2, generator=None):
+    """Re-split the total weight W = W_res + beta L2 L1 along its current top-r singular directions.
+    The effective weight is preserved up to fp32 rounding (only its NVFP4 quantization in the forward
+    changes, since a different part of W now goes through the residual)."""
+    W = layer.effective_weight()  # (out, in) fp32
+    U, S, Vh = randomized_svd(W, layer.rank, oversample, power_iters, generator)
+    W_res, L1, L2 = split_from_svd(W, U, S, Vh, layer.beta)
+    layer.weight_res.copy_(W_res)
+    layer.L1.copy_(L1)
+    layer.L2.copy_(L2)
+    layer._projected = None
+
+
+@torch.no_grad()
+def realign_model(model, optimizer=None, oversample=10, power_iters=2, generator=None):
+    """realign() every LoRASVDLinear and reset the optimizer state of weight_res, L1 and L2.
+
+    Why reset rather than carry the state over: the new L1, L2 live in a new basis, so their old moments
+    point in meaningless directions, and Adam's elementwise second moment cannot be rotated into a new basis;
+    weight_res's old momentum contains components inside the new principal subspace, which eqs. 3-4 are meant
+    to keep out of the residual. Zeroed moments re-warm within ~1/(1 - beta2) steps, a small cost every 4k
+    steps. Works with the optimizers of optim.py (their `reset_state(param)`) and with plain torch.optim
+    ones (deleting optimizer.state[p] makes them re-initialize the state, Adam's step counter included)."""
+    layers = lora_svd_layers(model)
+    for layer in layers:
+        realign(layer, oversample, power_iters, generator)
+        if optimizer is None:
+            continue
+        for p in (layer.weight_res, layer.L1, layer.L2):
+            if hasattr(optimizer, "reset_state"):
+                optimizer.reset_state(p)
+            else:
+                optimizer.state.pop(p, None)
+    return len(layers)
+
+
+# -----------------------------------------------------------------------------
+# Fig. 3: output error of LoRA-SVD vs direct NVFP4
+
+
+@torch.no_grad()
+def lora_svd_error(W, X, rank, beta=1.0, four_over_six=True):
+    """Relative MSE (MSE(y - y_hat) / mean(y^2), §3.2) of a layer's forward output against the exact
+    y = X W^T, for direct NVFP4 (Q(X) Q(W)^T) and for LoRA-SVD (Q(X) Q(W_res)^T + beta (X L1^T) L2^T),
+    both RTN with 4/6. The branch runs in fp32 here, so this isolates the quantization error."""
+    W, X = W.float(), X.float()
+    y = X @ W.t()  # (T, out)
+    qx = nvfp4.quantize(X, block=(1, 16), rounding="rtn", four_over_six=four_over_six)
+    q = lambda w: nvfp4.quantize(w, block=(16, 16), rounding="rtn", four_over_six=four_over_six)
+    y_direct = nvfp4.nvfp4_matmul(qx, q(W))
+    U, S, Vh = top_r_svd(W, rank)
+    W_res, L1, L2 = split_from_svd(W, U, S, Vh, beta)
+    y_lora = nvfp4.nvfp4_matmul(qx, q(W_res)) + beta * ((X @ L1.t()) @ L2.t())
+    rel = lambda yh: ((y - yh).pow(2).mean() / y.pow(2).mean()).item()
+    e_direct, e_lora = rel(y_direct), rel(y_lora)
+    return {"nvfp4": e_direct, "lora_svd": e_lora, "reduction": 1.0 - e_lora / e_direct}
