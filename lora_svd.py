@@ -29,6 +29,7 @@ BF16 LoRA branch trained by plain autograd.
 
 import math
 import warnings
+import weakref
 
 import torch
 import torch.nn as nn
@@ -74,7 +75,7 @@ def top_r_svd(W, rank):
     return U[:, :rank], S[:rank], Vh[:rank]
 
 
-def randomized_svd(W, rank, oversample=10, power_iters=2, generator=None):
+def randomized_svd(W, rank, oversample=10, power_iters=4, generator=None):
     """Top-r SVD by Halko, Martinsson & Tropp (2011), Alg. 4.4 + 5.1: a Gaussian sketch with `oversample`
     extra columns, `power_iters` subspace iterations (re-orthonormalized each time: the spectrum of a trained
     weight decays slowly, so plain W @ Omega would mix in the tail), then an exact SVD of the small
@@ -211,11 +212,12 @@ class LoRASVDLinear(nn.Module):
         return layer
 
     @torch.no_grad()
-    def set_weight(self, W):
-        """(W_res, L1, L2) from the exact top-r SVD of the dense W (out, in)."""
+    def set_weight(self, W, svd=None):
+        """(W_res, L1, L2) from the dense W (out, in) and its top-r singular triplets `svd` = (U, S, Vh)
+        (default: the exact SVD)."""
         if W.shape != self.weight_res.shape:
             raise ValueError(f"W has shape {tuple(W.shape)}, expected {tuple(self.weight_res.shape)}")
-        U, S, Vh = top_r_svd(W, self.rank)
+        U, S, Vh = top_r_svd(W, self.rank) if svd is None else svd
         W_res, L1, L2 = split_from_svd(W, U, S, Vh, self.beta)
         self.weight_res.copy_(W_res)
         self.L1.copy_(L1)
@@ -311,7 +313,8 @@ def project_gradients(layer):
     Idempotent: a second call on the same gradient is skipped (and would find Lambda ~ 0 anyway), so both
     train.py (before gradient clipping) and the optimizer may call it."""
     g = layer.weight_res.grad
-    if g is None or getattr(layer, "_projected", None) == (g.data_ptr(), g._version):
+    done = getattr(layer, "_projected", None)  # (weakref to the grad tensor, its version) after the last call
+    if g is None or (done is not None and done[0]() is g and done[1] == g._version):
         return
     Q2 = orthonormal_basis(layer.L2)  # (out, r)
     Q1 = orthonormal_basis(layer.L1.t())  # (in, r)
@@ -324,7 +327,7 @@ def project_gradients(layer):
     layer.L1.grad.add_((layer.beta * (layer.L2.float().t() @ dW_lora)).to(layer.L1.grad.dtype))
     layer.L2.grad.add_((layer.beta * (dW_lora @ layer.L1.float().t())).to(layer.L2.grad.dtype))
     g.sub_(dW_lora.to(g.dtype))
-    layer._projected = (g.data_ptr(), g._version)
+    layer._projected = (weakref.ref(g), g._version)
 
 
 def lora_svd_layers(model):
@@ -342,21 +345,16 @@ def project_all(model):
 
 
 @torch.no_grad()
-def realign(layer, oversample=10, power_iters=2, generator=None):
+def realign(layer, oversample=10, power_iters=4, generator=None):
     """Re-split the total weight W = W_res + beta L2 L1 along its current top-r singular directions.
     The effective weight is preserved up to fp32 rounding (only its NVFP4 quantization in the forward
     changes, since a different part of W now goes through the residual)."""
     W = layer.effective_weight()  # (out, in) fp32
-    U, S, Vh = randomized_svd(W, layer.rank, oversample, power_iters, generator)
-    W_res, L1, L2 = split_from_svd(W, U, S, Vh, layer.beta)
-    layer.weight_res.copy_(W_res)
-    layer.L1.copy_(L1)
-    layer.L2.copy_(L2)
-    layer._projected = None
+    layer.set_weight(W, randomized_svd(W, layer.rank, oversample, power_iters, generator))
 
 
 @torch.no_grad()
-def realign_model(model, optimizer=None, oversample=10, power_iters=2, generator=None):
+def realign_model(model, optimizer=None, oversample=10, power_iters=4, generator=None):
     """realign() every LoRASVDLinear and reset the optimizer state of weight_res, L1 and L2.
 
     Why reset rather than carry the state over: the new L1, L2 live in a new basis, so their old moments
