@@ -1,0 +1,363 @@
+"""
+Triton NVFP4 quantization (paper §2; DESIGN.md "NVFP4 conventions"): one pass that reads bf16/fp32 and
+writes packed E2M1 codes + E4M3 block scales, for 1x16, 16x1 and 16x16 blocks, RTN or SR, optional 4/6,
+optional fused 16-point (random) Hadamard rotation. Plus `quantize_dequant` (writes q * s_b in bf16, exactly
+on the grid, for the cuBLAS GEMM route) and `grid_values_bf16` (packed -> q * s_b in bf16).
+
+It reproduces the reference `nvfp4._quantize_reference` (the spec) bit for bit:
+  s_g = amax / (448 * 6)                     correctly rounded fp32 division (torch on CPU; see the note below)
+  s_b = e4m3(min(amax_b / 6 / s_g, 448))     two correctly rounded divisions (tl.div_rn), then RNE to E4M3 with
+                                             explicit arithmetic (the interpreter's fp32->fp8 cast is wrong on ties)
+  a   = min(|x| / (s_b * s_g), 6)            the product rounded to fp32 first, then tl.div_rn
+  q   = RTN ties-to-even on the E2M1 grid, or SR: up with probability (a - lo) / (hi - lo)
+  sign = x < 0                               (-0.0 gets a + code, as in the reference)
+Where it can differ from the reference:
+  * SR draws its uniforms from tl.rand(seed, element index) instead of torch's generator: same distribution,
+    not the same numbers. Tests pass the reference's uniforms through `noise=` to check the arithmetic bit for
+    bit, and check the tl.rand path statistically.
+  * 4/6 sums 16 (or 256) squared errors per block in a different order than torch: an exact tie still goes to
+    6, but two errors within an ulp of each other can pick differently (never seen in the tests).
+  * With `hadamard`, x·H is a 16-term dot product; its fp32 rounding depends on summation order (torch's
+    matmul vs tl.dot), so it is bit-exact only where the rotation is exact (tests use such inputs) and
+    otherwise equal up to an ulp of the rotated value.
+Note: torch on CUDA divides by a Python scalar as a multiply by the fp32 reciprocal, so the reference run on a
+CUDA tensor can differ from the reference on CPU in the last bit of `amax_b / 6`; this kernel follows the
+CPU reference (true division) everywhere, and the GPU tests compare against the reference on CPU.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCKS = ((1, 16), (16, 1), (16, 16))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Device helpers
+
+@triton.jit
+def _round_to_e4m3(s):
+    """fp32 s in [0, 448] -> (the nearest E4M3 value, ties to even, as fp32; its uint8 bit pattern).
+    Rounds to a multiple of the E4M3 quantum at s's binade (2^(e-3), but at least 2^-9 for subnormals) with the
+    2^23 magic-number trick, which is exact RNE for 0 <= t < 2^22."""
+    bits = s.to(tl.int32, bitcast=True)
+    e = tl.maximum((bits >> 23) & 0xFF, 127 - 6)                       # biased fp32 exponent, floored at 2^-6
+    quantum = ((e - 3) << 23).to(tl.float32, bitcast=True)             # 2^(e-127-3)
+    t = s * ((254 - (e - 3)) << 23).to(tl.float32, bitcast=True)       # s / quantum, exact (a power of two)
+    t = (t + 8388608.0) - 8388608.0                                    # RNE to an integer (0..16)
+    v = t * quantum
+    # E4M3 bit pattern of v: normal (exp >= 1): (biased exp << 3) | top 3 mantissa bits; subnormal: v / 2^-9
+    vbits = v.to(tl.int32, bitcast=True)
+    ve = (vbits >> 23) & 0xFF
+    normal = ((ve - 120) << 3) | ((vbits >> 20) & 7)
+    sub = (v * 512.0).to(tl.int32)
+    code = tl.where(ve >= 127 - 6, normal, sub)
+    return v, code.to(tl.uint8)
+
+
+@triton.jit
+def _rtn_e2m1(a):
+    """Index 0..7 of the nearest E2M1 magnitude for a in [0, 6], ties to the even index (nvfp4.rtn_e2m1)."""
+    idx = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) \
+        + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32)
+    return idx
+
+
+@triton.jit
+def _e2m1_value(idx):
+    """E2M1 magnitude of index 0..7: 0, .5, 1, 1.5, 2, 3, 4, 6."""
+    e = idx >> 1
+    m = (idx & 1).to(tl.float32)
+    normal = (1.0 + 0.5 * m) * (1 << tl.maximum(e - 1, 0)).to(tl.float32)
+    return tl.where(e == 0, 0.5 * m, normal)
+
+
+@triton.jit
+def _sr_e2m1(a, rand):
+    """Stochastic rounding of a in [0, 6] (nvfp4.sr_e2m1): lo = the grid value at or below a, up to the next
+    one with probability (a - lo) / gap. gap is a power of two, so the fraction is exact."""
+    lo = (a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32) \
+        + (a >= 2.0).to(tl.int32) + (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32) + (a >= 6.0).to(tl.int32)
+    inv_gap = tl.where(lo < 4, 2.0, tl.where(lo < 6, 1.0, tl.where(lo < 7, 0.5, 0.0)))  # 1 / (hi - lo), 0 at 6
+    frac = (a - _e2m1_value(lo)) * inv_gap                             # exact (Sterbenz; power-of-two gap)
+    return lo + (rand < frac).to(tl.int32)
+
+
+@triton.jit
+def _load_tile(x_ptr, h_ptr, pid_b, m0, n0, M, N, stride_xb, stride_xm, stride_xn,
+               BM: tl.constexpr, BN: tl.constexpr, HAD_DIM: tl.constexpr, X_IS_FP32: tl.constexpr):
+    """(BM, BN) fp32 tile of x (zeros outside), optionally rotated: HAD_DIM 1 = x·H on groups of 16 along the
+    columns, 2 = H^T·x on groups of 16 along the rows (the reference's hadamard_transform with dim=-1 / -2)."""
+    offs_m = m0 + tl.arange(0, BM)
+    offs_n = n0 + tl.arange(0, BN)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    ptrs = x_ptr + pid_b.to(tl.int64) * stride_xb + offs_m[:, None].to(tl.int64) * stride_xm \
+        + offs_n[None, :].to(tl.int64) * stride_xn
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if HAD_DIM != 0:
+        h = tl.load(h_ptr + tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :])  # (16, 16) fp32
+        if HAD_DIM == 2:
+            x = tl.trans(x)                                                               # (BN, BM)
+        groups = x.reshape(BM * BN // 16, 16)
+        if X_IS_FP32:
+            y = tl.dot(groups.to(tl.float32), h, input_precision="ieee")
+        else:
+            # bf16 x and H = +-1/4 are exact in bf16: exact products, fp32 accumulation on the tensor cores
+            y = tl.dot(groups, h.to(groups.dtype), out_dtype=tl.float32)
+        if HAD_DIM == 2:
+            x = tl.trans(y.reshape(BN, BM))
+        else:
+            x = y.reshape(BM, BN)
+    return x.to(tl.float32), offs_m, offs_n, mask
+
+
+@triton.jit
+def _amax_kernel(x_ptr, h_ptr, part_ptr, M, N, stride_xb, stride_xm, stride_xn,
+                 BM: tl.constexpr, BN: tl.constexpr, HAD_DIM: tl.constexpr, X_IS_FP32: tl.constexpr):
+    """Per-program max |x| (of the rotated x if HAD_DIM): the global amax is the max of these partials.
+    Same tiles and the same rotation code as the quantize pass, so both see bit-identical rotated values."""
+    pid_n, pid_m, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    x, _, _, _ = _load_tile(x_ptr, h_ptr, pid_b, pid_m * BM, pid_n * BN, M, N, stride_xb, stride_xm, stride_xn,
+                            BM, BN, HAD_DIM, X_IS_FP32)
+    pid = (pid_b * tl.num_programs(1) + pid_m) * tl.num_programs(0) + pid_n
+    tl.store(part_ptr + pid, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, codes_ptr, scales_ptr, values_ptr,
+                     M, N, stride_xb, stride_xm, stride_xn, seed,
+                     BM: tl.constexpr, BN: tl.constexpr, SBM: tl.constexpr, SBN: tl.constexpr,
+                     FP8_BOUND: tl.constexpr, FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr,
+                     USE_NOISE: tl.constexpr, HAD_DIM: tl.constexpr, X_IS_FP32: tl.constexpr,
+                     WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr):
+    """One (BM, BN) tile: block amax -> E4M3 block scale -> E2M1 codes (packed 2/byte, even element low) and/or
+    bf16 values q * s_b. Blocks are (SBM, SBN) = (1, 16), (16, 1) or (16, 16)."""
+    pid_n, pid_m, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    m0, n0 = pid_m * BM, pid_n * BN
+    x, offs_m, offs_n, mask = _load_tile(x_ptr, h_ptr, pid_b, m0, n0, M, N, stride_xb, stride_xm, stride_xn,
+                                         BM, BN, HAD_DIM, X_IS_FP32)
+    # global scale s_g = amax / (bound * 6), 1 when amax == 0 (nvfp4.global_scale)
+    amax = tl.load(amax_ptr)
+    s_g = tl.where(amax > 0, tl.div_rn(amax, FP8_BOUND * 6.0), 1.0)
+
+    ax = tl.abs(x)
+    xb = ax.reshape(BM // SBM, SBM, BN // SBN, SBN)                    # (bm-groups, bm, bn-groups, bn)
+    block_amax = tl.max(tl.max(xb, axis=3), axis=1)                    # (BM // SBM, BN // SBN)
+
+    # candidate "max -> 6": s_b = e4m3(min(amax_b / 6 / s_g, 448)); a = min(|x| / (s_b * s_g), 6)
+    s6, bits6 = _round_to_e4m3(tl.minimum(tl.div_rn(tl.div_rn(block_amax, 6.0), s_g), 448.0))
+    den6 = (s6 * s_g)[:, None, :, None]
+    a6 = tl.minimum(tl.where(den6 > 0, tl.div_rn(xb, tl.where(den6 > 0, den6, 1.0)), 0.0), 6.0)
+    a = a6
+    s_b = s6
+    bits = bits6
+    if FOUR_OVER_SIX:
+        # 4/6 (paper §2, DESIGN.md): also try "max -> 4" (its own E4M3 rounding of amax_b / 4 / s_g) and keep
+        # the candidate whose RTN reconstruction has the lower squared error, ties to 6.
+        s4, bits4 = _round_to_e4m3(tl.minimum(tl.div_rn(tl.div_rn(block_amax, 4.0), s_g), 448.0))
+        den4 = (s4 * s_g)[:, None, :, None]
+        a4 = tl.minimum(tl.where(den4 > 0, tl.div_rn(xb, tl.where(den4 > 0, den4, 1.0)), 0.0), 6.0)
+        d6 = _e2m1_value(_rtn_e2m1(a6)) * den6 - xb
+        d4 = _e2m1_value(_rtn_e2m1(a4)) * den4 - xb
+        err6 = tl.sum(tl.sum(d6 * d6, axis=3), axis=1)
+        err4 = tl.sum(tl.sum(d4 * d4, axis=3), axis=1)
+        use4 = err4 < err6
+        s_b = tl.where(use4, s4, s6)
+        bits = tl.where(use4, bits4, bits6)
+        a = tl.where(use4[:, None, :, None], a4, a6)
+
+    if SR:
+        if USE_NOISE:  # the reference's uniforms (tests): noise has x's logical shape, contiguous
+            nptrs = noise_ptr + (pid_b.to(tl.int64) * M + offs_m[:, None]) * N + offs_n[None, :]
+            rand = tl.load(nptrs, mask=mask, other=0.0)
+        else:
+            # counter-based Philox: element index as the offset, so the draw does not depend on the tiling
+            rand = tl.rand(seed, ((pid_b * M + offs_m[:, None]) * N + offs_n[None, :]).to(tl.uint32))
+        idx = _sr_e2m1(a, rand.reshape(BM // SBM, SBM, BN // SBN, SBN))
+    else:
+        idx = _rtn_e2m1(a)
+    idx = idx.reshape(BM, BN)
+
+    if WRITE_CODES:
+        code = (idx | ((x < 0).to(tl.int32) << 3)).to(tl.uint8)
+        lo, hi = tl.split(code.reshape(BM, BN // 2, 2))                # even / odd elements along the row
+        packed = lo | (hi << 4)
+        offs_c = n0 // 2 + tl.arange(0, BN // 2)
+        cptrs = codes_ptr + (pid_b.to(tl.int64) * M + offs_m[:, None]) * (N // 2) + offs_c[None, :]
+        tl.store(cptrs, packed, mask=(offs_m[:, None] < M) & (offs_c[None, :] < N // 2))
+        offs_sm = m0 // SBM + tl.arange(0, BM // SBM)
+        offs_sn = n0 // SBN + tl.arange(0, BN // SBN)
+        sptrs = scales_ptr + (pid_b.to(tl.int64) * (M // SBM) + offs_sm[:, None]) * (N // SBN) + offs_sn[None, :]
+        tl.store(sptrs, bits, mask=(offs_sm[:, None] < M // SBM) & (offs_sn[None, :] < N // SBN))
+    if WRITE_VALUES:
+        # q * s_b: at most 6 significant bits and within bf16's range, so the bf16 store is exact
+        q = _e2m1_value(idx).reshape(BM // SBM, SBM, BN // SBN, SBN) * s_b[:, None, :, None]
+        q = tl.where(x < 0, -q.reshape(BM, BN), q.reshape(BM, BN))
+        vptrs = values_ptr + (pid_b.to(tl.int64) * M + offs_m[:, None]) * N + offs_n[None, :]
+        tl.store(vptrs, q.to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def _grid_values_kernel(codes_ptr, scales_ptr, out_ptr, M, N,
+                        BM: tl.constexpr, BN: tl.constexpr, SBM: tl.constexpr, SBN: tl.constexpr):
+    """Packed NVFP4 -> q * s_b in bf16 (exact), same (row-major) layout: the cuBLAS route's operand."""
+    pid_n, pid_m, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_c = pid_n * (BN // 2) + tl.arange(0, BN // 2)
+    cmask = (offs_m[:, None] < M) & (offs_c[None, :] < N // 2)
+    c = tl.load(codes_ptr + (pid_b.to(tl.int64) * M + offs_m[:, None]) * (N // 2) + offs_c[None, :], mask=cmask, other=0)
+    code = tl.join(c & 0xF, c >> 4).reshape(BM, BN).to(tl.int32)
+    # E2M1 -> E4M3 bit trick: sign to bit 7, (exp, mantissa) to bits 4..2 gives exactly q * 2^-6 (E2M1's
+    # subnormal 0.5 lands on E4M3's subnormal 2^-7); fp8 -> fp32 is exact.
+    q = (((code & 7) << 2) | ((code & 8) << 4)).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_s = (offs_m[:, None] // SBM) * (N // SBN) + offs_n[None, :] // SBN
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    s = tl.load(scales_ptr + pid_b.to(tl.int64) * (M // SBM) * (N // SBN) + offs_s, mask=mask, other=0.0)
+    v = q * (s.to(tl.float32) * 64.0)
+    tl.store(out_ptr + (pid_b.to(tl.int64) * M + offs_m[:, None]) * N + offs_n[None, :], v.to(tl.bfloat16), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Host side
+
+def _tiles(block, x):
+    """Tile shape: 16 rows keeps every block shape whole; 256 columns = 512 contiguous bytes of bf16 per row.
+    For inputs that are contiguous along rows instead (a transposed view such as dY.t()), 64 x 64 tiles keep
+    the column reads at 128 bytes."""
+    if x.stride(-1) != 1 and x.stride(-2) == 1:
+        return 64, 64, 4
+    return 16, 256, 4
+
+
+def _prepare(x, block, rounding, hadamard, name):
+    block = tuple(block)
+    if block not in BLOCKS:
+        raise ValueError(f"{name}: block must be one of {BLOCKS}, got {block}")
+    if rounding not in ("rtn", "sr"):
+        raise ValueError(f"{name}: rounding must be 'rtn' or 'sr', got {rounding!r}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{name}: expected an fp32/bf16/fp16 tensor, got {x.dtype}")
+    if x.dim() < 2:
+        raise ValueError(f"{name}: NVFP4 blocks apply to the last two dims; got shape {tuple(x.shape)}")
+    M, N = x.shape[-2:]
+    bm, bn = block
+    if M % bm or N % bn or N % 2:
+        raise ValueError(f"{name}: shape {tuple(x.shape)} does not fit NVFP4 block {block}: the last two dims "
+                         f"must be multiples of ({bm}, {max(bn, 2)})")
+    had_dim = 0
+    if hadamard is not None:
+        if block == (16, 16):
+            raise ValueError(f"{name}: a Hadamard rotation needs a 1-D block, (1, 16) or (16, 1)")
+        if tuple(hadamard.shape) != (16, 16):
+            raise ValueError(f"{name}: hadamard must be a (16, 16) matrix, got {tuple(hadamard.shape)}")
+        hadamard = hadamard.to(device=x.device, dtype=torch.float32).contiguous()
+        had_dim = 1 if block == (1, 16) else 2
+    if not torch.isfinite(x).all():
+        raise ValueError(f"{name}: non-finite values (NaN/Inf) in tensor of shape {tuple(x.shape)}")
+    if x.dtype == torch.float16:
+        x = x.float()
+    x3 = x.reshape(-1, M, N)  # a view when the leading dims allow (keeps dY.t()'s strides), else a copy
+    return x3, block, had_dim, hadamard
+
+
+def _dot_in_fp32(x):
+    # the interpreter's bf16 tl.dot is wrong (Triton 3.6): rotate in fp32 there, same exact products
+    return x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _global_amax(x3, hadamard, had_dim, tiles):
+    """max |x| (of x·H when rotating): one read of x, per-program partial maxima, then a tiny torch max."""
+    B, M, N = x3.shape
+    if had_dim == 0:  # max |x| without an |x| temporary
+        return torch.linalg.vector_norm(x3, ord=float("inf")).float()
+    BM, BN, warps = tiles
+    grid = (triton.cdiv(N, BN), triton.cdiv(M, BM), B)
+    partial = torch.empty(grid[0] * grid[1] * grid[2], device=x3.device, dtype=torch.float32)
+    _amax_kernel[grid](x3, hadamard if hadamard is not None else x3, partial, M, N,
+                       x3.stride(0), x3.stride(1), x3.stride(2), BM=BM, BN=BN, HAD_DIM=had_dim,
+                       X_IS_FP32=_dot_in_fp32(x3), num_warps=warps)
+    return partial.amax()
+
+
+def _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, noise, write_codes, write_values, name):
+    import nvfp4  # the NVFP4Tensor container lives with the reference
+    shape = x.shape
+    x3, block, had_dim, hadamard = _prepare(x, block, rounding, hadamard, name)
+    B, M, N = x3.shape
+    tiles = _tiles(block, x3)
+    BM, BN, warps = tiles
+    if global_amax is None:
+        global_amax = _global_amax(x3, hadamard, had_dim, tiles)
+    amax = torch.as_tensor(global_amax, dtype=torch.float32, device=x.device).reshape(1)
+    if noise is not None:
+        if tuple(noise.shape) != tuple(shape):
+            raise ValueError(f"{name}: noise must have x's shape {tuple(shape)}, got {tuple(noise.shape)}")
+        noise = noise.to(device=x.device, dtype=torch.float32).contiguous()
+    bm, bn = block
+    codes = torch.empty((B, M, N // 2), device=x.device, dtype=torch.uint8) if write_codes else None
+    scales = torch.empty((B, M // bm, N // bn), device=x.device, dtype=torch.uint8) if write_codes else None
+    values = torch.empty((B, M, N), device=x.device, dtype=torch.bfloat16) if write_values else None
+    grid = (triton.cdiv(N, BN), triton.cdiv(M, BM), B)
+    dummy = amax
+    _quantize_kernel[grid](
+        x3, hadamard if hadamard is not None else dummy, noise if noise is not None else dummy, amax,
+        codes if codes is not None else dummy, scales if scales is not None else dummy,
+        values if values is not None else dummy,
+        M, N, x3.stride(0), x3.stride(1), x3.stride(2), int(seed),
+        BM=BM, BN=BN, SBM=bm, SBN=bn, FP8_BOUND=256.0 if four_over_six else 448.0,
+        FOUR_OVER_SIX=bool(four_over_six), SR=rounding == "sr", USE_NOISE=noise is not None, HAD_DIM=had_dim,
+        X_IS_FP32=_dot_in_fp32(x3), WRITE_CODES=write_codes, WRITE_VALUES=write_values,
+        num_warps=warps, enable_fp_fusion=False)  # no FMA contraction: every rounding as in the reference
+    s_g = nvfp4.global_scale(amax.reshape(()), four_over_six) if x.device.type == "cpu" else _global_scale_dev(amax, four_over_six)
+    t = None
+    if write_codes:
+        lead = shape[:-2]
+        t = nvfp4.NVFP4Tensor(codes.reshape(*lead, M, N // 2), scales.view(torch.float8_e4m3fn).reshape(*lead, M // bm, N // bn),
+                              s_g, shape, block)
+    if write_values:
+        values = values.reshape(shape)
+    return t, values, s_g
+
+
+def _global_scale_dev(amax, four_over_six):
+    """nvfp4.global_scale with a true division on any device (torch on CUDA would multiply by 1/2688)."""
+    amax = amax.reshape(())
+    s = amax / torch.full_like(amax, (256.0 if four_over_six else 448.0) * 6.0)
+    return torch.where(amax > 0, s, torch.ones_like(s))
+
+
+def quantize(x, block=(1, 16), rounding="rtn", four_over_six=False, seed=0, hadamard=None, global_amax=None,
+             noise=None, name="x"):
+    """Fused NVFP4 quantization -> nvfp4.NVFP4Tensor (codes uint8 (*, M, N/2), scales float8_e4m3fn
+    (*, M/bm, N/bn), global_scale fp32 0-d). block (1, 16) | (16, 1) | (16, 16) on the last two dims.
+    rounding "rtn" | "sr" (tl.rand(seed, element index), or the uniforms in `noise`, x's shape, for tests).
+    hadamard: (16, 16) matrix applied first along the block's 16-long dim (x·H for 1x16, H^T·x for 16x1).
+    global_amax: max |x| (of x·H with hadamard) if the caller already has it; else one extra read pass."""
+    t, _, _ = _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, noise, True, False, name)
+    return t
+
+
+def quantize_dequant(x, block=(1, 16), rounding="rtn", four_over_six=False, seed=0, hadamard=None,
+                     global_amax=None, noise=None, return_tensor=False, name="x"):
+    """Same quantization, but writes the bf16 values q * s_b (exactly on the NVFP4 grid, without the global
+    scale) for a bf16 GEMM: returns (values_bf16, global_scale), plus the packed NVFP4Tensor from the same pass
+    when return_tensor=True (the forward keeps the packed X for the backward and multiplies the bf16 values)."""
+    t, values, s_g = _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, noise,
+                          return_tensor, True, name)
+    return (values, s_g, t) if return_tensor else (values, s_g)
+
+
+def grid_values_bf16(t):
+    """Packed NVFP4Tensor -> its q * s_b as bf16 (exact), in the stored layout (*, M, N)."""
+    M, N = t.shape[-2:]
+    bm, bn = t.block
+    codes = t.codes.reshape(-1, M, N // 2).contiguous()
+    scales = t.scales.reshape(-1, M // bm, N // bn).contiguous()
+    out = torch.empty((codes.shape[0], M, N), device=codes.device, dtype=torch.bfloat16)
+    BM, BN = 32, 128
+    grid = (triton.cdiv(N, BN), triton.cdiv(M, BM), codes.shape[0])
+    _grid_values_kernel[grid](codes, scales, out, M, N, BM=BM, BN=BN, SBM=bm, SBN=bn, num_warps=4)
+    return out.reshape(t.shape)
