@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# The toy-scale ablation of issue 7 (paper Table 3 rows at App. 13's toy scale): every recipe x optimizer,
+# one `python train.py --config toy ...` run each, queued over the GPUs of this host (one job per GPU at a time,
+# CUDA_VISIBLE_DEVICES=<gpu>), then report.py writes the table and the loss-curve plot.
+#
+#   bash scripts/ablation.sh                      # all 14 runs on every visible GPU, then runs/README_results.md
+#   DRY_RUN=1 bash scripts/ablation.sh            # print the commands only
+#   STEPS=700 BATCH=32 SEQ=1024 JOB_TIMEOUT=900 bash scripts/ablation.sh    # App. 13's length (a bigger budget)
+#   RECIPES="bf16 fullstack" OPTIMIZERS=root bash scripts/ablation.sh       # a subset
+#
+# Budget: the defaults (200 steps of 16 x 512 tokens = 1.6M tokens per run, each capped at JOB_TIMEOUT seconds)
+# are sized so that the 14 runs fit ~10 minutes on 2 H200s. A run killed by the cap keeps its metrics.jsonl
+# (report.py marks it "timeout"). Finished runs (summary.json present) are skipped unless FORCE=1.
+# tokens/s is only comparable across runs with one job per GPU (the default); JOBS_PER_GPU=2 trades that
+# for throughput on these small models.
+# Run directories are $RUNS/<config>_<recipe>_<optimizer>; each gets cmd.txt (the exact command), train.log, exit_code, metrics.jsonl, summary.json, ckpt.pt.
+# With $OUT set (the device tool's folder) the table, the plot and every run's small files are copied there.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+RUNS=${RUNS:-runs}
+CONFIG=${CONFIG:-toy}  # tiny: a CPU smoke run of the queue (tests/test_figures.py)
+STEPS=${STEPS:-200}
+BATCH=${BATCH:-16}
+SEQ=${SEQ:-512}
+WARMUP=${WARMUP:-20}
+LR=${LR:-1e-3}
+EVAL_EVERY=${EVAL_EVERY:-50}
+EVAL_ITERS=${EVAL_ITERS:-10}
+LOG_EVERY=${LOG_EVERY:-5}
+SEED=${SEED:-0}
+JOB_TIMEOUT=${JOB_TIMEOUT:-150}
+JOBS_PER_GPU=${JOBS_PER_GPU:-1}
+EXTRA=${EXTRA:-}  # more train.py flags for every run, e.g. EXTRA="--compile"
+RECIPES=${RECIPES:-"bf16 nvfp4 nvfp4_46 lora_naive lora_svd fullstack naive_fp4"}
+OPTIMIZERS=${OPTIMIZERS:-"adamw root"}
+DRY_RUN=${DRY_RUN:-0}
+FORCE=${FORCE:-0}
+if [ -z "${GPUS:-}" ]; then  # GPU ids, e.g. GPUS="0 1"; default: every GPU nvidia-smi lists (none: one CPU "slot")
+  n=$(nvidia-smi -L 2>/dev/null | wc -l)
+  GPUS=$(seq -s " " 0 $((n > 0 ? n - 1 : 0)))
+fi
+
+# The queue: the bf16 baselines first (every gap needs them, and they are quick), then the slowest recipes
+# first so that the GPUs finish at about the same time.
+JOBS=()
+for o in $OPTIMIZERS; do
+  for r in $RECIPES; do [ "$r" = bf16 ] && JOBS+=("$r $o"); done
+done
+for r in fullstack naive_fp4 lora_svd lora_naive nvfp4_46 nvfp4; do
+  case " $RECIPES " in *" $r "*) for o in $OPTIMIZERS; do JOBS+=("$r $o"); done ;; esac
+done
+for r in $RECIPES; do  # recipes this script does not know (new rows): last
+  case " bf16 fullstack naive_fp4 lora_svd lora_naive nvfp4_46 nvfp4 " in *" $r "*) ;; *) for o in $OPTIMIZERS; do JOBS+=("$r $o"); done ;; esac
+done
+
+command_for() {  # recipe optimizer -> the train.py command line
+  echo "python train.py --config $CONFIG --recipe $1 --optimizer $2 --max_steps $STEPS --batch_size $BATCH" \
+       "--seq_len $SEQ --lr $LR --warmup $WARMUP --eval_every $EVAL_EVERY --eval_iters $EVAL_ITERS" \
+       "--log_every $LOG_EVERY --save_every 0 --seed $SEED --no_progress --out_dir $RUNS/${CONFIG}_$1_$2${EXTRA:+ $EXTRA}"
+}
+
+if [ "$DRY_RUN" = 1 ]; then
+  for job in "${JOBS[@]}"; do command_for $job; done
+  exit 0
+fi
+
+mkdir -p "$RUNS"
+export PYTHONUNBUFFERED=1
+# train.py builds the default corpus on first use; build it once here so parallel jobs don't race on it
+[ -f data_cache/default/train.bin ] || python data.py || exit 1
+
+run_job() {  # gpu recipe optimizer
+  local gpu=$1 dir="$RUNS/${CONFIG}_$2_$3" cmd rc
+  if [ -f "$dir/summary.json" ] && [ "$FORCE" != 1 ]; then echo "[gpu $gpu] skip $dir: finished earlier"; return; fi
+  mkdir -p "$dir"
+  cmd=$(command_for "$2" "$3")
+  echo "$cmd" > "$dir/cmd.txt"
+  echo "[gpu $gpu] $(date +%T) start $dir"
+  CUDA_VISIBLE_DEVICES=$gpu timeout "$JOB_TIMEOUT" $cmd > "$dir/train.log" 2>&1
+  rc=$?
+  echo $rc > "$dir/exit_code"
+  echo "[gpu $gpu] $(date +%T) exit $rc $dir: $(tail -n 1 "$dir/train.log")"
+}
+
+QUEUE="$RUNS/.queue"
+echo 0 > "$QUEUE"
+next_job() {  # atomically take the next index of JOBS (flock: several workers share one counter)
+  { flock 9; local i; i=$(cat "$QUEUE"); echo $((i + 1)) > "$QUEUE"; echo "$i"; } 9> "$QUEUE.lock"
+}
+worker() {  # gpu: run jobs from the queue until it is empty
+  local i
+  while i=$(next_job) && [ "$i" -lt "${#JOBS[@]}" ]; do
+    run_job "$1" ${JOBS[$i]}
+  done
+}
+
+echo "ablation: ${#JOBS[@]} runs on GPU(s) [$GPUS] x $JOBS_PER_GPU, $STEPS steps of $BATCH x $SEQ tokens, cap ${JOB_TIMEOUT}s each"
+start=$(date +%s)
+for gpu in $GPUS; do
+  for _ in $(seq "$JOBS_PER_GPU"); do worker "$gpu" & done
+done
+wait
+echo "ablation: all runs done in $(( $(date +%s) - start ))s"
+rm -f "$QUEUE" "$QUEUE.lock"
+
+python report.py "$RUNS" --out "$RUNS/README_results.md" --plot "$RUNS/loss_curves.png" --json "$RUNS/results.json"
+
+if [ -n "${OUT:-}" ]; then  # bring back the results and each run's small files (not the checkpoints)
+  mkdir -p "$OUT/ablation"
+  cp "$RUNS/README_results.md" "$RUNS/loss_curves.png" "$RUNS/results.json" "$OUT/ablation/" 2>/dev/null
+  for dir in "$RUNS"/${CONFIG}_*; do
+    mkdir -p "$OUT/ablation/$(basename "$dir")"
+    for f in metrics.jsonl summary.json cmd.txt exit_code; do [ -f "$dir/$f" ] && cp "$dir/$f" "$OUT/ablation/$(basename "$dir")/"; done
+    tail -n 30 "$dir/train.log" > "$OUT/ablation/$(basename "$dir")/train.log" 2>/dev/null
+  done
+fi
