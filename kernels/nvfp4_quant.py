@@ -31,9 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCKS = ((1, 16), (16, 1), (16, 16))
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Device helpers
 
@@ -233,20 +230,14 @@ def _tiles(block, x):
 
 
 def _prepare(x, block, rounding, hadamard, name):
+    import nvfp4  # shape / dtype / finiteness checks shared with the reference, same messages
     block = tuple(block)
-    if block not in BLOCKS:
-        raise ValueError(f"{name}: block must be one of {BLOCKS}, got {block}")
     if rounding not in ("rtn", "sr"):
         raise ValueError(f"{name}: rounding must be 'rtn' or 'sr', got {rounding!r}")
+    nvfp4._check(x, block, name)
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"{name}: expected an fp32/bf16/fp16 tensor, got {x.dtype}")
-    if x.dim() < 2:
-        raise ValueError(f"{name}: NVFP4 blocks apply to the last two dims; got shape {tuple(x.shape)}")
     M, N = x.shape[-2:]
-    bm, bn = block
-    if M % bm or N % bn or N % 2:
-        raise ValueError(f"{name}: shape {tuple(x.shape)} does not fit NVFP4 block {block}: the last two dims "
-                         f"must be multiples of ({bm}, {max(bn, 2)})")
     had_dim = 0
     if hadamard is not None:
         if block == (16, 16):
@@ -255,8 +246,6 @@ def _prepare(x, block, rounding, hadamard, name):
             raise ValueError(f"{name}: hadamard must be a (16, 16) matrix, got {tuple(hadamard.shape)}")
         hadamard = hadamard.to(device=x.device, dtype=torch.float32).contiguous()
         had_dim = 1 if block == (1, 16) else 2
-    if not torch.isfinite(x).all():
-        raise ValueError(f"{name}: non-finite values (NaN/Inf) in tensor of shape {tuple(x.shape)}")
     if x.dtype == torch.float16:
         x = x.float()
     x3 = x.reshape(-1, M, N)  # a view when the leading dims allow (keeps dY.t()'s strides), else a copy
