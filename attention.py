@@ -1,0 +1,404 @@
+"""
+Mixed-precision FP4 attention (paper §3.5, Table 2, App. 10-11).
+
+Attention has 7 matmuls: S = Q K^T and O = P V in the forward; the backward recomputes S = Q K^T, then
+dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q with dS = P o (dP - D), D = rowsum(dO o O).
+The paper's policy ("fp4"): Q, K, V are quantized to NVFP4 ONCE, and those same quantized values feed every
+forward and backward matmul (forward-backward consistency, §3.5); dS is quantized in the backward. So 4 of the
+7 matmuls take NVFP4 operands (both Q K^T, dS K, dS^T Q); PV, dO V^T and P^T dO stay BF16 (V enters PV and
+dO V^T at its dequantized NVFP4 value, which BF16 holds exactly). App. 10 explains why PV and dO V^T are the
+sensitive ones; `simplex_violation` and `ds_error` below measure it, `policy_errors` gives Fig. 5's numbers.
+
+Policies (POLICIES):
+  bf16      exact attention in the input dtype (our own flash kernels on GPU)
+  fp4       the paper: NVFP4 Q, K, V (+ dS in the backward)
+  fp4_pv    + P quantized for PV                                  (Fig. 5 variant)
+  fp4_dov   + dO V^T in NVFP4                                     (Fig. 5 variant)
+  fp4_all   every matmul in NVFP4, also P^T dO (App. 13's naive baseline)
+
+Choices (the paper does not spell them out):
+- Blocks. Q, K, V: 1x16 along D, RTN (forward tensors), per-tensor global scale. That is the contraction dim of
+  Q K^T, so this is a true NVFP4 GEMM. For PV, dS K and dS^T Q the contraction runs over T, where V, K, Q are
+  not blocked: on Hopper every NVFP4 operand is dequantized in registers, so the matmul is exact for any block
+  orientation; a native Blackwell GEMM would need 16x1 (or 16x16, shared by both orientations like the linear
+  layers' weights) copies. Reusing the one 1x16 quantization keeps the forward-backward consistency exact.
+- dS: 1x16 blocks along each matmul's contraction dim, i.e. along the keys for dQ = dS K (the dQ pass) and
+  along the queries for dK = dS^T Q (the dK/dV pass): two quantizations of the same dS, each done per tile in
+  registers. Stochastic rounding: dS is a gradient (DESIGN: backward SR); it keeps dQ and dK unbiased, and RTN
+  would deterministically flush the many small tail entries (P ~ 0) whose sum balances the peaks (each row of
+  dS sums to 0). Uniforms come from a counter hash of (seed, head, query, key, pass), so the reference and the
+  kernel draw the same bits for any tiling.
+- dS global scale: a tiled kernel cannot know amax(dS) before it is done, so s_g(dS) per (batch, head) comes
+  from a bound that holds by construction: |dS_ij| = P_ij |dP_ij - D_i| <= max_i ||dO_i|| max_j ||V_j|| +
+  max_i |D_i| (P <= 1, Cauchy-Schwarz), with max_j ||V_j|| <= sqrt(D) amax(V) read off V's global scale. No
+  block scale ever saturates; the price is a few bits of E4M3 range (the bound is loose by ~10-100x).
+- P (fp4_pv, fp4_all): 1x16 along the keys for PV (along the queries for P^T dO), RTN, s_g = 1/(448*6)
+  since P <= 1. In the online-softmax forward P~ = exp(S - running max) is what gets quantized (as a fused
+  kernel must), so those two variants depend on the key tile (kernels.flash_attention.P_BLOCK_N, shared by
+  the reference). The softmax normalizer uses the exact P~: quantized rows then leave the simplex (App. 10.1).
+- dO (fp4_dov, fp4_all): 1x16 along D for dO V^T, 16x1 along T for P^T dO; SR.
+"""
+
+import math
+
+import torch
+
+import nvfp4
+
+POLICIES = {
+    #          Q,K,V in NVFP4  dS           P for PV    dO V^T       P^T dO
+    "bf16":    dict(qkv=False, ds=False, p=False, dov=False, pdo=False),
+    "fp4":     dict(qkv=True,  ds=True,  p=False, dov=False, pdo=False),
+    "fp4_pv":  dict(qkv=True,  ds=True,  p=True,  dov=False, pdo=False),
+    "fp4_dov": dict(qkv=True,  ds=True,  p=False, dov=True,  pdo=False),
+    "fp4_all": dict(qkv=True,  ds=True,  p=True,  dov=True,  pdo=True),
+}
+HEAD_DIMS = (64, 128)
+LOG2E = 1.4426950408889634
+P_GLOBAL_SCALE = 1.0 / (nvfp4.E4M3_MAX * nvfp4.FP4_MAX)   # s_g of P: amax(P) <= 1
+M32 = 0xFFFFFFFF
+
+
+# ----------------------------------------------------------------------------------------------------------
+# NVFP4 pieces the fused kernels do in registers (torch mirrors of kernels/flash_attention.py)
+
+def fake_quantize_rows16(x, s_g, rounding="rtn", rand=None):
+    """q * s_b of x (..., N) in 1x16 blocks along the last dim with a GIVEN global scale s_g (a tensor that
+    broadcasts against x, e.g. (B, H, 1, 1)); multiply by s_g for the dequantized value. Same formulas as
+    nvfp4.quantize (which derives s_g from amax(x)); N is zero-padded to a multiple of 16 (exact: zeros change
+    no block's amax). rand: uniforms like x for rounding="sr"."""
+    N = x.shape[-1]
+    pad = -N % 16
+    xp = torch.nn.functional.pad(x.float(), (0, pad))
+    xb = xp.reshape(*xp.shape[:-1], -1, 16)                                    # (..., N/16, 16)
+    s_g = torch.as_tensor(s_g, dtype=torch.float32, device=x.device).unsqueeze(-1)
+    amax = xb.abs().amax(-1, keepdim=True)
+    s_b = nvfp4.to_e4m3(amax / nvfp4.FP4_MAX / s_g).float()
+    denom = s_b * s_g
+    a = torch.where(denom > 0, xb.abs() / torch.where(denom > 0, denom, 1.0), 0.0).clamp(max=nvfp4.FP4_MAX)
+    if rounding == "rtn":
+        idx = nvfp4.rtn_e2m1(a)
+    else:
+        idx = nvfp4.sr_e2m1(a, torch.nn.functional.pad(rand, (0, pad)).reshape(xb.shape))
+    q = nvfp4.E2M1_VALUES.to(x.device)[idx.long()]
+    q = torch.where(xb < 0, -q, q) * s_b
+    return q.reshape(xp.shape)[..., :N]
+
+
+def _fmix32(x):
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & M32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & M32
+    return x ^ (x >> 16)
+
+
+def sr_keys(seed, n_heads, device=None):
+    """(n_heads, 2) stream keys for dS's SR: column 0 for the dQ pass, column 1 for the dK pass."""
+    i = torch.arange(2 * n_heads, dtype=torch.int64, device=device)
+    return _fmix32((seed * 0x9E3779B9 + i) & M32).reshape(n_heads, 2)
+
+
+def sr_uniforms(keys, rows, cols, T):
+    """U[0, 1) (24 bits) for dS elements (query rows, key cols) of each head: keys (B, H) -> (B, H, R, C).
+    The kernels' `_uniform`: fmix32((i * T + j) * golden + key)."""
+    counter = (rows[:, None].long() * T + cols[None, :].long()) & M32
+    x = _fmix32((counter * 0x9E3779B1 + keys[..., None, None]) & M32)
+    return (x >> 8).float() * 2.0 ** -24
+
+
+def ds_global_scale(do_eff_norm, v_amax, delta, D, G):
+    """s_g(dS) per (batch, head) from |dS_ij| <= max_i ||dO_i|| * sqrt(D) * amax(V) + max_i |D_i|.
+    do_eff_norm (B, H, T): row norms of the dO that enters dP; v_amax: amax of V's operand (0-d, or (B, Hkv)
+    for the unquantized policies); delta (B, H, T). -> (B, H) fp32."""
+    v_amax = torch.as_tensor(v_amax, dtype=torch.float32, device=delta.device)
+    if v_amax.dim() == 2:
+        v_amax = v_amax.repeat_interleave(G, 1)
+    bound = do_eff_norm.amax(-1) * (math.sqrt(D) * v_amax) + delta.abs().amax(-1)
+    return nvfp4.global_scale(bound)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reference: tiled FlashAttention in fp32 (App. 11, Algorithm 8), one key tile at a time
+
+def reference_forward(q, k, v, causal, quant_p, sm_scale, dtype, block_n=None):
+    """q (B, H, T, D), k, v (B, Hkv, T, D): operand values in fp32 (dequantized NVFP4 or the inputs).
+    Online softmax over key tiles; returns o (B, H, T, D) fp32 and lse2 = m + log2(l) (B, H, T), log2 units.
+    Non-NVFP4 operands of the BF16 matmuls are rounded to `dtype` as a tensor core would see them."""
+    from kernels.flash_attention import P_BLOCK_N
+    block_n = block_n or P_BLOCK_N
+    B, H, T, D = q.shape
+    G = H // k.shape[1]
+    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)   # GQA (the kernels index kv head h // G)
+    rows = torch.arange(T, device=q.device)
+    m = torch.full((B, H, T), float("-inf"), device=q.device)
+    l = torch.zeros(B, H, T, device=q.device)
+    acc = torch.zeros(B, H, T, D, device=q.device)
+    for j0 in range(0, T, block_n):
+        cols = rows[j0:j0 + block_n]
+        s = (q @ k[:, :, cols].transpose(-1, -2)) * (sm_scale * LOG2E)            # (B, H, T, n) log2 units
+        if causal:
+            s = s.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1))
+        p = torch.exp2(s - m_new[..., None])                                      # P~ = exp(S - m)
+        alpha = torch.exp2(m - m_new)
+        l = l * alpha + p.sum(-1)                                                 # exact P~ in the normalizer
+        if quant_p:
+            p = fake_quantize_rows16(p, P_GLOBAL_SCALE) * P_GLOBAL_SCALE          # 1x16 along keys, RTN
+        else:
+            p = p.to(dtype).float()
+        acc = acc * alpha[..., None] + p @ v[:, :, cols]
+        m = m_new
+    return acc / l[..., None], m + torch.log2(l)
+
+
+def reference_backward(q, k, v, o, lse, do, causal, sm_scale, dtype, do_dov=None, do_pdo=None, ds_scale=None,
+                       keys=None, block_n=64):
+    """App. 11's backward: recompute S and P = exp2(S2 - lse2) per key tile, D = rowsum(dO o O).
+    q, k, v: fp32 operand values (the forward's); do: the incoming gradient (dtype); do_dov / do_pdo: the
+    dequantized NVFP4 dO for dO V^T / P^T dO (or None: BF16); ds_scale (B, H) and keys (B, H, 2): dS in NVFP4
+    (or None: BF16). Returns dq (B, H, T, D), dk, dv (B, Hkv, T, D), fp32."""
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    G = H // Hkv
+    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    do = do.float()
+    delta = (o.float() * do).sum(-1)                                              # D_i = rowsum(dO o O)
+    rows = torch.arange(T, device=q.device)
+    dq = torch.zeros(B, H, T, D, device=q.device)
+    dk, dv = torch.zeros_like(dq), torch.zeros_like(dq)
+    if ds_scale is not None:
+        sg = ds_scale[..., None, None]                                            # (B, H, 1, 1)
+    for j0 in range(0, T, block_n):
+        cols = rows[j0:j0 + block_n]
+        s = (q @ k[:, :, cols].transpose(-1, -2)) * (sm_scale * LOG2E)
+        p = torch.exp2(s - lse[..., None])                                        # (B, H, T, n)
+        if causal:
+            p = p.masked_fill(cols[None, :] > rows[:, None], 0.0)
+        if do_pdo is not None:   # P^T dO in NVFP4: P^T in 1x16 blocks along the queries (contraction), RTN
+            pT = fake_quantize_rows16(p.transpose(-1, -2), P_GLOBAL_SCALE) * P_GLOBAL_SCALE
+            dv[:, :, cols] = pT @ do_pdo
+        else:
+            dv[:, :, cols] = p.to(dtype).float().transpose(-1, -2) @ do           # dV = P^T dO
+        dp = (do if do_dov is None else do_dov) @ v[:, :, cols].transpose(-1, -2)  # dP = dO V^T
+        ds = p * (dp - delta[..., None])                                          # dS = P o (dP - D)
+        if ds_scale is not None:
+            # dQ = dS K: 1x16 along the keys; dK = dS^T Q: 1x16 along the queries. SR, the kernels' uniforms.
+            u = sr_uniforms(keys[..., 0], rows, cols, T)
+            ds_q = fake_quantize_rows16(ds, sg, "sr", u) * sg
+            u = sr_uniforms(keys[..., 1], rows, cols, T).transpose(-1, -2)
+            ds_kT = fake_quantize_rows16(ds.transpose(-1, -2), sg, "sr", u) * sg
+        else:
+            ds_q = ds.to(dtype).float()
+            ds_kT = ds_q.transpose(-1, -2)
+        dq += ds_q @ k[:, :, cols]
+        dk[:, :, cols] = ds_kT @ q
+    dk = dk.reshape(B, Hkv, G, T, D).sum(2)                                       # GQA: sum the group
+    dv = dv.reshape(B, Hkv, G, T, D).sum(2)
+    return dq * sm_scale, dk * sm_scale, dv
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The autograd function
+
+def _quantize_qkv(x, name):
+    # forward tensor: 1x16 along D (the contraction dim of Q K^T), RTN
+    return nvfp4.quantize(x.detach(), (1, 16), "rtn", name=name)
+
+
+def _scales(*sg, device):
+    """The kernels' 6 global scales [Q, K, V, P, dO (dO V^T), dO (P^T dO)], 1 where unused."""
+    return torch.stack([torch.as_tensor(s, dtype=torch.float32, device=device).reshape(()) for s in sg])
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, policy, impl):
+        pol = POLICIES[policy]
+        B, H, T, D = q.shape
+        Hkv = k.shape[1]
+        sm_scale = 1.0 / math.sqrt(D)
+        dtype = q.dtype
+        if pol["qkv"]:
+            # quantized ONCE: the forward and the backward read these very codes (forward-backward consistency)
+            qq, kq, vq = _quantize_qkv(q, "attention Q"), _quantize_qkv(k, "attention K"), _quantize_qkv(v, "attention V")
+            ctx.fp4 = (qq, kq, vq)   # the saved activations are 4-bit: codes + scales
+        if impl == "triton":
+            from kernels.flash_attention import flash_forward
+            ops = [(x.codes, x.scales) for x in (qq, kq, vq)] if pol["qkv"] else [q, k, v]
+            sg = [qq.global_scale, kq.global_scale, vq.global_scale] if pol["qkv"] else [1.0, 1.0, 1.0]
+            scales = _scales(*sg, P_GLOBAL_SCALE if pol["p"] else 1.0, 1.0, 1.0, device=q.device)
+            o, lse = flash_forward(*ops, scales, (B, H, Hkv, T, D), causal, sm_scale, pol["p"], dtype)
+        else:
+            ops = [x.dequantize() for x in (qq, kq, vq)] if pol["qkv"] else [x.float() for x in (q, k, v)]
+            o, lse = reference_forward(*ops, causal, pol["p"], sm_scale, dtype)
+            o = o.to(dtype)
+        ctx.save_for_backward(o, lse, *(() if pol["qkv"] else (q, k, v)))
+        ctx.causal, ctx.policy, ctx.impl, ctx.shape = causal, policy, impl, (B, H, Hkv, T, D)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        pol = POLICIES[ctx.policy]
+        B, H, Hkv, T, D = ctx.shape
+        G = H // Hkv
+        sm_scale = 1.0 / math.sqrt(D)
+        o, lse, *qkv = ctx.saved_tensors
+        dtype = o.dtype
+        do = do.to(dtype).contiguous()
+        if pol["qkv"]:
+            qq, kq, vq = ctx.fp4
+        else:
+            q, k, v = qkv
+        do_dov = do_pdo = None
+        if pol["dov"]:   # dO V^T in NVFP4: dO in 1x16 blocks along D (the contraction), SR
+            do_dov = nvfp4.quantize(do, (1, 16), "sr", name="attention dO")
+        if pol["pdo"]:   # P^T dO in NVFP4: dO in 16x1 blocks along T (the contraction), SR; T zero-padded
+            pad = -T % 16
+            do_pdo = nvfp4.quantize(torch.nn.functional.pad(do, (0, 0, 0, pad)), (16, 1), "sr", name="attention dO")
+        if ctx.impl == "triton":
+            from kernels.flash_attention import bwd_preprocess
+            delta, do_norm = bwd_preprocess(o, do)
+        else:
+            delta = (o.float() * do.float()).sum(-1)
+            do_norm = do.float().norm(dim=-1)
+        ds_scale = keys = None
+        if pol["ds"]:
+            seed = int(torch.randint(0, 2**31 - 1, ()))
+            keys = sr_keys(seed, B * H, device=do.device).reshape(B, H, 2)
+            do_eff_norm = do_dov.dequantize().norm(dim=-1) if pol["dov"] else do_norm
+            v_amax = vq.global_scale * (nvfp4.E4M3_MAX * nvfp4.FP4_MAX)   # >= every |V_hat| (s_b <= 448)
+            ds_scale = ds_global_scale(do_eff_norm, v_amax, delta, D, G)
+        if ctx.impl == "triton":
+            from kernels.flash_attention import flash_backward
+            ops = [(x.codes, x.scales) for x in (qq, kq, vq)] if pol["qkv"] else [q, k, v]
+            one = 1.0
+            scales = _scales(qq.global_scale if pol["qkv"] else one, kq.global_scale if pol["qkv"] else one,
+                             vq.global_scale if pol["qkv"] else one, P_GLOBAL_SCALE if pol["pdo"] else one,
+                             do_dov.global_scale if pol["dov"] else one,
+                             do_pdo.global_scale if pol["pdo"] else one, device=do.device)
+            dov_vals = do_dov.grid_values().to(dtype) if pol["dov"] else None
+            pdo_vals = do_pdo.grid_values()[:, :, :T].to(dtype) if pol["pdo"] else None
+            dq, dk, dv = flash_backward(*ops, scales, ctx.shape, do, lse, delta, dov_vals, pdo_vals,
+                                        None if ds_scale is None else ds_scale.reshape(-1).contiguous(),
+                                        None if keys is None else _as_int32(keys.reshape(-1, 2)),
+                                        ctx.causal, sm_scale, dtype)
+        else:
+            ops = [x.dequantize() for x in (qq, kq, vq)] if pol["qkv"] else [x.float() for x in (q, k, v)]
+            dq, dk, dv = reference_backward(
+                *ops, o, lse, do, ctx.causal, sm_scale, dtype,
+                do_dov=do_dov.dequantize() if pol["dov"] else None,
+                do_pdo=do_pdo.dequantize()[:, :, :T] if pol["pdo"] else None,
+                ds_scale=ds_scale, keys=keys)
+        ctx.fp4 = None
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None
+
+
+def _as_int32(keys):
+    """uint32 values held in int64 -> the same bits as int32 (the kernels bitcast them back)."""
+    return torch.where(keys >= 2**31, keys - 2**32, keys).to(torch.int32).contiguous()
+
+
+def attention(q, k, v, causal=True, policy="fp4", impl="auto"):
+    """Scaled dot-product attention softmax(Q K^T / sqrt(D)) V with the precision `policy` (see POLICIES).
+    q (B, H, T, D), k, v (B, Hkv, T, D) with H % Hkv == 0 (GQA), D in {64, 128}. impl: "reference" (tiled
+    PyTorch, fp32), "triton" (the flash kernels; CPU tensors run in the interpreter), "auto" (triton on CUDA
+    unless nvfp4.use_reference())."""
+    if policy not in POLICIES:
+        raise ValueError(f"attention: policy must be one of {list(POLICIES)}, got {policy!r}")
+    if impl not in ("auto", "reference", "triton"):
+        raise ValueError(f"attention: impl must be 'auto', 'reference' or 'triton', got {impl!r}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != 4 or not x.is_floating_point():
+            raise ValueError(f"attention: {name} must be a 4-D float tensor (B, heads, T, D), got "
+                             f"{x.dtype} {tuple(x.shape)}")
+    B, H, T, D = q.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[2:] != (T, D):
+        raise ValueError(f"attention: k and v must be (B, Hkv, T, D) = ({B}, Hkv, {T}, {D}) like q; got k "
+                         f"{tuple(k.shape)}, v {tuple(v.shape)}")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"attention: head dim D = {D} is not supported; use one of {HEAD_DIMS}")
+    if H % k.shape[1]:
+        raise ValueError(f"attention: query heads H = {H} must be a multiple of kv heads Hkv = {k.shape[1]} (GQA)")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise ValueError(f"attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if impl == "auto":
+        impl = "triton" if q.is_cuda and not nvfp4.use_reference() else "reference"
+    return _Attention.apply(q, k, v, causal, policy, impl)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# App. 10 and Fig. 5 as numbers
+
+def exact_attention(q, k, v, causal=True):
+    """float64 softmax(Q K^T / sqrt(D)) V (materialized; for analysis and tests). Returns (o, p)."""
+    q, k, v = q.double(), k.double(), v.double()
+    G = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        T = q.shape[2]
+        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    p = torch.softmax(s, -1)
+    return p @ v, p
+
+
+@torch.no_grad()
+def simplex_violation(p):
+    """App. 10.1. p (..., Tq, Tk): attention rows on the probability simplex. Quantize them to NVFP4 as the
+    fp4_pv policy does (1x16 along the keys, RTN, s_g = 1/(448*6)) and measure how far the rows leave the
+    simplex. Returns row_sum_dev_mean / _max (|1 - sum_j P_hat_ij|), zeroed_mass (mean per row of the
+    probability mass in entries that quantize to 0) and rel_err (||P_hat - P|| / ||P||)."""
+    p = p.float()
+    p_hat = fake_quantize_rows16(p, P_GLOBAL_SCALE) * P_GLOBAL_SCALE
+    dev = (1.0 - p_hat.double().sum(-1)).abs()
+    zeroed = torch.where((p_hat == 0) & (p > 0), p, 0.0).double().sum(-1)
+    return {"row_sum_dev_mean": dev.mean().item(), "row_sum_dev_max": dev.max().item(),
+            "zeroed_mass": zeroed.mean().item(),
+            "rel_err": ((p_hat - p).double().norm() / p.double().norm()).item()}
+
+
+@torch.no_grad()
+def ds_error(q, k, v, do, causal=True, peak=0.1):
+    """App. 10.2 (eq. 6). dS = P o (dP - D) with dP = dO V^T computed from BF16 operands vs from NVFP4 operands
+    (dO and V in 1x16 blocks along D; V RTN as the forward quantizes it, dO SR), both against float64.
+    Returns for each: rel_err (||dS_hat - dS|| / ||dS||), and at probability peaks (P >= peak) vs the tail:
+    the relative error there, showing eq. 6's P * Delta dP landing where dS itself is small."""
+    o, p = exact_attention(q, k, v, causal)
+    G = q.shape[1] // k.shape[1]
+    v64 = v.double().repeat_interleave(G, 1)
+    do64 = do.double()
+    delta = (o * do64).sum(-1, keepdim=True)
+    ds = p * (do64 @ v64.transpose(-1, -2) - delta)
+    v_fp4 = nvfp4.fake_quantize(v.float(), (1, 16), "rtn").double().repeat_interleave(G, 1)
+    do_fp4 = nvfp4.fake_quantize(do.float(), (1, 16), "sr").double()
+    dp_variants = {
+        "bf16": do.bfloat16().double() @ v.bfloat16().double().repeat_interleave(G, 1).transpose(-1, -2),
+        "nvfp4": do_fp4 @ v_fp4.transpose(-1, -2),
+    }
+    peaks = p >= peak
+    out = {}
+    for name, dp in dp_variants.items():
+        err = p * (dp - delta) - ds
+
+        def rel(mask):
+            return (err[mask].norm() / ds[mask].norm().clamp_min(1e-300)).item()
+        out[name] = {"rel_err": (err.norm() / ds.norm()).item(), "rel_err_peaks": rel(peaks),
+                     "rel_err_tail": rel(~peaks & (p > 0)), "peak_fraction": peaks.double().mean().item()}
+    return out
+
+
+def policy_errors(q, k, v, do, causal=True, policies=tuple(POLICIES), impl="auto"):
+    """Fig. 5: relative error of O, dQ, dK, dV for each policy against float64 attention on the same inputs.
+    q (B, H, T, D), k, v (B, Hkv, T, D), do (B, H, T, D). Returns {policy: {"o": .., "dq": .., "dk": .., "dv": ..}}."""
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    o_ref, _ = exact_attention(*leaves, causal)
+    grads_ref = torch.autograd.grad(o_ref, leaves, do.double())
+    results = {}
+    for policy in policies:
+        xs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        o = attention(*xs, causal=causal, policy=policy, impl=impl)
+        grads = torch.autograd.grad(o, xs, do.to(o.dtype))
+        rel = [(a.double() - b).norm().item() / b.norm().item() for a, b in zip((o, *grads), (o_ref, *grads_ref))]
+        results[policy] = dict(zip(("o", "dq", "dk", "dv"), rel))
+    return results
