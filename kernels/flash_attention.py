@@ -85,6 +85,16 @@ def _load_tile(ptr, scale_ptr, rows, T, R: tl.constexpr, D: tl.constexpr, PACKED
 
 
 @triton.jit
+def _op(x, DTYPE: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """A computed tile (P, dS) as a matmul operand. EMULATE_BF16 (interpreter only, whose tl.dot multiplies
+    bf16 bit patterns as integers): round to bf16 and multiply in fp32, the same products."""
+    if EMULATE_BF16:
+        return x.to(tl.bfloat16).to(tl.float32)
+    else:
+        return x.to(DTYPE)
+
+
+@triton.jit
 def _rint(x):
     # round half to even for |x| < 2^22 (adding 1.5 * 2^23 leaves no fraction bits)
     return (x + 12582912.0) - 12582912.0
@@ -150,7 +160,7 @@ def _fake_quant_rows16(x, s_g, u, R: tl.constexpr, C: tl.constexpr, SR: tl.const
 def _fwd_inner(acc, l_i, m_i, q, K, Ks, V, Vs, start, end, offs_m, T, s_scale, sg_p,
                D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
                CAUSAL: tl.constexpr, PACKED: tl.constexpr, QUANT_P: tl.constexpr, DTYPE: tl.constexpr,
-               PREC: tl.constexpr):
+               PREC: tl.constexpr, EMU: tl.constexpr):
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_tile(K, Ks, offs_n, T, BLOCK_N, D, PACKED, MASK, DTYPE)            # (N, D)
@@ -168,7 +178,7 @@ def _fwd_inner(acc, l_i, m_i, q, K, Ks, V, Vs, start, end, offs_m, T, s_scale, s
         v = _load_tile(V, Vs, offs_n, T, BLOCK_N, D, PACKED, MASK, DTYPE)            # (N, D)
         if QUANT_P:
             p = _fake_quant_rows16(p, sg_p, p, BLOCK_M, BLOCK_N, False)              # 1x16 along keys, RTN
-        acc = tl.dot(p.to(DTYPE), v, acc, input_precision=PREC)
+        acc = tl.dot(_op(p, DTYPE, EMU), v, acc, input_precision=PREC)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -176,7 +186,8 @@ def _fwd_inner(acc, l_i, m_i, q, K, Ks, V, Vs, start, end, offs_m, T, s_scale, s
 @triton.jit
 def _attn_fwd(Q, Qs, K, Ks, V, Vs, SG, O, LSE, T, H, G, qk_scale,
               D: tl.constexpr, QD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              CAUSAL: tl.constexpr, PACKED: tl.constexpr, QUANT_P: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr):
+              CAUSAL: tl.constexpr, PACKED: tl.constexpr, QUANT_P: tl.constexpr, DTYPE: tl.constexpr,
+              PREC: tl.constexpr, EMU: tl.constexpr):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)   # heaviest causal tiles first
     bh = tl.program_id(1)
     bkv = (bh // H) * (H // G) + (bh % H) // G            # the kv head of query head h: h // G
@@ -203,9 +214,9 @@ def _attn_fwd(Q, Qs, K, Ks, V, Vs, SG, O, LSE, T, H, G, qk_scale,
         lo = (T // BLOCK_N) * BLOCK_N
         hi = T
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, Ks, V, Vs, 0, lo, offs_m, T, s_scale, sg_p,
-                               D, BLOCK_M, BLOCK_N, False, CAUSAL, PACKED, QUANT_P, DTYPE, PREC)
+                               D, BLOCK_M, BLOCK_N, False, CAUSAL, PACKED, QUANT_P, DTYPE, PREC, EMU)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, Ks, V, Vs, lo, hi, offs_m, T, s_scale, sg_p,
-                               D, BLOCK_M, BLOCK_N, True, CAUSAL, PACKED, QUANT_P, DTYPE, PREC)
+                               D, BLOCK_M, BLOCK_N, True, CAUSAL, PACKED, QUANT_P, DTYPE, PREC, EMU)
     o = acc * ((sg_v * sg_p) / l_i)[:, None]   # s_g(P) is 1 unless QUANT_P
     rmask = offs_m < T
     tl.store(LSE + bh.to(tl.int64) * T + offs_m, m_i + tl.math.log2(l_i), mask=rmask)
@@ -221,7 +232,8 @@ def _attn_fwd(Q, Qs, K, Ks, V, Vs, SG, O, LSE, T, H, G, qk_scale,
 def _dkdv_inner(dk, dv, k, v, Q, Qs, DO, DOQ, DOT, LSE, DELTA, key, start, end, offs_n, T, s_scale,
                 sg_dp, sg_ds, sg_p, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 MASK: tl.constexpr, CAUSAL: tl.constexpr, PACKED: tl.constexpr, QUANT_DS: tl.constexpr,
-                QUANT_DOV: tl.constexpr, QUANT_PDO: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr):
+                QUANT_DOV: tl.constexpr, QUANT_PDO: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr,
+                EMU: tl.constexpr):
     cols = tl.arange(0, D)
     for start_m in range(start, end, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -239,9 +251,9 @@ def _dkdv_inner(dk, dv, k, v, Q, Qs, DO, DOQ, DOT, LSE, DELTA, key, start, end, 
         if QUANT_PDO:   # fp4_all: P^T dO with P in 1x16 blocks along the queries (its contraction dim)
             doT = tl.load(DOT + offs_m[:, None] * D + cols[None, :], mask=rmask[:, None], other=0.0).to(DTYPE)
             pq = _fake_quant_rows16(pT, sg_p, pT, BLOCK_N, BLOCK_M, False)
-            dv = tl.dot(pq.to(DTYPE), doT, dv, input_precision=PREC)
+            dv = tl.dot(_op(pq, DTYPE, EMU), doT, dv, input_precision=PREC)
         else:
-            dv = tl.dot(pT.to(DTYPE), do, dv, input_precision=PREC)                  # dV += P^T dO
+            dv = tl.dot(_op(pT, DTYPE, EMU), do, dv, input_precision=PREC)                  # dV += P^T dO
         if QUANT_DOV:
             doq = tl.load(DOQ + offs_m[:, None] * D + cols[None, :], mask=rmask[:, None], other=0.0).to(DTYPE)
             dpT = tl.dot(v, tl.trans(doq), input_precision=PREC) * sg_dp
@@ -251,7 +263,7 @@ def _dkdv_inner(dk, dv, k, v, Q, Qs, DO, DOQ, DOT, LSE, DELTA, key, start, end, 
         if QUANT_DS:   # dK = dS^T Q contracts over queries: 1x16 blocks of dS^T along the queries, SR
             u = _uniform(key, offs_m[None, :], offs_n[:, None], T)
             dsT = _fake_quant_rows16(dsT, sg_ds, u, BLOCK_N, BLOCK_M, True)
-        dk = tl.dot(dsT.to(DTYPE), q, dk, input_precision=PREC)
+        dk = tl.dot(_op(dsT, DTYPE, EMU), q, dk, input_precision=PREC)
     return dk, dv
 
 
@@ -259,7 +271,8 @@ def _dkdv_inner(dk, dv, k, v, Q, Qs, DO, DOQ, DOT, LSE, DELTA, key, start, end, 
 def _attn_bwd_dkdv(Q, Qs, K, Ks, V, Vs, SG, DO, DOQ, DOT, LSE, DELTA, SGDS, KEYS, DK, DV, T, H, G,
                    qk_scale, sm_scale, D: tl.constexpr, QD: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PACKED: tl.constexpr, QUANT_DS: tl.constexpr,
-                   QUANT_DOV: tl.constexpr, QUANT_PDO: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr):
+                   QUANT_DOV: tl.constexpr, QUANT_PDO: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr,
+                EMU: tl.constexpr):
     pid_n = tl.program_id(0)
     bkv = tl.program_id(1)                    # b * Hkv + kv head
     Hkv = H // G
@@ -299,15 +312,15 @@ def _attn_bwd_dkdv(Q, Qs, K, Ks, V, Vs, SG, DO, DOQ, DOT, LSE, DELTA, SGDS, KEYS
         dk_h, dv = _dkdv_inner(dk_h, dv, k, v, q_ptr, qs_ptr, DO + row, DOQ + row, DOT + row,
                                LSE + bh * T, DELTA + bh * T, key, lo, mid, offs_n, T, s_scale,
                                sg_dp, sg_ds, sg_p, D, BLOCK_M, BLOCK_N, True, CAUSAL, PACKED, QUANT_DS,
-                               QUANT_DOV, QUANT_PDO, DTYPE, PREC)
+                               QUANT_DOV, QUANT_PDO, DTYPE, PREC, EMU)
         dk_h, dv = _dkdv_inner(dk_h, dv, k, v, q_ptr, qs_ptr, DO + row, DOQ + row, DOT + row,
                                LSE + bh * T, DELTA + bh * T, key, mid, n_full, offs_n, T, s_scale,
                                sg_dp, sg_ds, sg_p, D, BLOCK_M, BLOCK_N, False, CAUSAL, PACKED, QUANT_DS,
-                               QUANT_DOV, QUANT_PDO, DTYPE, PREC)
+                               QUANT_DOV, QUANT_PDO, DTYPE, PREC, EMU)
         dk_h, dv = _dkdv_inner(dk_h, dv, k, v, q_ptr, qs_ptr, DO + row, DOQ + row, DOT + row,
                                LSE + bh * T, DELTA + bh * T, key, n_full, T, offs_n, T, s_scale,
                                sg_dp, sg_ds, sg_p, D, BLOCK_M, BLOCK_N, True, CAUSAL, PACKED, QUANT_DS,
-                               QUANT_DOV, QUANT_PDO, DTYPE, PREC)
+                               QUANT_DOV, QUANT_PDO, DTYPE, PREC, EMU)
         dk += dk_h * sg_ds
     dk = dk * (sm_scale * sg_q)
     dv = dv * (sg_p * sg_pdo)                 # 1 unless QUANT_PDO
@@ -325,7 +338,7 @@ def _attn_bwd_dkdv(Q, Qs, K, Ks, V, Vs, SG, DO, DOQ, DOT, LSE, DELTA, SGDS, KEYS
 def _dq_inner(dq, q, do, lse, delta, K, Ks, V, Vs, key, start, end, offs_m, T, s_scale, sg_dp, sg_ds,
               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
               CAUSAL: tl.constexpr, PACKED: tl.constexpr, QUANT_DS: tl.constexpr, DTYPE: tl.constexpr,
-              PREC: tl.constexpr):
+              PREC: tl.constexpr, EMU: tl.constexpr):
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_tile(K, Ks, offs_n, T, BLOCK_N, D, PACKED, MASK, DTYPE)
@@ -342,7 +355,7 @@ def _dq_inner(dq, q, do, lse, delta, K, Ks, V, Vs, key, start, end, offs_m, T, s
         if QUANT_DS:   # dQ = dS K contracts over keys: 1x16 blocks of dS along the keys, SR
             u = _uniform(key, offs_m[:, None], offs_n[None, :], T)
             ds = _fake_quant_rows16(ds, sg_ds, u, BLOCK_M, BLOCK_N, True)
-        dq = tl.dot(ds.to(DTYPE), k, dq, input_precision=PREC)
+        dq = tl.dot(_op(ds, DTYPE, EMU), k, dq, input_precision=PREC)
     return dq
 
 
@@ -350,7 +363,7 @@ def _dq_inner(dq, q, do, lse, delta, K, Ks, V, Vs, key, start, end, offs_m, T, s
 def _attn_bwd_dq(Q, Qs, K, Ks, V, Vs, SG, DO, DOQ, LSE, DELTA, SGDS, KEYS, DQ, T, H, G, qk_scale, sm_scale,
                  D: tl.constexpr, QD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  CAUSAL: tl.constexpr, PACKED: tl.constexpr, QUANT_DS: tl.constexpr, QUANT_DOV: tl.constexpr, DTYPE: tl.constexpr,
-                 PREC: tl.constexpr):
+                 PREC: tl.constexpr, EMU: tl.constexpr):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1)
     bkv = (bh // H) * (H // G) + (bh % H) // G
@@ -386,9 +399,9 @@ def _attn_bwd_dq(Q, Qs, K, Ks, V, Vs, SG, DO, DOQ, LSE, DELTA, SGDS, KEYS, DQ, T
         lo = (T // BLOCK_N) * BLOCK_N
         hi = T
     dq = _dq_inner(dq, q, do, lse, delta, K, Ks, V, Vs, key, 0, lo, offs_m, T, s_scale, sg_dp, sg_ds,
-                   D, BLOCK_M, BLOCK_N, False, CAUSAL, PACKED, QUANT_DS, DTYPE, PREC)
+                   D, BLOCK_M, BLOCK_N, False, CAUSAL, PACKED, QUANT_DS, DTYPE, PREC, EMU)
     dq = _dq_inner(dq, q, do, lse, delta, K, Ks, V, Vs, key, lo, hi, offs_m, T, s_scale, sg_dp, sg_ds,
-                   D, BLOCK_M, BLOCK_N, True, CAUSAL, PACKED, QUANT_DS, DTYPE, PREC)
+                   D, BLOCK_M, BLOCK_N, True, CAUSAL, PACKED, QUANT_DS, DTYPE, PREC, EMU)
     dq = dq * (sm_scale * sg_k * sg_ds)
     tl.store(DQ + row + offs_m[:, None] * D + cols[None, :], dq.to(DQ.dtype.element_ty), mask=rmask[:, None])
 
@@ -422,10 +435,13 @@ def _operand(x):
 
 def _meta(dtype, kind, config, D, packed):
     cfg = dict(config)
+    emulate = False
     if _interpreting():
         cfg.update(INTERPRET_CONFIGS[kind])
-    return dict(DTYPE=_TL_DTYPE[dtype], PREC="ieee" if dtype == torch.float32 else "tf32", D=D,
-                QD=D // 2 if packed else D, PACKED=packed, **cfg)
+        emulate = dtype == torch.bfloat16
+    return dict(DTYPE=tl.float32 if emulate else _TL_DTYPE[dtype], EMU=emulate,
+                PREC="ieee" if dtype == torch.float32 else "tf32", D=D, QD=D // 2 if packed else D, PACKED=packed,
+                **cfg)
 
 
 def flash_forward(q, k, v, scales, shape, causal, sm_scale, quant_p, dtype, config=None):

@@ -1,0 +1,213 @@
+"""
+Benchmark of attention.py's flash kernels against torch SDPA's flash backend, same run, same GPU.
+  python bench_attention.py --out attention.json            (defaults: B=8 H=16 Hkv=8 T=2048 D=128 causal)
+FLOPs (causal): fwd = 2 matmuls * 2 * B*H*T^2*D / 2 = 2*B*H*T^2*D; bwd = 2.5 * fwd (5 matmuls); fwd+bwd = 3.5 * fwd.
+Targets (issue 6): bf16 fwd+bwd >= 0.8x SDPA, fp4 fwd+bwd >= 0.7x SDPA. The fp4 timings include quantizing
+Q, K, V (nvfp4's quantize kernel); "fp4 kernels only" times the attention kernels on pre-quantized inputs.
+--sweep also times a few tile configs per kernel (within --budget seconds) and reports the fastest.
+"""
+
+import argparse
+import json
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+
+import attention
+import nvfp4
+from kernels import flash_attention as fa
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--B", type=int, default=8)
+    ap.add_argument("--H", type=int, default=16)
+    ap.add_argument("--Hkv", type=int, default=8)
+    ap.add_argument("--T", type=int, default=2048)
+    ap.add_argument("--D", type=int, default=128)
+    ap.add_argument("--no-causal", dest="causal", action="store_false")
+    ap.add_argument("--policies", default="bf16,fp4,fp4_pv,fp4_dov,fp4_all")
+    ap.add_argument("--sweep", action="store_true", default=True)
+    ap.add_argument("--no-sweep", dest="sweep", action="store_false")
+    ap.add_argument("--budget", type=float, default=100.0, help="seconds for the config sweep")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--dry", action="store_true", help="CPU smoke run of this script (interpreter, tiny shapes)")
+    args = ap.parse_args()
+    B, H, Hkv, T, D, causal = args.B, args.H, args.Hkv, args.T, args.D, args.causal
+    dev, dt = "cuda", torch.bfloat16
+    if args.dry:   # every code path once, no timing (TRITON_INTERPRET=1 python bench_attention.py --dry --B 1 ...)
+        dev = "cpu"
+        triton.testing.do_bench = lambda fn, **kw: (fn(), 1.0)[1]
+        torch.cuda.get_device_name = lambda *a: "cpu (dry run)"
+    else:
+        assert torch.cuda.is_available(), "bench_attention.py needs a CUDA GPU"
+    fwd_flop = 2 * 2 * B * H * T * T * D / (2 if causal else 1)
+    flops = {"fwd": fwd_flop, "fwd+bwd": 3.5 * fwd_flop, "bwd": 2.5 * fwd_flop}
+    result = {"shape": dict(B=B, H=H, Hkv=Hkv, T=T, D=D, causal=causal, dtype="bf16"),
+              "flop_formula": "fwd = 2*2*B*H*T^2*D/2 (causal), bwd = 2.5*fwd, fwd+bwd = 3.5*fwd",
+              "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "configs": {"fwd": fa.FWD_CONFIG, "dkdv": fa.DKDV_CONFIG, "dq": fa.DQ_CONFIG}, "rows": []}
+
+    def save():
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+
+    torch.manual_seed(0)
+    q = torch.randn(B, H, T, D, device=dev, dtype=dt, requires_grad=True)
+    k = torch.randn(B, Hkv, T, D, device=dev, dtype=dt, requires_grad=True)
+    v = torch.randn(B, Hkv, T, D, device=dev, dtype=dt, requires_grad=True)
+    do = torch.randn(B, H, T, D, device=dev, dtype=dt)
+
+    def timed(name, fwd, passes=("fwd", "fwd+bwd")):
+        row = {"name": name}
+        for kind in passes:
+            try:
+                if kind == "fwd":
+                    with torch.no_grad():
+                        ms = triton.testing.do_bench(fwd, warmup=25, rep=100)
+                else:
+                    def step():
+                        fwd().backward(do)
+                    ms = triton.testing.do_bench(step, warmup=25, rep=100, grad_to_none=[q, k, v])
+                row[kind + "_ms"] = ms
+                row[kind + "_tflops"] = flops[kind] / ms / 1e9
+            except Exception as e:  # keep going: one failing variant must not lose the others
+                row[kind + "_error"] = f"{type(e).__name__}: {e}"[:500]
+        result["rows"].append(row)
+        print(f"{name:28s} " + "  ".join(f"{kd}: {row[kd + '_tflops']:7.1f} TFLOP/s ({row[kd + '_ms']:.3f} ms)"
+                                         if kd + "_ms" in row else f"{kd}: {row.get(kd + '_error')}"
+                                         for kd in passes), flush=True)
+        save()
+        return row
+
+    # --- torch SDPA, flash backend (GQA through enable_gqa, else K/V repeated outside the timing)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    if args.dry:
+        sdpa_kernel = lambda *a: __import__("contextlib").nullcontext()
+    kr, vr = k.detach().repeat_interleave(H // Hkv, 1).requires_grad_(), v.detach().repeat_interleave(H // Hkv, 1).requires_grad_()
+
+    def sdpa_gqa():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+    def sdpa_rep():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, kr, vr, is_causal=causal)
+    try:
+        sdpa_gqa().backward(do)
+        sdpa = timed("sdpa flash (enable_gqa)", sdpa_gqa)
+    except Exception as e:
+        print("SDPA flash with enable_gqa failed:", e)
+        sdpa = timed("sdpa flash (K/V repeated)", sdpa_rep)
+
+    # --- correctness spot check on the benchmark shape: ours bf16 vs SDPA
+    with torch.no_grad():
+        ref = sdpa_rep()
+        ours = attention.attention(q, k, v, causal=causal, policy="bf16", impl="triton")
+        result["bf16_max_abs_err_vs_sdpa"] = (ours.float() - ref.float()).abs().max().item()
+        print("bf16 max |ours - sdpa| =", result["bf16_max_abs_err_vs_sdpa"])
+
+    rows = {}
+    for policy in args.policies.split(","):
+        rows[policy] = timed(f"ours {policy}",
+                             lambda p=policy: attention.attention(q, k, v, causal=causal, policy=p, impl="triton"))
+
+    # --- fp4: the kernels alone (Q, K, V quantized beforehand) and the quantization alone
+    qq, kq, vq = (nvfp4.quantize(x.detach(), (1, 16), "rtn") for x in (q, k, v))
+    ops = [(x.codes, x.scales) for x in (qq, kq, vq)]
+    scales = attention._scales(qq.global_scale, kq.global_scale, vq.global_scale, 1.0, 1.0, 1.0, device=dev)
+    shape = (B, H, Hkv, T, D)
+    sm = 1.0 / math.sqrt(D)
+    o, lse = fa.flash_forward(*ops, scales, shape, causal, sm, False, dt)
+    delta, do_norm = fa.bwd_preprocess(o, do)
+    keys = attention._as_int32(attention.sr_keys(1234, B * H, device=dev))
+    ds_scale = attention.ds_global_scale(do_norm, vq.global_scale * 2688.0, delta, D, H // Hkv).reshape(-1)
+
+    def bench_kernel(name, fn, kind):
+        try:
+            ms = triton.testing.do_bench(fn, warmup=25, rep=100)
+            row = {"name": name, kind + "_ms": ms, kind + "_tflops": flops[kind] / ms / 1e9}
+            print(f"{name:28s} {kind}: {row[kind + '_tflops']:7.1f} TFLOP/s ({ms:.3f} ms)", flush=True)
+        except Exception as e:
+            row = {"name": name, kind + "_error": f"{type(e).__name__}: {e}"[:500]}
+            print(name, row)
+        result["rows"].append(row)
+        save()
+        return row
+
+    bench_kernel("fp4 kernels only: fwd", lambda: fa.flash_forward(*ops, scales, shape, causal, sm, False, dt), "fwd")
+    bench_kernel("fp4 kernels only: bwd", lambda: fa.flash_backward(*ops, scales, shape, do, lse, delta, None, None,
+                                                                     ds_scale, keys, causal, sm, dt), "bwd")
+    plain = [x.detach() for x in (q, k, v)]
+    ones = attention._scales(1.0, 1.0, 1.0, 1.0, 1.0, 1.0, device=dev)
+    o_b, lse_b = fa.flash_forward(*plain, ones, shape, causal, sm, False, dt)
+    bench_kernel("bf16 kernels only: bwd", lambda: fa.flash_backward(*plain, ones, shape, do, lse_b, delta, None,
+                                                                      None, None, None, causal, sm, dt), "bwd")
+    bench_kernel("fp4 dS in bf16: bwd", lambda: fa.flash_backward(*ops, scales, shape, do, lse, delta, None, None,
+                                                                   None, None, causal, sm, dt), "bwd")
+    t0 = time.time()
+    ms = triton.testing.do_bench(lambda: [nvfp4.quantize(x.detach(), (1, 16), "rtn") for x in (q, k, v)])
+    result["quantize_qkv_ms"] = ms
+    print(f"quantize Q, K, V: {ms:.3f} ms")
+
+    # --- summary against the targets
+    summary = {}
+    for policy, target in (("bf16", 0.8), ("fp4", 0.7)):
+        if policy in rows and "fwd+bwd_ms" in rows[policy] and "fwd+bwd_ms" in sdpa:
+            ratio = sdpa["fwd+bwd_ms"] / rows[policy]["fwd+bwd_ms"]
+            summary[policy] = {"fwd+bwd_vs_sdpa": ratio, "target": target, "met": ratio >= target,
+                               "fwd_vs_sdpa": sdpa["fwd_ms"] / rows[policy]["fwd_ms"]}
+            print(f"{policy}: fwd+bwd {ratio:.2f}x SDPA (target {target}x) -> {'MET' if ratio >= target else 'MISSED'}")
+    result["summary"] = summary
+    save()
+
+    # --- config sweep: which tiles are fastest for each kernel (bf16 and fp4 operands)
+    if args.sweep:
+        t_end = time.time() + args.budget
+        sweep = result.setdefault("sweep", [])
+        cands = {
+            "fwd": [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3), dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
+                    dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+                    dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4)],
+            "dkdv": [dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2), dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=3),
+                     dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3),
+                     dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=4)],
+            "dq": [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2), dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=3),
+                   dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+                   dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=4)],
+        }
+        variants = {"bf16": (plain, ones, lse_b, None, None), "fp4": (ops, scales, lse, ds_scale, keys)}
+        for kind, configs in cands.items():
+            for cfg in configs:
+                for vname, (operands, sc, lse_v, dss, ks) in variants.items():
+                    if time.time() > t_end:
+                        break
+                    if kind == "fwd":
+                        fn = lambda: fa.flash_forward(*operands, sc, shape, causal, sm, False, dt, config=cfg)
+                        fl = flops["fwd"]
+                    elif kind == "dkdv":
+                        fn = lambda: fa.flash_backward(*operands, sc, shape, do, lse_v, delta, None, None, dss, ks,
+                                                       causal, sm, dt, dkdv_config=cfg, dq_config=fa.DQ_CONFIG)
+                        fl = flops["bwd"]
+                    else:
+                        fn = lambda: fa.flash_backward(*operands, sc, shape, do, lse_v, delta, None, None, dss, ks,
+                                                       causal, sm, dt, dkdv_config=fa.DKDV_CONFIG, dq_config=cfg)
+                        fl = flops["bwd"]
+                    try:
+                        ms = triton.testing.do_bench(fn, warmup=10, rep=50)
+                        entry = {"kernel": kind, "operands": vname, "config": cfg, "ms": ms, "tflops": fl / ms / 1e9}
+                    except Exception as e:
+                        entry = {"kernel": kind, "operands": vname, "config": cfg, "error": f"{type(e).__name__}: {e}"[:300]}
+                    sweep.append(entry)
+                    print("sweep", entry, flush=True)
+                    save()
+        print("sweep: for dkdv/dq rows, ms is the whole backward (the other kernel at its default config)")
+    save()
+
+
+if __name__ == "__main__":
+    main()
