@@ -1,0 +1,325 @@
+"""Triton NVFP4 kernels (kernels/nvfp4_quant.py, kernels/nvfp4_gemm.py) against the reference nvfp4.py.
+
+On CPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1), so shapes are small.
+The @pytest.mark.gpu tests repeat the checks at full size on the H200:  pytest -m gpu tests/test_kernels_nvfp4.py
+"""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import nvfp4
+from kernels import nvfp4_gemm as kg
+from kernels import nvfp4_quant as kq
+
+BLOCKS = [(1, 16), (16, 1), (16, 16)]
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _heavy_tailed(shape, generator, dtype=torch.float32, device="cpu"):
+    """Gaussian times a log-normal spread (outliers, tiny blocks), with an all-zero block and a block so small
+    that its E4M3 scale is subnormal or zero."""
+    x = torch.randn(shape, generator=generator) * torch.exp(1.5 * torch.randn(shape, generator=generator))
+    x[..., :16, :16] = 0.0
+    x[..., 16:32, 16:32] *= 1e-7
+    return x.to(device=device, dtype=dtype)
+
+
+def _same(k, r):
+    """Kernel NVFP4Tensor == reference NVFP4Tensor, bit for bit."""
+    assert k.shape == r.shape and k.block == r.block
+    assert k.codes.dtype == torch.uint8 and k.scales.dtype == torch.float8_e4m3fn
+    assert torch.equal(k.global_scale.cpu(), r.global_scale.cpu()), (k.global_scale, r.global_scale)
+    sk, sr = k.scales.view(torch.uint8).cpu(), r.scales.view(torch.uint8).cpu()
+    assert torch.equal(sk, sr), f"{(sk != sr).sum().item()} of {sr.numel()} scales differ"
+    ck, cr = k.codes.cpu(), r.codes.cpu()
+    assert torch.equal(ck, cr), f"{(ck != cr).sum().item()} of {cr.numel()} code bytes differ"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# quantize: RTN bit-exact
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("four_over_six", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_rtn_bit_exact(block, four_over_six, dtype):
+    g = torch.Generator().manual_seed(BLOCKS.index(block) * 4 + 2 * four_over_six + (dtype == torch.bfloat16))
+    x = _heavy_tailed((48, 96), g, dtype)
+    k = kq.quantize(x, block, "rtn", four_over_six)
+    r = nvfp4._quantize_reference(x, block, "rtn", four_over_six, None)
+    _same(k, r)
+    assert k.scales.view(torch.uint8)[0, 0] == 0 and (k.codes[:16, :8] & 0x77).eq(0).all()  # zero block
+    assert (k.scales.float() < 2**-6).any()                                                  # subnormal scales kept
+
+
+def test_quantize_batched_and_transposed_views():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 32, 48, generator=g)
+    _same(kq.quantize(x, (16, 16), "rtn", True), nvfp4._quantize_reference(x, (16, 16), "rtn", True, None))
+    xt = torch.randn(64, 48, generator=g).t()  # (48, 64) with strides (1, 48): the wgrad's dY.t()
+    _same(kq.quantize(xt, (1, 16)), nvfp4._quantize_reference(xt, (1, 16), "rtn", False, None))
+
+
+def test_quantize_ties_to_even_on_the_grid():
+    # every block has max 6 (so s_b * s_g = 1 exactly with amax 2688: s_g = 1, s_b = 1) and holds all midpoints
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
+    row = torch.cat((mids, -mids))                       # 16 values, max |.| = 6
+    x = row.repeat(16, 2)                                # (16, 32)
+    x[0, 0] = 2688.0                                     # global amax -> s_g = 1, that block's own scale 448
+    k = kq.quantize(x, (1, 16))
+    _same(k, nvfp4._quantize_reference(x, (1, 16), "rtn", False, None))
+    assert k.dequantize()[1, :8].tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0]
+
+
+@triton.jit
+def _e4m3_probe(s_ptr, v_ptr, bits_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    s = tl.load(s_ptr + offs, mask=offs < n, other=0.0)
+    v, bits = kq._round_to_e4m3(s)
+    tl.store(v_ptr + offs, v, mask=offs < n)
+    tl.store(bits_ptr + offs, bits, mask=offs < n)
+
+
+def test_round_to_e4m3_matches_torch_including_ties_and_subnormals():
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()   # all finite E4M3 >= 0
+    ties = (grid[:-1] + grid[1:]) / 2                                                  # exact midpoints
+    g = torch.Generator().manual_seed(0)
+    rand = torch.rand(2000, generator=g) * 448 * torch.exp2(-torch.randint(0, 14, (2000,), generator=g).float())
+    s = torch.cat((grid, ties, torch.nextafter(ties, torch.zeros_like(ties)), rand, torch.tensor([448.0, 1e-30])))
+    v, bits = torch.empty_like(s), torch.empty(s.shape, dtype=torch.uint8)
+    _e4m3_probe[(triton.cdiv(s.numel(), 1024),)](s, v, bits, s.numel(), BLOCK=1024)
+    want = s.to(torch.float8_e4m3fn)                                                   # torch: RNE, correct
+    assert torch.equal(v, want.float())
+    assert torch.equal(bits, want.view(torch.uint8))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# quantize: Hadamard
+
+@pytest.mark.parametrize("block", [(1, 16), (16, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_hadamard_bit_exact(block, dtype):
+    g = torch.Generator().manual_seed(7)
+    H = nvfp4.random_hadamard(g)
+    # multiples of 1/8 in [-8, 8]: every 16-term rotation is exact in fp32, whatever the summation order
+    x = (torch.randint(-64, 65, (32, 64), generator=g).float() / 8).to(dtype)
+    _same(kq.quantize(x, block, "rtn", False, hadamard=H), nvfp4.quantize(x, block, "rtn", False, hadamard=H))
+    # generic values: the rotation's rounding may depend on summation order; here it matched, keep it honest
+    x = torch.randn(32, 64, generator=g).to(dtype)
+    k, r = kq.quantize(x, block, "rtn", True, hadamard=H), nvfp4.quantize(x, block, "rtn", True, hadamard=H)
+    assert (k.codes != r.codes).float().mean() < 1e-3 and (k.scales.view(torch.uint8) != r.scales.view(torch.uint8)).float().mean() < 1e-3
+
+
+# ----------------------------------------------------------------------------------------------------------
+# quantize: SR
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_sr_arithmetic_bit_exact_given_the_reference_uniforms(block):
+    x = _heavy_tailed((32, 64), torch.Generator().manual_seed(3))
+    r = nvfp4._quantize_reference(x, block, "sr", True, torch.Generator().manual_seed(11))
+    noise = torch.rand(x.shape, generator=torch.Generator().manual_seed(11))  # the draws the reference made
+    _same(kq.quantize(x, block, "sr", True, noise=noise), r)
+
+
+def _assert_sr_unbiased(d, row, t_rtn):
+    """d: (n, C) dequantized SR draws of the same row x (C,). E[SR(a)] = a, so the mean must match
+    sign(x) * min(|x| / (s_b s_g), 6) * s_b s_g (the clamp at 6 is the format's, not SR's) within 5 sigma."""
+    bm, bn = t_rtn.block
+    den = (t_rtn.scales.float().repeat_interleave(bm, -2).repeat_interleave(bn, -1) * t_rtn.global_scale)[0]
+    expected = torch.sign(row) * torch.where(den > 0, (row.abs() / den).clamp(max=6.0) * den, 0.0)
+    sigma = (d.max(0).values - d.min(0).values) / 2 / d.shape[0] ** 0.5   # gap/2 bounds the per-draw std
+    assert ((d.mean(0) - expected).abs() <= 5 * sigma + 1e-5 * row.abs()).all()
+
+
+def test_sr_trand_unbiased_reproducible_and_distributed_like_the_reference():
+    g = torch.Generator().manual_seed(5)
+    row = torch.randn(64, generator=g)
+    x = row.repeat(512, 1)                     # 512 independent SR draws of each of 64 values, one launch
+    k = kq.quantize(x, (1, 16), "sr", seed=123)
+    rtn = nvfp4._quantize_reference(x, (1, 16), "rtn", False, None)
+    kd, rd = k.dequantize(), nvfp4._quantize_reference(x, (1, 16), "sr", False, g).dequantize()
+    _assert_sr_unbiased(kd, row, rtn)
+    _assert_sr_unbiased(rd, row, rtn)
+    # same distribution as the reference: per value the two up-rates agree within 7 sigma
+    sigma = (kd.max(0).values - kd.min(0).values).clamp(min=1e-30) / 2 / 512 ** 0.5
+    assert ((kd - rd).mean(0).abs() / sigma).max() < 7
+    assert torch.equal(kq.quantize(x, (1, 16), "sr", seed=123).codes, k.codes)  # reproducible given the seed
+    assert not torch.equal(kq.quantize(x, (1, 16), "sr", seed=124).codes, k.codes)
+    assert torch.equal(k.scales.view(torch.uint8), rtn.scales.view(torch.uint8))  # SR leaves the scales alone
+
+
+# ----------------------------------------------------------------------------------------------------------
+# quantize_dequant / grid values
+
+@pytest.mark.parametrize("block", [(1, 16), (16, 16)])
+def test_quantize_dequant_writes_the_grid_values(block):
+    x = _heavy_tailed((32, 64), torch.Generator().manual_seed(9), torch.bfloat16)
+    r = nvfp4._quantize_reference(x, block, "rtn", True, None)
+    values, s_g, t = kq.quantize_dequant(x, block, "rtn", True, return_tensor=True)
+    assert values.dtype == torch.bfloat16 and torch.equal(values.float(), r.grid_values())
+    assert torch.equal(s_g, r.global_scale)
+    _same(t, r)
+    assert torch.equal(kq.grid_values_bf16(r).float(), r.grid_values())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# GEMM
+
+def _gemm_bound(a_hat, b_hat, gs, K, out_dtype):
+    """|kernel - reference| bound: fp32 summation in another order (K * 2^-22 relative to sum |a||b|, generous
+    for tensor-core accumulation) plus one rounding of the output dtype (a full ulp: the interpreter's
+    fp32 -> bf16 cast truncates instead of rounding to nearest)."""
+    mag = (a_hat.abs().double() @ b_hat.abs().double().t()) * gs
+    eps_out = {torch.float32: 2**-23, torch.bfloat16: 2**-7, torch.float16: 2**-10}[out_dtype]
+    return mag * K * 2**-22 + mag * eps_out + 1e-30
+
+
+def _check_gemm(out, a, b, trans_a=False, trans_b=False, out_dtype=torch.float32):
+    A = a.grid_values().double()
+    B = b.grid_values().double()
+    A, B = (A.t() if trans_a else A), (B.t() if trans_b else B)
+    gs = (a.global_scale * b.global_scale).double()
+    ref = (A @ B.t()) * gs
+    assert out.dtype == out_dtype and out.shape == ref.shape
+    err = (out.double() - ref).abs()
+    bound = _gemm_bound(A, B, gs, A.shape[1], out_dtype)
+    assert (err <= bound).all(), f"max err {err.max().item()}, bound there {bound.flatten()[err.argmax()].item()}"
+    # and the reference itself (nvfp4.nvfp4_matmul on CPU) agrees within the same bound
+    if out.device.type == "cpu":
+        r = nvfp4.nvfp4_matmul(a.t() if trans_a else a, b.t() if trans_b else b)
+        assert ((r.double() - ref).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("M,N,K", [(48, 32, 96), (33, 18, 64), (16, 80, 160)])
+@pytest.mark.parametrize("w_block", [(1, 16), (16, 16)])
+def test_gemm_matches_reference(M, N, K, w_block):
+    if N % w_block[0]:
+        pytest.skip("16x16 weight blocks need N % 16 == 0")
+    g = torch.Generator().manual_seed(M * N + K)
+    a = nvfp4.quantize(_heavy_tailed((M, K), g) if M >= 32 and K >= 32 else torch.randn(M, K, generator=g), (1, 16))
+    b = nvfp4.quantize(torch.randn(N, K, generator=g), w_block)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        _check_gemm(kg.nvfp4_gemm(a, b, out_dtype=out_dtype, route="triton"), a, b, out_dtype=out_dtype)
+
+
+def test_gemm_transposed_operands_and_cublas_route():
+    g = torch.Generator().manual_seed(2)
+    T, O, I = 32, 48, 64
+    dy, W, X = torch.randn(T, O, generator=g), torch.randn(O, I, generator=g), torch.randn(T, I, generator=g)
+    dyq, wq = nvfp4.quantize(dy, (1, 16)), nvfp4.quantize(W, (16, 16))
+    for route in ("triton", "cublas"):
+        # dX = Q1x16(dY) Q16x16(W): W stored (out, in) is the transposed (N=in, K=out) operand
+        _check_gemm(kg.nvfp4_gemm(dyq, wq, torch.float32, trans_b=True, route=route), dyq, wq, trans_b=True)
+        # dW = dY^T X with both operands stored (T, .) and 16x1-blocked along T
+        dy16, x16 = nvfp4.quantize(dy, (16, 1)), nvfp4.quantize(X, (16, 1))
+        _check_gemm(kg.nvfp4_gemm(dy16, x16, torch.float32, trans_a=True, trans_b=True, route=route),
+                    dy16, x16, trans_a=True, trans_b=True)
+    out = kg.nvfp4_gemm(dyq, nvfp4.quantize(W.t().contiguous(), (16, 16)), torch.bfloat16, route="cublas")
+    _check_gemm(out, dyq, nvfp4.quantize(W.t().contiguous(), (16, 16)), out_dtype=torch.bfloat16)
+
+
+def test_gemm_folds_leading_dims_of_a():
+    g = torch.Generator().manual_seed(4)
+    a = nvfp4.quantize(torch.randn(2, 16, 32, generator=g), (1, 16))
+    b = nvfp4.quantize(torch.randn(16, 32, generator=g), (16, 16))
+    out = kg.nvfp4_gemm(a, b, torch.float32, route="triton")
+    assert out.shape == (2, 16, 16)
+    ref = nvfp4.nvfp4_matmul(a, b)
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# bad input -> clear errors
+
+def test_bad_inputs_raise_clear_errors():
+    x = torch.randn(32, 64)
+    with pytest.raises(ValueError, match="does not fit NVFP4 block"):
+        kq.quantize(torch.randn(24, 64), (16, 1))
+    with pytest.raises(ValueError, match="does not fit NVFP4 block"):
+        kq.quantize(torch.randn(32, 40), (1, 16))
+    with pytest.raises(ValueError, match="non-finite"):
+        kq.quantize(torch.tensor([[float("nan")] * 16] * 2), (1, 16))
+    with pytest.raises(ValueError, match="1-D block"):
+        kq.quantize(x, (16, 16), hadamard=torch.eye(16))
+    with pytest.raises(ValueError, match=r"\(16, 16\) matrix"):
+        kq.quantize(x, (1, 16), hadamard=torch.eye(8))
+    with pytest.raises(ValueError, match="rounding"):
+        kq.quantize(x, (1, 16), rounding="nearest")
+    with pytest.raises(ValueError, match="noise"):
+        kq.quantize(x, (1, 16), rounding="sr", noise=torch.rand(16, 64))
+    a, b = nvfp4.quantize(x, (1, 16)), nvfp4.quantize(torch.randn(16, 48), (1, 16))
+    with pytest.raises(ValueError, match="contraction dims differ"):
+        kg.nvfp4_gemm(a, b, route="triton")
+    with pytest.raises(ValueError, match="blocked along K"):
+        kg.nvfp4_gemm(a, nvfp4.quantize(torch.randn(16, 64), (16, 1)), route="triton")
+    with pytest.raises(ValueError, match="blocked along K"):
+        kg.nvfp4_gemm(a, nvfp4.quantize(torch.randn(64, 16), (1, 16)), trans_b=True, route="triton")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# GPU, full size (H200): kernels vs the reference run on CPU (the spec; see kernels/nvfp4_quant.py's note on
+# torch's CUDA scalar division)
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("four_over_six", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_quantize_rtn_bit_exact_4096(block, four_over_six, dtype):
+    x = _heavy_tailed((4096, 4096), torch.Generator().manual_seed(0), dtype)
+    k = kq.quantize(x.cuda(), block, "rtn", four_over_six)
+    _same(k, nvfp4._quantize_reference(x, block, "rtn", four_over_six, None))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", BLOCKS)
+def test_gpu_sr_bit_exact_given_uniforms_and_unbiased(block):
+    x = _heavy_tailed((4096, 4096), torch.Generator().manual_seed(1), torch.bfloat16)
+    r = nvfp4._quantize_reference(x, block, "sr", True, torch.Generator().manual_seed(2))
+    noise = torch.rand(x.shape, generator=torch.Generator().manual_seed(2))
+    _same(kq.quantize(x.cuda(), block, "sr", True, noise=noise.cuda()), r)
+    row = torch.randn(4096)
+    xs = row.repeat(4096, 1)
+    d = kq.quantize(xs.cuda(), block, "sr", seed=3).dequantize().cpu()
+    _assert_sr_unbiased(d, row, nvfp4._quantize_reference(xs, block, "rtn", False, None))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", [(1, 16), (16, 1)])
+def test_gpu_hadamard_4096(block):
+    g = torch.Generator().manual_seed(4)
+    H = nvfp4.random_hadamard(g)
+    x = (torch.randint(-64, 65, (4096, 4096), generator=g).float() / 8).to(torch.bfloat16)
+    _same(kq.quantize(x.cuda(), block, "rtn", hadamard=H.cuda()), nvfp4._quantize_reference(
+        nvfp4.hadamard_transform(x.float(), H, dim=-1 if block == (1, 16) else -2), block, "rtn", False, None))
+    # generic bf16 values: tensor-core accumulation of the 16-term rotation may round differently
+    x = torch.randn(4096, 4096, generator=g).to(torch.bfloat16)
+    k = kq.quantize(x.cuda(), block, "rtn", hadamard=H.cuda())
+    r = nvfp4._quantize_reference(nvfp4.hadamard_transform(x.float(), H, dim=-1 if block == (1, 16) else -2),
+                                  block, "rtn", False, None)
+    assert (k.codes.cpu() != r.codes).float().mean() < 1e-4
+    assert (k.scales.view(torch.uint8).cpu() != r.scales.view(torch.uint8)).float().mean() < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("route", ["triton", "cublas"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_gpu_gemm_4096(route, out_dtype):
+    g = torch.Generator(device="cuda").manual_seed(5)
+    a = kq.quantize(torch.randn(4096, 4096, device="cuda", generator=g), (1, 16))
+    b = kq.quantize(torch.randn(4096, 4096, device="cuda", generator=g), (16, 16))
+    _check_gemm(kg.nvfp4_gemm(a, b, out_dtype, route=route), a, b, out_dtype=out_dtype)
+    _check_gemm(kg.nvfp4_gemm(a, b, out_dtype, trans_b=True, route=route), a, b, trans_b=True, out_dtype=out_dtype)
+    c = kq.quantize(torch.randn(4096, 2048, device="cuda", generator=g), (16, 1))
+    d = kq.quantize(torch.randn(4096, 1024, device="cuda", generator=g), (16, 1))
+    _check_gemm(kg.nvfp4_gemm(c, d, out_dtype, trans_a=True, trans_b=True, route=route), c, d,
+                trans_a=True, trans_b=True, out_dtype=out_dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_gemm_odd_shapes_and_pick_route():
+    g = torch.Generator(device="cuda").manual_seed(6)
+    a = kq.quantize(torch.randn(1000, 1040, device="cuda", generator=g), (1, 16))
+    b = kq.quantize(torch.randn(3008, 1040, device="cuda", generator=g), (16, 16))
+    _check_gemm(kg.nvfp4_gemm(a, b, torch.float32, route="triton"), a, b)
+    assert kg.pick_route(a, b) in ("triton", "cublas")
