@@ -127,13 +127,13 @@ class LoRASVDFunction(torch.autograd.Function):
         if use_fused_kernels(x, fused):
             from kernels import lora_fused
             # App. 9: one read of X gives Q1x16(X) and X L1^T; the up-projection rides the GEMM's epilogue
-            qx, xl1 = lora_fused.quantize_down_proj(x, L1.to(bdt), "rtn", four_over_six)  # (T, r)
-            y = lora_fused.nvfp4_matmul_up_proj(qx, qw, xl1, L2.to(bdt), beta, out_dtype=x.dtype)
+            qx, xl1 = lora_fused.quantize_down_proj(x, L1.to(bdt), beta, "rtn", four_over_six, name="activation X")
+            y = lora_fused.nvfp4_matmul_up_proj(qx, qw, xl1, L2.to(bdt), out_dtype=x.dtype)  # xl1 carries beta
         else:
             qx = nvfp4.quantize(x, (1, 16), "rtn", four_over_six, name="activation X")  # Q1x16(X), RTN
             xl1 = x.to(bdt) @ L1.to(bdt).t()  # (T, r)
-            y = nvfp4.nvfp4_matmul(qx, qw) + beta * (xl1 @ L2.to(bdt).t()).float()  # (T, out)
-            y = y.to(x.dtype)
+            y = nvfp4.nvfp4_matmul(qx, qw, out_dtype=x.dtype)  # (T, out)
+            y = y.add_((xl1 @ L2.to(bdt).t()).to(x.dtype), alpha=beta)
         ctx.qx, ctx.qw, ctx.beta, ctx.four_over_six, ctx.fused = qx, qw, beta, four_over_six, fused
         ctx.save_for_backward(L1, L2)
         return y
@@ -149,13 +149,13 @@ class LoRASVDFunction(torch.autograd.Function):
             # RNG order: dY's SR draw comes before eq. 2's draws (as in NVFP4Linear).
             if use_fused_kernels(dy, ctx.fused):
                 from kernels import lora_fused
-                q_dy, dyl2 = lora_fused.quantize_down_proj(dy, L2.t().to(bdt), "sr", fos)  # (T, r)
-                dx = lora_fused.nvfp4_matmul_up_proj(q_dy, qw.t(), dyl2, L1.t().to(bdt), beta, out_dtype=dy.dtype)
+                q_dy, dyl2 = lora_fused.quantize_down_proj(dy, L2.t().to(bdt), beta, "sr", fos, name="gradient dY")
+                dx = lora_fused.nvfp4_matmul_up_proj(q_dy, qw, dyl2, L1.t().to(bdt), out_dtype=dy.dtype, trans_b=True)
             else:
                 q_dy = nvfp4.quantize(dy, (1, 16), "sr", fos, name="gradient dY")  # Q1x16(dY), SR
                 dyl2 = dy.to(bdt) @ L2.to(bdt)  # (T, r)
-                dx = nvfp4.nvfp4_matmul(q_dy, qw.t()) + beta * (dyl2 @ L1.to(bdt)).float()  # (T, in)
-                dx = dx.to(dy.dtype)
+                dx = nvfp4.nvfp4_matmul(q_dy, qw.t(), out_dtype=dy.dtype)  # (T, in)
+                dx = dx.add_((dyl2 @ L1.to(bdt)).to(dy.dtype), alpha=beta)
         if ctx.needs_input_grad[1]:
             dw = nvfp4.wgrad(dy, qx, fos)  # eq. 2, (out, in) fp32
         ctx.qx = ctx.qw = None

@@ -294,3 +294,99 @@ def test_lora_svd_error_lower_on_structured_weight():
     e = lora_svd.lora_svd_error(W, X, 16)
     assert 0 < e["lora_svd"] < e["nvfp4"] < 0.05
     assert e["reduction"] == pytest.approx(1 - e["lora_svd"] / e["nvfp4"])
+
+
+# ---------------------------------------------------------------------------------------------------- kernels (App. 9)
+# On CPU these run in Triton's interpreter (conftest sets TRITON_INTERPRET=1): small shapes.
+
+def heavy_tailed(shape, gen):
+    x = torch.randn(shape, generator=gen) * torch.exp(1.5 * torch.randn(shape, generator=gen))
+    x[:16, :16] = 0.0  # an all-zero block
+    return x
+
+
+def same_nvfp4(k, r):
+    assert k.shape == r.shape and k.block == r.block
+    assert torch.equal(k.global_scale.cpu(), r.global_scale.cpu())
+    assert torch.equal(k.scales.view(torch.uint8).cpu(), r.scales.view(torch.uint8).cpu())
+    assert torch.equal(k.codes.cpu(), r.codes.cpu())
+
+
+@pytest.mark.parametrize("four_over_six", [False, True])
+def test_kernel_quantize_down_proj_matches_reference(four_over_six):
+    from kernels import lora_fused
+    from kernels import nvfp4_quant
+    gen = torch.Generator().manual_seed(20)
+    x = heavy_tailed((48, 96), gen)
+    L = torch.randn(96, 5, generator=gen).t()  # (r, K) = a transposed view, as L2^T in the dX pass; r not a power of 2
+    q, xl = lora_fused.quantize_down_proj(x, L, 0.5, "rtn", four_over_six)
+    same_nvfp4(q, nvfp4._quantize_reference(x, (1, 16), "rtn", four_over_six, None))
+    assert_close64(xl, 0.5 * f64(x) @ f64(L).t())
+    q, xl_sr = lora_fused.quantize_down_proj(x, L, 0.5, "sr", four_over_six, seed=77)
+    same_nvfp4(q, nvfp4_quant.quantize(x, (1, 16), "sr", four_over_six, seed=77))  # same tl.rand draws
+    assert torch.equal(xl_sr, xl)
+
+
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_kernel_gemm_up_proj_matches_reference(trans_b):
+    from kernels import lora_fused
+    gen = torch.Generator().manual_seed(21)
+    M, N, K, r = 48, 80, 96, 5  # tiles of 32 and K % 64 != 0: every mask is exercised
+    a = nvfp4.quantize(heavy_tailed((M, K), gen), (1, 16), "rtn", True)
+    W = torch.randn(K, N, generator=gen) if trans_b else torch.randn(N, K, generator=gen)
+    b = nvfp4.quantize(W, (16, 16), "rtn", True)  # stored (K, N) when trans_b: dX's use of Q16x16(W_res)
+    xl, L = torch.randn(M, r, generator=gen), torch.randn(N, r, generator=gen)
+    out = lora_fused.nvfp4_matmul_up_proj(a, b, xl, L, trans_b=trans_b)
+    b_hat = f64(b.dequantize()).t() if trans_b else f64(b.dequantize())  # logical (N, K)
+    assert_close64(out, f64(a.dequantize()) @ b_hat.t() + f64(xl) @ f64(L).t())
+    with pytest.raises(ValueError, match="xl"):
+        lora_fused.nvfp4_matmul_up_proj(a, b, xl[:, :4], L, trans_b=trans_b)
+
+
+def test_fused_path_of_the_layer_replays_eqs_1_2(monkeypatch):
+    """The module's fused branch (kernels in the interpreter, fp32 branch) against float64 eqs. 1-2."""
+    from kernels import nvfp4_quant
+    monkeypatch.setattr(lora_svd, "use_fused_kernels", lambda x, fused: fused)
+    beta = 0.5
+    layer = make_layer(beta=beta, seed=22)
+    x = torch.randn(T, IN, requires_grad=True)
+    dy = torch.randn(T, OUT)
+    torch.manual_seed(5)
+    y = layer(x)
+    y.backward(dy)
+    qx = nvfp4.quantize(x.detach(), (1, 16), "rtn", True)
+    qw = nvfp4.quantize(layer.weight_res.detach(), (16, 16), "rtn", True)
+    L1, L2 = f64(layer.L1), f64(layer.L2)
+    assert_close64(y, f64(qx.dequantize()) @ f64(qw.dequantize()).t() + beta * (f64(x) @ L1.t()) @ L2.t())
+    torch.manual_seed(5)  # replay: the kernel's SR seed, then eq. 2's draws
+    q_dy = nvfp4_quant.quantize(dy, (1, 16), "sr", True, seed=int(torch.randint(0, 2**31 - 1, ())))
+    H = nvfp4.random_hadamard()
+    q_dyt = nvfp4.quantize(dy.t(), (1, 16), "sr", True, hadamard=H)
+    q_hx = nvfp4.quantize(qx.dequantize(), (16, 1), "sr", True, hadamard=H)
+    assert_close64(x.grad, f64(q_dy.dequantize()) @ f64(qw.dequantize()) + beta * (f64(dy) @ L2) @ L1)
+    assert_close64(layer.weight_res.grad, f64(q_dyt.dequantize()) @ f64(q_hx.dequantize()))
+
+
+@pytest.mark.gpu
+def test_gpu_fused_equals_unfused_at_full_size():
+    torch.manual_seed(0)
+    layer = lora_svd.LoRASVDLinear(4096, 4096, 64, device="cuda")
+    x = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16)
+    outs = []
+    for fused in (True, False):
+        layer.fused = fused
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        torch.manual_seed(1)  # same SR seeds: the fused and unfused quantizers draw identical tl.rand streams
+        y = layer(x)
+        y.backward(dy)
+        outs.append((y.float(), x.grad.float(), layer.weight_res.grad.clone()))
+    for a, b in zip(outs[0], outs[1]):  # differ by bf16 roundings of the output and of the branch
+        assert ((a - b).norm() / b.norm()).item() < 1e-2
+    from kernels import lora_fused
+    L = layer.L1.detach().to(torch.bfloat16)
+    q, xl = lora_fused.quantize_down_proj(x.detach(), L, 1.0, "rtn", True)
+    same_nvfp4(q, nvfp4.quantize(x.detach(), (1, 16), "rtn", True))
+    ref = x.detach().float() @ L.float().t()
+    assert ((xl.float() - ref).norm() / ref.norm()).item() < 1e-2
