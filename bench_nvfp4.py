@@ -1,0 +1,153 @@
+"""
+Benchmark the NVFP4 Triton kernels against torch in the same run (issue 3's performance targets):
+  (a) quantize 8192x8192 bf16: bandwidth vs a device-to-device copy (RTN 1x16 >= 0.80x, SR + Hadamard >= 0.65x)
+  (b) NVFP4 GEMM 8192^3 from packed operands vs torch bf16 matmul (>= 0.85x); both routes, plus model shapes
+  (c) NVFP4Linear fwd+bwd, 4096x4096, 16k tokens vs nn.Linear bf16 (<= 1.3x the time)
+
+    python bench_nvfp4.py --out results.json          # H200
+    python bench_nvfp4.py --dry --out /tmp/dry.json    # CPU smoke test of the script (interpreter, tiny shapes)
+
+Bandwidth of a quantize = (bytes read + bytes written by the quantized result) / time; the copy moves 2x the
+tensor. "kernel" rows give the global amax (one fused pass); "e2e" rows include the amax pass (a second read
+of x, which the format needs: the block scales depend on the tensor-wide amax).
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+DRY = "--dry" in sys.argv
+if DRY and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before kernels/ is imported
+
+import nvfp4  # noqa: E402
+from kernels import nvfp4_gemm as kg  # noqa: E402
+from kernels import nvfp4_quant as kq  # noqa: E402
+
+
+def bench(fn, dry):
+    """Median milliseconds per call."""
+    if dry:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    import triton.testing
+    for _ in range(3):  # compile / autotune / pick_route outside the measurement
+        fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="bench_nvfp4.json")
+    p.add_argument("--dry", action="store_true", help="tiny shapes on CPU through the interpreter (smoke test)")
+    args = p.parse_args()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cpu" and not args.dry:
+        sys.exit("bench_nvfp4.py needs a CUDA GPU (or --dry for a CPU smoke test)")
+    S = 64 if args.dry else 8192                       # quantize / GEMM size
+    T, D = (64, 64) if args.dry else (16384, 4096)      # NVFP4Linear tokens, width
+    rows, res = [], {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (dry run)",
+                     "torch": torch.__version__, "dry": args.dry}
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def row(section, name, ms, metric, value, ratio=None, target=None, better="higher"):
+        ok = None if target is None or ratio is None else (ratio >= target if better == "higher" else ratio <= target)
+        rows.append(dict(section=section, name=name, ms=ms, metric=metric, value=value, ratio=ratio, target=target,
+                         passed=ok))
+
+    # (a) quantize ---------------------------------------------------------------------------------------------
+    x = torch.randn(S, S, device=dev, generator=g, dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    t_copy = bench(lambda: y.copy_(x), args.dry)
+    bw_copy = 2 * x.nbytes / t_copy / 1e6                                  # GB/s
+    row("quantize", "copy bf16 (d2d)", t_copy, "GB/s", bw_copy, 1.0)
+    H = nvfp4.random_hadamard(device=dev)
+    amax = x.float().abs().amax()
+    amax_h = kq._global_amax(x.reshape(1, S, S), H.to(dev), 1, kq._tiles((1, 16), x))
+    out_bytes_packed = x.numel() // 2 + x.numel() // 16                    # codes + E4M3 scales
+    cases = [
+        ("RTN 1x16", dict(block=(1, 16)), amax, 0.80),
+        ("RTN 1x16 4/6", dict(block=(1, 16), four_over_six=True), amax, None),
+        ("RTN 16x16 (weights)", dict(block=(16, 16)), amax, None),
+        ("SR+RHT 1x16", dict(block=(1, 16), rounding="sr", hadamard=H), amax_h, 0.65),
+        ("SR+RHT 16x1", dict(block=(16, 1), rounding="sr", hadamard=H), None, None),
+    ]
+    for name, kw, ga, target in cases:
+        if ga is not None:
+            ms = bench(lambda: kq.quantize(x, **kw, global_amax=ga), args.dry)
+            bw = (x.nbytes + out_bytes_packed) / ms / 1e6
+            row("quantize", f"{name} kernel", ms, "GB/s", bw, bw / bw_copy, target)
+        ms = bench(lambda: kq.quantize(x, **kw), args.dry)
+        bw = (x.nbytes + out_bytes_packed) / ms / 1e6
+        row("quantize", f"{name} e2e (+amax pass)", ms, "GB/s", bw, bw / bw_copy, None)
+    ms = bench(lambda: kq.quantize_dequant(x, (1, 16), global_amax=amax), args.dry)
+    row("quantize", "RTN 1x16 -> bf16 grid values kernel", ms, "GB/s", 2 * x.nbytes / ms / 1e6,
+        2 * x.nbytes / ms / 1e6 / bw_copy)
+    del y
+
+    # (b) GEMM -------------------------------------------------------------------------------------------------
+    def gemm_rows(M, N, K, label, target=None):
+        a_hi = torch.randn(M, K, device=dev, generator=g, dtype=torch.bfloat16)
+        b_hi = torch.randn(N, K, device=dev, generator=g, dtype=torch.bfloat16)
+        flop = 2 * M * N * K
+        t_bf16 = bench(lambda: a_hi @ b_hi.t(), args.dry)
+        tf_bf16 = flop / t_bf16 / 1e9
+        row("gemm", f"{label} torch bf16", t_bf16, "TFLOP/s", tf_bf16, 1.0)
+        a, b = kq.quantize(a_hi, (1, 16)), kq.quantize(b_hi, (16, 16))
+        del a_hi, b_hi
+        for route in ("triton", "cublas"):
+            ms = bench(lambda: kg.nvfp4_gemm(a, b, torch.bfloat16, route=route), args.dry)
+            row("gemm", f"{label} nvfp4 {route}", ms, "TFLOP/s", flop / ms / 1e9, t_bf16 / ms, target)
+        ms = bench(lambda: kg.nvfp4_gemm(a, b, torch.bfloat16, trans_b=True), args.dry)  # dX-style operand
+        row("gemm", f"{label} nvfp4 auto, b transposed ({kg.pick_route(a, b, trans_b=True)})", ms, "TFLOP/s",
+            flop / ms / 1e9, t_bf16 / ms)
+        res.setdefault("routes", {})[label] = kg.pick_route(a, b)
+
+    gemm_rows(S, S, S, f"{S}^3", 0.85)
+    if not args.dry:
+        for (M, N, K) in [(16384, 9216, 3072), (16384, 3072, 9216), (16384, 6144, 2048)]:
+            gemm_rows(M, N, K, f"M{M} N{N} K{K}")
+
+    # (c) NVFP4Linear fwd+bwd ----------------------------------------------------------------------------------
+    lin = torch.nn.Linear(D, D, bias=False, device=dev, dtype=torch.bfloat16)
+    q_lin = nvfp4.NVFP4Linear.from_linear(lin)
+    xin = torch.randn(T, D, device=dev, generator=g, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(T, D, device=dev, generator=g, dtype=torch.bfloat16)
+    flop = 3 * 2 * T * D * D
+
+    def step(layer):
+        def run():
+            xin.grad = None
+            layer.weight.grad = None
+            layer(xin).backward(dy)
+        return run
+    t_lin = bench(step(lin), args.dry)
+    row("linear", f"nn.Linear bf16 fwd+bwd {T}x{D}x{D}", t_lin, "TFLOP/s", flop / t_lin / 1e9, 1.0)
+    t_q = bench(step(q_lin), args.dry)
+    row("linear", f"NVFP4Linear fwd+bwd {T}x{D}x{D}", t_q, "TFLOP/s", flop / t_q / 1e9, t_q / t_lin, 1.3, "lower")
+    with torch.no_grad():
+        t_qf = bench(lambda: q_lin(xin), args.dry)
+        t_lf = bench(lambda: lin(xin), args.dry)
+    row("linear", "NVFP4Linear fwd only", t_qf, "TFLOP/s", flop / 3 / t_qf / 1e9, t_qf / t_lf)
+
+    # report ---------------------------------------------------------------------------------------------------
+    print(f"{'section':9s} {'case':58s} {'ms':>9s} {'value':>10s} {'ratio':>7s} target")
+    for r in rows:
+        ratio = "" if r["ratio"] is None else f"{r['ratio']:.3f}"
+        tgt = "" if r["target"] is None else f"{'>=' if r['name'].find('NVFP4Linear') < 0 else '<='}{r['target']}" \
+            + (" PASS" if r["passed"] else " FAIL")
+        print(f"{r['section']:9s} {r['name']:58s} {r['ms']:9.3f} {r['value']:8.1f} {r['metric']:7s} {ratio:>7s} {tgt}")
+    res["rows"] = rows
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
