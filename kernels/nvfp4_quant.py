@@ -197,9 +197,11 @@ def _quantize_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, codes_ptr, scales_ptr, v
 
 
 @triton.jit
-def _grid_values_kernel(codes_ptr, scales_ptr, out_ptr, M, N,
-                        BM: tl.constexpr, BN: tl.constexpr, SBM: tl.constexpr, SBN: tl.constexpr):
-    """Packed NVFP4 -> q * s_b in bf16 (exact), same (row-major) layout: the cuBLAS route's operand."""
+def _dequantize_kernel(codes_ptr, scales_ptr, gs_ptr, out_ptr, M, N,
+                       BM: tl.constexpr, BN: tl.constexpr, SBM: tl.constexpr, SBN: tl.constexpr,
+                       APPLY_GLOBAL: tl.constexpr):
+    """Packed NVFP4 -> q * s_b (exact in bf16: the cuBLAS route's operand) or, with APPLY_GLOBAL,
+    (q * s_b) * s_g in fp32 then cast to out's dtype (NVFP4Tensor.dequantize), same row-major layout."""
     pid_n, pid_m, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_c = pid_n * (BN // 2) + tl.arange(0, BN // 2)
@@ -214,7 +216,10 @@ def _grid_values_kernel(codes_ptr, scales_ptr, out_ptr, M, N,
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     s = tl.load(scales_ptr + pid_b.to(tl.int64) * (M // SBM) * (N // SBN) + offs_s, mask=mask, other=0.0)
     v = q * (s.to(tl.float32) * 64.0)
-    tl.store(out_ptr + (pid_b.to(tl.int64) * M + offs_m[:, None]) * N + offs_n[None, :], v.to(tl.bfloat16), mask=mask)
+    if APPLY_GLOBAL:
+        v = v * tl.load(gs_ptr)
+    tl.store(out_ptr + (pid_b.to(tl.int64) * M + offs_m[:, None]) * N + offs_n[None, :],
+             v.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -339,14 +344,22 @@ def quantize_dequant(x, block=(1, 16), rounding="rtn", four_over_six=False, seed
     return (values, s_g, t) if return_tensor else (values, s_g)
 
 
-def grid_values_bf16(t):
-    """Packed NVFP4Tensor -> its q * s_b as bf16 (exact), in the stored layout (*, M, N)."""
+def dequantize(t, dtype=torch.float32, apply_global_scale=True):
+    """Packed NVFP4Tensor -> dense tensor of t.shape in one pass: (q * s_b) * s_g rounded once to `dtype`, as
+    NVFP4Tensor.dequantize computes it (bit-exact on the GPU; the interpreter's fp32 -> bf16 cast truncates).
+    apply_global_scale=False gives q * s_b, exact in bf16 (the cuBLAS route's operand)."""
     M, N = t.shape[-2:]
     bm, bn = t.block
     codes = t.codes.reshape(-1, M, N // 2).contiguous()
     scales = t.scales.reshape(-1, M // bm, N // bn).contiguous()
-    out = torch.empty((codes.shape[0], M, N), device=codes.device, dtype=torch.bfloat16)
+    out = torch.empty((codes.shape[0], M, N), device=codes.device, dtype=dtype)
     BM, BN = 32, 128
     grid = (triton.cdiv(N, BN), triton.cdiv(M, BM), codes.shape[0])
-    _grid_values_kernel[grid](codes, scales, out, M, N, BM=BM, BN=BN, SBM=bm, SBN=bn, num_warps=4)
+    _dequantize_kernel[grid](codes, scales, t.global_scale.float().reshape(1), out, M, N, BM=BM, BN=BN, SBM=bm,
+                             SBN=bn, APPLY_GLOBAL=apply_global_scale, num_warps=4)
     return out.reshape(t.shape)
+
+
+def grid_values_bf16(t):
+    """Packed NVFP4Tensor -> its q * s_b as bf16 (exact), in the stored layout (*, M, N)."""
+    return dequantize(t, torch.bfloat16, apply_global_scale=False)

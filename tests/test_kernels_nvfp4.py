@@ -161,6 +161,7 @@ def test_quantize_dequant_writes_the_grid_values(block):
     assert torch.equal(s_g, r.global_scale)
     _same(t, r)
     assert torch.equal(kq.grid_values_bf16(r).float(), r.grid_values())
+    assert torch.equal(kq.dequantize(r, torch.float32), r.dequantize(torch.float32))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -282,6 +283,16 @@ def test_gpu_sr_bit_exact_given_uniforms_and_unbiased(block):
     xs = row.repeat(4096, 1)
     d = kq.quantize(xs.cuda(), block, "sr", seed=3).dequantize().cpu()
     _assert_sr_unbiased(d, row, nvfp4._quantize_reference(xs, block, "rtn", False, None))
+
+
+@pytest.mark.gpu
+def test_gpu_dequantize_bit_exact():
+    x = _heavy_tailed((4096, 4096), torch.Generator().manual_seed(8), torch.bfloat16)
+    r = nvfp4._quantize_reference(x, (1, 16), "rtn", False, None)
+    k = kq.quantize(x.cuda(), (1, 16))
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(kq.dequantize(k, dtype).cpu(), r.dequantize(dtype))
+    assert torch.equal(kq.grid_values_bf16(k).float().cpu(), r.grid_values())
 
 
 @pytest.mark.gpu
