@@ -216,8 +216,10 @@ def _gemm_cublas(a, b, trans_a, trans_b, out_dtype):
             return torch.mm(A, B, out_dtype=torch.float32).mul_(gs)    # fp32 accumulator out, then the scales
         except (RuntimeError, TypeError):
             _MM_FP32_OUT[0] = False
-    # bf16 out of cuBLAS, then the global scales: one extra bf16 rounding (<= 1 ulp) vs the reference
-    return torch.mm(A, B).float().mul_(gs).to(out_dtype)
+    # bf16 (or fp16) out of cuBLAS, then the global scales in place (one pass over the output): one extra
+    # rounding (<= 1 ulp) vs the reference's single rounding of acc * s_g
+    out = torch.mm(A, B)
+    return out.mul_(gs) if out_dtype == torch.bfloat16 else out.float().mul_(gs).to(out_dtype)
 
 
 _ROUTES = {}
