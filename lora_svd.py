@@ -373,6 +373,9 @@ def realign_model(model, optimizer=None, oversample=10, power_iters=4, generator
                 optimizer.reset_state(p)
             else:
                 optimizer.state.pop(p, None)
+                if p in optimizer.state:  # e.g. a wrapper whose .state is a fresh merged dict
+                    raise ValueError(f"realign_model: could not reset the optimizer state of {tuple(p.shape)} "
+                                     f"params: give {type(optimizer).__name__} a reset_state(param) method")
     return len(layers)
 
 
