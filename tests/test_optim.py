@@ -1,0 +1,334 @@
+"""optim.py: NVFP4 optimizer states (§3.3), NVFP4 Root / Newton-Schulz (§3.4), routing, fused kernel."""
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+
+import lora_svd
+import nvfp4
+import optim
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def heavy_tailed_v(R=64, C=256, seed=0, steps=20):
+    """A realistic second moment: EMA of g^2 with log-normal row/column scales and 1% spikes."""
+    g0 = gen(seed)
+    rs, cs = torch.exp(torch.randn(R, 1, generator=g0) * 1.5), torch.exp(torch.randn(1, C, generator=g0))
+    v = torch.zeros(R, C)
+    for _ in range(steps):
+        g = torch.randn(R, C, generator=g0) * rs * cs * (1 + 3 * (torch.rand(R, C, generator=g0) < 0.01))
+        v = 0.95 * v + 0.05 * g * g
+    return v
+
+
+# ---------------------------------------------------------------------------------------------------------
+# state encodings
+
+def test_fwht16_is_the_normalized_sylvester_hadamard_and_its_own_inverse():
+    x = torch.randn(8, 64, generator=gen(0))
+    H = nvfp4.sylvester_hadamard(16) / 4
+    torch.testing.assert_close(optim.fwht16(x), nvfp4.hadamard_transform(x, H), atol=1e-6, rtol=0)
+    torch.testing.assert_close(optim.fwht16(optim.fwht16(x)), x, atol=1e-6, rtol=0)
+
+
+def test_first_moment_packed_layout_and_error():
+    m = torch.randn(32, 128, generator=gen(1)) * 1e-3
+    st = optim.encode_first_moment(m, gen(2))
+    assert st["codes"].dtype == torch.uint8 and st["codes"].shape == (32, 64)
+    assert st["scales"].dtype == torch.float8_e4m3fn and st["scales"].shape == (32, 8)
+    assert st["global_scale"].dtype == torch.float32 and st["global_scale"].dim() == 0
+    m_hat = optim.decode_first_moment(st)
+    assert ((m_hat - m).norm() / m.norm()).item() < 0.2  # 4-bit SR: ~13%
+    # the decoded values are exactly the rotated NVFP4 grid: re-rotating gives grid points
+    grid = optim.fwht16(m_hat) / (st["global_scale"] * st["scales"].float().repeat_interleave(16, -1))
+    ok = grid.abs()[..., None].sub(nvfp4.E2M1_VALUES).abs().amin(-1)
+    assert ok.max().item() < 1e-4
+
+
+def test_first_moment_sr_is_unbiased():
+    m = torch.randn(16, 64, generator=gen(3))
+    m[0, :16] *= 50  # an outlier block
+    g = gen(4)
+    n = 400
+    mean = sum(optim.decode_first_moment(optim.encode_first_moment(m, g)) for _ in range(n)) / n
+    single = optim.decode_first_moment(optim.encode_first_moment(m, g))
+    err_single = (single - m).norm()
+    # independent draws: the error of the mean shrinks like 1/sqrt(n) (20x); a biased rounding would not
+    assert (mean - m).norm() < 3 * err_single / n**0.5
+
+
+def test_second_moment_never_negative_and_positive_never_zero():
+    g0 = gen(5)
+    v = torch.exp(torch.empty(32, 256).uniform_(-80, 10, generator=g0))  # v from 1e-35 to 2e4
+    v[0, :128] = 0                       # an all-zero tile
+    v[1, ::3] = 0                        # zeros mixed into positive tiles
+    v[2, 5] = 1e6                        # one huge outlier next to tiny values
+    v_hat = optim.decode_second_moment(optim.encode_second_moment(v))
+    assert (v_hat >= 0).all()
+    assert (v_hat[v > 0] > 0).all()
+    assert (v_hat[0, :128] == 0).all()
+    direct = optim.decode_direct(optim.encode_direct(v))
+    assert (direct[v > 0] == 0).float().mean() > 0.3  # the failure the pipeline exists to avoid
+
+
+def test_second_moment_pipeline_beats_direct_and_layout():
+    v = heavy_tailed_v()
+    st = optim.encode_second_moment(v)
+    assert st["tile_mean"].shape == (64, 256 // optim.V_TILE) and st["tile_mean"].dtype == torch.float32
+    v_hat, v_dir = optim.decode_second_moment(st), optim.decode_direct(optim.encode_direct(v))
+    err = lambda a: ((a.clamp(min=0).sqrt() - v.sqrt()).norm() / v.sqrt().norm()).item()
+    assert err(v_hat) < 0.1 and err(v_hat) < 0.4 * err(v_dir)  # ~0.06 vs ~0.24
+    with pytest.raises(ValueError, match="negative"):
+        optim.encode_second_moment(-v)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        optim.encode_second_moment(v[:, :40])
+
+
+def test_tile_mean_is_the_mean():
+    s = torch.rand(4, 256, generator=gen(6))
+    torch.testing.assert_close(optim.tile_mean(s, 64), s.reshape(4, 4, 64).mean(-1), atol=1e-6, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# QuantizedAdamW
+
+def make_params(seed=0):
+    g0 = gen(seed)
+    return [nn.Parameter(torch.randn(64, 128, generator=g0)), nn.Parameter(torch.randn(64, generator=g0)),
+            nn.Parameter(torch.randn(16, 48, generator=g0))]
+
+
+def set_grads(params, g0):
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g0) * 0.1
+
+
+def test_quantization_off_matches_torch_adamw_exactly():
+    ours, ref = make_params(), make_params()
+    opt = optim.QuantizedAdamW(ours, lr=1e-2, weight_decay=0.1, state_quant="none")
+    opt_ref = torch.optim.AdamW(ref, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
+    g0, g1 = gen(7), gen(7)
+    for step in range(6):
+        if step == 3:
+            for o in (opt, opt_ref):
+                o.param_groups[0]["lr"] = 3e-3
+        set_grads(ours, g0)
+        set_grads(ref, g1)
+        opt.step()
+        opt_ref.step()
+    for a, b in zip(ours, ref):
+        assert torch.equal(a, b)
+
+
+def test_state_bytes_and_which_tensors_are_packed():
+    params = make_params()
+    opt = optim.QuantizedAdamW(params, state_quant="pipeline")
+    set_grads(params, gen(8))
+    opt.step()
+    big, bias, small = (opt.state[p] for p in params)
+    assert big["m.codes"].dtype == torch.uint8 and big["v.codes"].dtype == torch.uint8
+    assert "exp_avg" in bias and "exp_avg" in small  # 1-D and < 4096 elements: fp32
+    nbytes = sum(v.nbytes for v in big.values())
+    assert nbytes / params[0].numel() <= 1.2
+
+
+def regression_problem(seed=0):
+    g0 = gen(seed)
+    W_true = torch.randn(64, 128, generator=g0) / 8
+    X = torch.randn(512, 128, generator=g0)
+    return X, X @ W_true.t()
+
+
+def fit_regression(state_quant, steps=60):
+    X, Y = regression_problem()
+    W = nn.Parameter(torch.zeros(64, 128))
+    opt = optim.QuantizedAdamW([W], lr=3e-2, weight_decay=0.0, state_quant=state_quant)
+    loss0 = ((X @ W.t() - Y) ** 2).mean().item()
+    for _ in range(steps):
+        loss = ((X @ W.t() - Y) ** 2).mean()
+        W.grad = torch.autograd.grad(loss, W)[0]
+        opt.step()
+    return loss.item() / loss0
+
+
+def test_quantized_adamw_converges_on_regression_and_direct_states_do_not():
+    pipeline, direct = fit_regression("pipeline"), fit_regression("direct")
+    assert pipeline < 0.02
+    # App. 13's collapse in miniature: v entries decoding to 0 turn m / sqrt(v) into huge steps
+    assert direct > 10 * pipeline
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Newton-Schulz and Root
+
+def singular_values(X):
+    return torch.linalg.svdvals(X.double())
+
+
+STABLE_NVFP4 = (2.0, -1.5, 0.5)  # a conservative stable set: p(1) = 1, p'(1) = 0
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("shape", [(64, 256), (256, 64)])
+def test_newton_schulz_orthogonalizes(quantized, shape):
+    G = torch.randn(*shape, generator=gen(9))
+    coefficients = STABLE_NVFP4 if quantized else optim.MUON_COEFFICIENTS
+    X = optim.newton_schulz(G, coefficients=coefficients, quantized=quantized, generator=gen(10))
+    assert X.shape == G.shape
+    s = singular_values(X)
+    lo, hi = (0.6, 1.25) if not quantized else (0.7, 1.3)
+    assert s.min() > lo and s.max() < hi, (s.min(), s.max())
+    assert singular_values(G / G.norm()).max() < 0.2  # it really moved them
+    assert optim.polar_error(X, G) < (0.25 if quantized else 0.3)
+
+
+def test_muon_coefficients_blow_up_in_nvfp4_and_fitted_ones_do_not():
+    """Fig. 4b's point: NS's large coefficients amplify 4-bit rounding (X_next = a X + B X cancels ~70% of a X)."""
+    G = torch.randn(64, 192, generator=gen(14))
+    muon = optim.ns_error(optim.MUON_COEFFICIENTS, [G], quantized=True)
+    safe = optim.ns_error(STABLE_NVFP4, [G], quantized=True)
+    assert safe < 0.3 and muon > 3 * safe
+    assert optim.ns_error(optim.MUON_COEFFICIENTS, [G], quantized=False) < 0.3
+
+
+def test_quantized_ns_step_is_the_papers_three_equations():
+    X = torch.randn(32, 64, generator=gen(11))
+    X = X / X.norm()
+    H = nvfp4.random_hadamard(gen(12))
+    a, b, c = optim.MUON_COEFFICIENTS
+    fq = lambda t, block: nvfp4.fake_quantize(t, block, "rtn", four_over_six=True, hadamard=H)
+    # 16x1 blocks on H^T Y, written with (16, 1) quantization and H^T applied from the left
+    A = fq(X, (1, 16)) @ fq(X, (1, 16)).t()                     # qX qX^T (H H^T = I cancels exactly in exact math)
+    B = b * A + c * fq(A, (1, 16)) @ fq(A, (16, 1))
+    X1 = a * X + fq(B, (1, 16)) @ fq(X, (16, 1))
+    torch.testing.assert_close(optim._ns_step_nvfp4(X, a, b, c, H), X1, atol=1e-5, rtol=1e-4)
+    # the transposed-operand trick: Q16x1(H^T Y) is Q1x16(Y^T H), bit for bit
+    q16x1 = nvfp4.quantize(X, (16, 1), "rtn", True, hadamard=H).t()
+    q1x16 = nvfp4.quantize(X.t().contiguous(), (1, 16), "rtn", True, hadamard=H)
+    assert torch.equal(q16x1.codes, q1x16.codes) and torch.equal(q16x1.scales.float(), q1x16.scales.float())
+
+
+def test_quantile_matches_torch_quantile():
+    x = torch.randn(1000, generator=gen(13)).abs()
+    for q in (0.9, 0.5, 0.0, 1.0):
+        torch.testing.assert_close(optim.quantile(x, q), torch.quantile(x, q))
+
+
+def test_coefficient_lookup_and_stability_check():
+    assert optim.coefficients_stable(optim.MUON_COEFFICIENTS)
+    assert not optim.coefficients_stable(optim.PUBLISHED_COEFFICIENTS[(2048, 2048)])  # overshoots to 3.3
+    assert not optim.coefficients_stable((4.0, -3.0, 1.0))  # p(1) = 2: blows up
+    # fp32 NS: the published set where it is stable (either orientation), Muon's otherwise
+    assert optim.root_coefficients(8192, 2048, quantized=False) == optim.PUBLISHED_COEFFICIENTS[(2048, 8192)]
+    assert optim.root_coefficients(2048, 2048, quantized=False) == optim.MUON_COEFFICIENTS
+    assert optim.root_coefficients(48, 80, quantized=False) == optim.MUON_COEFFICIENTS
+    fitted = optim._fitted()
+    assert (1024, 1024) in fitted and (3072, 9216) in fitted  # our configs' shapes are in the JSON
+    for key, abc in fitted.items():
+        assert optim.coefficients_stable(abc), key
+    assert optim.root_coefficients(9216, 3072) == fitted[(3072, 9216)]
+    assert optim.root_coefficients(320, 960) == fitted[(2048, 6144)] or \
+        optim.root_coefficients(320, 960) == fitted[(3072, 9216)]  # unknown shape: nearest aspect ratio (3)
+
+
+def test_root_converges_on_regression():
+    X, Y = regression_problem(1)
+    for quantized in (False, True):
+        W = nn.Parameter(torch.zeros(64, 128))
+        opt = optim.Root([W], lr=2e-2, weight_decay=0.0, quantized=quantized)
+        loss0 = ((X @ W.t() - Y) ** 2).mean().item()
+        for _ in range(60):
+            loss = ((X @ W.t() - Y) ** 2).mean()
+            W.grad = torch.autograd.grad(loss, W)[0]
+            opt.step()
+        assert loss.item() < 0.05 * loss0, (quantized, loss.item() / loss0)
+
+
+def test_root_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="2-D"):
+        optim.Root([nn.Parameter(torch.zeros(32))])
+    with pytest.raises(ValueError, match="multiples of 16"):
+        optim.Root([nn.Parameter(torch.zeros(32, 40))], quantized=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# build_optimizer, state_dict
+
+class TinyModel(nn.Module):
+    def __init__(self, lora=True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.wte = nn.Embedding(96, 64)
+        self.attn = nn.Linear(64, 64, bias=False)
+        self.mlp = lora_svd.LoRASVDLinear(64, 128, rank=4) if lora else nn.Linear(64, 128, bias=False)
+        self.narrow = nn.Linear(64, 16 * 40, bias=False)  # aspect 10 > 8: AdamW
+        self.norm = nn.LayerNorm(64)
+        self.lm_head = nn.Linear(64, 96, bias=False)
+
+    def forward(self, idx):
+        x = self.wte(idx)
+        x = x + self.attn(x) + self.mlp(x)[..., :64] + self.narrow(x)[..., :64]
+        return self.lm_head(self.norm(x))
+
+
+def train_steps(model, opt, n, seed):
+    g0 = gen(seed)
+    for _ in range(n):
+        idx = torch.randint(0, 96, (2, 16), generator=g0)
+        loss = nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return loss.item()
+
+
+def test_routing():
+    model = TinyModel()
+    routes = {k: [n for n, _ in v] for k, v in optim.route_parameters(model, "root").items()}
+    assert routes["root"] == ["attn.weight", "mlp.weight_res"]
+    assert routes["lora"] == ["mlp.L1", "mlp.L2"]
+    assert set(routes["adamw"]) == {"wte.weight", "narrow.weight", "lm_head.weight"}
+    assert set(routes["adamw_no_decay"]) == {"norm.weight", "norm.bias"}
+    assert optim.route_parameters(model, "adamw")["root"] == []
+
+
+@pytest.mark.parametrize("optimizer,state_quant", [("root", "pipeline"), ("adamw", "none"), ("root", "direct")])
+def test_build_optimizer_steps_and_has_base_lr(optimizer, state_quant):
+    model = TinyModel()
+    opt = optim.build_optimizer(model, optimizer, state_quant, lr=1e-3, lora_lr=2e-3)
+    assert all("base_lr" in g for g in opt.param_groups)
+    assert sorted({g["base_lr"] for g in opt.param_groups}) == [1e-3, 2e-3]
+    n_params = sum(len(g["params"]) for g in opt.param_groups)
+    assert n_params == len(list(model.parameters()))
+    before = [p.detach().clone() for p in model.parameters()]
+    train_steps(model, opt, 2, seed=1)
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert opt.state_nbytes() > 0
+    opt.reset_state(model.attn.weight)
+    assert model.attn.weight not in opt.state
+
+
+def test_state_dict_round_trip_continues_bit_for_bit():
+    model = TinyModel(lora=False)  # LoRA-SVD's backward draws from the global RNG: not this test's subject
+    opt = optim.build_optimizer(model, "root", "pipeline", lr=1e-3)
+    train_steps(model, opt, 2, seed=2)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    train_steps(model, opt, 2, seed=3)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=False)
+    resumed = TinyModel(lora=False)
+    resumed.load_state_dict(ckpt["model"])
+    opt2 = optim.build_optimizer(resumed, "root", "pipeline", lr=1e-3)
+    opt2.load_state_dict(ckpt["opt"])
+    state = opt2.state[resumed.attn.weight]
+    assert state["m.codes"].dtype == torch.uint8 and state["m.scales"].dtype == torch.float8_e4m3fn
+    assert opt2.state[resumed.wte.weight]["v.tile_mean"].dtype == torch.float32
+    train_steps(resumed, opt2, 2, seed=3)
+    for a, b in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
