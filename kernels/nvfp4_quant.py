@@ -8,7 +8,8 @@ It reproduces the reference `nvfp4._quantize_reference` (the spec) bit for bit:
   s_g = amax / (448 * 6)                     correctly rounded fp32 division (torch on CPU; see the note below)
   s_b = e4m3(min(amax_b / 6 / s_g, 448))     two correctly rounded divisions (tl.div_rn), then RNE to E4M3 with
                                              explicit arithmetic (the interpreter's fp32->fp8 cast is wrong on ties)
-  a   = min(|x| / (s_b * s_g), 6)            the product rounded to fp32 first, then tl.div_rn
+  a   = min(|x| / (s_b * s_g), 6)            the product rounded to fp32 first, then a correctly rounded
+                                             division (one reciprocal per block + Markstein's fma step)
   q   = RTN ties-to-even on the E2M1 grid, or SR: up with probability (a - lo) / (hi - lo)
   sign = x < 0                               (-0.0 gets a + code, as in the reference)
 Where it can differ from the reference:
@@ -56,10 +57,29 @@ def _round_to_e4m3(s):
 
 @triton.jit
 def _rtn_e2m1(a):
-    """Index 0..7 of the nearest E2M1 magnitude for a in [0, 6], ties to the even index (nvfp4.rtn_e2m1)."""
-    idx = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) \
-        + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32)
-    return idx
+    """Index 0..7 of the nearest E2M1 magnitude for a in [0, 6], ties to the even index (nvfp4.rtn_e2m1).
+    A 3-level search instead of 7 compares: the decision points 1.75, then 0.75 / 3.5, round ties up (to the
+    even index); the last level's points 0.25, 1.25, 2.5, 5 round ties down."""
+    s2 = a >= 1.75
+    s1 = a >= tl.where(s2, 3.5, 0.75)
+    t0 = tl.where(s2, tl.where(s1, 5.0, 2.5), tl.where(s1, 1.25, 0.25))
+    return s2.to(tl.int32) * 4 + s1.to(tl.int32) * 2 + (a > t0).to(tl.int32)
+
+
+@triton.jit
+def _div_by(x, den, inv, EXACT_FMA: tl.constexpr):
+    """x / den rounded to nearest (what tl.div_rn and torch give) for x >= 0, with inv = RN(1 / den) per block
+    (inv = 0 where den == 0, which returns 0 like the reference). On the GPU, Markstein's correction step:
+    q = RN(x * inv) is within an ulp, r = x - q * den is exact with an fma, and RN(q + r * inv) is the correctly
+    rounded quotient (Markstein 1990; Muller et al., Handbook of Floating-Point Arithmetic, ch. 4): a mul and two
+    fmas per element instead of div.rn's reciprocal + refinement. The interpreter's fma rounds twice, so there
+    it is tl.div_rn (the GPU tests check the fma path bit for bit at full size)."""
+    if EXACT_FMA:
+        q = x * inv
+        r = tl.fma(-q, den, x)
+        return tl.fma(r, inv, q)
+    else:
+        return tl.where(den > 0, tl.div_rn(x, tl.where(den > 0, den, 1.0)), 0.0)
 
 
 @triton.jit
@@ -128,7 +148,7 @@ def _quantize_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, codes_ptr, scales_ptr, v
                      BM: tl.constexpr, BN: tl.constexpr, SBM: tl.constexpr, SBN: tl.constexpr,
                      FP8_BOUND: tl.constexpr, FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr,
                      USE_NOISE: tl.constexpr, HAD_DIM: tl.constexpr, X_IS_FP32: tl.constexpr,
-                     WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr):
+                     WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr, EXACT_FMA: tl.constexpr):
     """One (BM, BN) tile: block amax -> E4M3 block scale -> E2M1 codes (packed 2/byte, even element low) and/or
     bf16 values q * s_b. Blocks are (SBM, SBN) = (1, 16), (16, 1) or (16, 16)."""
     pid_n, pid_m, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -145,8 +165,10 @@ def _quantize_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, codes_ptr, scales_ptr, v
 
     # candidate "max -> 6": s_b = e4m3(min(amax_b / 6 / s_g, 448)); a = min(|x| / (s_b * s_g), 6)
     s6, bits6 = _round_to_e4m3(tl.minimum(tl.div_rn(tl.div_rn(block_amax, 6.0), s_g), 448.0))
-    den6 = (s6 * s_g)[:, None, :, None]
-    a6 = tl.minimum(tl.where(den6 > 0, tl.div_rn(xb, tl.where(den6 > 0, den6, 1.0)), 0.0), 6.0)
+    den6 = s6 * s_g
+    inv6 = tl.where(den6 > 0, tl.div_rn(1.0, tl.where(den6 > 0, den6, 1.0)), 0.0)
+    den6, inv6 = den6[:, None, :, None], inv6[:, None, :, None]
+    a6 = tl.minimum(_div_by(xb, den6, inv6, EXACT_FMA), 6.0)
     a = a6
     s_b = s6
     bits = bits6
@@ -154,8 +176,10 @@ def _quantize_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, codes_ptr, scales_ptr, v
         # 4/6 (paper §2, DESIGN.md): also try "max -> 4" (its own E4M3 rounding of amax_b / 4 / s_g) and keep
         # the candidate whose RTN reconstruction has the lower squared error, ties to 6.
         s4, bits4 = _round_to_e4m3(tl.minimum(tl.div_rn(tl.div_rn(block_amax, 4.0), s_g), 448.0))
-        den4 = (s4 * s_g)[:, None, :, None]
-        a4 = tl.minimum(tl.where(den4 > 0, tl.div_rn(xb, tl.where(den4 > 0, den4, 1.0)), 0.0), 6.0)
+        den4 = s4 * s_g
+        inv4 = tl.where(den4 > 0, tl.div_rn(1.0, tl.where(den4 > 0, den4, 1.0)), 0.0)
+        den4, inv4 = den4[:, None, :, None], inv4[:, None, :, None]
+        a4 = tl.minimum(_div_by(xb, den4, inv4, EXACT_FMA), 6.0)
         d6 = _e2m1_value(_rtn_e2m1(a6)) * den6 - xb
         d4 = _e2m1_value(_rtn_e2m1(a4)) * den4 - xb
         err6 = tl.sum(tl.sum(d6 * d6, axis=3), axis=1)
@@ -257,6 +281,11 @@ def _prepare(x, block, rounding, hadamard, name):
     return x3, block, had_dim, hadamard
 
 
+def _exact_fma():
+    # Markstein division needs a true fma (the GPU); NANOFP4_DIV_RN=1 forces tl.div_rn there too
+    return os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get("NANOFP4_DIV_RN", "0") != "1"
+
+
 def _dot_in_fp32(x):
     # the interpreter's bf16 tl.dot is wrong (Triton 3.6): rotate in fp32 there, same exact products
     return x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
@@ -304,6 +333,7 @@ def _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, noise, 
         BM=BM, BN=BN, SBM=bm, SBN=bn, FP8_BOUND=256.0 if four_over_six else 448.0,
         FOUR_OVER_SIX=bool(four_over_six), SR=rounding == "sr", USE_NOISE=noise is not None, HAD_DIM=had_dim,
         X_IS_FP32=_dot_in_fp32(x3), WRITE_CODES=write_codes, WRITE_VALUES=write_values,
+        EXACT_FMA=_exact_fma(),
         num_warps=warps, enable_fp_fusion=False)  # no FMA contraction: every rounding as in the reference
     s_g = nvfp4.global_scale(amax.reshape(()), four_over_six) if x.device.type == "cpu" else _global_scale_dev(amax, four_over_six)
     t = None

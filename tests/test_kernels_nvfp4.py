@@ -94,6 +94,19 @@ def test_round_to_e4m3_matches_torch_including_ties_and_subnormals():
     assert torch.equal(bits, want.view(torch.uint8))
 
 
+def test_markstein_division_step_is_correctly_rounded():
+    """The GPU path of kq._div_by (the interpreter cannot run it: its fma rounds twice): q = RN(x / den)
+    from inv = RN(1 / den) with one fma correction (emulated in float64: exact products), equals true division."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(2_000_000, generator=g) * torch.exp(3 * torch.randn(2_000_000, generator=g))).abs()
+    den = (torch.rand(2_000_000, generator=g) + 0.5) * torch.exp2(torch.randint(-40, 20, (2_000_000,), generator=g).float())
+    inv = 1.0 / den                                                            # RN(1 / den), fp32
+    q = x * inv
+    r = (x.double() - q.double() * den.double()).float()                      # exact (fma): representable
+    q1 = (q.double() + r.double() * inv.double()).float()                     # fma: r * inv exact in fp64
+    assert torch.equal(q1, x / den)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # quantize: Hadamard
 
