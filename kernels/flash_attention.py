@@ -85,13 +85,21 @@ def _load_tile(ptr, scale_ptr, rows, T, R: tl.constexpr, D: tl.constexpr, PACKED
 
 
 @triton.jit
-def _op(x, DTYPE: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """A computed tile (P, dS) as a matmul operand. EMULATE_BF16 (interpreter only, whose tl.dot multiplies
-    bf16 bit patterns as integers): round to bf16 and multiply in fp32, the same products."""
+def _round_bf16(x, EMULATE_BF16: tl.constexpr):
+    """Interpreter only (EMULATE_BF16): fp32 rounded to the nearest bf16, ties to even, still in fp32. The
+    interpreter's own fp32 -> bf16 cast truncates, and its tl.dot multiplies bf16 bit patterns as integers, so
+    bf16 runs there multiply bf16-valued fp32 tiles instead: the same products. A no-op on the GPU."""
     if EMULATE_BF16:
-        return x.to(tl.bfloat16).to(tl.float32)
-    else:
-        return x.to(DTYPE)
+        u = x.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        x = u.to(tl.float32, bitcast=True)
+    return x
+
+
+@triton.jit
+def _op(x, DTYPE: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """A computed tile (P, dS) as a matmul operand in DTYPE (fp32 holding bf16 values when emulating)."""
+    return _round_bf16(x, EMULATE_BF16).to(DTYPE)
 
 
 @triton.jit
@@ -221,7 +229,8 @@ def _attn_fwd(Q, Qs, K, Ks, V, Vs, SG, O, LSE, T, H, G, qk_scale,
     rmask = offs_m < T
     tl.store(LSE + bh.to(tl.int64) * T + offs_m, m_i + tl.math.log2(l_i), mask=rmask)
     cols = tl.arange(0, D)
-    tl.store(O + bh.to(tl.int64) * T * D + offs_m[:, None] * D + cols[None, :], o.to(O.dtype.element_ty),
+    tl.store(O + bh.to(tl.int64) * T * D + offs_m[:, None] * D + cols[None, :],
+             _round_bf16(o, EMU).to(O.dtype.element_ty),
              mask=rmask[:, None])
 
 
@@ -327,8 +336,8 @@ def _attn_bwd_dkdv(Q, Qs, K, Ks, V, Vs, SG, DO, DOQ, DOT, LSE, DELTA, SGDS, KEYS
     cols = tl.arange(0, D)
     out = bkv.to(tl.int64) * T * D + offs_n[:, None] * D + cols[None, :]
     nmask = offs_n[:, None] < T
-    tl.store(DK + out, dk.to(DK.dtype.element_ty), mask=nmask)
-    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=nmask)
+    tl.store(DK + out, _round_bf16(dk, EMU).to(DK.dtype.element_ty), mask=nmask)
+    tl.store(DV + out, _round_bf16(dv, EMU).to(DV.dtype.element_ty), mask=nmask)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -403,7 +412,8 @@ def _attn_bwd_dq(Q, Qs, K, Ks, V, Vs, SG, DO, DOQ, LSE, DELTA, SGDS, KEYS, DQ, T
     dq = _dq_inner(dq, q, do, lse, delta, K, Ks, V, Vs, key, lo, hi, offs_m, T, s_scale, sg_dp, sg_ds,
                    D, BLOCK_M, BLOCK_N, True, CAUSAL, PACKED, QUANT_DS, DTYPE, PREC, EMU)
     dq = dq * (sm_scale * sg_k * sg_ds)
-    tl.store(DQ + row + offs_m[:, None] * D + cols[None, :], dq.to(DQ.dtype.element_ty), mask=rmask[:, None])
+    tl.store(DQ + row + offs_m[:, None] * D + cols[None, :], _round_bf16(dq, EMU).to(DQ.dtype.element_ty),
+             mask=rmask[:, None])
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,0 +1,325 @@
+"""attention.py: mixed-precision FP4 flash attention (§3.5, App. 10-11). On CPU the Triton kernels run in the
+interpreter (conftest sets TRITON_INTERPRET=1), on small shapes."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+import attention
+import nvfp4
+from kernels import flash_attention as fa
+
+FP4_POLICIES = ["fp4", "fp4_pv", "fp4_dov", "fp4_all"]
+
+
+def _inputs(B=1, H=4, Hkv=2, T=37, D=64, dtype=torch.float32, seed=0, device="cpu", scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, do = (torch.randn(B, h, T, D, generator=g) for h in (H, Hkv, Hkv, H))
+    return [x.to(device=device, dtype=dtype) for x in (q * scale, k, v, do)]
+
+
+def _sdpa(q, k, v, causal):
+    G = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), is_causal=causal)
+
+
+def _run(fn, q, k, v, do):
+    xs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    o = fn(*xs)
+    return (o, *torch.autograd.grad(o, xs, do))
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# "bf16": exact attention
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("T,D", [(37, 64), (1, 128), (48, 128)])
+def test_bf16_policy_equals_sdpa(impl, causal, T, D):
+    # GQA (4 query heads on 2 kv heads); T = 37 is not a multiple of any tile; T = 1 is a single row
+    q, k, v, do = _inputs(T=T, D=D, seed=T + D)
+    ours = _run(lambda *x: attention.attention(*x, causal=causal, policy="bf16", impl=impl), q, k, v, do)
+    ref = _run(lambda *x: _sdpa(*x, causal), q, k, v, do)
+    for name, a, b in zip("o dq dk dv".split(), ours, ref):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_bf16_policy_bf16_inputs_triton_matches_reference():
+    q, k, v, do = _inputs(T=40, dtype=torch.bfloat16, seed=3)
+    a = _run(lambda *x: attention.attention(*x, policy="bf16", impl="triton"), q, k, v, do)
+    b = _run(lambda *x: attention.attention(*x, policy="bf16", impl="reference"), q, k, v, do)
+    for x, y in zip(a, b):
+        assert x.dtype == torch.bfloat16
+        assert _rel(x, y) < 2e-3   # same bf16 roundings of P, dS and the outputs, up to summation order
+
+
+# ----------------------------------------------------------------------------------------------------------
+# quantized policies: kernel == reference
+
+@pytest.mark.parametrize("policy", FP4_POLICIES)
+def test_triton_equals_reference(policy):
+    q, k, v, do = _inputs(B=1, H=2, Hkv=1, T=70, D=64, seed=11)
+    res = {}
+    for impl in ("reference", "triton"):
+        torch.manual_seed(5)   # same SR draws (dS stream seed, dO quantization) for both
+        res[impl] = _run(lambda *x: attention.attention(*x, policy=policy, impl=impl), q, k, v, do)
+    for name, a, b in zip("o dq dk dv".split(), res["triton"], res["reference"]):
+        assert _rel(a, b) < 1e-5, (name, _rel(a, b))
+    # and the policy really quantizes something the bf16 policy does not
+    exact = _run(lambda *x: attention.attention(*x, policy="bf16", impl="reference"), q, k, v, do)
+    assert all(_rel(a, b) > 1e-2 for a, b in zip(res["reference"], exact))
+
+
+def test_triton_equals_reference_bf16_inputs():
+    q, k, v, do = _inputs(T=50, D=128, dtype=torch.bfloat16, seed=12)
+    res = {}
+    for impl in ("reference", "triton"):
+        torch.manual_seed(6)
+        res[impl] = _run(lambda *x: attention.attention(*x, policy="fp4", impl=impl), q, k, v, do)
+    for a, b in zip(res["triton"], res["reference"]):
+        # O differs by bf16 ulps, so D = rowsum(dO o O) and dS differ by ~1e-3 relative: then ~1e-3 of the SR
+        # decisions on dS flip (a full E2M1 step each). A wrong quantization is off by ~0.3 (see above).
+        assert a.dtype == torch.bfloat16 and _rel(a, b) < 1.5e-2
+
+
+# ----------------------------------------------------------------------------------------------------------
+# gradients of the fp4 policy against float64 autograd of the fake-quantized math
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_fp4_gradients_vs_float64_fake_quantized(impl):
+    B, H, Hkv, T, D = 1, 4, 2, 48, 64
+    q, k, v, do = _inputs(B, H, Hkv, T, D, seed=21, scale=2.0)
+    torch.manual_seed(7)
+    o, dq, dk, dv = _run(lambda *x: attention.attention(*x, policy="fp4", impl=impl), q, k, v, do)
+    torch.manual_seed(7)
+    seed = int(torch.randint(0, 2**31 - 1, ()))   # the backward's only draw: the dS stream seed
+
+    # float64 math on the same quantized Q, K, V (RTN is deterministic); autograd gives P and dP
+    qh, kh, vh = (nvfp4.fake_quantize(x, (1, 16), "rtn").double().requires_grad_() for x in (q, k, v))
+    o64, p64 = attention.exact_attention(qh, kh, vh)
+    assert _rel(o, o64) < 1e-5
+    G = H // Hkv
+    s = (qh @ kh.repeat_interleave(G, 1).transpose(-1, -2) / math.sqrt(D)).detach().requires_grad_()
+    mask = torch.ones(T, T, dtype=torch.bool).triu(1)
+    p = torch.softmax(s.masked_fill(mask, float("-inf")), -1)
+    o_s = p @ vh.repeat_interleave(G, 1)
+    ds64, dv64 = torch.autograd.grad(o_s, [s, vh], do.double())   # dS = P o (dP - D) in float64
+    assert _rel(dv, dv64) < 1e-5   # dV = P^T dO with P from the quantized Q, K: consistency
+
+    # dS quantized as the policy says: 1x16 along keys (dQ) / queries (dK), SR with the kernels' uniforms
+    delta = (o.double() * do.double()).sum(-1)
+    v_amax = nvfp4.quantize(v, (1, 16)).global_scale * 2688.0   # the bound's amax(V_hat)
+    sg = attention.ds_global_scale(do.norm(dim=-1), v_amax, delta.float(), D, G)[..., None, None]
+    keys = attention.sr_keys(seed, B * H).reshape(B, H, 2)
+    rows = torch.arange(T)
+    ds_q = attention.fake_quantize_rows16(ds64, sg, "sr", attention.sr_uniforms(keys[..., 0], rows, rows, T)) * sg
+    u_k = attention.sr_uniforms(keys[..., 1], rows, rows, T).transpose(-1, -2)
+    ds_k = (attention.fake_quantize_rows16(ds64.transpose(-1, -2), sg, "sr", u_k) * sg).transpose(-1, -2)
+    k64 = kh.detach().repeat_interleave(G, 1)
+    dq64 = ds_q.double() @ k64 / math.sqrt(D)
+    dk64 = (ds_k.double().transpose(-1, -2) @ qh.detach() / math.sqrt(D)).reshape(B, Hkv, G, T, D).sum(2)
+    assert _rel(dq, dq64) < 1e-4 and _rel(dk, dk64) < 1e-4
+    # the test can fail: unquantized dS, or another SR stream, are far from what the policy computes
+    dq_exact = ds64 @ k64 / math.sqrt(D)
+    assert _rel(dq, dq_exact) > 100 * _rel(dq, dq64)
+    other = attention.fake_quantize_rows16(ds64, sg, "sr", attention.sr_uniforms(keys[..., 1], rows, rows, T)) * sg
+    assert _rel(dq, other.double() @ k64 / math.sqrt(D)) > 100 * _rel(dq, dq64)
+
+
+def test_forward_backward_consistency():
+    """The backward reads the forward's 4-bit Q, K, V: changing q, k, v after the forward changes nothing."""
+    q, k, v, do = _inputs(T=32, seed=31)
+    torch.manual_seed(0)
+    ref = _run(lambda *x: attention.attention(*x, policy="fp4", impl="reference"), q, k, v, do)
+    torch.manual_seed(0)
+    xs = [x.clone().requires_grad_() for x in (q, k, v)]
+    o = attention.attention(*xs, policy="fp4", impl="reference")
+    saved = o.grad_fn.fp4
+    assert all(isinstance(t, nvfp4.NVFP4Tensor) and t.codes.dtype == torch.uint8 for t in saved)
+    with torch.no_grad():
+        for x in xs:
+            x.mul_(3.0).add_(1.0)   # a re-quantization in the backward would see these
+    grads = torch.autograd.grad(o, xs, do)
+    for a, b in zip(grads, ref[1:]):
+        assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the in-register quantizer and its torch mirror
+
+@triton.jit
+def _quant_tile_kernel(X, U, OUT, SG, R: tl.constexpr, C: tl.constexpr, SR: tl.constexpr):
+    r = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
+    out = fa._fake_quant_rows16(tl.load(X + r), tl.load(SG), tl.load(U + r), R, C, SR)
+    tl.store(OUT + r, out)
+
+
+@triton.jit
+def _uniform_kernel(KEY, OUT, T, R: tl.constexpr, C: tl.constexpr):
+    i = tl.arange(0, R)
+    j = tl.arange(0, C)
+    u = fa._uniform(tl.load(KEY).to(tl.uint32, bitcast=True), i[:, None], j[None, :], T)
+    tl.store(OUT + i[:, None] * C + j[None, :], u)
+
+
+def _hard_tile(R=8, C=64, seed=0, device="cpu"):
+    """Random blocks plus the cases that break quantizers: exact E2M1 midpoints (ties), an all-zero block,
+    tiny blocks (subnormal E4M3 scales) and a block that flushes to zero."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(R, C, generator=g) * torch.exp(torch.randn(R, C // 16, generator=g) * 2).repeat_interleave(16, 1)
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
+    x[0, :16] = torch.cat([mids, -mids])
+    x[1, :16] = 0.0
+    x[2, :16] *= 1e-6
+    x[3, :16] *= 1e-12
+    return x.to(device)
+
+
+@pytest.mark.parametrize("rounding", ["rtn", "sr"])
+def test_kernel_quantizer_matches_torch_mirror_bitwise(rounding):
+    x = _hard_tile()
+    s_g = nvfp4.global_scale(x.abs().amax())
+    u = torch.rand(x.shape, generator=torch.Generator().manual_seed(1))
+    out = torch.empty_like(x)
+    _quant_tile_kernel[(1,)](x, u, out, s_g.reshape(1), 8, 64, rounding == "sr")
+    mirror = attention.fake_quantize_rows16(x, s_g, rounding, u)
+    assert torch.equal(out, mirror)
+    if rounding == "rtn":   # and the mirror is nvfp4.quantize when s_g is nvfp4's own
+        assert torch.equal(mirror * s_g, nvfp4.fake_quantize(x, (1, 16), "rtn"))
+
+
+def test_ties_round_to_even_with_unit_scale():
+    # s_g chosen so the tie block's scale is exactly 1: midpoints must go to the even code
+    x = torch.tensor([[0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2])
+    s_g = torch.tensor(1.0)
+    out = torch.empty_like(x)
+    _quant_tile_kernel[(1,)](x, torch.zeros_like(x), out, s_g.reshape(1), 1, 16, False)
+    expected = torch.tensor([[0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0] * 2])
+    assert torch.equal(out, expected) and torch.equal(attention.fake_quantize_rows16(x, s_g), expected)
+
+
+def test_sr_uniforms_kernel_equals_torch_and_unbiased():
+    keys = attention.sr_keys(123, 3)
+    out = torch.empty(8, 32)
+    key32 = attention._as_int32(keys[2:3, 1])
+    _uniform_kernel[(1,)](key32, out, 77, 8, 32)
+    mirror = attention.sr_uniforms(keys[2, 1], torch.arange(8), torch.arange(32), 77)
+    assert torch.equal(out, mirror)
+    u = attention.sr_uniforms(keys[:, 0], torch.arange(256), torch.arange(256), 256)   # (3, 256, 256)
+    assert abs(u.mean().item() - 0.5) < 3e-3 and u.min() >= 0 and u.max() < 1
+    assert abs(torch.corrcoef(torch.stack([u[0].flatten(), u[1].flatten()]))[0, 1].item()) < 0.01
+    # SR with these uniforms is unbiased: E[Q(x)] = x
+    x = torch.rand(1, 16) * 6
+    x[0, 0] = 6.0
+    u = attention.sr_uniforms(keys[:, 0], torch.arange(4096), torch.arange(256), 256).reshape(-1)[:2**20]
+    many = attention.fake_quantize_rows16(x.expand(2**16, 16), torch.tensor(1.0), "sr", u.reshape(2**16, 16))
+    assert (many.mean(0) - x[0]).abs().max() < 0.02
+
+
+def test_ds_global_scale_bounds_ds():
+    q, k, v, do = _inputs(T=64, seed=41, scale=3.0)
+    o, p = attention.exact_attention(q, k, v)
+    G = q.shape[1] // k.shape[1]
+    dp = do.double() @ v.double().repeat_interleave(G, 1).transpose(-1, -2)
+    delta = (o * do.double()).sum(-1)
+    ds = p * (dp - delta[..., None])
+    sg = attention.ds_global_scale(do.norm(dim=-1), v.abs().amax(), delta.float(), 64, G)
+    bound = sg * 448 * 6
+    assert (ds.abs().amax((-1, -2)) <= bound).all()
+    assert (ds.abs().amax((-1, -2)) > bound / 1000).all()   # and not uselessly loose
+
+
+# ----------------------------------------------------------------------------------------------------------
+# bad input
+
+@pytest.mark.parametrize("shapes,match", [
+    (((1, 2, 8, 96), (1, 2, 8, 96)), "head dim"),
+    (((1, 3, 8, 64), (1, 2, 8, 64)), "multiple of kv heads"),
+    (((1, 4, 8, 64), (1, 2, 9, 64)), "k and v must be"),
+    (((4, 8, 64), (1, 2, 8, 64)), "4-D"),
+])
+def test_bad_shapes_raise(shapes, match):
+    qs, ks = shapes
+    with pytest.raises(ValueError, match=match):
+        attention.attention(torch.randn(qs), torch.randn(ks), torch.randn(ks))
+
+
+def test_bad_flags_raise():
+    q, k, v, _ = _inputs(T=8)
+    with pytest.raises(ValueError, match="policy"):
+        attention.attention(q, k, v, policy="fp8")
+    with pytest.raises(ValueError, match="impl"):
+        attention.attention(q, k, v, impl="cuda")
+    with pytest.raises(ValueError, match="non-finite"):
+        attention.attention(q * float("nan"), k, v, policy="fp4")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# App. 10 and Fig. 5 as numbers
+
+def test_app10_simplex_violation_and_ds_error():
+    q, k, v, do = _inputs(B=2, T=64, seed=51, scale=2.0)
+    _, p = attention.exact_attention(q, k, v)
+    assert torch.allclose(p.sum(-1), torch.ones(()).double())
+    sv = attention.simplex_violation(p)
+    assert sv["row_sum_dev_mean"] > 1e-3 and sv["zeroed_mass"] > 0   # quantized rows leave the simplex
+    err = attention.ds_error(q, k, v, do)
+    assert err["nvfp4"]["rel_err"] > 10 * err["bf16"]["rel_err"]
+    assert err["nvfp4"]["rel_err_peaks"] > err["nvfp4"]["rel_err_tail"]   # eq. 6: the noise lands on the peaks
+
+
+def test_fig5_policy_errors_order():
+    q, k, v, do = _inputs(B=1, H=2, Hkv=1, T=64, seed=61, scale=2.0)
+    e = attention.policy_errors(q, k, v, do, impl="reference")
+    assert e["bf16"]["o"] < 1e-5
+    assert e["fp4_pv"]["o"] > e["fp4"]["o"]             # quantizing P for PV costs forward accuracy
+    assert e["fp4_dov"]["dq"] > e["fp4"]["dq"]          # quantizing dO V^T costs dS accuracy
+    assert e["fp4_all"]["dv"] > e["fp4"]["dv"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# GPU, full size
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [2048, 1000])
+def test_gpu_bf16_equals_sdpa(T):
+    q, k, v, do = _inputs(B=2, H=16, Hkv=8, T=T, D=128, dtype=torch.bfloat16, device="cuda")
+    ours = _run(lambda *x: attention.attention(*x, policy="bf16", impl="triton"), q, k, v, do)
+    ref = _run(lambda *x: _sdpa(*x, True), q, k, v, do)
+    exact = _run(lambda *x: _sdpa(*x, True), *(x.float() for x in (q, k, v, do)))
+    for name, a, b, c in zip("o dq dk dv".split(), ours, ref, exact):
+        # as close to the fp32 truth as SDPA's own bf16 result is
+        assert _rel(a, c) < 2 * _rel(b, c) + 2e-3, (name, _rel(a, c), _rel(b, c))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", FP4_POLICIES)
+def test_gpu_triton_equals_reference(policy):
+    q, k, v, do = _inputs(B=1, H=8, Hkv=4, T=1024, D=128, dtype=torch.bfloat16, device="cuda")
+    res = {}
+    for impl in ("reference", "triton"):
+        torch.manual_seed(5)
+        torch.cuda.manual_seed(5)
+        res[impl] = _run(lambda *x: attention.attention(*x, policy=policy, impl=impl), q, k, v, do)
+    for name, a, b in zip("o dq dk dv".split(), res["triton"], res["reference"]):
+        # bf16 outputs; rare flips of a rounding decision (fma contraction, summation order) on dS / P
+        assert _rel(a, b) < 1e-2, (name, _rel(a, b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rounding", ["rtn", "sr"])
+def test_gpu_kernel_quantizer_bitwise(rounding):
+    x = _hard_tile(device="cuda")
+    s_g = nvfp4.global_scale(x.abs().amax())
+    u = torch.rand(x.shape, device="cuda")
+    out = torch.empty_like(x)
+    _quant_tile_kernel[(1,)](x, u, out, s_g.reshape(1), 8, 64, rounding == "sr")
+    assert torch.equal(out, attention.fake_quantize_rows16(x, s_g, rounding, u))
