@@ -135,10 +135,10 @@ def _amax_kernel(x_ptr, h_ptr, part_ptr, M, N, stride_xb, stride_xm, stride_xn,
                  BM: tl.constexpr, BN: tl.constexpr, HAD_DIM: tl.constexpr, X_IS_FP32: tl.constexpr):
     """Per-program max |x| (of the rotated x if HAD_DIM): the global amax is the max of these partials.
     Same tiles and the same rotation code as the quantize pass, so both see bit-identical rotated values."""
-    pid_n, pid_m, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid_m, pid_n, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # rows on axis 0: no 65535 cap
     x, _, _, _ = _load_tile(x_ptr, h_ptr, pid_b, pid_m * BM, pid_n * BN, M, N, stride_xb, stride_xm, stride_xn,
                             BM, BN, HAD_DIM, X_IS_FP32)
-    pid = (pid_b * tl.num_programs(1) + pid_m) * tl.num_programs(0) + pid_n
+    pid = (pid_b * tl.num_programs(1) + pid_n) * tl.num_programs(0) + pid_m
     tl.store(part_ptr + pid, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
 
 
@@ -151,7 +151,7 @@ def _quantize_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, codes_ptr, scales_ptr, v
                      WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr, EXACT_FMA: tl.constexpr):
     """One (BM, BN) tile: block amax -> E4M3 block scale -> E2M1 codes (packed 2/byte, even element low) and/or
     bf16 values q * s_b. Blocks are (SBM, SBN) = (1, 16), (16, 1) or (16, 16)."""
-    pid_n, pid_m, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid_m, pid_n, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # rows on axis 0: no 65535 cap
     m0, n0 = pid_m * BM, pid_n * BN
     x, offs_m, offs_n, mask = _load_tile(x_ptr, h_ptr, pid_b, m0, n0, M, N, stride_xb, stride_xm, stride_xn,
                                          BM, BN, HAD_DIM, X_IS_FP32)
@@ -226,7 +226,7 @@ def _dequantize_kernel(codes_ptr, scales_ptr, gs_ptr, out_ptr, M, N,
                        APPLY_GLOBAL: tl.constexpr):
     """Packed NVFP4 -> q * s_b (exact in bf16: the cuBLAS route's operand) or, with APPLY_GLOBAL,
     (q * s_b) * s_g in fp32 then cast to out's dtype (NVFP4Tensor.dequantize), same row-major layout."""
-    pid_n, pid_m, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid_m, pid_n, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # rows on axis 0: no 65535 cap
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_c = pid_n * (BN // 2) + tl.arange(0, BN // 2)
     cmask = (offs_m[:, None] < M) & (offs_c[None, :] < N // 2)
@@ -297,7 +297,7 @@ def _global_amax(x3, hadamard, had_dim, tiles):
     if had_dim == 0:  # max |x| without an |x| temporary
         return torch.linalg.vector_norm(x3, ord=float("inf")).float()
     BM, BN, warps = tiles
-    grid = (triton.cdiv(N, BN), triton.cdiv(M, BM), B)
+    grid = (triton.cdiv(M, BM), triton.cdiv(N, BN), B)
     partial = torch.empty(grid[0] * grid[1] * grid[2], device=x3.device, dtype=torch.float32)
     _amax_kernel[grid](x3, hadamard if hadamard is not None else x3, partial, M, N,
                        x3.stride(0), x3.stride(1), x3.stride(2), BM=BM, BN=BN, HAD_DIM=had_dim,
@@ -323,7 +323,7 @@ def _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, noise, 
     codes = torch.empty((B, M, N // 2), device=x.device, dtype=torch.uint8) if write_codes else None
     scales = torch.empty((B, M // bm, N // bn), device=x.device, dtype=torch.uint8) if write_codes else None
     values = torch.empty((B, M, N), device=x.device, dtype=torch.bfloat16) if write_values else None
-    grid = (triton.cdiv(N, BN), triton.cdiv(M, BM), B)
+    grid = (triton.cdiv(M, BM), triton.cdiv(N, BN), B)
     dummy = amax
     _quantize_kernel[grid](
         x3, hadamard if hadamard is not None else dummy, noise if noise is not None else dummy, amax,
@@ -384,7 +384,7 @@ def dequantize(t, dtype=torch.float32, apply_global_scale=True):
     scales = t.scales.reshape(-1, M // bm, N // bn).contiguous()
     out = torch.empty((codes.shape[0], M, N), device=codes.device, dtype=dtype)
     BM, BN = 32, 128
-    grid = (triton.cdiv(N, BN), triton.cdiv(M, BM), codes.shape[0])
+    grid = (triton.cdiv(M, BM), triton.cdiv(N, BN), codes.shape[0])
     _dequantize_kernel[grid](codes, scales, t.global_scale.float().reshape(1), out, M, N, BM=BM, BN=BN, SBM=bm,
                              SBN=bn, APPLY_GLOBAL=apply_global_scale, num_warps=4)
     return out.reshape(t.shape)
