@@ -101,9 +101,10 @@ def main():
         row("gemm", f"{label} torch bf16", t_bf16, "TFLOP/s", tf_bf16, 1.0)
         a, b = kq.quantize(a_hi, (1, 16)), kq.quantize(b_hi, (16, 16))
         del a_hi, b_hi
-        for route in ("triton", "cublas"):
+        for route in ("triton", "cublas", None):
             ms = bench(lambda: kg.nvfp4_gemm(a, b, torch.bfloat16, route=route), args.dry)
-            row("gemm", f"{label} nvfp4 {route}", ms, "TFLOP/s", flop / ms / 1e9, t_bf16 / ms, target)
+            name = f"{label} nvfp4 {route}" if route else f"{label} nvfp4 auto ({kg.pick_route(a, b)})"
+            row("gemm", name, ms, "TFLOP/s", flop / ms / 1e9, t_bf16 / ms, None if route else target)
         ms = bench(lambda: kg.nvfp4_gemm(a, b, torch.bfloat16, trans_b=True), args.dry)  # dX-style operand
         row("gemm", f"{label} nvfp4 auto, b transposed ({kg.pick_route(a, b, trans_b=True)})", ms, "TFLOP/s",
             flop / ms / 1e9, t_bf16 / ms)

@@ -208,7 +208,12 @@ def _gemm_cublas(a, b, trans_a, trans_b, out_dtype):
     av, bv = grid_values_bf16(a), grid_values_bf16(b)                 # q * s_b, exact in bf16
     A = av.t() if trans_a else av                                     # (M, K) views, no copies
     B = bv if trans_b else bv.t()                                     # (K, N)
-    gs = a.global_scale * b.global_scale
+    return grid_values_mm(A, B, a.global_scale * b.global_scale, out_dtype)
+
+
+def grid_values_mm(A, B, gs, out_dtype=torch.bfloat16):
+    """(A @ B) * gs for bf16 grid values A (M, K), B (K, N) (any strides) and gs = s_ga * s_gb: the cuBLAS
+    route's GEMM, usable directly on kernels.nvfp4_quant.quantize_dequant's output."""
     if A.device.type == "cpu":  # tests: same fp32 accumulation as the reference
         return (A.float() @ B.float()).mul_(gs).to(out_dtype)
     if out_dtype == torch.float32 and _MM_FP32_OUT[0]:
@@ -216,8 +221,8 @@ def _gemm_cublas(a, b, trans_a, trans_b, out_dtype):
             return torch.mm(A, B, out_dtype=torch.float32).mul_(gs)    # fp32 accumulator out, then the scales
         except (RuntimeError, TypeError):
             _MM_FP32_OUT[0] = False
-    # bf16 (or fp16) out of cuBLAS, then the global scales in place (one pass over the output): one extra
-    # rounding (<= 1 ulp) vs the reference's single rounding of acc * s_g
+    # bf16 out of cuBLAS, then the global scales in place (one pass over the output): one extra rounding
+    # (<= 1 ulp) vs the reference's single rounding of acc * s_g
     out = torch.mm(A, B)
     return out.mul_(gs) if out_dtype == torch.bfloat16 else out.float().mul_(gs).to(out_dtype)
 
