@@ -4,9 +4,10 @@ same GPU, both with 4/6 scaling, plus the Fig. 3 error measurement.
   python bench_lora_svd.py --out lora_svd.json                      (4096x4096, rank 64, 16384 tokens, bf16 X)
   python bench_lora_svd.py --fig3 [--checkpoint out/ckpt.pt] --out fig3.json
 Target (issue 4): LoRA-SVD fwd+bwd <= 1.15x NVFP4Linear. Rows: bf16 nn.Linear, NVFP4Linear, LoRA-SVD fused (App. 9
-kernels) and unfused (separate quantize, GEMM and bf16 branch matmuls), naive LoRA; then the pieces the fusion
-changes (quantize vs quantize + down-projection, GEMM vs GEMM + up-projection epilogue) and the per-step /
-per-realignment costs (project_gradients, realign) that live outside fwd+bwd.
+kernels; the route lora_fused picks, then each route forced: "triton" = GEMM with the up-projection in its
+epilogue, "cublas" = one bf16 GEMM over [X_hat | X L1^T] [W_hat | L2]^T) and unfused (separate quantize, GEMM and
+bf16 branch matmuls), naive LoRA; then the pieces the fusion changes and the per-step / per-realignment costs
+(project_gradients, realign) that live outside fwd+bwd.
 --dry: CPU smoke run of every code path (interpreter, tiny shapes, no timing).
 """
 
@@ -42,9 +43,15 @@ def bench(args):
               "torch": torch.__version__, "triton": triton.__version__, "rows": [], "pieces": []}
     do_bench = (lambda fn, **kw: (fn(), 1.0)[1]) if args.dry else triton.testing.do_bench
 
-    for name, layer in layers.items():
+    from kernels import lora_fused
+    pick_route = lora_fused._pick_route
+    variants = [(name, layer, None) for name, layer in layers.items()]
+    variants += [(f"lora_svd fused {r}", layers["lora_svd fused"], r) for r in ("triton", "cublas")]
+    for name, layer, route in variants:
         params = list(layer.parameters())
         row = {"name": name}
+        # a forced route for the fused kernels (default: lora_fused times both once per shape, keeps the faster)
+        lora_fused._pick_route = pick_route if route is None else (lambda *a, route=route: route)
         try:
             with torch.no_grad():
                 row["fwd_ms"] = do_bench(lambda: layer(x), warmup=10, rep=50)
@@ -53,6 +60,8 @@ def bench(args):
         except Exception as e:  # keep going: one failing variant must not lose the others
             row["error"] = f"{type(e).__name__}: {e}"[:500]
         result["rows"].append(row)
+    lora_fused._pick_route = pick_route
+    result["fused_routes_picked"] = {str(k): v for k, v in lora_fused._ROUTES.items()}
     base = next(r for r in result["rows"] if r["name"] == "nvfp4 (4/6)")
     for row in result["rows"]:
         for k in ("fwd_ms", "fwd+bwd_ms"):
@@ -60,7 +69,6 @@ def bench(args):
                 row[k.replace("_ms", "_vs_nvfp4")] = row[k] / base[k]
 
     # the pieces the fusion changes (forward shapes)
-    from kernels import lora_fused
     layer = layers["lora_svd fused"]
     L1, L2 = layer.L1.detach().to(torch.bfloat16), layer.L2.detach().to(torch.bfloat16)
     xd = x.detach()
@@ -75,6 +83,10 @@ def bench(args):
         "NVFP4 GEMM + up-projection epilogue (fused)":
             lambda: lora_fused.nvfp4_matmul_up_proj(qx, qw, xl1, L2, out_dtype=torch.bfloat16),
         "up-projection + add (torch bf16)": lambda: torch.addmm(y0, xl1, L2.t()),
+        "fused forward, Triton route (quantize+down, GEMM+up)":
+            lambda: lora_fused.lora_forward(xd, qw, L1, L2, 1.0, True, torch.bfloat16, route="triton"),
+        "fused forward, cuBLAS route ([X|XL1] [W|L2]^T)":
+            lambda: lora_fused.lora_forward(xd, qw, L1, L2, 1.0, True, torch.bfloat16, route="cublas"),
         "project_gradients (once per optimizer step)": None,
         "realign (once per 4k steps)": lambda: lora_svd.realign(layer),
     }
@@ -92,12 +104,12 @@ def bench(args):
             result["pieces"].append({"name": name, "error": f"{type(e).__name__}: {e}"[:500]})
 
     print(f"LoRA-SVD vs NVFP4Linear (4/6): tokens={T} in={IN} out={OUT} rank={R} on {result['device']}")
-    print(f"{'layer':<22}{'fwd ms':>10}{'fwd+bwd ms':>12}{'fwd x':>8}{'fwd+bwd x':>11}")
+    print(f"{'layer':<24}{'fwd ms':>10}{'fwd+bwd ms':>12}{'fwd x':>8}{'fwd+bwd x':>11}")
     for r in result["rows"]:
         if "error" in r:
-            print(f"{r['name']:<22}  ERROR {r['error']}")
+            print(f"{r['name']:<24}  ERROR {r['error']}")
             continue
-        print(f"{r['name']:<22}{r['fwd_ms']:>10.3f}{r['fwd+bwd_ms']:>12.3f}{r.get('fwd_vs_nvfp4', math.nan):>8.3f}"
+        print(f"{r['name']:<24}{r['fwd_ms']:>10.3f}{r['fwd+bwd_ms']:>12.3f}{r.get('fwd_vs_nvfp4', math.nan):>8.3f}"
               f"{r.get('fwd+bwd_vs_nvfp4', math.nan):>11.3f}")
     fused = next(r for r in result["rows"] if r["name"] == "lora_svd fused")
     if "fwd+bwd_vs_nvfp4" in fused:
@@ -105,7 +117,7 @@ def bench(args):
         result["target"] = {"lora_svd_fused_fwd+bwd_vs_nvfp4": fused["fwd+bwd_vs_nvfp4"], "max": 1.15, "met": ok}
         print(f"target fwd+bwd <= 1.15x NVFP4Linear: {fused['fwd+bwd_vs_nvfp4']:.3f}x {'MET' if ok else 'MISSED'}")
     for p in result["pieces"]:
-        print(f"  {p['name']:<46}" + (f"{p['ms']:>9.3f} ms" if "ms" in p else f"  ERROR {p['error']}"))
+        print(f"  {p['name']:<54}" + (f"{p['ms']:>9.3f} ms" if "ms" in p else f"  ERROR {p['error']}"))
     return result
 
 

@@ -126,9 +126,9 @@ class LoRASVDFunction(torch.autograd.Function):
         qw = nvfp4.quantize(weight_res.detach(), (16, 16), "rtn", four_over_six, name="weight W_res")
         if use_fused_kernels(x, fused):
             from kernels import lora_fused
-            # App. 9: one read of X gives Q1x16(X) and X L1^T; the up-projection rides the GEMM's epilogue
-            qx, xl1 = lora_fused.quantize_down_proj(x, L1.to(bdt), beta, "rtn", four_over_six, name="activation X")
-            y = lora_fused.nvfp4_matmul_up_proj(qx, qw, xl1, L2.to(bdt), out_dtype=x.dtype)  # xl1 carries beta
+            # App. 9: one read of X gives Q1x16(X) and X L1^T; the up-projection rides the GEMM (its epilogue on
+            # the Triton route, r extra GEMM columns on the cuBLAS route), so Y is written once
+            qx, y = lora_fused.lora_forward(x, qw, L1.to(bdt), L2.to(bdt), beta, four_over_six, x.dtype)
         else:
             qx = nvfp4.quantize(x, (1, 16), "rtn", four_over_six, name="activation X")  # Q1x16(X), RTN
             xl1 = x.to(bdt) @ L1.to(bdt).t()  # (T, r)
@@ -149,8 +149,7 @@ class LoRASVDFunction(torch.autograd.Function):
             # RNG order: dY's SR draw comes before eq. 2's draws (as in NVFP4Linear).
             if use_fused_kernels(dy, ctx.fused):
                 from kernels import lora_fused
-                q_dy, dyl2 = lora_fused.quantize_down_proj(dy, L2.t().to(bdt), beta, "sr", fos, name="gradient dY")
-                dx = lora_fused.nvfp4_matmul_up_proj(q_dy, qw, dyl2, L1.t().to(bdt), out_dtype=dy.dtype, trans_b=True)
+                dx = lora_fused.lora_dx(dy, qw, L1.to(bdt), L2.to(bdt), beta, fos, dy.dtype)
             else:
                 q_dy = nvfp4.quantize(dy, (1, 16), "sr", fos, name="gradient dY")  # Q1x16(dY), SR
                 dyl2 = dy.to(bdt) @ L2.to(bdt)  # (T, r)

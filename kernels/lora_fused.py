@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from kernels.nvfp4_gemm import _CONFIGS, _dequant_tile, _operand
-from kernels.nvfp4_quant import _e2m1_value, _load_tile, _round_to_e4m3, _rtn_e2m1, _sr_e2m1
+from kernels.nvfp4_quant import (_e2m1_value, _global_scale_dev, _load_tile, _round_to_e4m3, _rtn_e2m1, _sr_e2m1,
+                                 grid_values_bf16)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -39,17 +40,20 @@ def _scale_candidate(xb, block_amax, s_g, FP4_MAX: tl.constexpr):
     den = (s * s_g)[:, None, :, None]
     a = tl.minimum(tl.where(den > 0, tl.div_rn(xb, tl.where(den > 0, den, 1.0)), 0.0), 6.0)
     err = _e2m1_value(_rtn_e2m1(a)) * den - xb  # RTN reconstruction error, for the 4/6 choice
-    return bits, a, tl.sum(tl.sum(err * err, axis=3), axis=1)
+    return s, bits, a, tl.sum(tl.sum(err * err, axis=3), axis=1)
 
 
 @triton.jit
-def _quantize_down_proj_kernel(x_ptr, l_ptr, amax_ptr, codes_ptr, scales_ptr, xl_ptr, M, R, beta, seed,
-                               stride_xm, stride_xn, stride_lr, stride_ln, N: tl.constexpr,
-                               BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, FP8_BOUND: tl.constexpr,
-                               FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr, DOT_FP32: tl.constexpr):
-    """A strip of BM rows: for each (BM, BN) tile, 1x16 NVFP4 codes + scales, and x_tile L_tile^T accumulated
-    into the (BM, r) down-projection in registers (deterministic: no atomics across column tiles).
-    N is a constexpr: the interpreter cannot range() over a runtime int (see nvfp4_gemm)."""
+def _quantize_down_proj_kernel(x_ptr, l_ptr, amax_ptr, gs_other_ptr, codes_ptr, scales_ptr, vals_ptr, xl_ptr,
+                               M, R, beta, seed, stride_xm, stride_xn, stride_lr, stride_ln, stride_vm, stride_xlm,
+                               N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
+                               FP8_BOUND: tl.constexpr, FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr,
+                               DOT_FP32: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr):
+    """A strip of BM rows: for each (BM, BN) tile, the 1x16 NVFP4 codes + scales (WRITE_CODES) and/or the
+    bf16 grid values q * s_b (WRITE_VALUES, for the cuBLAS route), and x_tile L_tile^T accumulated into the
+    (BM, r) down-projection in registers (deterministic: no atomics across column tiles). The strip then
+    stores beta * x L^T, divided by s_g * s_g_other in the cuBLAS route (whose GEMM multiplies every term by
+    the global scales at the end). N is a constexpr: the interpreter cannot range() over a runtime int."""
     pid_m, pid_b = tl.program_id(0), tl.program_id(1)  # pid_b is 0: the grid has one batch
     m0 = pid_m * BM
     amax = tl.load(amax_ptr)
@@ -61,10 +65,11 @@ def _quantize_down_proj_kernel(x_ptr, l_ptr, amax_ptr, codes_ptr, scales_ptr, xl
                                              BM, BN, 0, True)
         xb = tl.abs(x).reshape(BM, 1, BN // 16, 16)
         block_amax = tl.max(tl.max(xb, axis=3), axis=1)  # (BM, BN // 16)
-        bits, a, err6 = _scale_candidate(xb, block_amax, s_g, 6.0)
+        s_b, bits, a, err6 = _scale_candidate(xb, block_amax, s_g, 6.0)
         if FOUR_OVER_SIX:  # keep the lower-error candidate per block, ties to 6
-            bits4, a4, err4 = _scale_candidate(xb, block_amax, s_g, 4.0)
+            s4, bits4, a4, err4 = _scale_candidate(xb, block_amax, s_g, 4.0)
             use4 = err4 < err6
+            s_b = tl.where(use4, s4, s_b)
             bits = tl.where(use4, bits4, bits)
             a = tl.where(use4[:, None, :, None], a4, a)
         if SR:  # same counter-based draws as nvfp4_quant: tl.rand(seed, element index)
@@ -72,14 +77,19 @@ def _quantize_down_proj_kernel(x_ptr, l_ptr, amax_ptr, codes_ptr, scales_ptr, xl
             idx = _sr_e2m1(a, rand.reshape(BM, 1, BN // 16, 16))
         else:
             idx = _rtn_e2m1(a)
-        code = (idx.reshape(BM, BN) | ((x < 0).to(tl.int32) << 3)).to(tl.uint8)
-        lo, hi = tl.split(code.reshape(BM, BN // 2, 2))  # even element in the low nibble
-        offs_c = n0 // 2 + tl.arange(0, BN // 2)
-        tl.store(codes_ptr + offs_m[:, None].to(tl.int64) * (N // 2) + offs_c[None, :], lo | (hi << 4),
-                 mask=(offs_m[:, None] < M) & (offs_c[None, :] < N // 2))
-        offs_s = n0 // 16 + tl.arange(0, BN // 16)
-        tl.store(scales_ptr + offs_m[:, None].to(tl.int64) * (N // 16) + offs_s[None, :], bits,
-                 mask=(offs_m[:, None] < M) & (offs_s[None, :] < N // 16))
+        if WRITE_CODES:
+            code = (idx.reshape(BM, BN) | ((x < 0).to(tl.int32) << 3)).to(tl.uint8)
+            lo, hi = tl.split(code.reshape(BM, BN // 2, 2))  # even element in the low nibble
+            offs_c = n0 // 2 + tl.arange(0, BN // 2)
+            tl.store(codes_ptr + offs_m[:, None].to(tl.int64) * (N // 2) + offs_c[None, :], lo | (hi << 4),
+                     mask=(offs_m[:, None] < M) & (offs_c[None, :] < N // 2))
+            offs_s = n0 // 16 + tl.arange(0, BN // 16)
+            tl.store(scales_ptr + offs_m[:, None].to(tl.int64) * (N // 16) + offs_s[None, :], bits,
+                     mask=(offs_m[:, None] < M) & (offs_s[None, :] < N // 16))
+        if WRITE_VALUES:  # q * s_b has at most 6 significant bits: exact in bf16
+            q = (_e2m1_value(idx) * s_b[:, None, :, None]).reshape(BM, BN)
+            tl.store(vals_ptr + offs_m[:, None].to(tl.int64) * stride_vm + offs_n[None, :],
+                     tl.where(x < 0, -q, q).to(tl.bfloat16), mask=mask)
         # the down-projection from the same registers: acc += x_tile @ L_tile^T
         lt = tl.load(l_ptr + offs_r[:, None] * stride_lr + offs_n[None, :] * stride_ln,
                      mask=(offs_r[:, None] < R) & (offs_n[None, :] < N), other=0.0)  # (BR, BN)
@@ -87,8 +97,11 @@ def _quantize_down_proj_kernel(x_ptr, l_ptr, amax_ptr, codes_ptr, scales_ptr, xl
             acc = tl.dot(x, tl.trans(lt.to(tl.float32)), acc, input_precision="ieee")
         else:
             acc = tl.dot(x.to(lt.dtype), tl.trans(lt), acc)
+    acc = acc * beta
+    if WRITE_VALUES:
+        acc = tl.div_rn(acc, s_g * tl.load(gs_other_ptr))
     offs_m = m0 + tl.arange(0, BM)
-    tl.store(xl_ptr + offs_m[:, None].to(tl.int64) * R + offs_r[None, :], (acc * beta).to(xl_ptr.dtype.element_ty),
+    tl.store(xl_ptr + offs_m[:, None].to(tl.int64) * stride_xlm + offs_r[None, :], acc.to(xl_ptr.dtype.element_ty),
              mask=(offs_m[:, None] < M) & (offs_r[None, :] < R))
 
 
@@ -100,10 +113,9 @@ def _rank_block(r):
     return max(16, triton.next_power_of_2(r))
 
 
-def quantize_down_proj(x, L, beta=1.0, rounding="rtn", four_over_six=False, seed=None, name="x"):
-    """x (T, K) -> (Q1x16(x) as nvfp4.NVFP4Tensor, beta * x L^T (T, r) in L's dtype) in one pass over x.
-    L (r, K): L1 for the forward, L2^T for dX. rounding "rtn" | "sr"; for SR the seed is drawn from torch's
-    global RNG of x's device when not given (as nvfp4.quantize does)."""
+def _launch_quantize(x, L, beta, rounding, four_over_six, seed, name, write_codes, values=None, gs_other=None):
+    """Shared host side of both routes. values: None, or a (T, K + r) bf16 buffer that receives the grid values
+    in [:, :K] and beta x L^T / (s_g s_g_other) in [:, K:]. Returns (NVFP4Tensor or None, xl or None, s_g)."""
     import nvfp4
     if rounding not in ("rtn", "sr"):
         raise ValueError(f"{name}: rounding must be 'rtn' or 'sr', got {rounding!r}")
@@ -116,25 +128,35 @@ def quantize_down_proj(x, L, beta=1.0, rounding="rtn", four_over_six=False, seed
     M, N = x.shape
     R = L.shape[0]
     amax = torch.linalg.vector_norm(x, ord=float("inf")).float().reshape(1)
-    codes = torch.empty((M, N // 2), device=x.device, dtype=torch.uint8)
-    scales = torch.empty((M, N // 16), device=x.device, dtype=torch.uint8)
-    xl = torch.empty((M, R), device=x.device, dtype=L.dtype)
+    codes = torch.empty((M, N // 2), device=x.device, dtype=torch.uint8) if write_codes else amax
+    scales = torch.empty((M, N // 16), device=x.device, dtype=torch.uint8) if write_codes else amax
+    if values is None:
+        xl = torch.empty((M, R), device=x.device, dtype=L.dtype)
+        vals, xl_out, gs_other = amax, xl, amax
+    else:
+        xl, vals, xl_out = None, values, values[:, N:]
     BM, BN = (16, 64) if _interpreting() else (64, 64)
     _quantize_down_proj_kernel[(triton.cdiv(M, BM),)](
-        x, L, amax, codes, scales, xl, M, R, float(beta), int(seed or 0),
-        x.stride(0), x.stride(1), L.stride(0), L.stride(1), N=N, BM=BM, BN=BN, BR=_rank_block(R),
-        FP8_BOUND=256.0 if four_over_six else 448.0, FOUR_OVER_SIX=bool(four_over_six), SR=rounding == "sr",
-        DOT_FP32=L.dtype == torch.float32, num_warps=4,
+        x, L, amax, gs_other, codes, scales, vals, xl_out, M, R, float(beta), int(seed or 0),
+        x.stride(0), x.stride(1), L.stride(0), L.stride(1), vals.stride(0) if values is not None else 0,
+        xl_out.stride(0), N=N, BM=BM, BN=BN, BR=_rank_block(R), FP8_BOUND=256.0 if four_over_six else 448.0,
+        FOUR_OVER_SIX=bool(four_over_six), SR=rounding == "sr", DOT_FP32=L.dtype == torch.float32,
+        WRITE_CODES=write_codes, WRITE_VALUES=values is not None, num_warps=4,
         enable_fp_fusion=False)  # no FMA contraction: every rounding as in the reference
     s_g = nvfp4.global_scale(amax.reshape(()), four_over_six) if x.device.type == "cpu" else \
-        _true_div_global_scale(amax, four_over_six)
-    t = nvfp4.NVFP4Tensor(codes, scales.view(torch.float8_e4m3fn), s_g, x.shape, (1, 16))
+        _global_scale_dev(amax, four_over_six)
+    t = None
+    if write_codes:
+        t = nvfp4.NVFP4Tensor(codes, scales.view(torch.float8_e4m3fn), s_g, x.shape, (1, 16))
+    return t, xl, s_g
+
+
+def quantize_down_proj(x, L, beta=1.0, rounding="rtn", four_over_six=False, seed=None, name="x"):
+    """x (T, K) -> (Q1x16(x) as nvfp4.NVFP4Tensor, beta * x L^T (T, r) in L's dtype) in one pass over x.
+    L (r, K): L1 for the forward, L2^T for dX. rounding "rtn" | "sr"; for SR the seed is drawn from torch's
+    global RNG of x's device when not given (as nvfp4.quantize does)."""
+    t, xl, _ = _launch_quantize(x, L, beta, rounding, four_over_six, seed, name, write_codes=True)
     return t, xl
-
-
-def _true_div_global_scale(amax, four_over_six):
-    from kernels.nvfp4_quant import _global_scale_dev
-    return _global_scale_dev(amax, four_over_six)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -204,3 +226,91 @@ def nvfp4_matmul_up_proj(a, b, xl, L, out_dtype=torch.float32, trans_b=False):
     grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),)
     _gemm_up_proj_autotuned[grid](*args, **flags, EVEN_K=K % 128 == 0)
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# cuBLAS route: the branch as r extra columns of one bf16 GEMM
+#   Y = s_g (X_hat W_hat^T) + (beta X L1^T) L2^T = s_g ([X_hat | beta X L1^T / s_g] [W_hat | L2]^T)
+# with X_hat, W_hat the exact bf16 grid values q * s_b and s_g = s_gx s_gw. The quantize pass writes both
+# blocks of the left operand (one read of X), one cuBLAS GEMM with K + r produces Y (one write), for ~r/K more
+# FLOPs. dX likewise with [dY_hat | beta dY L2 / s_g] [W_hat ; L1]. nvfp4_gemm picks cuBLAS over its Triton
+# kernel when that is faster; this route is the fused counterpart.
+
+def _mm_scaled(A, B, gs, out_dtype):
+    """s_g (A @ B) for bf16 A, B: fp32 accumulation; on the GPU cuBLAS's bf16 output is scaled in place (one
+    more rounding, as nvfp4_gemm's cuBLAS route)."""
+    if A.device.type == "cpu":
+        return (A.float() @ B.float()).mul_(gs).to(out_dtype)
+    out = torch.mm(A, B)
+    return out.mul_(gs) if out_dtype == torch.bfloat16 else out.float().mul_(gs).to(out_dtype)
+
+
+def _forward_cublas(x, qw, L1, L2, beta, four_over_six, out_dtype):
+    (T, K), r = x.shape, L1.shape[0]
+    abuf = torch.empty((T, K + r), device=x.device, dtype=torch.bfloat16)  # [X_hat | beta X L1^T / s_g]
+    qx, _, s_gx = _launch_quantize(x, L1, beta, "rtn", four_over_six, None, "activation X", True, abuf,
+                                   qw.global_scale)
+    wbuf = torch.cat((grid_values_bf16(qw), L2.to(torch.bfloat16)), dim=1)  # (out, K + r) = [W_hat | L2]
+    return qx, _mm_scaled(abuf, wbuf.t(), s_gx * qw.global_scale, out_dtype)
+
+
+def _dx_cublas(dy, qw, L1, L2, beta, four_over_six, out_dtype, seed):
+    (T, K), r = dy.shape, L1.shape[0]
+    abuf = torch.empty((T, K + r), device=dy.device, dtype=torch.bfloat16)  # [dY_hat | beta dY L2 / s_g]
+    _, _, s_g = _launch_quantize(dy, L2.t(), beta, "sr", four_over_six, seed, "gradient dY", False, abuf,
+                                 qw.global_scale)
+    wbuf = torch.cat((grid_values_bf16(qw), L1.to(torch.bfloat16)), dim=0)  # (out + r, in) = [W_hat ; L1]
+    return _mm_scaled(abuf, wbuf, s_g * qw.global_scale, out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# What lora_svd.py calls: eq. 1's Y and dX, fused, on the faster route
+
+_ROUTES = {}
+
+
+def _pick_route(key, run_triton, run_cublas, device):
+    """NANOFP4_GEMM_ROUTE=triton|cublas forces a route (as in nvfp4_gemm); else time both once per shape."""
+    forced = os.environ.get("NANOFP4_GEMM_ROUTE", "auto")
+    if forced in ("triton", "cublas"):
+        return forced
+    if device.type != "cuda":
+        return "triton"
+    if key not in _ROUTES:
+        from triton.testing import do_bench
+        t_triton, t_cublas = (do_bench(f, warmup=5, rep=20) for f in (run_triton, run_cublas))
+        _ROUTES[key] = "triton" if t_triton <= t_cublas else "cublas"
+    return _ROUTES[key]
+
+
+def lora_forward(x, qw, L1, L2, beta, four_over_six, out_dtype, route=None):
+    """eq. 1's Y = Q1x16(X) Q16x16(W_res)^T + (beta X L1^T) L2^T, fused. x (T, in), qw the packed Q16x16(W_res)
+    (out, in), L1 (r, in), L2 (out, r) in the branch dtype. Returns (Q1x16(X) packed, for the backward; Y)."""
+    def run_triton():
+        qx, xl1 = quantize_down_proj(x, L1, beta, "rtn", four_over_six, name="activation X")
+        return qx, nvfp4_matmul_up_proj(qx, qw, xl1, L2, out_dtype=out_dtype)
+
+    def run_cublas():
+        return _forward_cublas(x, qw, L1, L2, beta, four_over_six, out_dtype)
+
+    key = ("fwd", *x.shape, qw.shape[0], L1.shape[0], x.dtype, out_dtype, x.device.index)
+    route = route or _pick_route(key, run_triton, run_cublas, x.device)
+    return run_triton() if route == "triton" else run_cublas()
+
+
+def lora_dx(dy, qw, L1, L2, beta, four_over_six, out_dtype, route=None, seed=None):
+    """eq. 1's dX = Q1x16(dY, SR) Q16x16(W_res) + (beta dY L2) L1, fused, reusing the forward's packed qw (no
+    requantization). The SR seed is drawn from torch's global RNG when not given (as nvfp4.quantize does)."""
+    if seed is None:
+        seed = int(torch.randint(0, 2**31 - 1, (), device=dy.device))
+
+    def run_triton():
+        q_dy, dyl2 = quantize_down_proj(dy, L2.t(), beta, "sr", four_over_six, seed=seed, name="gradient dY")
+        return nvfp4_matmul_up_proj(q_dy, qw, dyl2, L1.t(), out_dtype=out_dtype, trans_b=True)
+
+    def run_cublas():
+        return _dx_cublas(dy, qw, L1, L2, beta, four_over_six, out_dtype, seed)
+
+    key = ("dx", *dy.shape, qw.shape[1], L1.shape[0], dy.dtype, out_dtype, dy.device.index)
+    route = route or _pick_route(key, run_triton, run_cublas, dy.device)
+    return run_triton() if route == "triton" else run_cublas()

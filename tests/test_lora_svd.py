@@ -343,10 +343,29 @@ def test_kernel_gemm_up_proj_matches_reference(trans_b):
         lora_fused.nvfp4_matmul_up_proj(a, b, xl[:, :4], L, trans_b=trans_b)
 
 
-def test_fused_path_of_the_layer_replays_eqs_1_2(monkeypatch):
-    """The module's fused branch (kernels in the interpreter, fp32 branch) against float64 eqs. 1-2."""
+def test_kernel_cublas_route_operand():
+    """The cuBLAS route's left operand [X_hat | beta X L^T / s_g]: exact grid values, then the branch columns."""
+    from kernels import lora_fused
+    gen = torch.Generator().manual_seed(23)
+    x = heavy_tailed((48, 96), gen)
+    L = torch.randn(5, 96, generator=gen)
+    gs_other = torch.tensor(0.37)
+    buf = torch.zeros(48, 101, dtype=torch.bfloat16)
+    q, _, s_g = lora_fused._launch_quantize(x, L, 0.5, "rtn", True, None, "x", True, buf, gs_other)
+    ref = nvfp4._quantize_reference(x, (1, 16), "rtn", True, None)
+    same_nvfp4(q, ref)
+    assert torch.equal(buf[:, :96].float(), ref.grid_values())
+    branch = 0.5 * f64(x) @ f64(L).t() / (f64(s_g) * f64(gs_other))
+    assert_close64(buf[:, 96:], branch, rel=2**-7)  # one bf16 ulp: the interpreter's fp32->bf16 cast truncates
+
+
+@pytest.mark.parametrize("route", ["triton", "cublas"])
+def test_fused_path_of_the_layer_replays_eqs_1_2(monkeypatch, route):
+    """The module's fused path (kernels in the interpreter) against float64 eqs. 1-2. The Triton route keeps
+    an fp32 branch here (fp32 tolerance); the cuBLAS route rounds the branch operands to bf16."""
     from kernels import nvfp4_quant
     monkeypatch.setattr(lora_svd, "use_fused_kernels", lambda x, fused: fused)
+    monkeypatch.setenv("NANOFP4_GEMM_ROUTE", route)
     beta = 0.5
     layer = make_layer(beta=beta, seed=22)
     x = torch.randn(T, IN, requires_grad=True)
@@ -357,33 +376,43 @@ def test_fused_path_of_the_layer_replays_eqs_1_2(monkeypatch):
     qx = nvfp4.quantize(x.detach(), (1, 16), "rtn", True)
     qw = nvfp4.quantize(layer.weight_res.detach(), (16, 16), "rtn", True)
     L1, L2 = f64(layer.L1), f64(layer.L2)
-    assert_close64(y, f64(qx.dequantize()) @ f64(qw.dequantize()).t() + beta * (f64(x) @ L1.t()) @ L2.t())
     torch.manual_seed(5)  # replay: the kernel's SR seed, then eq. 2's draws
     q_dy = nvfp4_quant.quantize(dy, (1, 16), "sr", True, seed=int(torch.randint(0, 2**31 - 1, ())))
     H = nvfp4.random_hadamard()
     q_dyt = nvfp4.quantize(dy.t(), (1, 16), "sr", True, hadamard=H)
     q_hx = nvfp4.quantize(qx.dequantize(), (16, 1), "sr", True, hadamard=H)
-    assert_close64(x.grad, f64(q_dy.dequantize()) @ f64(qw.dequantize()) + beta * (f64(dy) @ L2) @ L1)
+    y_branch = beta * (f64(x) @ L1.t()) @ L2.t()
+    dx_branch = beta * (f64(dy) @ L2) @ L1
+    y_ref = f64(qx.dequantize()) @ f64(qw.dequantize()).t() + y_branch
+    dx_ref = f64(q_dy.dequantize()) @ f64(qw.dequantize()) + dx_branch
+    for got, ref, branch in ((y, y_ref, y_branch), (x.grad, dx_ref, dx_branch)):
+        if route == "triton":
+            assert_close64(got, ref)
+        else:  # bf16 branch operands: error within a few bf16 roundings of the branch
+            assert (f64(got) - ref).abs().max() <= 2**-6 * branch.abs().max()
+            assert (f64(got) - ref).abs().max() >= 1e-9  # (the bf16 rounding is really there)
     assert_close64(layer.weight_res.grad, f64(q_dyt.dequantize()) @ f64(q_hx.dequantize()))
 
 
 @pytest.mark.gpu
-def test_gpu_fused_equals_unfused_at_full_size():
+def test_gpu_fused_routes_equal_unfused_at_full_size(monkeypatch):
     torch.manual_seed(0)
     layer = lora_svd.LoRASVDLinear(4096, 4096, 64, device="cuda")
     x = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16)
-    outs = []
-    for fused in (True, False):
+    outs = {}
+    for name, fused, route in (("unfused", False, "auto"), ("triton", True, "triton"), ("cublas", True, "cublas")):
+        monkeypatch.setenv("NANOFP4_GEMM_ROUTE", route)
         layer.fused = fused
         layer.zero_grad(set_to_none=True)
         x.grad = None
-        torch.manual_seed(1)  # same SR seeds: the fused and unfused quantizers draw identical tl.rand streams
+        torch.manual_seed(1)  # same SR seeds: fused and unfused quantizers draw identical tl.rand streams
         y = layer(x)
         y.backward(dy)
-        outs.append((y.float(), x.grad.float(), layer.weight_res.grad.clone()))
-    for a, b in zip(outs[0], outs[1]):  # differ by bf16 roundings of the output and of the branch
-        assert ((a - b).norm() / b.norm()).item() < 1e-2
+        outs[name] = (y.float(), x.grad.float(), layer.weight_res.grad.clone())
+    for name in ("triton", "cublas"):  # differ by bf16 roundings of the output and of the branch
+        for a, b in zip(outs[name], outs["unfused"]):
+            assert ((a - b).norm() / b.norm()).item() < 1e-2, name
     from kernels import lora_fused
     L = layer.L1.detach().to(torch.bfloat16)
     q, xl = lora_fused.quantize_down_proj(x.detach(), L, 1.0, "rtn", True)
