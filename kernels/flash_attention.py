@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import nvfp4_quant
+
 LOG2E = 1.4426950408889634
 
 
@@ -51,6 +53,8 @@ def _patch_interpreter_loop_bounds():
 
 if _interpreting():
     _patch_interpreter_loop_bounds()
+# Markstein's fma-corrected division (nvfp4_quant._div_by) needs a true fma: the GPU, not the interpreter
+EXACT_FMA = tl.constexpr(nvfp4_quant._exact_fma())
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -145,9 +149,9 @@ def _fake_quant_rows16(x, s_g, u, R: tl.constexpr, C: tl.constexpr, SR: tl.const
     amax = tl.max(tl.abs(xb), axis=2)
     s_b = _to_e4m3(tl.minimum(tl.div_rn(tl.div_rn(amax, 6.0), s_g), 448.0))
     denom = s_b * s_g
-    safe = tl.where(denom > 0, denom, 1.0)
-    a = tl.div_rn(tl.abs(xb), safe[:, :, None])
-    a = tl.minimum(tl.where(denom[:, :, None] > 0, a, 0.0), 6.0)
+    inv = tl.where(denom > 0, tl.div_rn(tl.full((R, C // 16), 1.0, tl.float32), tl.where(denom > 0, denom, 1.0)), 0.0)
+    # |x| / denom correctly rounded, with one reciprocal per block (0 for an all-zero block)
+    a = tl.minimum(nvfp4_quant._div_by(tl.abs(xb), denom[:, :, None], inv[:, :, None], EXACT_FMA), 6.0)
     # E2M1's grid has step 0.5 on [0, 2), 1 on [2, 4), 2 on [4, 6]: round a / step to an integer
     step = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
     y = a * (1.0 / step)
