@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.nvfp4_gemm import _CONFIGS, _dequant_tile, _operand
+from kernels.nvfp4_gemm import _CONFIGS, _dequant_tile, _operand, grid_values_mm
 from kernels.nvfp4_quant import (_e2m1_value, _global_scale_dev, _load_tile, _round_to_e4m3, _rtn_e2m1, _sr_e2m1,
                                  grid_values_bf16)
 
@@ -236,22 +236,13 @@ def nvfp4_matmul_up_proj(a, b, xl, L, out_dtype=torch.float32, trans_b=False):
 # FLOPs. dX likewise with [dY_hat | beta dY L2 / s_g] [W_hat ; L1]. nvfp4_gemm picks cuBLAS over its Triton
 # kernel when that is faster; this route is the fused counterpart.
 
-def _mm_scaled(A, B, gs, out_dtype):
-    """s_g (A @ B) for bf16 A, B: fp32 accumulation; on the GPU cuBLAS's bf16 output is scaled in place (one
-    more rounding, as nvfp4_gemm's cuBLAS route)."""
-    if A.device.type == "cpu":
-        return (A.float() @ B.float()).mul_(gs).to(out_dtype)
-    out = torch.mm(A, B)
-    return out.mul_(gs) if out_dtype == torch.bfloat16 else out.float().mul_(gs).to(out_dtype)
-
-
 def _forward_cublas(x, qw, L1, L2, beta, four_over_six, out_dtype):
     (T, K), r = x.shape, L1.shape[0]
     abuf = torch.empty((T, K + r), device=x.device, dtype=torch.bfloat16)  # [X_hat | beta X L1^T / s_g]
     qx, _, s_gx = _launch_quantize(x, L1, beta, "rtn", four_over_six, None, "activation X", True, abuf,
                                    qw.global_scale)
     wbuf = torch.cat((grid_values_bf16(qw), L2.to(torch.bfloat16)), dim=1)  # (out, K + r) = [W_hat | L2]
-    return qx, _mm_scaled(abuf, wbuf.t(), s_gx * qw.global_scale, out_dtype)
+    return qx, grid_values_mm(abuf, wbuf.t(), s_gx * qw.global_scale, out_dtype)
 
 
 def _dx_cublas(dy, qw, L1, L2, beta, four_over_six, out_dtype, seed):
@@ -260,7 +251,7 @@ def _dx_cublas(dy, qw, L1, L2, beta, four_over_six, out_dtype, seed):
     _, _, s_g = _launch_quantize(dy, L2.t(), beta, "sr", four_over_six, seed, "gradient dY", False, abuf,
                                  qw.global_scale)
     wbuf = torch.cat((grid_values_bf16(qw), L1.to(torch.bfloat16)), dim=0)  # (out + r, in) = [W_hat ; L1]
-    return _mm_scaled(abuf, wbuf, s_g * qw.global_scale, out_dtype)
+    return grid_values_mm(abuf, wbuf, s_g * qw.global_scale, out_dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------
