@@ -351,7 +351,7 @@ def main(argv=None):
         optimizer.load_state_dict(ckpt["optimizer"])
         train_loader.load_state_dict(ckpt["loader"])
         step = ckpt["step"]
-        set_rng_state(ckpt["rng"][rank])
+        set_rng_state(ckpt["ranks"][rank]["rng"])  # each rank's own SR / Hadamard streams
         if master:  # drop metrics rows written after the checkpoint (a crash between save and the next save)
             rows = [r for r in read_metrics(metrics_path) if r["step"] <= step]
             with open(metrics_path, "w") as f:
@@ -382,7 +382,7 @@ def main(argv=None):
             all_states = [states]
         if master or args.fsdp:
             atomic_save({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                         "loader": states["loader"], "rng": all_states, "world_size": world_size,
+                         "loader": states["loader"], "ranks": all_states, "world_size": world_size,
                          "config": asdict(cfg), "args": vars(args)}, ckpt_path)
         if master:
             plot_metrics(args.out_dir, f"{args.config} / {args.recipe} / {args.optimizer}")

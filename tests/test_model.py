@@ -1,0 +1,130 @@
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model import CONFIGS, GPT, GPTConfig, apply_rope, config_from_name, make_linear, rope_cache
+
+
+def small_config(**kw):
+    return GPTConfig(**{**dict(n_layer=2, n_embd=64, n_head=4, n_kv_head=2, ffn_hidden=128, block_size=32,
+                               vocab_size=97), **kw})
+
+
+def test_forward_shapes_loss_and_gqa_projections():
+    torch.manual_seed(0)
+    cfg = small_config()
+    model = GPT(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (3, 20))
+    logits, loss = model(idx, torch.randint(0, cfg.vocab_size, (3, 20)))
+    assert logits.shape == (3, 20, cfg.vocab_size)
+    assert loss.ndim == 0 and abs(loss.item() - math.log(cfg.vocab_size)) < 0.5  # near-uniform at init
+    attn = model.blocks[0].attn
+    assert attn.q_proj.weight.shape == (cfg.n_head * cfg.head_dim, cfg.n_embd)
+    assert attn.k_proj.weight.shape == (cfg.n_kv_head * cfg.head_dim, cfg.n_embd)  # GQA: fewer K/V heads
+    assert attn.v_proj.weight.shape == (cfg.n_kv_head * cfg.head_dim, cfg.n_embd)
+    with pytest.raises(ValueError, match="exceeds the context"):
+        model(torch.zeros(1, cfg.block_size + 1, dtype=torch.long))
+
+
+def test_attention_matches_explicit_gqa_with_repeated_kv_heads():
+    """Query head h must attend with K/V head h // (n_head / n_kv_head), causally."""
+    torch.manual_seed(1)
+    cfg = small_config()
+    attn = GPT(cfg).blocks[0].attn
+    B, T, H, Hkv, D = 2, 12, cfg.n_head, cfg.n_kv_head, cfg.head_dim
+    x = torch.randn(B, T, cfg.n_embd)
+    cos, sin = rope_cache(T, D, cfg.rope_theta)
+    q = apply_rope(attn.q_proj(x).view(B, T, H, D).transpose(1, 2), cos, sin)
+    k = apply_rope(attn.k_proj(x).view(B, T, Hkv, D).transpose(1, 2), cos, sin)
+    v = attn.v_proj(x).view(B, T, Hkv, D).transpose(1, 2)
+    k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)  # (B, H, T, D)
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(D)
+    scores = scores.masked_fill(torch.triu(torch.ones(T, T, dtype=torch.bool), 1), float("-inf"))
+    y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, H * D)
+    torch.testing.assert_close(attn(x, cos, sin), attn.o_proj(y), atol=1e-5, rtol=1e-5)
+
+
+def test_causal_future_tokens_do_not_change_past_logits():
+    torch.manual_seed(2)
+    model = GPT(small_config())
+    idx = torch.randint(0, 97, (1, 16))
+    idx2 = idx.clone()
+    idx2[0, 10:] = (idx2[0, 10:] + 1) % 97
+    a, _ = model(idx)
+    b, _ = model(idx2)
+    torch.testing.assert_close(a[:, :10], b[:, :10])
+    assert not torch.allclose(a[:, 10:], b[:, 10:])
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    """(R_m q) . (R_n k) = q^T R_{n-m} k: a Toeplitz score matrix, varying with the offset, norms preserved."""
+    torch.manual_seed(3)
+    T, D = 24, 64
+    cos, sin = rope_cache(T, D, 10000.0)
+    q, k = torch.randn(D, dtype=torch.float64), torch.randn(D, dtype=torch.float64)
+    qr = apply_rope(q.expand(1, 1, T, D).clone(), cos.double(), sin.double())[0, 0]  # q placed at every position
+    kr = apply_rope(k.expand(1, 1, T, D).clone(), cos.double(), sin.double())[0, 0]
+    S = qr @ kr.T  # S[m, n] = score of q at m with k at n
+    for offset in range(-T + 1, T):
+        diag = torch.diagonal(S, offset)
+        assert torch.allclose(diag, diag[0].expand_as(diag), atol=1e-4), offset
+    assert torch.diagonal(S, 0)[0] != pytest.approx(torch.diagonal(S, 5)[0].item(), abs=1e-3)  # not constant
+    torch.testing.assert_close(qr.norm(dim=-1), q.norm().expand(T))  # a rotation
+    torch.testing.assert_close(qr[0], q)  # position 0 is the identity
+
+
+def test_param_counts_of_named_configs_on_meta_device():
+    counts = {}
+    for name in CONFIGS:
+        with torch.device("meta"):
+            counts[name] = GPT(config_from_name(name)).num_params()
+    assert abs(counts["1b"] - 1e9) / 1e9 < 0.10, counts["1b"]
+    assert abs(counts["3b"] - 3e9) / 3e9 < 0.10, counts["3b"]
+    assert abs(counts["toy"] - 150e6) / 150e6 < 0.10, counts["toy"]  # App. 13: ~150M
+    assert counts["tiny"] < 10e6
+    # analytic check of the 3b count: per layer q,o (C*C) + k,v (C*Hkv*D) + SwiGLU 3*C*F + 2 norms; untied V*C twice
+    C, F_, L, V, kv = 3072, 9216, 24, 50304, 12 * 128
+    assert counts["3b"] == L * (2 * C * C + 2 * C * kv + 3 * C * F_ + 2 * C) + C + 2 * V * C
+
+
+def test_tied_and_untied_embeddings():
+    tied, untied = GPT(small_config(tie_embeddings=True)), GPT(small_config(tie_embeddings=False))
+    assert tied.lm_head.weight is tied.wte.weight
+    assert untied.lm_head.weight is not untied.wte.weight
+    assert untied.num_params() - tied.num_params() == 97 * 64
+
+
+def test_make_linear_policy_and_init():
+    torch.manual_seed(4)
+    lin = make_linear(256, 512, "bf16", std=0.02)
+    assert isinstance(lin, nn.Linear) and lin.bias is None
+    assert abs(lin.weight.std().item() - 0.02) < 0.002
+    with pytest.raises(ValueError, match="linear policy"):
+        make_linear(16, 16, "int8")
+    # residual projections get the GPT-2 1/sqrt(2L) scaling
+    model = GPT(small_config(n_layer=8, n_embd=128, ffn_hidden=512))
+    assert model.blocks[0].mlp.down_proj.weight.std().item() < 0.5 * model.blocks[0].mlp.up_proj.weight.std().item()
+
+
+def test_flops_per_token_counts_matmul_weights_and_causal_attention():
+    cfg = small_config(tie_embeddings=True)
+    model = GPT(cfg)
+    T = 16
+    block_matmul = cfg.n_layer * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128)  # norms are not matmuls...
+    norms = (2 * cfg.n_layer + 1) * 64  # ...but the formula counts every non-embedding parameter (6N convention)
+    lm_head = 97 * 64
+    assert model.flops_per_token(T) == 6 * (block_matmul + norms + lm_head) + 6 * cfg.n_layer * T * 64
+
+
+def test_generate_greedy_is_deterministic_and_extends():
+    torch.manual_seed(5)
+    model = GPT(small_config()).eval()
+    idx = torch.randint(0, 97, (2, 4))
+    out1 = model.generate(idx, 6, temperature=0)
+    out2 = model.generate(idx, 6, temperature=0)
+    assert out1.shape == (2, 10) and torch.equal(out1, out2) and torch.equal(out1[:, :4], idx)
+    sampled = model.generate(idx, 40, temperature=1.0, top_k=3)  # crops to block_size past 32 tokens
+    assert sampled.shape == (2, 44) and int(sampled.max()) < 97

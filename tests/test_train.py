@@ -1,0 +1,144 @@
+"""train.py end to end on CPU, on a byte-level corpus (vocab 256) and a `micro` config so each run takes seconds."""
+import glob
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import data
+import model
+import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MICRO = dict(n_layer=2, n_embd=64, n_head=2, n_kv_head=1, ffn_hidden=192, block_size=64, vocab_size=256,
+             tie_embeddings=True)
+MICRO_DEFAULTS = dict(batch_size=8, grad_accum=1, seq_len=64, max_steps=30, lr=3e-3, warmup=5, eval_every=10,
+                      eval_iters=2, save_every=0, log_every=1)
+
+
+@pytest.fixture(scope="module")
+def byte_data(tmp_path_factory):
+    """Real text (this interpreter's json/ and email/ package sources) as bytes: structure a model learns fast."""
+    d = tmp_path_factory.mktemp("bytes")
+    files = sorted(glob.glob(os.path.join(os.path.dirname(json.__file__), "*.py")))
+    files += sorted(glob.glob(os.path.join(os.path.dirname(json.__file__), "..", "email", "*.py")))
+    text = b"".join(open(f, "rb").read() for f in files)
+    tokens = np.frombuffer(text, dtype=np.uint8).astype(np.uint16)
+    data.write_shard(str(d / "train.bin"), tokens[: len(tokens) * 9 // 10])
+    data.write_shard(str(d / "val.bin"), tokens[len(tokens) * 9 // 10:])
+    return str(d)
+
+
+@pytest.fixture
+def micro(monkeypatch):
+    monkeypatch.setitem(model.CONFIGS, "micro", MICRO)
+    monkeypatch.setitem(train.CONFIG_DEFAULTS, "micro", MICRO_DEFAULTS)
+
+
+def run(byte_data, out_dir, *flags):
+    train.main(["--config", "micro", "--data", byte_data, "--out_dir", str(out_dir), "--device", "cpu",
+                "--no_progress", *flags])
+    return train.read_metrics(os.path.join(out_dir, "metrics.jsonl"))
+
+
+def train_losses(rows):
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def test_loss_falls_and_outputs_are_written(byte_data, micro, tmp_path):
+    rows = run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "40")
+    losses = train_losses(rows)
+    assert len(losses) == 40 and all(math.isfinite(l) for l in losses)
+    assert abs(losses[0] - math.log(256)) < 0.3  # starts near uniform over bytes
+    assert np.mean(losses[-5:]) < losses[0] - 1.5, losses  # clearly learning (bytes of Python source)
+    assert set(rows[0]) == {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s"}
+    assert [r["step"] for r in rows if "val_loss" in r] == [10, 20, 30, 40]
+    assert rows[-1]["val_loss"] < math.log(256) - 1.0
+    assert rows[0]["tokens"] == 8 * 64
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert summary["params"] == sum(p.numel() for p in model.GPT(model.GPTConfig(**MICRO)).parameters())
+    assert summary["tokens_per_s"] > 0 and summary["peak_mem_bytes"] > 0
+    assert 0 <= summary["optimizer_state_bytes"] - 2 * 4 * summary["params"] < 1000  # fp32 AdamW: m, v (+ steps)
+    assert os.path.getsize(tmp_path / "loss.png") > 1000
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    assert ckpt["step"] == 40 and ckpt["config"]["vocab_size"] == 256
+
+
+def test_lr_schedule_warmup_cosine_floor():
+    args = train.parse_args(["--lr", "1e-3", "--min_lr", "1e-4"])
+    args.warmup, args.lr_decay_steps = 10, 110
+    f = [train.lr_factor(s, args) for s in range(130)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
+    assert f[60] == pytest.approx(0.1 + 0.9 * 0.5)  # halfway down the cosine
+    assert f[110] == pytest.approx(0.1) and f[129] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(f[9:], f[10:]))
+
+
+def test_grad_accum_matches_a_bigger_batch(byte_data, micro, tmp_path):
+    """batch 8 x accum 2 and batch 16 x accum 1 draw different windows, but both see 16 sequences a step:
+    checks accumulation scales the loss (the first-step loss and gradient norm are of the same size)."""
+    a = run(byte_data, tmp_path / "a", "--recipe", "bf16", "--max_steps", "2", "--batch_size", "8", "--grad_accum", "2")
+    b = run(byte_data, tmp_path / "b", "--recipe", "bf16", "--max_steps", "2", "--batch_size", "16")
+    assert a[0]["tokens"] == b[0]["tokens"] == 16 * 64
+    assert a[0]["loss"] == pytest.approx(b[0]["loss"], rel=0.03)
+    assert a[0]["grad_norm"] == pytest.approx(b[0]["grad_norm"], rel=0.3)
+
+
+@pytest.mark.parametrize("recipe", ["bf16"])
+def test_resume_is_exact(byte_data, micro, tmp_path, recipe):
+    """N steps in one go == N/2, then --resume to N: identical losses (evals in between must not disturb RNG)."""
+    flags = ["--recipe", recipe, "--lr_decay_steps", "8", "--eval_every", "3", "--lora_rank", "8"]
+    full = train_losses(run(byte_data, tmp_path / "full", *flags, "--max_steps", "8"))
+    run(byte_data, tmp_path / "half", *flags, "--max_steps", "4")
+    resumed = train_losses(run(byte_data, tmp_path / "half", *flags, "--max_steps", "8", "--resume"))
+    assert len(full) == len(resumed) == 8
+    assert full == resumed  # bit-exact
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(byte_data, micro, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "10", "--save_every", "2", "--nan_at_step", "5")
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert "non-finite loss nan" in err and "at step 5" in err and "step 4" in err
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    assert ckpt["step"] == 4  # the last good one, not overwritten
+    assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
+    assert max(r["step"] for r in train.read_metrics(tmp_path / "metrics.jsonl")) == 4
+
+
+BAD_FLAGS = [
+    (["--config", "huge"], "--config 'huge': unknown config"),
+    (["--recipe", "int3"], "--recipe 'int3': unknown recipe"),
+    (["--optimizer", "sgd"], "--optimizer 'sgd': unknown optimizer"),
+    (["--seq_len", "65"], "--seq_len 65: above the context"),
+    (["--recipe", "nvfp4", "--seq_len", "40"], "--seq_len 40: recipe nvfp4 quantizes in 16-element blocks"),
+    (["--batch_size", "0"], "--batch_size 0: must be >= 1"),
+    (["--max_steps", "abc"], "--max_steps: invalid int value"),
+    (["--data", "/nonexistent/dir"], "--data /nonexistent/dir: token shard"),
+    (["--resume"], "--resume: no checkpoint at"),
+]
+
+
+@pytest.mark.parametrize("flags,message", BAD_FLAGS)
+def test_bad_flags_give_one_line_and_exit_2(byte_data, micro, tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as e:
+        run(byte_data, tmp_path, "--recipe", "bf16", *flags)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("train.py: error: ") and message in err, err
+
+
+def test_bad_flag_subprocess_has_no_traceback(tmp_path):
+    for flags, message in [(["--config", "huge"], "--config"),
+                           (["--batch_size", "3"], "--batch_size 3: does not divide across 2 ranks")]:
+        env = {**os.environ, "WORLD_SIZE": "2"} if "--batch_size" in flags else dict(os.environ)
+        p = subprocess.run([sys.executable, "train.py", "--device", "cpu", "--out_dir", str(tmp_path), *flags],
+                           cwd=ROOT, capture_output=True, text=True, env=env)
+        assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.count("\n") == 1, p.stderr
+        assert message in p.stderr
