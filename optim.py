@@ -77,6 +77,13 @@ def _as_state(t):
     return {"codes": t.codes, "scales": t.scales, "global_scale": t.global_scale}
 
 
+def sqrt_rn(x):
+    """Correctly rounded fp32 sqrt on every backend (this CPU build's vectorized torch.sqrt is off by an ulp
+    on some inputs; the fused kernel uses tl.sqrt_rn): the fp64 root rounded once to fp32 is correctly
+    rounded, because fp64 carries more than 2 * 24 + 2 bits."""
+    return x.double().sqrt().float()
+
+
 def check_quantizable(x, name):
     """2-D, last dim a multiple of 16, finite: what the packed states need (ValueError otherwise)."""
     if x.dim() != 2 or x.shape[-1] % 16:
@@ -131,7 +138,7 @@ def encode_second_moment(v, tile=V_TILE, rounding=V_ROUNDING):
     if not (v >= 0).all():
         raise ValueError("second moment v: has negative entries (v is a running mean of g^2)")
     tile = _tile(v.shape[-1], tile)
-    r = v.float().sqrt()                                              # (R, C)
+    r = sqrt_rn(v.float())                                            # (R, C)
     mu = tile_mean(r, tile)                                           # (R, C // tile) fp32
     r = (r.reshape(*mu.shape, tile) - mu[..., None]).reshape(v.shape)
     t = nvfp4.quantize(fwht16(r), (1, 16), rounding, four_over_six=True, name="second moment (sqrt(v) - mu) H")
@@ -266,7 +273,7 @@ def adamw_update_math(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step):
     p = p * (1 - lr * weight_decay)
     m = beta1 * m + (1 - beta1) * g
     v = beta2 * v + (1 - beta2) * (g * g)
-    denom = v.sqrt() / bias_correction2_sqrt + eps
+    denom = sqrt_rn(v) / bias_correction2_sqrt + eps
     p = p - (lr / bias_correction1) * (m / denom)
     return p, m, v
 

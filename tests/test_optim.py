@@ -332,3 +332,117 @@ def test_state_dict_round_trip_continues_bit_for_bit():
     train_steps(resumed, opt2, 2, seed=3)
     for a, b in zip(model.parameters(), resumed.parameters()):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# fused kernel (Triton interpreter on CPU, full size on the GPU)
+
+def packed_state(R, C, seed, device="cpu"):
+    g0 = gen(seed)
+    m = torch.randn(R, C, generator=g0) * 1e-2
+    v = (torch.randn(R, C, generator=g0) * 1e-2) ** 2 * torch.exp(torch.randn(R, 1, generator=g0))
+    st = {}
+    optim._store(st, "m", optim.encode_first_moment(m, g0))
+    optim._store(st, "v", optim.encode_second_moment(v))
+    return {k: x.to(device) for k, x in st.items()}
+
+
+def reference_step(p, g, st, step, hp):
+    m = optim.decode_first_moment(optim._prefixed(st, "m"))
+    v = optim.decode_second_moment(optim._prefixed(st, "v"))
+    return optim.adamw_update_math(p.clone(), g, m, v, *hp, step)
+
+
+HP = (1e-3, 0.9, 0.95, 1e-8, 0.1)  # lr, beta1, beta2, eps, weight_decay
+
+
+def as_bits(t):
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+@pytest.mark.parametrize("shape", [(16, 256), (32, 48)])  # v tiles of 128 and of gcd(48, 128) = 16
+def test_fused_kernel_equals_reference(shape):
+    from kernels.optim_fused import fused_adamw_step
+    R, C = shape
+    st = packed_state(R, C, seed=20)
+    p = torch.randn(R, C, generator=gen(21))
+    g = torch.randn(R, C, generator=gen(22)) * 1e-2
+    p_ref, m_ref, v_ref = reference_step(p, g, st, 3, HP)
+    v_enc = optim.encode_second_moment(v_ref)
+    m_enc = optim.encode_first_moment(m_ref, gen(23))
+    p_k, st_k = p.clone(), {k: x.clone() for k, x in st.items()}
+    fused_adamw_step(p_k, g, st_k, *HP, step=3, seed=123)
+    assert torch.equal(p_k, p_ref)                                      # RTN / exact parts: bit for bit
+    for key in ("codes", "scales", "global_scale", "tile_mean"):
+        assert torch.equal(as_bits(st_k["v." + key]), as_bits(v_enc[key])), key
+    assert torch.equal(st_k["m.global_scale"], m_enc["global_scale"])
+    # m: SR with tl.rand vs torch's generator: same scales (the scale choice uses RTN error), similar error
+    assert (as_bits(st_k["m.scales"]) == as_bits(m_enc["scales"])).float().mean() > 0.99
+    err = lambda st_m: ((optim.decode_first_moment(st_m) - m_ref).norm() / m_ref.norm()).item()
+    assert abs(err(optim._prefixed(st_k, "m")) - err(m_enc)) < 0.05
+
+
+def test_fused_kernel_stochastic_rounding_of_m_is_unbiased():
+    from kernels.optim_fused import fused_adamw_step
+    R, C = 16, 128
+    st = packed_state(R, C, seed=24)
+    p = torch.randn(R, C, generator=gen(25))
+    g = torch.randn(R, C, generator=gen(26)) * 1e-2
+    _, m_ref, _ = reference_step(p, g, st, 2, HP)
+    n, total = 24, 0
+    for seed in range(n):
+        st_k = {k: x.clone() for k, x in st.items()}
+        fused_adamw_step(p.clone(), g, st_k, *HP, step=2, seed=seed)
+        total = total + optim.decode_first_moment(optim._prefixed(st_k, "m"))
+    single = (optim.decode_first_moment(optim._prefixed(st_k, "m")) - m_ref).norm()
+    assert ((total / n) - m_ref).norm() < 2.5 * single / n**0.5
+
+
+@pytest.mark.gpu
+def test_fused_kernel_on_gpu_matches_cpu_reference():
+    """Full size: QuantizedAdamW on CUDA (fused kernel) against the reference on the CPU, one step."""
+    R, C = 1024, 4096
+    st = packed_state(R, C, seed=27)
+    p = torch.randn(R, C, generator=gen(28))
+    g = torch.randn(R, C, generator=gen(29)) * 1e-2
+    p_ref, m_ref, v_ref = reference_step(p, g, st, 5, HP)
+    v_enc = optim.encode_second_moment(v_ref)
+    from kernels.optim_fused import fused_adamw_step
+    p_k, st_k = p.cuda(), {k: x.cuda() for k, x in st.items()}
+    fused_adamw_step(p_k, g.cuda(), st_k, *HP, step=5, seed=7)
+    assert torch.equal(p_k.cpu(), p_ref)
+    assert (as_bits(st_k["v.codes"]).cpu() == v_enc["codes"]).float().mean() > 0.999
+    assert torch.equal(st_k["v.tile_mean"].cpu(), v_enc["tile_mean"])
+    m_k = optim.decode_first_moment({k: x.cpu() for k, x in optim._prefixed(st_k, "m").items()})
+    assert ((m_k - m_ref).norm() / m_ref.norm()).item() < 0.2
+
+
+@pytest.mark.gpu
+def test_quantized_adamw_cuda_converges_and_resumes_bit_exactly():
+    X, Y = (t.cuda() for t in regression_problem())
+    W = nn.Parameter(torch.zeros(64, 128, device="cuda"))
+    opt = optim.QuantizedAdamW([W], lr=3e-2, weight_decay=0.0)
+    loss0 = ((X @ W.t() - Y) ** 2).mean().item()
+    for i in range(60):
+        loss = ((X @ W.t() - Y) ** 2).mean()
+        W.grad = torch.autograd.grad(loss, W)[0]
+        opt.step()
+        if i == 30:
+            saved_W, saved = W.detach().clone(), copy.deepcopy(opt.state_dict())
+    assert loss.item() < 0.02 * loss0
+    W2 = nn.Parameter(saved_W)
+    opt2 = optim.QuantizedAdamW([W2], lr=3e-2, weight_decay=0.0)
+    opt2.load_state_dict(saved)
+    for i in range(29):
+        loss = ((X @ W2.t() - Y) ** 2).mean()
+        W2.grad = torch.autograd.grad(loss, W2)[0]
+        opt2.step()
+    assert torch.equal(W, W2)
+
+
+@pytest.mark.gpu
+def test_nvfp4_newton_schulz_on_gpu():
+    G = torch.randn(1024, 4096, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    X = optim.newton_schulz(G, generator=torch.Generator("cuda").manual_seed(1))
+    s = torch.linalg.svdvals(X.double())
+    assert s.max() < 1.5 and optim.polar_error(X, G) < 0.3
