@@ -242,11 +242,11 @@ def _attn_fwd(Q, Qs, K, Ks, V, Vs, SG, O, LSE, T, H, G, qk_scale,
 # backward: dK, dV for one key tile of one kv head (loops over its G query heads and all query tiles)
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, Q, Qs, DO, DOQ, DOT, LSE, DELTA, key, start, end, offs_n, T, s_scale,
-                sg_dp, sg_ds, sg_p, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _dkdv_inner(dk, dv, k, v, Q, Qs, DO, DOQ, DOT, LSE, DELTA, DQ, key, key_dq, dq_scale, start, end, offs_n,
+                T, s_scale, sg_dp, sg_ds, sg_p, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 MASK: tl.constexpr, CAUSAL: tl.constexpr, PACKED: tl.constexpr, QUANT_DS: tl.constexpr,
-                QUANT_DOV: tl.constexpr, QUANT_PDO: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr,
-                EMU: tl.constexpr):
+                QUANT_DOV: tl.constexpr, QUANT_PDO: tl.constexpr, ATOMIC_DQ: tl.constexpr, DTYPE: tl.constexpr,
+                PREC: tl.constexpr, EMU: tl.constexpr):
     cols = tl.arange(0, D)
     for start_m in range(start, end, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -273,6 +273,13 @@ def _dkdv_inner(dk, dv, k, v, Q, Qs, DO, DOQ, DOT, LSE, DELTA, key, start, end, 
         else:
             dpT = tl.dot(v, tl.trans(do), input_precision=PREC) * sg_dp              # dP^T = V dO^T
         dsT = pT * (dpT - delta[None, :])                                            # dS = P (dP - D)
+        if ATOMIC_DQ:  # dQ += dS K here (fp32 atomics) instead of recomputing S, P, dP in a dQ pass
+            ds = tl.trans(dsT)                                                       # (M, N)
+            if QUANT_DS:   # dQ = dS K contracts over keys: 1x16 blocks of dS along the keys, SR
+                ds = _fake_quant_rows16(ds, sg_ds, _uniform(key_dq, offs_m[:, None], offs_n[None, :], T),
+                                        BLOCK_M, BLOCK_N, True)
+            dq = tl.dot(_op(ds, DTYPE, EMU), k, input_precision=PREC) * dq_scale
+            tl.atomic_add(DQ + offs_m[:, None] * D + cols[None, :], dq, mask=rmask[:, None], sem="relaxed")
         if QUANT_DS:   # dK = dS^T Q contracts over queries: 1x16 blocks of dS^T along the queries, SR
             u = _uniform(key, offs_m[None, :], offs_n[:, None], T)
             dsT = _fake_quant_rows16(dsT, sg_ds, u, BLOCK_N, BLOCK_M, True)
@@ -281,11 +288,11 @@ def _dkdv_inner(dk, dv, k, v, Q, Qs, DO, DOQ, DOT, LSE, DELTA, key, start, end, 
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, Qs, K, Ks, V, Vs, SG, DO, DOQ, DOT, LSE, DELTA, SGDS, KEYS, DK, DV, T, H, G,
+def _attn_bwd_dkdv(Q, Qs, K, Ks, V, Vs, SG, DO, DOQ, DOT, LSE, DELTA, SGDS, KEYS, DK, DV, DQ, T, H, G,
                    qk_scale, sm_scale, D: tl.constexpr, QD: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PACKED: tl.constexpr, QUANT_DS: tl.constexpr,
-                   QUANT_DOV: tl.constexpr, QUANT_PDO: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr,
-                EMU: tl.constexpr):
+                   QUANT_DOV: tl.constexpr, QUANT_PDO: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                   DTYPE: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
     pid_n = tl.program_id(0)
     bkv = tl.program_id(1)                    # b * Hkv + kv head
     Hkv = H // G
@@ -321,19 +328,24 @@ def _attn_bwd_dkdv(Q, Qs, K, Ks, V, Vs, SG, DO, DOQ, DOT, LSE, DELTA, SGDS, KEYS
         row = bh.to(tl.int64) * T * D
         sg_ds = tl.load(SGDS + bh)
         key = tl.load(KEYS + 2 * bh + 1).to(tl.uint32, bitcast=True)
+        key_dq = tl.load(KEYS + 2 * bh).to(tl.uint32, bitcast=True)
+        dq_scale = sm_scale * sg_k * sg_ds
         dk_h = tl.zeros([BLOCK_N, D], dtype=tl.float32)
         dk_h, dv = _dkdv_inner(dk_h, dv, k, v, q_ptr, qs_ptr, DO + row, DOQ + row, DOT + row,
-                               LSE + bh * T, DELTA + bh * T, key, lo, mid, offs_n, T, s_scale,
+                               LSE + bh * T, DELTA + bh * T, DQ + row, key, key_dq, dq_scale,
+                               lo, mid, offs_n, T, s_scale,
                                sg_dp, sg_ds, sg_p, D, BLOCK_M, BLOCK_N, True, CAUSAL, PACKED, QUANT_DS,
-                               QUANT_DOV, QUANT_PDO, DTYPE, PREC, EMU)
+                               QUANT_DOV, QUANT_PDO, ATOMIC_DQ, DTYPE, PREC, EMU)
         dk_h, dv = _dkdv_inner(dk_h, dv, k, v, q_ptr, qs_ptr, DO + row, DOQ + row, DOT + row,
-                               LSE + bh * T, DELTA + bh * T, key, mid, n_full, offs_n, T, s_scale,
+                               LSE + bh * T, DELTA + bh * T, DQ + row, key, key_dq, dq_scale,
+                               mid, n_full, offs_n, T, s_scale,
                                sg_dp, sg_ds, sg_p, D, BLOCK_M, BLOCK_N, False, CAUSAL, PACKED, QUANT_DS,
-                               QUANT_DOV, QUANT_PDO, DTYPE, PREC, EMU)
+                               QUANT_DOV, QUANT_PDO, ATOMIC_DQ, DTYPE, PREC, EMU)
         dk_h, dv = _dkdv_inner(dk_h, dv, k, v, q_ptr, qs_ptr, DO + row, DOQ + row, DOT + row,
-                               LSE + bh * T, DELTA + bh * T, key, n_full, T, offs_n, T, s_scale,
+                               LSE + bh * T, DELTA + bh * T, DQ + row, key, key_dq, dq_scale,
+                               n_full, T, offs_n, T, s_scale,
                                sg_dp, sg_ds, sg_p, D, BLOCK_M, BLOCK_N, True, CAUSAL, PACKED, QUANT_DS,
-                               QUANT_DOV, QUANT_PDO, DTYPE, PREC, EMU)
+                               QUANT_DOV, QUANT_PDO, ATOMIC_DQ, DTYPE, PREC, EMU)
         dk += dk_h * sg_ds
     dk = dk * (sm_scale * sg_q)
     dv = dv * (sg_p * sg_pdo)                 # 1 unless QUANT_PDO
@@ -431,6 +443,7 @@ FWD_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
 DKDV_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2)
 DQ_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
 P_BLOCK_N = FWD_CONFIG["BLOCK_N"]
+DQ_MODE = "atomic"
 # the interpreter (CPU tests) runs small tiles: same numbers, much faster
 INTERPRET_CONFIGS = {"fwd": dict(BLOCK_M=32, BLOCK_N=16), "dkdv": dict(BLOCK_M=16, BLOCK_N=32),
                      "dq": dict(BLOCK_M=32, BLOCK_N=16)}
@@ -478,10 +491,12 @@ def flash_forward(q, k, v, scales, shape, causal, sm_scale, quant_p, dtype, conf
 
 
 def flash_backward(q, k, v, scales, shape, do, lse, delta, do_dov, do_pdo, ds_scale, keys, causal, sm_scale,
-                   dtype, dkdv_config=None, dq_config=None):
+                   dtype, dkdv_config=None, dq_config=None, dq_mode=None):
     """dq (B, H, T, D), dk, dv (B, Hkv, T, D) in dtype. do_dov / do_pdo: dO's NVFP4 grid values (q * s_b)
     for the fp4_dov / fp4_all variants or None; ds_scale: (B*H,) fp32 global scales of dS or None (dS in
-    BF16); keys: (B*H, 2) int32 SR stream keys (dQ pass, dK pass)."""
+    BF16); keys: (B*H, 2) int32 SR stream keys (dQ pass, dK pass). dq_mode: "atomic" (the dK/dV pass also
+    adds dS K into an fp32 dQ with atomics: 5 matmuls, like FlashAttention-2; the summation order, and so the
+    last bits of dQ, vary run to run) or "separate" (a dQ pass recomputes S, P, dP: 7 matmuls, deterministic)."""
     B, H, Hkv, T, D = shape
     packed = isinstance(q, tuple)
     (qc, qs), (kc, ks), (vc, vs) = _operand(q), _operand(k), _operand(v)
@@ -499,8 +514,13 @@ def flash_backward(q, k, v, scales, shape, do, lse, delta, do_dov, do_pdo, ds_sc
     flags = dict(CAUSAL=causal, QUANT_DS=quant_ds, QUANT_DOV=quant_dov)
     meta = _meta(dtype, "dkdv", dkdv_config or DKDV_CONFIG, D, packed)
     grid = (triton.cdiv(T, meta["BLOCK_N"]), B * Hkv)
+    atomic = (dq_mode or DQ_MODE) == "atomic"
+    dq_acc = torch.zeros(B, H, T, D, device=dev, dtype=torch.float32) if atomic else dk
     _attn_bwd_dkdv[grid](qc, qs, kc, ks, vc, vs, scales, do, do_dov, do_pdo, lse, delta, ds_scale, keys, dk, dv,
-                         T, H, H // Hkv, sm_scale * LOG2E, sm_scale, QUANT_PDO=quant_pdo, **flags, **meta)
+                         dq_acc, T, H, H // Hkv, sm_scale * LOG2E, sm_scale, QUANT_PDO=quant_pdo, ATOMIC_DQ=atomic,
+                         **flags, **meta)
+    if atomic:
+        return dq_acc.to(dtype), dk, dv
     meta = _meta(dtype, "dq", dq_config or DQ_CONFIG, D, packed)
     grid = (triton.cdiv(T, meta["BLOCK_M"]), B * H)
     _attn_bwd_dq[grid](qc, qs, kc, ks, vc, vs, scales, do, do_dov, lse, delta, ds_scale, keys, dq,

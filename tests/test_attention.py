@@ -78,6 +78,19 @@ def test_triton_equals_reference(policy):
     assert all(_rel(a, b) > 1e-2 for a, b in zip(res["reference"], exact))
 
 
+@pytest.mark.parametrize("policy", ["fp4", "fp4_dov"])
+def test_triton_separate_dq_pass_equals_reference(policy, monkeypatch):
+    # the deterministic backward (a dQ pass that recomputes S, P, dP) instead of atomic dQ in the dK/dV pass
+    monkeypatch.setattr(fa, "DQ_MODE", "separate")
+    q, k, v, do = _inputs(B=1, H=2, Hkv=1, T=45, D=64, seed=13)
+    res = {}
+    for impl in ("reference", "triton"):
+        torch.manual_seed(8)
+        res[impl] = _run(lambda *x: attention.attention(*x, policy=policy, impl=impl), q, k, v, do)
+    for name, a, b in zip("o dq dk dv".split(), res["triton"], res["reference"]):
+        assert _rel(a, b) < 1e-5, (name, _rel(a, b))
+
+
 def test_triton_equals_reference_bf16_inputs():
     q, k, v, do = _inputs(T=50, D=128, dtype=torch.bfloat16, seed=12)
     res = {}
