@@ -103,16 +103,9 @@ def _sr_e2m1(a, rand):
 
 
 @triton.jit
-def _load_tile(x_ptr, h_ptr, pid_b, m0, n0, M, N, stride_xb, stride_xm, stride_xn,
-               BM: tl.constexpr, BN: tl.constexpr, HAD_DIM: tl.constexpr, X_IS_FP32: tl.constexpr):
-    """(BM, BN) fp32 tile of x (zeros outside), optionally rotated: HAD_DIM 1 = x·H on groups of 16 along the
-    columns, 2 = H^T·x on groups of 16 along the rows (the reference's hadamard_transform with dim=-1 / -2)."""
-    offs_m = m0 + tl.arange(0, BM)
-    offs_n = n0 + tl.arange(0, BN)
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    ptrs = x_ptr + pid_b.to(tl.int64) * stride_xb + offs_m[:, None].to(tl.int64) * stride_xm \
-        + offs_n[None, :].to(tl.int64) * stride_xn
-    x = tl.load(ptrs, mask=mask, other=0.0)
+def _rotate(x, h_ptr, BM: tl.constexpr, BN: tl.constexpr, HAD_DIM: tl.constexpr, X_IS_FP32: tl.constexpr):
+    """HAD_DIM 1: x·H on groups of 16 along the columns; 2: H^T·x on groups of 16 along the rows (the
+    reference's hadamard_transform with dim=-1 / -2); 0: x unchanged. Returns fp32."""
     if HAD_DIM != 0:
         h = tl.load(h_ptr + tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :])  # (16, 16) fp32
         if HAD_DIM == 2:
@@ -122,39 +115,107 @@ def _load_tile(x_ptr, h_ptr, pid_b, m0, n0, M, N, stride_xb, stride_xm, stride_x
             y = tl.dot(groups.to(tl.float32), h, input_precision="ieee")
         else:
             # bf16 x and H = +-1/4 are exact in bf16: exact products, fp32 accumulation on the tensor cores
-            y = tl.dot(groups, h.to(groups.dtype), out_dtype=tl.float32)
+            y = tl.dot(groups.to(tl.bfloat16), h.to(tl.bfloat16), out_dtype=tl.float32)
         if HAD_DIM == 2:
             x = tl.trans(y.reshape(BN, BM))
         else:
             x = y.reshape(BM, BN)
-    return x.to(tl.float32), offs_m, offs_n, mask
+    return x.to(tl.float32)
 
 
 @triton.jit
-def _amax_kernel(x_ptr, h_ptr, part_ptr, M, N, stride_xb, stride_xm, stride_xn,
-                 BM: tl.constexpr, BN: tl.constexpr, HAD_DIM: tl.constexpr, X_IS_FP32: tl.constexpr):
+def _load_tile(x_ptr, h_ptr, pid_b, m0, n0, M, N, stride_xb, stride_xm, stride_xn,
+               BM: tl.constexpr, BN: tl.constexpr, HAD_DIM: tl.constexpr, X_IS_FP32: tl.constexpr):
+    """(BM, BN) fp32 tile of a dense (strided) x, zeros outside, optionally rotated (_rotate)."""
+    offs_m = m0 + tl.arange(0, BM)
+    offs_n = n0 + tl.arange(0, BN)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    ptrs = x_ptr + pid_b.to(tl.int64) * stride_xb + offs_m[:, None].to(tl.int64) * stride_xm \
+        + offs_n[None, :].to(tl.int64) * stride_xn
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    return _rotate(x, h_ptr, BM, BN, HAD_DIM, X_IS_FP32), offs_m, offs_n, mask
+
+
+@triton.jit
+def _round_to_bf16(v):
+    """fp32 -> the nearest bf16 value (ties to even), kept in fp32. Explicit because the interpreter's
+    fp32 -> bf16 cast truncates. Finite inputs."""
+    bits = v.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_packed(codes_ptr, scales_ptr, gs_ptr, pid_b, m0, n0, M, N, BM: tl.constexpr, BN: tl.constexpr,
+                 SBM: tl.constexpr, SBN: tl.constexpr, APPLY_GLOBAL: tl.constexpr):
+    """(BM, BN) fp32 tile of a packed NVFP4 tensor (codes (B, M, N/2), scales (B, M/SBM, N/SBN), contiguous):
+    q * s_b, exact, or (q * s_b) * s_g rounded to fp32 as NVFP4Tensor.dequantize computes it."""
+    offs_m = m0 + tl.arange(0, BM)
+    offs_c = n0 // 2 + tl.arange(0, BN // 2)
+    cmask = (offs_m[:, None] < M) & (offs_c[None, :] < N // 2)
+    c = tl.load(codes_ptr + (pid_b.to(tl.int64) * M + offs_m[:, None]) * (N // 2) + offs_c[None, :], mask=cmask, other=0)
+    code = tl.join(c & 0xF, c >> 4).reshape(BM, BN).to(tl.int32)
+    # E2M1 -> E4M3 bit trick: sign to bit 7, (exp, mantissa) to bits 4..2 gives exactly q * 2^-6 (E2M1's
+    # subnormal 0.5 lands on E4M3's subnormal 2^-7); fp8 -> fp32 is exact.
+    q = (((code & 7) << 2) | ((code & 8) << 4)).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    offs_n = n0 + tl.arange(0, BN)
+    offs_s = (offs_m[:, None] // SBM) * (N // SBN) + offs_n[None, :] // SBN
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    s = tl.load(scales_ptr + pid_b.to(tl.int64) * (M // SBM) * (N // SBN) + offs_s, mask=mask, other=0.0)
+    v = q * (s.to(tl.float32) * 64.0)
+    if APPLY_GLOBAL:
+        v = v * tl.load(gs_ptr)
+    return v
+
+
+@triton.jit
+def _load_source(x_ptr, src_scales_ptr, src_gs_ptr, h_ptr, pid_b, m0, n0, M, N, stride_xb, stride_xm, stride_xn,
+                 BM: tl.constexpr, BN: tl.constexpr, HAD_DIM: tl.constexpr, X_IS_FP32: tl.constexpr,
+                 SRC_SBM: tl.constexpr, SRC_SBN: tl.constexpr, SRC_BF16: tl.constexpr):
+    """The quantizer's input tile: dense x (SRC_SBM == 0), or a packed NVFP4 x (x_ptr = its codes) dequantized
+    on the fly, rounded to bf16 if SRC_BF16 (requantize: the wgrad's H^T Q(X) without materializing Q(X))."""
+    if SRC_SBM == 0:
+        x, offs_m, offs_n, mask = _load_tile(x_ptr, h_ptr, pid_b, m0, n0, M, N, stride_xb, stride_xm, stride_xn,
+                                             BM, BN, HAD_DIM, X_IS_FP32)
+    else:
+        offs_m = m0 + tl.arange(0, BM)
+        offs_n = n0 + tl.arange(0, BN)
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        x = _load_packed(x_ptr, src_scales_ptr, src_gs_ptr, pid_b, m0, n0, M, N, BM, BN, SRC_SBM, SRC_SBN, True)
+        if SRC_BF16:
+            x = _round_to_bf16(x)
+        x = _rotate(x, h_ptr, BM, BN, HAD_DIM, X_IS_FP32)
+    return x, offs_m, offs_n, mask
+
+
+@triton.jit
+def _amax_kernel(x_ptr, src_scales_ptr, src_gs_ptr, h_ptr, part_ptr, M, N, stride_xb, stride_xm, stride_xn,
+                 BM: tl.constexpr, BN: tl.constexpr, HAD_DIM: tl.constexpr, X_IS_FP32: tl.constexpr,
+                 SRC_SBM: tl.constexpr, SRC_SBN: tl.constexpr, SRC_BF16: tl.constexpr):
     """Per-program max |x| (of the rotated x if HAD_DIM): the global amax is the max of these partials.
     Same tiles and the same rotation code as the quantize pass, so both see bit-identical rotated values."""
     pid_m, pid_n, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # rows on axis 0: no 65535 cap
-    x, _, _, _ = _load_tile(x_ptr, h_ptr, pid_b, pid_m * BM, pid_n * BN, M, N, stride_xb, stride_xm, stride_xn,
-                            BM, BN, HAD_DIM, X_IS_FP32)
+    x, _, _, _ = _load_source(x_ptr, src_scales_ptr, src_gs_ptr, h_ptr, pid_b, pid_m * BM, pid_n * BN, M, N,
+                              stride_xb, stride_xm, stride_xn, BM, BN, HAD_DIM, X_IS_FP32, SRC_SBM, SRC_SBN, SRC_BF16)
     pid = (pid_b * tl.num_programs(1) + pid_n) * tl.num_programs(0) + pid_m
     tl.store(part_ptr + pid, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, codes_ptr, scales_ptr, values_ptr,
+def _quantize_kernel(x_ptr, src_scales_ptr, src_gs_ptr, h_ptr, noise_ptr, amax_ptr, codes_ptr, scales_ptr, values_ptr,
                      M, N, stride_xb, stride_xm, stride_xn, seed,
                      BM: tl.constexpr, BN: tl.constexpr, SBM: tl.constexpr, SBN: tl.constexpr,
                      FP8_BOUND: tl.constexpr, FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr,
                      USE_NOISE: tl.constexpr, HAD_DIM: tl.constexpr, X_IS_FP32: tl.constexpr,
-                     WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr, EXACT_FMA: tl.constexpr):
+                     WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr, EXACT_FMA: tl.constexpr,
+                     SRC_SBM: tl.constexpr, SRC_SBN: tl.constexpr, SRC_BF16: tl.constexpr):
     """One (BM, BN) tile: block amax -> E4M3 block scale -> E2M1 codes (packed 2/byte, even element low) and/or
     bf16 values q * s_b. Blocks are (SBM, SBN) = (1, 16), (16, 1) or (16, 16)."""
     pid_m, pid_n, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # rows on axis 0: no 65535 cap
     m0, n0 = pid_m * BM, pid_n * BN
-    x, offs_m, offs_n, mask = _load_tile(x_ptr, h_ptr, pid_b, m0, n0, M, N, stride_xb, stride_xm, stride_xn,
-                                         BM, BN, HAD_DIM, X_IS_FP32)
+    x, offs_m, offs_n, mask = _load_source(x_ptr, src_scales_ptr, src_gs_ptr, h_ptr, pid_b, m0, n0, M, N,
+                                           stride_xb, stride_xm, stride_xn, BM, BN, HAD_DIM, X_IS_FP32,
+                                           SRC_SBM, SRC_SBN, SRC_BF16)
     # global scale s_g = amax / (bound * 6), 1 when amax == 0 (nvfp4.global_scale)
     amax = tl.load(amax_ptr)
     s_g = tl.where(amax > 0, tl.div_rn(amax, FP8_BOUND * 6.0), 1.0)
@@ -223,27 +284,18 @@ def _quantize_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, codes_ptr, scales_ptr, v
 @triton.jit
 def _dequantize_kernel(codes_ptr, scales_ptr, gs_ptr, out_ptr, M, N,
                        BM: tl.constexpr, BN: tl.constexpr, SBM: tl.constexpr, SBN: tl.constexpr,
-                       APPLY_GLOBAL: tl.constexpr):
+                       APPLY_GLOBAL: tl.constexpr, ROUND_BF16: tl.constexpr):
     """Packed NVFP4 -> q * s_b (exact in bf16: the cuBLAS route's operand) or, with APPLY_GLOBAL,
-    (q * s_b) * s_g in fp32 then cast to out's dtype (NVFP4Tensor.dequantize), same row-major layout."""
+    (q * s_b) * s_g in fp32 then rounded to out's dtype (NVFP4Tensor.dequantize), same row-major layout."""
     pid_m, pid_n, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # rows on axis 0: no 65535 cap
+    v = _load_packed(codes_ptr, scales_ptr, gs_ptr, pid_b, pid_m * BM, pid_n * BN, M, N, BM, BN, SBM, SBN,
+                     APPLY_GLOBAL)
+    if ROUND_BF16:
+        v = _round_to_bf16(v)
     offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_c = pid_n * (BN // 2) + tl.arange(0, BN // 2)
-    cmask = (offs_m[:, None] < M) & (offs_c[None, :] < N // 2)
-    c = tl.load(codes_ptr + (pid_b.to(tl.int64) * M + offs_m[:, None]) * (N // 2) + offs_c[None, :], mask=cmask, other=0)
-    code = tl.join(c & 0xF, c >> 4).reshape(BM, BN).to(tl.int32)
-    # E2M1 -> E4M3 bit trick: sign to bit 7, (exp, mantissa) to bits 4..2 gives exactly q * 2^-6 (E2M1's
-    # subnormal 0.5 lands on E4M3's subnormal 2^-7); fp8 -> fp32 is exact.
-    q = (((code & 7) << 2) | ((code & 8) << 4)).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
     offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_s = (offs_m[:, None] // SBM) * (N // SBN) + offs_n[None, :] // SBN
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    s = tl.load(scales_ptr + pid_b.to(tl.int64) * (M // SBM) * (N // SBN) + offs_s, mask=mask, other=0.0)
-    v = q * (s.to(tl.float32) * 64.0)
-    if APPLY_GLOBAL:
-        v = v * tl.load(gs_ptr)
     tl.store(out_ptr + (pid_b.to(tl.int64) * M + offs_m[:, None]) * N + offs_n[None, :],
-             v.to(out_ptr.dtype.element_ty), mask=mask)
+             v.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -258,23 +310,29 @@ def _tiles(block, x):
     return 16, 256, 4
 
 
+def _check_options(block, rounding, hadamard, name):
+    """Flag checks shared by the dense and the packed-source paths; returns the Hadamard's dim (0, 1 or 2)."""
+    if rounding not in ("rtn", "sr"):
+        raise ValueError(f"{name}: rounding must be 'rtn' or 'sr', got {rounding!r}")
+    if hadamard is None:
+        return 0
+    if block == (16, 16):
+        raise ValueError(f"{name}: a Hadamard rotation needs a 1-D block, (1, 16) or (16, 1)")
+    if tuple(hadamard.shape) != (16, 16):
+        raise ValueError(f"{name}: hadamard must be a (16, 16) matrix, got {tuple(hadamard.shape)}")
+    return 1 if block == (1, 16) else 2
+
+
 def _prepare(x, block, rounding, hadamard, name):
     import nvfp4  # shape / dtype / finiteness checks shared with the reference, same messages
     block = tuple(block)
-    if rounding not in ("rtn", "sr"):
-        raise ValueError(f"{name}: rounding must be 'rtn' or 'sr', got {rounding!r}")
+    had_dim = _check_options(block, rounding, hadamard, name)
     nvfp4._check(x, block, name)
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"{name}: expected an fp32/bf16/fp16 tensor, got {x.dtype}")
     M, N = x.shape[-2:]
-    had_dim = 0
     if hadamard is not None:
-        if block == (16, 16):
-            raise ValueError(f"{name}: a Hadamard rotation needs a 1-D block, (1, 16) or (16, 1)")
-        if tuple(hadamard.shape) != (16, 16):
-            raise ValueError(f"{name}: hadamard must be a (16, 16) matrix, got {tuple(hadamard.shape)}")
         hadamard = hadamard.to(device=x.device, dtype=torch.float32).contiguous()
-        had_dim = 1 if block == (1, 16) else 2
     if x.dtype == torch.float16:
         x = x.float()
     x3 = x.reshape(-1, M, N)  # a view when the leading dims allow (keeps dY.t()'s strides), else a copy
@@ -291,51 +349,82 @@ def _dot_in_fp32(x):
     return x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _global_amax(x3, hadamard, had_dim, tiles):
+def _src_args(src):
+    """Kernel arguments describing a packed source (requantize) or a dense one (src None)."""
+    if src is None:
+        return dict(SRC_SBM=0, SRC_SBN=0, SRC_BF16=False), None, None
+    t, dtype = src
+    M, N = t.shape[-2:]
+    bm, bn = t.block
+    return (dict(SRC_SBM=bm, SRC_SBN=bn, SRC_BF16=dtype == torch.bfloat16),
+            t.scales.reshape(-1, M // bm, N // bn).contiguous(), t.global_scale.float().reshape(1))
+
+
+def _global_amax(x3, hadamard, had_dim, tiles, src=None, x_is_fp32=None):
     """max |x| (of x·H when rotating): one read of x, per-program partial maxima, then a tiny torch max."""
-    B, M, N = x3.shape
-    if had_dim == 0:  # max |x| without an |x| temporary
+    B, M, N = x3.shape[0], x3.shape[1], x3.shape[2] * (2 if src is not None else 1)
+    if had_dim == 0 and src is None:  # max |x| without an |x| temporary
         return torch.linalg.vector_norm(x3, ord=float("inf")).float()
     BM, BN, warps = tiles
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN), B)
     partial = torch.empty(grid[0] * grid[1] * grid[2], device=x3.device, dtype=torch.float32)
-    _amax_kernel[grid](x3, hadamard if hadamard is not None else x3, partial, M, N,
+    flags, src_scales, src_gs = _src_args(src)
+    _amax_kernel[grid](x3, src_scales if src is not None else x3, src_gs if src is not None else x3,
+                       hadamard if hadamard is not None else x3, partial, M, N,
                        x3.stride(0), x3.stride(1), x3.stride(2), BM=BM, BN=BN, HAD_DIM=had_dim,
-                       X_IS_FP32=_dot_in_fp32(x3), num_warps=warps)
+                       X_IS_FP32=_dot_in_fp32(x3) if x_is_fp32 is None else x_is_fp32, **flags, num_warps=warps)
     return partial.amax()
 
 
-def _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, noise, write_codes, write_values, name):
+def _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, noise, write_codes, write_values, name,
+         src=None):
+    """Shared host side of quantize / quantize_dequant / requantize. src = (NVFP4Tensor, dtype) makes the
+    kernel read that packed tensor instead of x (x is then its codes, (B, M, N/2))."""
     import nvfp4  # the NVFP4Tensor container lives with the reference
-    shape = x.shape
-    x3, block, had_dim, hadamard = _prepare(x, block, rounding, hadamard, name)
-    B, M, N = x3.shape
-    tiles = _tiles(block, x3)
+    if src is None:
+        shape = x.shape
+        x3, block, had_dim, hadamard = _prepare(x, block, rounding, hadamard, name)
+        B, M, N = x3.shape
+        tiles, x_is_fp32 = _tiles(block, x3), _dot_in_fp32(x3)
+    else:
+        t, dtype = src
+        shape = t.shape
+        block, (M, N) = tuple(block), shape[-2:]
+        had_dim = _check_options(block, rounding, hadamard, name)
+        if block not in ((1, 16), (16, 1), (16, 16)) or M % block[0] or N % block[1]:
+            raise ValueError(f"{name}: shape {tuple(shape)} does not fit NVFP4 block {block}")
+        hadamard = None if hadamard is None else hadamard.to(device=t.device, dtype=torch.float32).contiguous()
+        x3 = t.codes.reshape(-1, M, N // 2).contiguous()
+        B = x3.shape[0]
+        tiles = (16, 256, 4)
+        x_is_fp32 = dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
     BM, BN, warps = tiles
+    device = x3.device
     if global_amax is None:
-        global_amax = _global_amax(x3, hadamard, had_dim, tiles)
-    amax = torch.as_tensor(global_amax, dtype=torch.float32, device=x.device).reshape(1)
+        global_amax = _global_amax(x3, hadamard, had_dim, tiles, src, x_is_fp32)
+    amax = torch.as_tensor(global_amax, dtype=torch.float32, device=device).reshape(1)
     if noise is not None:
         if tuple(noise.shape) != tuple(shape):
             raise ValueError(f"{name}: noise must have x's shape {tuple(shape)}, got {tuple(noise.shape)}")
-        noise = noise.to(device=x.device, dtype=torch.float32).contiguous()
+        noise = noise.to(device=device, dtype=torch.float32).contiguous()
     bm, bn = block
-    codes = torch.empty((B, M, N // 2), device=x.device, dtype=torch.uint8) if write_codes else None
-    scales = torch.empty((B, M // bm, N // bn), device=x.device, dtype=torch.uint8) if write_codes else None
-    values = torch.empty((B, M, N), device=x.device, dtype=torch.bfloat16) if write_values else None
+    codes = torch.empty((B, M, N // 2), device=device, dtype=torch.uint8) if write_codes else None
+    scales = torch.empty((B, M // bm, N // bn), device=device, dtype=torch.uint8) if write_codes else None
+    values = torch.empty((B, M, N), device=device, dtype=torch.bfloat16) if write_values else None
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN), B)
+    flags, src_scales, src_gs = _src_args(src)
     dummy = amax
     _quantize_kernel[grid](
-        x3, hadamard if hadamard is not None else dummy, noise if noise is not None else dummy, amax,
+        x3, src_scales if src is not None else dummy, src_gs if src is not None else dummy,
+        hadamard if hadamard is not None else dummy, noise if noise is not None else dummy, amax,
         codes if codes is not None else dummy, scales if scales is not None else dummy,
         values if values is not None else dummy,
         M, N, x3.stride(0), x3.stride(1), x3.stride(2), int(seed),
         BM=BM, BN=BN, SBM=bm, SBN=bn, FP8_BOUND=256.0 if four_over_six else 448.0,
         FOUR_OVER_SIX=bool(four_over_six), SR=rounding == "sr", USE_NOISE=noise is not None, HAD_DIM=had_dim,
-        X_IS_FP32=_dot_in_fp32(x3), WRITE_CODES=write_codes, WRITE_VALUES=write_values,
-        EXACT_FMA=_exact_fma(),
+        X_IS_FP32=x_is_fp32, WRITE_CODES=write_codes, WRITE_VALUES=write_values, EXACT_FMA=_exact_fma(), **flags,
         num_warps=warps, enable_fp_fusion=False)  # no FMA contraction: every rounding as in the reference
-    s_g = nvfp4.global_scale(amax.reshape(()), four_over_six) if x.device.type == "cpu" else _global_scale_dev(amax, four_over_six)
+    s_g = nvfp4.global_scale(amax.reshape(()), four_over_six) if device.type == "cpu" else _global_scale_dev(amax, four_over_six)
     t = None
     if write_codes:
         lead = shape[:-2]
@@ -374,9 +463,21 @@ def quantize_dequant(x, block=(1, 16), rounding="rtn", four_over_six=False, seed
     return (values, s_g, t) if return_tensor else (values, s_g)
 
 
+def requantize(t, block=(16, 1), rounding="sr", four_over_six=False, seed=0, hadamard=None, dtype=torch.bfloat16,
+               noise=None, name="x"):
+    """quantize(t.dequantize(dtype), block, ...) in one pass over the packed t, without writing the dense
+    tensor: eq. 2's Q16x1(H^T Q1x16(X)) from the forward's saved Q1x16(X). dtype is the precision the dense
+    values would have had (bf16 as on CUDA: (q * s_b) * s_g rounded to bf16, ties to even; fp32 as on CPU)."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"{name}: requantize dtype must be float32 or bfloat16, got {dtype}")
+    q, _, _ = _run(t.codes, block, rounding, four_over_six, seed, hadamard, None, noise, True, False, name,
+                   src=(t, dtype))
+    return q
+
+
 def dequantize(t, dtype=torch.float32, apply_global_scale=True):
     """Packed NVFP4Tensor -> dense tensor of t.shape in one pass: (q * s_b) * s_g rounded once to `dtype`, as
-    NVFP4Tensor.dequantize computes it (bit-exact on the GPU; the interpreter's fp32 -> bf16 cast truncates).
+    NVFP4Tensor.dequantize computes it (bit-exact; bf16 rounding done explicitly, ties to even).
     apply_global_scale=False gives q * s_b, exact in bf16 (the cuBLAS route's operand)."""
     M, N = t.shape[-2:]
     bm, bn = t.block
@@ -386,7 +487,8 @@ def dequantize(t, dtype=torch.float32, apply_global_scale=True):
     BM, BN = 32, 128
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN), codes.shape[0])
     _dequantize_kernel[grid](codes, scales, t.global_scale.float().reshape(1), out, M, N, BM=BM, BN=BN, SBM=bm,
-                             SBN=bn, APPLY_GLOBAL=apply_global_scale, num_warps=4)
+                             SBN=bn, APPLY_GLOBAL=apply_global_scale, ROUND_BF16=dtype == torch.bfloat16,
+                             num_warps=4)
     return out.reshape(t.shape)
 
 

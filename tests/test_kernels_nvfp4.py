@@ -175,6 +175,21 @@ def test_quantize_dequant_writes_the_grid_values(block):
     _same(t, r)
     assert torch.equal(kq.grid_values_bf16(r).float(), r.grid_values())
     assert torch.equal(kq.dequantize(r, torch.float32), r.dequantize(torch.float32))
+    assert torch.equal(kq.dequantize(r, torch.bfloat16), r.dequantize(torch.bfloat16))  # explicit RNE to bf16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_requantize_equals_quantize_of_the_dequantized_tensor(dtype):
+    """Eq. 2's Q16x1(H^T Q1x16(X)) straight from the packed Q1x16(X): same codes as dequantize-then-quantize
+    (same tl.rand draws for SR), and the reference for RTN."""
+    g = torch.Generator().manual_seed(12)
+    t = nvfp4.quantize(_heavy_tailed((64, 48), g), (1, 16))
+    H = nvfp4.random_hadamard(g)
+    for rounding, fos in (("sr", False), ("sr", True), ("rtn", True)):
+        _same(kq.requantize(t, (16, 1), rounding, fos, seed=9, hadamard=H, dtype=dtype),
+              kq.quantize(t.dequantize(dtype), (16, 1), rounding, fos, seed=9, hadamard=H))
+    _same(kq.requantize(t, (16, 1), "rtn", hadamard=H, dtype=dtype),
+          nvfp4.quantize(t.dequantize(dtype), (16, 1), "rtn", hadamard=H))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -306,6 +321,16 @@ def test_gpu_dequantize_bit_exact():
     for dtype in (torch.float32, torch.bfloat16):
         assert torch.equal(kq.dequantize(k, dtype).cpu(), r.dequantize(dtype))
     assert torch.equal(kq.grid_values_bf16(k).float().cpu(), r.grid_values())
+
+
+@pytest.mark.gpu
+def test_gpu_requantize_4096():
+    g = torch.Generator().manual_seed(9)
+    t = kq.quantize(_heavy_tailed((4096, 4096), g, torch.bfloat16).cuda(), (1, 16))
+    H = nvfp4.random_hadamard(g).cuda()
+    for rounding in ("sr", "rtn"):
+        _same(kq.requantize(t, (16, 1), rounding, True, seed=4, hadamard=H, dtype=torch.bfloat16),
+              kq.quantize(kq.dequantize(t, torch.bfloat16), (16, 1), rounding, True, seed=4, hadamard=H))
 
 
 @pytest.mark.gpu
