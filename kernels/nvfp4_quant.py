@@ -2,7 +2,8 @@
 Triton NVFP4 quantization (paper §2; DESIGN.md "NVFP4 conventions"): one pass that reads bf16/fp32 and
 writes packed E2M1 codes + E4M3 block scales, for 1x16, 16x1 and 16x16 blocks, RTN or SR, optional 4/6,
 optional fused 16-point (random) Hadamard rotation. Plus `quantize_dequant` (writes q * s_b in bf16, exactly
-on the grid, for the cuBLAS GEMM route) and `grid_values_bf16` (packed -> q * s_b in bf16).
+on the grid, for the cuBLAS GEMM route), `dequantize` (packed -> dense in one pass) and `requantize` (packed ->
+dequantize -> rotate -> quantize in one pass: eq. 2's Q16x1(H^T Q1x16(X)) from the saved Q1x16(X)).
 
 It reproduces the reference `nvfp4._quantize_reference` (the spec) bit for bit:
   s_g = amax / (448 * 6)                     correctly rounded fp32 division (torch on CPU; see the note below)
