@@ -1,8 +1,7 @@
 """
 Benchmark of LoRA-SVD (lora_svd.py, paper §3.2 / App. 9) against direct NVFP4 (nvfp4.NVFP4Linear), same run,
-same GPU, both with 4/6 scaling, plus the Fig. 3 error measurement.
+same GPU, both with 4/6 scaling. (Fig. 3's error measurement: figures.py --fig 3, on lora_svd.lora_svd_error.)
   python bench_lora_svd.py --out lora_svd.json                      (4096x4096, rank 64, 16384 tokens, bf16 X)
-  python bench_lora_svd.py --fig3 [--checkpoint out/ckpt.pt] --out fig3.json
 Target (issue 4): LoRA-SVD fwd+bwd <= 1.15x NVFP4Linear. Rows: bf16 nn.Linear, NVFP4Linear, LoRA-SVD fused (App. 9
 kernels; the route lora_fused picks, then each route forced: "triton" = GEMM with the up-projection in its
 epilogue, "cublas" = one bf16 GEMM over [X_hat | X L1^T] [W_hat | L2]^T) and unfused (separate quantize, GEMM and
@@ -121,61 +120,20 @@ def bench(args):
     return result
 
 
-def dense_weights_from_checkpoint(path):
-    """{name: (out, in) dense weight} of every block linear in a train.py checkpoint: `weight` for the bf16 /
-    nvfp4 / naive recipes, weight_res + beta L2 L1 for LoRA-SVD ones."""
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    sd, beta = ckpt["model"], ckpt.get("config", {}).get("lora_beta", 1.0)
-    out = {}
-    for k, v in sd.items():
-        if k.endswith(".weight_res"):
-            p = k[: -len("weight_res")]
-            out[p[:-1]] = v.float() + beta * sd[p + "L2"].float() @ sd[p + "L1"].float()
-        elif k.endswith(".weight") and v.dim() == 2 and ".blocks." in "." + k and v.shape[0] % 16 == 0 \
-                and v.shape[1] % 16 == 0:
-            out[k[: -len(".weight")]] = v.float()
-    return out
-
-
-def fig3(args):
-    """Fig. 3: relative output MSE of LoRA-SVD vs direct NVFP4 (both 4/6, RTN forward) on random-init weights
-    (model.py's init, normal(0, 0.02)) and, with --checkpoint, on trained weights. X is Gaussian (tokens, in)."""
-    dev = "cpu" if args.dry or not torch.cuda.is_available() else "cuda"
-    g = torch.Generator(device=dev).manual_seed(0)
-    weights = {}
-    for s in args.fig3_shapes.split(","):
-        o, i = map(int, s.split("x"))
-        weights[f"init normal(0, 0.02) {o}x{i}"] = 0.02 * torch.randn(o, i, generator=g, device=dev)
-    if args.checkpoint:
-        weights.update({f"trained {k}": v.to(dev) for k, v in dense_weights_from_checkpoint(args.checkpoint).items()})
-    rows = []
-    print(f"Fig. 3: rel. MSE of the layer output (rank {args.rank}, {args.tokens} Gaussian tokens)")
-    print(f"{'weight':<44}{'nvfp4':>10}{'lora_svd':>10}{'reduction':>11}")
-    for name, W in weights.items():
-        X = torch.randn(args.tokens, W.shape[1], generator=g, device=dev)
-        e = lora_svd.lora_svd_error(W, X, args.rank)
-        rows.append({"weight": name, "shape": list(W.shape), **e})
-        print(f"{name:<44}{e['nvfp4']:>10.5f}{e['lora_svd']:>10.5f}{e['reduction']:>10.1%}")
-    return {"rank": args.rank, "tokens": args.tokens, "device": dev, "rows": rows}
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--in_features", type=int, default=4096)
     ap.add_argument("--out_features", type=int, default=4096)
     ap.add_argument("--rank", type=int, default=64)
-    ap.add_argument("--fig3", action="store_true", help="measure Fig. 3's error instead of timing")
-    ap.add_argument("--fig3_shapes", default="1024x1024,4096x1024,2048x2048,6144x2048")
-    ap.add_argument("--checkpoint", default=None, help="train.py checkpoint for Fig. 3's trained weights")
     ap.add_argument("--out", default=None)
     ap.add_argument("--dry", action="store_true", help="CPU smoke run (TRITON_INTERPRET=1, use tiny shapes)")
     args = ap.parse_args()
-    if not args.dry and not args.fig3:
-        assert torch.cuda.is_available(), "bench_lora_svd.py needs a CUDA GPU (or --dry / --fig3)"
-    if args.dry and not args.fig3:  # the fused kernels run in the interpreter on CPU tensors
+    if not args.dry:
+        assert torch.cuda.is_available(), "bench_lora_svd.py needs a CUDA GPU (or --dry)"
+    else:  # the fused kernels run in the interpreter on CPU tensors
         lora_svd.use_fused_kernels = lambda x, fused: fused
-    result = fig3(args) if args.fig3 else bench(args)
+    result = bench(args)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -94,6 +94,20 @@ def randomized_svd(W, rank, oversample=10, power_iters=4, generator=None):
     return U[:, :rank], S[:rank], Vh[:rank]
 
 
+def full_tensor(t):
+    """The whole tensor: gathered from its shards for an FSDP2 DTensor, else t itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def shard_like(t, full):
+    """`full` laid out like t: t's local shard of it for an FSDP2 DTensor (every rank holds the same `full`),
+    else `full` itself."""
+    if not hasattr(t, "device_mesh"):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+    return distribute_tensor(full, t.device_mesh, t.placements)
+
+
 # -----------------------------------------------------------------------------
 # eqs. 1-2: the LoRA-SVD linear as one autograd function
 
@@ -218,14 +232,15 @@ class LoRASVDLinear(nn.Module):
             raise ValueError(f"W has shape {tuple(W.shape)}, expected {tuple(self.weight_res.shape)}")
         U, S, Vh = top_r_svd(W, self.rank) if svd is None else svd
         W_res, L1, L2 = split_from_svd(W, U, S, Vh, self.beta)
-        self.weight_res.copy_(W_res)
-        self.L1.copy_(L1)
-        self.L2.copy_(L2)
+        for p, full in ((self.weight_res, W_res), (self.L1, L1), (self.L2, L2)):
+            p.copy_(shard_like(p, full))
         self._projected = None
 
     @torch.no_grad()
     def effective_weight(self):
-        return self.weight_res.float() + self.beta * (self.L2.float() @ self.L1.float())  # (out, in)
+        """W_res + beta L2 L1 in fp32 (out, in); the full matrix also when FSDP2 shards the parameters."""
+        W_res, L1, L2 = (full_tensor(p).float() for p in (self.weight_res, self.L1, self.L2))
+        return W_res + self.beta * (L2 @ L1)
 
     def forward(self, x):
         y = lora_svd_linear(x, self.weight_res, self.L1, self.L2, self.beta, self.four_over_six, self.fused)
@@ -310,22 +325,24 @@ def project_gradients(layer):
     projections). Reads weight_res.grad = dW, writes
         weight_res.grad = dW - dW_LoRA,  L1.grad += beta L2^T dW_LoRA,  L2.grad += beta dW_LoRA L1^T.
     Idempotent: a second call on the same gradient is skipped (and would find Lambda ~ 0 anyway), so both
-    train.py (before gradient clipping) and the optimizer may call it."""
+    train.py (before gradient clipping) and the optimizer may call it.
+    FSDP2 (DTensor parameters and grads, sharded): gathers dW, L1, L2 (every rank computes the same
+    projection) and updates the local shards. Simple, at the cost of one all-gather of dW per layer per step;
+    a sharded Cholesky-QR (all-reduce the r x r Gram matrices and Lambda) would avoid it."""
     g = layer.weight_res.grad
     done = getattr(layer, "_projected", None)  # (weakref to the grad tensor, its version) after the last call
     if g is None or (done is not None and done[0]() is g and done[1] == g._version):
         return
-    Q2 = orthonormal_basis(layer.L2)  # (out, r)
-    Q1 = orthonormal_basis(layer.L1.t())  # (in, r)
-    dW = g.float()
+    dW, L1, L2 = (full_tensor(t).float() for t in (g, layer.L1, layer.L2))
+    Q2 = orthonormal_basis(L2)  # (out, r)
+    Q1 = orthonormal_basis(L1.t())  # (in, r)
     lam = (Q2.t() @ dW) @ Q1  # (r, r) Lambda
     dW_lora = (Q2 @ lam) @ Q1.t()  # (out, in)
-    for p in (layer.L1, layer.L2):
+    for p, d in ((layer.L1, layer.beta * (L2.t() @ dW_lora)), (layer.L2, layer.beta * (dW_lora @ L1.t()))):
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    layer.L1.grad.add_((layer.beta * (layer.L2.float().t() @ dW_lora)).to(layer.L1.grad.dtype))
-    layer.L2.grad.add_((layer.beta * (dW_lora @ layer.L1.float().t())).to(layer.L2.grad.dtype))
-    g.sub_(dW_lora.to(g.dtype))
+        p.grad.add_(shard_like(p.grad, d.to(p.grad.dtype)))
+    g.sub_(shard_like(g, dW_lora.to(g.dtype)))
     layer._projected = (weakref.ref(g), g._version)
 
 
@@ -347,7 +364,10 @@ def project_all(model):
 def realign(layer, oversample=10, power_iters=4, generator=None):
     """Re-split the total weight W = W_res + beta L2 L1 along its current top-r singular directions.
     The effective weight is preserved up to fp32 rounding (only its NVFP4 quantization in the forward
-    changes, since a different part of W now goes through the residual)."""
+    changes, since a different part of W now goes through the residual). The sketch's generator defaults to a
+    fixed seed: every DDP / FSDP rank (seeded differently by train.py) must compute the same split."""
+    if generator is None:
+        generator = torch.Generator().manual_seed(0)
     W = layer.effective_weight()  # (out, in) fp32
     layer.set_weight(W, randomized_svd(W, layer.rank, oversample, power_iters, generator))
 

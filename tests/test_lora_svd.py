@@ -252,6 +252,39 @@ def test_realign_model_resets_optimizer_state(opt_kind):
     assert all(torch.isfinite(p).all() for p in params)
 
 
+def test_fsdp2_dtensor_parameters_project_and_realign():
+    """FSDP2 holds parameters and grads as DTensors: projection and realignment gather and re-shard them
+    (a one-rank gloo group on CPU exercises that code path)."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("torch.distributed unavailable")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        layer, ref = make_layer(seed=30), make_layer(seed=30)
+        backward_once(layer, 3)
+        backward_once(ref, 3)
+        for name in ("weight_res", "L1", "L2"):
+            p = getattr(layer, name)
+            dp = nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)]))
+            dp.grad = distribute_tensor(p.grad, mesh, [Shard(0)])
+            setattr(layer, name, dp)
+        lora_svd.project_gradients(layer)
+        lora_svd.project_gradients(ref)
+        for name in ("weight_res", "L1", "L2"):
+            g = getattr(layer, name).grad
+            assert isinstance(g, DTensor)
+            assert_close64(g.full_tensor(), f64(getattr(ref, name).grad), rel=1e-6)
+        W = f64(ref.effective_weight())
+        lora_svd.realign(layer)
+        assert isinstance(layer.L1, DTensor) or isinstance(layer.L1.data, DTensor)
+        assert_close64(layer.effective_weight(), W, rel=4 * torch.finfo(torch.float32).eps)
+    finally:
+        dist.destroy_process_group()
+
+
 # ---------------------------------------------------------------------------------------------------- naive LoRA
 
 def test_naive_lora_matches_autograd_through_fake_quantized_reference():
