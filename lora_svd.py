@@ -172,7 +172,8 @@ class LoRASVDFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw = nvfp4.wgrad(dy, qx, fos)  # eq. 2, (out, in) fp32
         ctx.qx = ctx.qw = None
-        return dx, dw, torch.zeros_like(L1), torch.zeros_like(L2), None, None, None
+        zero = lambda L, i: torch.zeros_like(L) if ctx.needs_input_grad[i] else None
+        return dx, dw, zero(L1, 2), zero(L2, 3), None, None, None
 
 
 def lora_svd_linear(x, weight_res, L1, L2, beta=1.0, four_over_six=True, fused=True):
@@ -337,12 +338,17 @@ def project_gradients(layer):
     Q2 = orthonormal_basis(L2)  # (out, r)
     Q1 = orthonormal_basis(L1.t())  # (in, r)
     lam = (Q2.t() @ dW) @ Q1  # (r, r) Lambda
-    dW_lora = (Q2 @ lam) @ Q1.t()  # (out, in)
-    for p, d in ((layer.L1, layer.beta * (L2.t() @ dW_lora)), (layer.L2, layer.beta * (dW_lora @ L1.t()))):
+    core = lam @ Q1.t()  # (r, in): dW_LoRA = Q2 @ core, never formed for the small grads below
+    dL1 = layer.beta * ((L2.t() @ Q2) @ core)  # (r, in)   = beta L2^T dW_LoRA
+    dL2 = layer.beta * (Q2 @ (core @ L1.t()))  # (out, r)  = beta dW_LoRA L1^T
+    for p, d in ((layer.L1, dL1), (layer.L2, dL2)):
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         p.grad.add_(shard_like(p.grad, d.to(p.grad.dtype)))
-    g.sub_(shard_like(g, dW_lora.to(g.dtype)))
+    if hasattr(g, "device_mesh"):
+        g.sub_(shard_like(g, (Q2 @ core).to(g.dtype)))
+    else:
+        g.addmm_(Q2.to(g.dtype), core.to(g.dtype), alpha=-1.0)  # dW_res = dW - dW_LoRA, in place
     layer._projected = (weakref.ref(g), g._version)
 
 
