@@ -23,6 +23,10 @@ dW instead of from a second large GEMM with the high-precision X, and §3.2 defe
 before gradient clipping and optimizer.step(). Every few thousand steps `realign_model(model, optimizer)`
 re-derives (W_res, L1, L2) from a randomized SVD of the total weight (subspace drift, §3.2).
 
+On CUDA the branch is fused into the NVFP4 kernels (App. 9, kernels/lora_fused.py): the down-projection
+rides the activation-quantize pass (one read of X), the up-projection the GEMM (one write of Y); likewise dX.
+Parameters may be FSDP2 DTensors: projection and realignment gather them and write back the local shards.
+
 NaiveLoRALinear is the ablation baseline (Table 3, "naive LoRA"): an NVFP4 main weight plus an ordinary
 BF16 LoRA branch trained by plain autograd.
 """
