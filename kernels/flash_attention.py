@@ -75,11 +75,14 @@ def _load_tile(ptr, scale_ptr, rows, T, R: tl.constexpr, D: tl.constexpr, PACKED
         else:
             c = tl.load(ptr + rows[:, None] * (D // 2) + half[None, :])
             s = tl.load(scale_ptr + rows[:, None] * (D // 16) + cols[None, :] // 16)
-        code = tl.reshape(tl.join(c & 15, c >> 4), (R, D))  # even element in the low nibble
-        # E2M1 code -> E4M3 bit pattern of (its value * 2^-6): sign to bit 7, exponent+mantissa (3 bits) to
-        # bits 4..2. Exact for the subnormal 0.5 too, and the hardware's fp8 -> fp32 convert does the decoding.
-        fp8 = (((code & 8) << 4) | ((code & 7) << 2)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-        x = (fp8.to(tl.float32) * (s.to(tl.float32) * 64.0)).to(DTYPE)
+        # E2M1 code -> the E4M3 bit pattern of (its value * 2^-6): sign to bit 7, exponent+mantissa to bits 4..2
+        # (exact for the subnormal 0.5 too); the hardware's fp8 -> fp16 convert then does the decoding. Both
+        # nibbles of a byte at once; the even element is the low nibble.
+        lo = ((c & 0x08) << 4) | ((c & 0x07) << 2)
+        hi = (c & 0x80) | ((c & 0x70) >> 2)
+        fp8 = tl.reshape(tl.join(lo, hi), (R, D)).to(tl.float8e4nv, bitcast=True)
+        # q * s_b in fp16 is exact (<= 6 significant bits, 2^-10 <= |q s_b| <= 2688) and so is the cast to DTYPE
+        x = (fp8.to(tl.float16) * (s.to(tl.float16) * 64.0)).to(DTYPE)
     else:
         if MASK_ROWS:
             x = tl.load(ptr + rows[:, None] * D + cols[None, :], mask=rmask, other=0.0).to(DTYPE)
@@ -171,11 +174,11 @@ def _fake_quant_rows16(x, s_g, u, R: tl.constexpr, C: tl.constexpr, SR: tl.const
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, K, Ks, V, Vs, start, end, offs_m, T, s_scale, sg_p,
                D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-               CAUSAL: tl.constexpr, PACKED: tl.constexpr, QUANT_P: tl.constexpr, DTYPE: tl.constexpr,
+               CAUSAL: tl.constexpr, PACKED: tl.constexpr, QUANT_P: tl.constexpr, DTYPE: tl.constexpr, QK_DTYPE: tl.constexpr,
                PREC: tl.constexpr, EMU: tl.constexpr):
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(K, Ks, offs_n, T, BLOCK_N, D, PACKED, MASK, DTYPE)            # (N, D)
+        k = _load_tile(K, Ks, offs_n, T, BLOCK_N, D, PACKED, MASK, QK_DTYPE)            # (N, D)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * s_scale                   # (M, N) log2 domain
         if MASK:
             ok = offs_n[None, :] < T
@@ -198,7 +201,7 @@ def _fwd_inner(acc, l_i, m_i, q, K, Ks, V, Vs, start, end, offs_m, T, s_scale, s
 @triton.jit
 def _attn_fwd(Q, Qs, K, Ks, V, Vs, SG, O, LSE, T, H, G, qk_scale,
               D: tl.constexpr, QD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              CAUSAL: tl.constexpr, PACKED: tl.constexpr, QUANT_P: tl.constexpr, DTYPE: tl.constexpr,
+              CAUSAL: tl.constexpr, PACKED: tl.constexpr, QUANT_P: tl.constexpr, DTYPE: tl.constexpr, QK_DTYPE: tl.constexpr,
               PREC: tl.constexpr, EMU: tl.constexpr):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)   # heaviest causal tiles first
     bh = tl.program_id(1)
@@ -214,7 +217,7 @@ def _attn_fwd(Q, Qs, K, Ks, V, Vs, SG, O, LSE, T, H, G, qk_scale,
     sg_v = tl.load(SG + 2)
     sg_p = tl.load(SG + 3)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    q = _load_tile(Q, Qs, offs_m, T, BLOCK_M, D, PACKED, True, DTYPE)                 # (M, D)
+    q = _load_tile(Q, Qs, offs_m, T, BLOCK_M, D, PACKED, True, QK_DTYPE)                 # (M, D)
     s_scale = qk_scale * sg_q * sg_k
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -226,9 +229,9 @@ def _attn_fwd(Q, Qs, K, Ks, V, Vs, SG, O, LSE, T, H, G, qk_scale,
         lo = (T // BLOCK_N) * BLOCK_N
         hi = T
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, Ks, V, Vs, 0, lo, offs_m, T, s_scale, sg_p,
-                               D, BLOCK_M, BLOCK_N, False, CAUSAL, PACKED, QUANT_P, DTYPE, PREC, EMU)
+                               D, BLOCK_M, BLOCK_N, False, CAUSAL, PACKED, QUANT_P, DTYPE, QK_DTYPE, PREC, EMU)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, Ks, V, Vs, lo, hi, offs_m, T, s_scale, sg_p,
-                               D, BLOCK_M, BLOCK_N, True, CAUSAL, PACKED, QUANT_P, DTYPE, PREC, EMU)
+                               D, BLOCK_M, BLOCK_N, True, CAUSAL, PACKED, QUANT_P, DTYPE, QK_DTYPE, PREC, EMU)
     o = acc * ((sg_v * sg_p) / l_i)[:, None]   # s_g(P) is 1 unless QUANT_P
     rmask = offs_m < T
     tl.store(LSE + bh.to(tl.int64) * T + offs_m, m_i + tl.math.log2(l_i), mask=rmask)
@@ -245,13 +248,13 @@ def _attn_fwd(Q, Qs, K, Ks, V, Vs, SG, O, LSE, T, H, G, qk_scale,
 def _dkdv_inner(dk, dv, k, v, Q, Qs, DO, DOQ, DOT, LSE, DELTA, DQ, key, key_dq, dq_scale, start, end, offs_n,
                 T, s_scale, sg_dp, sg_ds, sg_p, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 MASK: tl.constexpr, CAUSAL: tl.constexpr, PACKED: tl.constexpr, QUANT_DS: tl.constexpr,
-                QUANT_DOV: tl.constexpr, QUANT_PDO: tl.constexpr, ATOMIC_DQ: tl.constexpr, DTYPE: tl.constexpr,
+                QUANT_DOV: tl.constexpr, QUANT_PDO: tl.constexpr, ATOMIC_DQ: tl.constexpr, DTYPE: tl.constexpr, QK_DTYPE: tl.constexpr,
                 PREC: tl.constexpr, EMU: tl.constexpr):
     cols = tl.arange(0, D)
     for start_m in range(start, end, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         rmask = offs_m < T
-        q = _load_tile(Q, Qs, offs_m, T, BLOCK_M, D, PACKED, True, DTYPE)             # (M, D)
+        q = _load_tile(Q, Qs, offs_m, T, BLOCK_M, D, PACKED, True, QK_DTYPE)             # (M, D)
         do = tl.load(DO + offs_m[:, None] * D + cols[None, :], mask=rmask[:, None], other=0.0).to(DTYPE)
         lse = tl.load(LSE + offs_m, mask=rmask, other=float("inf"))                  # rows >= T: P = 0
         delta = tl.load(DELTA + offs_m, mask=rmask, other=0.0)
@@ -278,12 +281,12 @@ def _dkdv_inner(dk, dv, k, v, Q, Qs, DO, DOQ, DOT, LSE, DELTA, DQ, key, key_dq, 
             if QUANT_DS:   # dQ = dS K contracts over keys: 1x16 blocks of dS along the keys, SR
                 ds = _fake_quant_rows16(ds, sg_ds, _uniform(key_dq, offs_m[:, None], offs_n[None, :], T),
                                         BLOCK_M, BLOCK_N, True)
-            dq = tl.dot(_op(ds, DTYPE, EMU), k, input_precision=PREC) * dq_scale
+            dq = tl.dot(_op(ds, QK_DTYPE, EMU), k, input_precision=PREC) * dq_scale
             tl.atomic_add(DQ + offs_m[:, None] * D + cols[None, :], dq, mask=rmask[:, None], sem="relaxed")
         if QUANT_DS:   # dK = dS^T Q contracts over queries: 1x16 blocks of dS^T along the queries, SR
             u = _uniform(key, offs_m[None, :], offs_n[:, None], T)
             dsT = _fake_quant_rows16(dsT, sg_ds, u, BLOCK_N, BLOCK_M, True)
-        dk = tl.dot(_op(dsT, DTYPE, EMU), q, dk, input_precision=PREC)
+        dk = tl.dot(_op(dsT, QK_DTYPE, EMU), q, dk, input_precision=PREC)
     return dk, dv
 
 
@@ -292,7 +295,7 @@ def _attn_bwd_dkdv(Q, Qs, K, Ks, V, Vs, SG, DO, DOQ, DOT, LSE, DELTA, SGDS, KEYS
                    qk_scale, sm_scale, D: tl.constexpr, QD: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PACKED: tl.constexpr, QUANT_DS: tl.constexpr,
                    QUANT_DOV: tl.constexpr, QUANT_PDO: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                   DTYPE: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
+                   DTYPE: tl.constexpr, QK_DTYPE: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
     pid_n = tl.program_id(0)
     bkv = tl.program_id(1)                    # b * Hkv + kv head
     Hkv = H // G
@@ -307,7 +310,7 @@ def _attn_bwd_dkdv(Q, Qs, K, Ks, V, Vs, SG, DO, DOQ, DOT, LSE, DELTA, SGDS, KEYS
     sg_dp = sg_v * sg_dov                     # s_g(dO) is 1 unless QUANT_DOV
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k = _load_tile(K + bkv.to(tl.int64) * T * QD, Ks + bkv.to(tl.int64) * T * (D // 16), offs_n, T,
-                   BLOCK_N, D, PACKED, True, DTYPE)
+                   BLOCK_N, D, PACKED, True, QK_DTYPE)
     v = _load_tile(V + bkv.to(tl.int64) * T * QD, Vs + bkv.to(tl.int64) * T * (D // 16), offs_n, T,
                    BLOCK_N, D, PACKED, True, DTYPE)
     s_scale = qk_scale * sg_q * sg_k
@@ -335,17 +338,17 @@ def _attn_bwd_dkdv(Q, Qs, K, Ks, V, Vs, SG, DO, DOQ, DOT, LSE, DELTA, SGDS, KEYS
                                LSE + bh * T, DELTA + bh * T, DQ + row, key, key_dq, dq_scale,
                                lo, mid, offs_n, T, s_scale,
                                sg_dp, sg_ds, sg_p, D, BLOCK_M, BLOCK_N, True, CAUSAL, PACKED, QUANT_DS,
-                               QUANT_DOV, QUANT_PDO, ATOMIC_DQ, DTYPE, PREC, EMU)
+                               QUANT_DOV, QUANT_PDO, ATOMIC_DQ, DTYPE, QK_DTYPE, PREC, EMU)
         dk_h, dv = _dkdv_inner(dk_h, dv, k, v, q_ptr, qs_ptr, DO + row, DOQ + row, DOT + row,
                                LSE + bh * T, DELTA + bh * T, DQ + row, key, key_dq, dq_scale,
                                mid, n_full, offs_n, T, s_scale,
                                sg_dp, sg_ds, sg_p, D, BLOCK_M, BLOCK_N, False, CAUSAL, PACKED, QUANT_DS,
-                               QUANT_DOV, QUANT_PDO, ATOMIC_DQ, DTYPE, PREC, EMU)
+                               QUANT_DOV, QUANT_PDO, ATOMIC_DQ, DTYPE, QK_DTYPE, PREC, EMU)
         dk_h, dv = _dkdv_inner(dk_h, dv, k, v, q_ptr, qs_ptr, DO + row, DOQ + row, DOT + row,
                                LSE + bh * T, DELTA + bh * T, DQ + row, key, key_dq, dq_scale,
                                n_full, T, offs_n, T, s_scale,
                                sg_dp, sg_ds, sg_p, D, BLOCK_M, BLOCK_N, True, CAUSAL, PACKED, QUANT_DS,
-                               QUANT_DOV, QUANT_PDO, ATOMIC_DQ, DTYPE, PREC, EMU)
+                               QUANT_DOV, QUANT_PDO, ATOMIC_DQ, DTYPE, QK_DTYPE, PREC, EMU)
         dk += dk_h * sg_ds
     dk = dk * (sm_scale * sg_q)
     dv = dv * (sg_p * sg_pdo)                 # 1 unless QUANT_PDO
@@ -362,11 +365,11 @@ def _attn_bwd_dkdv(Q, Qs, K, Ks, V, Vs, SG, DO, DOQ, DOT, LSE, DELTA, SGDS, KEYS
 @triton.jit
 def _dq_inner(dq, q, do, lse, delta, K, Ks, V, Vs, key, start, end, offs_m, T, s_scale, sg_dp, sg_ds,
               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-              CAUSAL: tl.constexpr, PACKED: tl.constexpr, QUANT_DS: tl.constexpr, DTYPE: tl.constexpr,
+              CAUSAL: tl.constexpr, PACKED: tl.constexpr, QUANT_DS: tl.constexpr, DTYPE: tl.constexpr, QK_DTYPE: tl.constexpr,
               PREC: tl.constexpr, EMU: tl.constexpr):
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(K, Ks, offs_n, T, BLOCK_N, D, PACKED, MASK, DTYPE)
+        k = _load_tile(K, Ks, offs_n, T, BLOCK_N, D, PACKED, MASK, QK_DTYPE)
         v = _load_tile(V, Vs, offs_n, T, BLOCK_N, D, PACKED, MASK, DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * s_scale                   # (M, N)
         p = tl.math.exp2(s - lse[:, None])
@@ -380,14 +383,14 @@ def _dq_inner(dq, q, do, lse, delta, K, Ks, V, Vs, key, start, end, offs_m, T, s
         if QUANT_DS:   # dQ = dS K contracts over keys: 1x16 blocks of dS along the keys, SR
             u = _uniform(key, offs_m[:, None], offs_n[None, :], T)
             ds = _fake_quant_rows16(ds, sg_ds, u, BLOCK_M, BLOCK_N, True)
-        dq = tl.dot(_op(ds, DTYPE, EMU), k, dq, input_precision=PREC)
+        dq = tl.dot(_op(ds, QK_DTYPE, EMU), k, dq, input_precision=PREC)
     return dq
 
 
 @triton.jit
 def _attn_bwd_dq(Q, Qs, K, Ks, V, Vs, SG, DO, DOQ, LSE, DELTA, SGDS, KEYS, DQ, T, H, G, qk_scale, sm_scale,
                  D: tl.constexpr, QD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 CAUSAL: tl.constexpr, PACKED: tl.constexpr, QUANT_DS: tl.constexpr, QUANT_DOV: tl.constexpr, DTYPE: tl.constexpr,
+                 CAUSAL: tl.constexpr, PACKED: tl.constexpr, QUANT_DS: tl.constexpr, QUANT_DOV: tl.constexpr, DTYPE: tl.constexpr, QK_DTYPE: tl.constexpr,
                  PREC: tl.constexpr, EMU: tl.constexpr):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1)
@@ -404,7 +407,7 @@ def _attn_bwd_dq(Q, Qs, K, Ks, V, Vs, SG, DO, DOQ, LSE, DELTA, SGDS, KEYS, DQ, T
     cols = tl.arange(0, D)
     row = bh.to(tl.int64) * T * D
     q = _load_tile(Q + bh.to(tl.int64) * T * QD, Qs + bh.to(tl.int64) * T * (D // 16), offs_m, T,
-                   BLOCK_M, D, PACKED, True, DTYPE)
+                   BLOCK_M, D, PACKED, True, QK_DTYPE)
     if QUANT_DOV:   # dO V^T with dO in NVFP4 (1x16 along D, passed as q * s_b)
         do = tl.load(DOQ + row + offs_m[:, None] * D + cols[None, :], mask=rmask[:, None], other=0.0).to(DTYPE)
     else:
@@ -424,9 +427,9 @@ def _attn_bwd_dq(Q, Qs, K, Ks, V, Vs, SG, DO, DOQ, LSE, DELTA, SGDS, KEYS, DQ, T
         lo = (T // BLOCK_N) * BLOCK_N
         hi = T
     dq = _dq_inner(dq, q, do, lse, delta, K, Ks, V, Vs, key, 0, lo, offs_m, T, s_scale, sg_dp, sg_ds,
-                   D, BLOCK_M, BLOCK_N, False, CAUSAL, PACKED, QUANT_DS, DTYPE, PREC, EMU)
+                   D, BLOCK_M, BLOCK_N, False, CAUSAL, PACKED, QUANT_DS, DTYPE, QK_DTYPE, PREC, EMU)
     dq = _dq_inner(dq, q, do, lse, delta, K, Ks, V, Vs, key, lo, hi, offs_m, T, s_scale, sg_dp, sg_ds,
-                   D, BLOCK_M, BLOCK_N, True, CAUSAL, PACKED, QUANT_DS, DTYPE, PREC, EMU)
+                   D, BLOCK_M, BLOCK_N, True, CAUSAL, PACKED, QUANT_DS, DTYPE, QK_DTYPE, PREC, EMU)
     dq = dq * (sm_scale * sg_k * sg_ds)
     tl.store(DQ + row + offs_m[:, None] * D + cols[None, :], _round_bf16(dq, EMU).to(DQ.dtype.element_ty),
              mask=rmask[:, None])
@@ -460,13 +463,17 @@ def _operand(x):
     return x, x
 
 
-def _meta(dtype, kind, config, D, packed):
+def _meta(dtype, kind, config, D, packed, quant_ds=True):
     cfg = dict(config)
     emulate = False
     if _interpreting():
         cfg.update(INTERPRET_CONFIGS[kind])
         emulate = dtype == torch.bfloat16
-    return dict(DTYPE=tl.float32 if emulate else _TL_DTYPE[dtype], EMU=emulate,
+    dot_dtype = tl.float32 if emulate else _TL_DTYPE[dtype]
+    # NVFP4 Q and K (and the quantized dS they meet) are exact in fp16, whose convert from the fp8 decode is
+    # cheaper than bf16's: the QK^T, dS K and dS^T Q matmuls then run in fp16 with the same products
+    fp16_qk = packed and quant_ds and dtype != torch.float32
+    return dict(DTYPE=dot_dtype, QK_DTYPE=tl.float16 if fp16_qk else dot_dtype, EMU=emulate,
                 PREC="ieee" if dtype == torch.float32 else "tf32", D=D, QD=D // 2 if packed else D, PACKED=packed,
                 **cfg)
 
@@ -512,7 +519,7 @@ def flash_backward(q, k, v, scales, shape, do, lse, delta, do_dov, do_pdo, ds_sc
     dk = torch.empty(B, Hkv, T, D, device=dev, dtype=dtype)
     dv = torch.empty(B, Hkv, T, D, device=dev, dtype=dtype)
     flags = dict(CAUSAL=causal, QUANT_DS=quant_ds, QUANT_DOV=quant_dov)
-    meta = _meta(dtype, "dkdv", dkdv_config or DKDV_CONFIG, D, packed)
+    meta = _meta(dtype, "dkdv", dkdv_config or DKDV_CONFIG, D, packed, quant_ds)
     grid = (triton.cdiv(T, meta["BLOCK_N"]), B * Hkv)
     atomic = (dq_mode or DQ_MODE) == "atomic"
     dq_acc = torch.zeros(B, H, T, D, device=dev, dtype=torch.float32) if atomic else dk
@@ -521,7 +528,7 @@ def flash_backward(q, k, v, scales, shape, do, lse, delta, do_dov, do_pdo, ds_sc
                          **flags, **meta)
     if atomic:
         return dq_acc.to(dtype), dk, dv
-    meta = _meta(dtype, "dq", dq_config or DQ_CONFIG, D, packed)
+    meta = _meta(dtype, "dq", dq_config or DQ_CONFIG, D, packed, quant_ds)
     grid = (triton.cdiv(T, meta["BLOCK_M"]), B * H)
     _attn_bwd_dq[grid](qc, qs, kc, ks, vc, vs, scales, do, do_dov, lse, delta, ds_scale, keys, dq,
                        T, H, H // Hkv, sm_scale * LOG2E, sm_scale, **flags, **meta)
