@@ -16,7 +16,7 @@ Columns (one row per recipe x optimizer):
   tokens/s, x bf16, peak memory, optimizer bytes/param   from summary.json
   status       ok | diverged (a non-finite loss: train.py stops before the update, so the NaN shows up in the
                log / exit code rather than in metrics.jsonl) | collapsed (the tail loss rose more than
-               COLLAPSE_NATS above the run's best loss: App. 13's naive-FP4 failure without a NaN) |
+               COLLAPSE_NATS above the run's best loss averaged over the same window: App. 13's naive-FP4 failure without a NaN) |
                incomplete (no summary.json: killed by a timeout or still running) | failed (exit code != 0)
 """
 import argparse
@@ -27,7 +27,7 @@ import sys
 
 RECIPE_ORDER = ("bf16", "nvfp4", "nvfp4_46", "lora_naive", "lora_svd", "fullstack", "naive_fp4")
 OPTIMIZERS = ("adamw", "root")
-COLLAPSE_NATS = 0.5  # a healthy run's tail sits within ~0.1 nat of its best loss; 0.5 nat up is a collapse
+COLLAPSE_NATS = 0.5  # a healthy run's tail sits within ~0.1 nat of its best (same-window) loss; 0.5 up: collapse
 
 
 def read_jsonl(path):
@@ -78,7 +78,10 @@ def load_run(run_dir, tail_frac=0.1):
     exit_code = read_text(os.path.join(run_dir, "exit_code"))
     log = read_text(os.path.join(run_dir, "train.log")) or ""
     nonfinite_steps = [s for s, loss in train if not finite(loss)] + [s for s, v in val if not finite(v)]
-    best = min((loss for _, loss in train if finite(loss)), default=float("nan"))
+    # the best loss at the same averaging as the tail (a window of n_tail rows), so that noise is not a collapse
+    losses = [loss for _, loss in train if finite(loss)]
+    windows = [sum(losses[i:i + n_tail]) / n_tail for i in range(len(losses) - n_tail + 1)] if n_tail else []
+    best = min(windows, default=float("nan"))
     if nonfinite_steps or "non-finite loss" in log:
         first = min(nonfinite_steps) if nonfinite_steps else None
         last_step = train[-1][0] if train else 0
