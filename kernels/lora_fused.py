@@ -48,7 +48,8 @@ def _quantize_down_proj_kernel(x_ptr, l_ptr, amax_ptr, gs_other_ptr, codes_ptr, 
                                M, R, beta, seed, stride_xm, stride_xn, stride_lr, stride_ln, stride_vm, stride_xlm,
                                N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
                                FP8_BOUND: tl.constexpr, FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr,
-                               DOT_FP32: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr):
+                               DOT_FP32: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr,
+                               NUM_STAGES: tl.constexpr):
     """A strip of BM rows: for each (BM, BN) tile, the 1x16 NVFP4 codes + scales (WRITE_CODES) and/or the
     bf16 grid values q * s_b (WRITE_VALUES, for the cuBLAS route), and x_tile L_tile^T accumulated into the
     (BM, r) down-projection in registers (deterministic: no atomics across column tiles). The strip then
@@ -60,7 +61,7 @@ def _quantize_down_proj_kernel(x_ptr, l_ptr, amax_ptr, gs_other_ptr, codes_ptr, 
     s_g = tl.where(amax > 0, tl.div_rn(amax, FP8_BOUND * 6.0), 1.0)
     offs_r = tl.arange(0, BR)
     acc = tl.zeros((BM, BR), dtype=tl.float32)
-    for n0 in range(0, N, BN):
+    for n0 in tl.range(0, N, BN, num_stages=NUM_STAGES):
         x, offs_m, offs_n, mask = _load_tile(x_ptr, x_ptr, pid_b, m0, n0, M, N, 0, stride_xm, stride_xn,
                                              BM, BN, 0, True)
         xb = tl.abs(x).reshape(BM, 1, BN // 16, 16)
@@ -105,8 +106,14 @@ def _quantize_down_proj_kernel(x_ptr, l_ptr, amax_ptr, gs_other_ptr, codes_ptr, 
              mask=(offs_m[:, None] < M) & (offs_r[None, :] < R))
 
 
-def _interpreting():
-    return os.environ.get("TRITON_INTERPRET") == "1"
+# Row strips of BM rows walk the columns in BN-wide tiles of BM * BN = 4096 elements (nvfp4_quant's tile
+# size: the 4/6 candidates keep several fp32 copies of a tile in registers). More, shorter strips hide memory
+# latency better; taller strips re-read L (from L2) fewer times. Untuned guesses: autotuned per shape.
+_QUANT_CONFIGS = [triton.Config({"BM": bm, "BN": bn, "NUM_STAGES": st}, num_warps=w)
+                  for bm, bn, st, w in ((64, 64, 2, 4), (32, 128, 2, 4), (16, 256, 2, 4), (64, 128, 2, 8),
+                                        (32, 64, 3, 4))]
+_quantize_down_proj_autotuned = triton.autotune(
+    configs=_QUANT_CONFIGS, key=["M", "N", "BR", "SR", "WRITE_CODES", "WRITE_VALUES"])(_quantize_down_proj_kernel)
 
 
 def _rank_block(r):
@@ -135,14 +142,17 @@ def _launch_quantize(x, L, beta, rounding, four_over_six, seed, name, write_code
         vals, xl_out, gs_other = amax, xl, amax
     else:
         xl, vals, xl_out = None, values, values[:, N:]
-    BM, BN = (16, 64) if _interpreting() else (64, 64)
-    _quantize_down_proj_kernel[(triton.cdiv(M, BM),)](
-        x, L, amax, gs_other, codes, scales, vals, xl_out, M, R, float(beta), int(seed or 0),
-        x.stride(0), x.stride(1), L.stride(0), L.stride(1), vals.stride(0) if values is not None else 0,
-        xl_out.stride(0), N=N, BM=BM, BN=BN, BR=_rank_block(R), FP8_BOUND=256.0 if four_over_six else 448.0,
-        FOUR_OVER_SIX=bool(four_over_six), SR=rounding == "sr", DOT_FP32=L.dtype == torch.float32,
-        WRITE_CODES=write_codes, WRITE_VALUES=values is not None, num_warps=4,
-        enable_fp_fusion=False)  # no FMA contraction: every rounding as in the reference
+    args = (x, L, amax, gs_other, codes, scales, vals, xl_out, M, R, float(beta), int(seed or 0),
+            x.stride(0), x.stride(1), L.stride(0), L.stride(1), vals.stride(0) if values is not None else 0,
+            xl_out.stride(0))
+    flags = dict(N=N, BR=_rank_block(R), FP8_BOUND=256.0 if four_over_six else 448.0,
+                 FOUR_OVER_SIX=bool(four_over_six), SR=rounding == "sr", DOT_FP32=L.dtype == torch.float32,
+                 WRITE_CODES=write_codes, WRITE_VALUES=values is not None,
+                 enable_fp_fusion=False)  # no FMA contraction: every rounding as in the reference
+    if x.device.type != "cuda":  # the interpreter: one small config
+        _quantize_down_proj_kernel[(triton.cdiv(M, 16),)](*args, **flags, BM=16, BN=64, NUM_STAGES=1, num_warps=4)
+    else:
+        _quantize_down_proj_autotuned[lambda meta: (triton.cdiv(M, meta["BM"]),)](*args, **flags)
     s_g = nvfp4.global_scale(amax.reshape(()), four_over_six) if x.device.type == "cpu" else \
         _global_scale_dev(amax, four_over_six)
     t = None
