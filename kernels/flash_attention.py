@@ -277,11 +277,13 @@ def _dkdv_inner(dk, dv, k, v, Q, Qs, DO, DOQ, DOT, LSE, DELTA, DQ, key, key_dq, 
             dpT = tl.dot(v, tl.trans(do), input_precision=PREC) * sg_dp              # dP^T = V dO^T
         dsT = pT * (dpT - delta[None, :])                                            # dS = P (dP - D)
         if ATOMIC_DQ:  # dQ += dS K here (fp32 atomics) instead of recomputing S, P, dP in a dQ pass
-            ds = tl.trans(dsT)                                                       # (M, N)
             if QUANT_DS:   # dQ = dS K contracts over keys: 1x16 blocks of dS along the keys, SR
-                ds = _fake_quant_rows16(ds, sg_ds, _uniform(key_dq, offs_m[:, None], offs_n[None, :], T),
-                                        BLOCK_M, BLOCK_N, True)
-            dq = tl.dot(_op(ds, QK_DTYPE, EMU), k, input_precision=PREC) * dq_scale
+                ds = _fake_quant_rows16(tl.trans(dsT), sg_ds, _uniform(key_dq, offs_m[:, None], offs_n[None, :], T),
+                                        BLOCK_M, BLOCK_N, True)                      # (M, N)
+                ds = _op(ds, QK_DTYPE, EMU)
+            else:
+                ds = tl.trans(_op(dsT, QK_DTYPE, EMU))   # transpose the 16-bit operand, not the fp32 tile
+            dq = tl.dot(ds, k, input_precision=PREC) * dq_scale
             tl.atomic_add(DQ + offs_m[:, None] * D + cols[None, :], dq, mask=rmask[:, None], sem="relaxed")
         if QUANT_DS:   # dK = dS^T Q contracts over queries: 1x16 blocks of dS^T along the queries, SR
             u = _uniform(key, offs_m[None, :], offs_n[:, None], T)
