@@ -4,7 +4,7 @@ Benchmark the NVFP4 Triton kernels against torch in the same run (issue 3's perf
   (b) NVFP4 GEMM 8192^3 from packed operands vs torch bf16 matmul (>= 0.85x); both routes, plus model shapes
   (c) NVFP4Linear fwd+bwd, 4096x4096, 16k tokens vs nn.Linear bf16 (<= 1.3x the time)
 
-    python bench_nvfp4.py --out results.json          # H200
+    python bench_nvfp4.py --out results.json          # H200 (~2-4 min incl. compiles; --model-shapes adds more)
     python bench_nvfp4.py --dry --out /tmp/dry.json    # CPU smoke test of the script (interpreter, tiny shapes)
 
 Bandwidth of a quantize = (bytes read + bytes written by the quantized result) / time; the copy moves 2x the
@@ -46,7 +46,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench_nvfp4.json")
     p.add_argument("--dry", action="store_true", help="tiny shapes on CPU through the interpreter (smoke test)")
-    p.add_argument("--no-model-shapes", action="store_true", help="only the 8192^3 GEMM (fewer compiles)")
+    p.add_argument("--model-shapes", action="store_true", help="also the 3B model's FFN GEMMs (more compiles)")
     args = p.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev == "cpu" and not args.dry:
@@ -119,7 +119,7 @@ def main():
         res.setdefault("routes", {})[label] = kg.pick_route(a, b)
 
     gemm_rows(S, S, S, f"{S}^3", 0.85, with_trans=True)
-    if not args.dry and not args.no_model_shapes:  # model shapes (3B FFN up / down); every new K compiles and autotunes once
+    if args.model_shapes and not args.dry:  # model shapes (3B FFN up / down); every new K compiles and autotunes once
         for (M, N, K) in [(16384, 9216, 3072), (16384, 3072, 9216)]:
             gemm_rows(M, N, K, f"M{M} N{N} K{K}")
 

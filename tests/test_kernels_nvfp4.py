@@ -350,25 +350,46 @@ def test_gpu_hadamard_4096(block):
     assert (k.scales.view(torch.uint8).cpu() != r.scales.view(torch.uint8)).float().mean() < 1e-4
 
 
+_ONE_CONFIG = dict(BM=128, BN=128, BK=64, GROUP_M=8, NUM_STAGES=4, num_warps=4)  # fewer compiles than autotune
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("route", ["triton", "cublas"])
-@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_gpu_gemm_4096(route, out_dtype):
+def test_gpu_gemm_every_config_4096():
     g = torch.Generator(device="cuda").manual_seed(5)
     a = kq.quantize(torch.randn(4096, 4096, device="cuda", generator=g), (1, 16))
     b = kq.quantize(torch.randn(4096, 4096, device="cuda", generator=g), (16, 16))
-    _check_gemm(kg.nvfp4_gemm(a, b, out_dtype, route=route), a, b, out_dtype=out_dtype)
-    _check_gemm(kg.nvfp4_gemm(a, b, out_dtype, trans_b=True, route=route), a, b, trans_b=True, out_dtype=out_dtype)
+    for c in kg._CONFIGS:  # autotuning picks by speed only: each config must be right
+        cfg = dict(c.kwargs, num_warps=c.num_warps)
+        _check_gemm(kg._gemm_triton(a, b, False, False, torch.bfloat16, config=cfg), a, b, out_dtype=torch.bfloat16)
+    for route in ("triton", "cublas"):  # the public entry, autotuned
+        _check_gemm(kg.nvfp4_gemm(a, b, torch.bfloat16, route=route), a, b, out_dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("route", ["triton", "cublas"])
+def test_gpu_gemm_layouts_and_fp32_out_4096(route):
+    g = torch.Generator(device="cuda").manual_seed(6)
+    a = kq.quantize(torch.randn(4096, 4096, device="cuda", generator=g), (1, 16))
+    b = kq.quantize(torch.randn(4096, 4096, device="cuda", generator=g), (16, 16))
     c = kq.quantize(torch.randn(4096, 2048, device="cuda", generator=g), (16, 1))
     d = kq.quantize(torch.randn(4096, 1024, device="cuda", generator=g), (16, 1))
-    _check_gemm(kg.nvfp4_gemm(c, d, out_dtype, trans_a=True, trans_b=True, route=route), c, d,
-                trans_a=True, trans_b=True, out_dtype=out_dtype)
+
+    def gemm(x, y, trans_a=False, trans_b=False):
+        if route == "cublas":
+            return kg.nvfp4_gemm(x, y, torch.float32, trans_a, trans_b, route="cublas")
+        return kg._gemm_triton(x, y, trans_a, trans_b, torch.float32, config=_ONE_CONFIG)
+    out = gemm(a, b)
+    # without torch.mm(out_dtype=float32) (older torch) the cuBLAS route rounds through bf16 once
+    od = torch.float32 if route == "triton" or kg._MM_FP32_OUT[0] else torch.bfloat16
+    _check_gemm(out.to(od), a, b, out_dtype=od)
+    _check_gemm(gemm(a, b, trans_b=True).to(od), a, b, trans_b=True, out_dtype=od)
+    _check_gemm(gemm(c, d, True, True).to(od), c, d, trans_a=True, trans_b=True, out_dtype=od)
 
 
 @pytest.mark.gpu
 def test_gpu_gemm_odd_shapes_and_pick_route():
-    g = torch.Generator(device="cuda").manual_seed(6)
+    g = torch.Generator(device="cuda").manual_seed(7)
     a = kq.quantize(torch.randn(1000, 1040, device="cuda", generator=g), (1, 16))
     b = kq.quantize(torch.randn(3008, 1040, device="cuda", generator=g), (16, 16))
-    _check_gemm(kg.nvfp4_gemm(a, b, torch.float32, route="triton"), a, b)
+    _check_gemm(kg._gemm_triton(a, b, False, False, torch.float32, config=_ONE_CONFIG), a, b)
     assert kg.pick_route(a, b) in ("triton", "cublas")
