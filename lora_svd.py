@@ -127,7 +127,8 @@ def use_fused_kernels(x, fused):
 
 
 class LoRASVDFunction(torch.autograd.Function):
-    """eqs. 1-2. Inputs x (T, in), weight_res (out, in), L1 (r, in), L2 (out, r). Returns y (T, out).
+    """eqs. 1-2. Inputs x (..., in), weight_res (out, in), L1 (r, in), L2 (out, r). Returns y (..., out)
+    (leading dims are flattened into tokens T inside, so the output is not a view: FSDP2 wants that).
 
     The residual path is NVFP4Linear's (nvfp4._NVFP4LinearFn): same quantizers, the packed Q1x16(X) and
     Q16x16(W_res) saved for backward, nvfp4.wgrad for eq. 2, and torch's global RNG for SR and the random
@@ -140,6 +141,8 @@ class LoRASVDFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight_res, L1, L2, beta, four_over_six, fused):
+        ctx.x_shape = x.shape
+        x = x.reshape(-1, x.shape[-1])  # (T, in)
         bdt = branch_dtype(x)
         qw = nvfp4.quantize(weight_res.detach(), (16, 16), "rtn", four_over_six, name="weight W_res")
         if use_fused_kernels(x, fused):
@@ -154,12 +157,13 @@ class LoRASVDFunction(torch.autograd.Function):
             y = y.add_((xl1 @ L2.to(bdt).t()).to(x.dtype), alpha=beta)
         ctx.qx, ctx.qw, ctx.beta, ctx.four_over_six, ctx.fused = qx, qw, beta, four_over_six, fused
         ctx.save_for_backward(L1, L2)
-        return y
+        return y.reshape(*ctx.x_shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
         L1, L2 = ctx.saved_tensors
         qx, qw, beta, fos = ctx.qx, ctx.qw, ctx.beta, ctx.four_over_six
+        dy = dy.reshape(-1, dy.shape[-1])  # (T, out)
         bdt = branch_dtype(dy)
         dx = dw = None
         if ctx.needs_input_grad[0]:
@@ -173,6 +177,7 @@ class LoRASVDFunction(torch.autograd.Function):
                 dyl2 = dy.to(bdt) @ L2.to(bdt)  # (T, r)
                 dx = nvfp4.nvfp4_matmul(q_dy, qw.t(), out_dtype=dy.dtype)  # (T, in)
                 dx = dx.add_((dyl2 @ L1.to(bdt)).to(dy.dtype), alpha=beta)
+            dx = dx.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             dw = nvfp4.wgrad(dy, qx, fos)  # eq. 2, (out, in) fp32
         ctx.qx = ctx.qw = None
@@ -185,8 +190,7 @@ def lora_svd_linear(x, weight_res, L1, L2, beta=1.0, four_over_six=True, fused=T
     dtype, as in nvfp4.nvfp4_linear."""
     if torch.is_autocast_enabled(x.device.type):
         x = x.to(torch.get_autocast_dtype(x.device.type))
-    y = LoRASVDFunction.apply(x.reshape(-1, x.shape[-1]), weight_res, L1, L2, float(beta), four_over_six, fused)
-    return y.reshape(*x.shape[:-1], weight_res.shape[0])
+    return LoRASVDFunction.apply(x, weight_res, L1, L2, float(beta), four_over_six, fused)
 
 
 # -----------------------------------------------------------------------------

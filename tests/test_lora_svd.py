@@ -1,4 +1,5 @@
 """LoRA-SVD (paper §3.2, App. 8-9): init, eqs. 1-4 against float64, realignment, naive LoRA, kernels."""
+import copy
 import warnings
 
 import pytest
@@ -252,37 +253,46 @@ def test_realign_model_resets_optimizer_state(opt_kind):
     assert all(torch.isfinite(p).all() for p in params)
 
 
-def test_fsdp2_dtensor_parameters_project_and_realign():
-    """FSDP2 holds parameters and grads as DTensors: projection and realignment gather and re-shard them
-    (a one-rank gloo group on CPU exercises that code path)."""
+def fsdp2_worker(rank, world, port):
+    """One rank of test_fsdp2_two_ranks_match_a_single_process (module level: spawn pickles it by name)."""
+    import os
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(lora_svd.LoRASVDLinear(IN, OUT, R), nn.ReLU(), lora_svd.LoRASVDLinear(OUT, 32, 4))
+        ref = copy.deepcopy(model)
+        for m in model[0], model[2], model:
+            fully_shard(m)
+        x = torch.randn(T, IN)
+        for net in (model, ref):
+            torch.manual_seed(1)  # same SR / Hadamard draws
+            net(x).square().mean().backward()
+            lora_svd.project_all(net)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert p.to_local().shape[0] < q.shape[0]  # really sharded
+            assert_close64(p.grad.full_tensor(), f64(q.grad), rel=1e-6)
+        W = [f64(m.effective_weight()) for m in (ref[0], ref[2])]
+        lora_svd.realign_model(model)
+        for m, w in zip((model[0], model[2]), W):
+            assert_close64(m.effective_weight(), w, rel=4 * torch.finfo(torch.float32).eps)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_two_ranks_match_a_single_process():
+    """FSDP2 shards parameters and grads as DTensors: projection and realignment gather them and write back the
+    local shards; two gloo ranks on CPU must give the single-process gradients and effective weights."""
+    import socket
     dist = pytest.importorskip("torch.distributed")
     if not dist.is_available():
         pytest.skip("torch.distributed unavailable")
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        layer, ref = make_layer(seed=30), make_layer(seed=30)
-        backward_once(layer, 3)
-        backward_once(ref, 3)
-        for name in ("weight_res", "L1", "L2"):
-            p = getattr(layer, name)
-            dp = nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)]))
-            dp.grad = distribute_tensor(p.grad, mesh, [Shard(0)])
-            setattr(layer, name, dp)
-        lora_svd.project_gradients(layer)
-        lora_svd.project_gradients(ref)
-        for name in ("weight_res", "L1", "L2"):
-            g = getattr(layer, name).grad
-            assert isinstance(g, DTensor)
-            assert_close64(g.full_tensor(), f64(getattr(ref, name).grad), rel=1e-6)
-        W = f64(ref.effective_weight())
-        lora_svd.realign(layer)
-        assert isinstance(layer.L1, DTensor) or isinstance(layer.L1.data, DTensor)
-        assert_close64(layer.effective_weight(), W, rel=4 * torch.finfo(torch.float32).eps)
-    finally:
-        dist.destroy_process_group()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    torch.multiprocessing.spawn(fsdp2_worker, args=(2, port), nprocs=2)
 
 
 # ---------------------------------------------------------------------------------------------------- naive LoRA
