@@ -263,6 +263,7 @@ def _dkdv_inner(dk, dv, k, v, Q, Qs, DO, DOQ, DOT, LSE, DELTA, DQ, key, key_dq, 
         if MASK:
             if CAUSAL:
                 pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
+        if not CAUSAL:   # keys >= T (zero rows of a partial key tile) must not reach dS's block amax
             pT = tl.where(offs_n[:, None] < T, pT, 0.0)
         if QUANT_PDO:   # fp4_all: P^T dO with P in 1x16 blocks along the queries (its contraction dim)
             doT = tl.load(DOT + offs_m[:, None] * D + cols[None, :], mask=rmask[:, None], other=0.0).to(DTYPE)

@@ -64,13 +64,14 @@ def test_bf16_policy_bf16_inputs_triton_matches_reference():
 # ----------------------------------------------------------------------------------------------------------
 # quantized policies: kernel == reference
 
-@pytest.mark.parametrize("policy", FP4_POLICIES)
-def test_triton_equals_reference(policy):
+@pytest.mark.parametrize("policy,causal", [(p, True) for p in FP4_POLICIES] + [("fp4", False)])
+def test_triton_equals_reference(policy, causal):
     q, k, v, do = _inputs(B=1, H=2, Hkv=1, T=70, D=64, seed=11)
+    v = v + 3.0   # |D_i| >> |dP - D|: a stray P on a padded key (non-causal tail) would own its dS block's amax
     res = {}
     for impl in ("reference", "triton"):
         torch.manual_seed(5)   # same SR draws (dS stream seed, dO quantization) for both
-        res[impl] = _run(lambda *x: attention.attention(*x, policy=policy, impl=impl), q, k, v, do)
+        res[impl] = _run(lambda *x: attention.attention(*x, causal=causal, policy=policy, impl=impl), q, k, v, do)
     for name, a, b in zip("o dq dk dv".split(), res["triton"], res["reference"]):
         assert _rel(a, b) < 1e-5, (name, _rel(a, b))
     # and the policy really quantizes something the bf16 policy does not
@@ -78,15 +79,15 @@ def test_triton_equals_reference(policy):
     assert all(_rel(a, b) > 1e-2 for a, b in zip(res["reference"], exact))
 
 
-@pytest.mark.parametrize("policy", ["fp4", "fp4_dov"])
-def test_triton_separate_dq_pass_equals_reference(policy, monkeypatch):
+@pytest.mark.parametrize("policy,causal", [("fp4", True), ("fp4_dov", False)])
+def test_triton_separate_dq_pass_equals_reference(policy, causal, monkeypatch):
     # the deterministic backward (a dQ pass that recomputes S, P, dP) instead of atomic dQ in the dK/dV pass
     monkeypatch.setattr(fa, "DQ_MODE", "separate")
     q, k, v, do = _inputs(B=1, H=2, Hkv=1, T=45, D=64, seed=13)
     res = {}
     for impl in ("reference", "triton"):
         torch.manual_seed(8)
-        res[impl] = _run(lambda *x: attention.attention(*x, policy=policy, impl=impl), q, k, v, do)
+        res[impl] = _run(lambda *x: attention.attention(*x, causal=causal, policy=policy, impl=impl), q, k, v, do)
     for name, a, b in zip("o dq dk dv".split(), res["triton"], res["reference"]):
         assert _rel(a, b) < 1e-5, (name, _rel(a, b))
 
