@@ -8,7 +8,7 @@ Regenerate the paper's analysis figures from the modules: PNGs plus one figures.
            rank; with --checkpoint also the trained weights on real activations (lora_svd.lora_svd_error)
   Fig. 4a  second-moment v in NVFP4: direct vs the sqrt / tile-mean / Hadamard pipeline (§3.3): error in
            v space, in sqrt(v) (what Adam divides by) and the fraction of v > 0 that decodes to 0
-  Fig. 4b  NVFP4 Newton-Schulz error per shape, our Root coefficients vs Muon's (§3.4)
+  Fig. 4b  NVFP4 Newton-Schulz error per shape, our fitted Root coefficients vs Muon's (§3.4)
   Fig. 5   attention precision variants (§3.5): rel. error of O, dQ, dK, dV per policy, and App. 10's numbers
            (simplex violation of a quantized P, dS error from an NVFP4 dO V^T)
   Fig. 7   quantization MSE vs hidden dim (App. 7): the analytic single-matmul version
@@ -38,21 +38,22 @@ SIZES = {
         # Fig. 3: (out, in) of a hidden-512 block's q/o, k/v, gate/up, down projections
         "fig3_shapes": [(512, 512), (256, 512), (2048, 512), (512, 2048)], "fig3_ranks": (8, 32, 128),
         "fig3_tokens": 256, "fig3_trained_blocks": "ends", "fig3_batch": (1, 256),
-        "fig4a_shape": (512, 1024), "fig4b_shapes": [(256, 256), (256, 512), (256, 1024)],
+        "fig4a_shape": (256, 1024), "fig4b_min_dim": 128,
         "fig5_shape": dict(B=1, H=4, Hkv=2, T=256, D=64), "fig5_sharpness": (1.0, 4.0),
         "fig7_matmul_dims": (512, 1024, 2048, 4096),
         "fig7_hidden": (64, 128, 256), "fig7_batch": (2, 64), "fig7_steps": (0, 5), "fig7_lr": 1e-3,
+        "fig7_variants": ("nvfp4",),
     },
     "full": {
         # Fig. 3: the 1b config's shapes (hidden 2048, FFN 6144, 8 KV heads of 128)
         "fig3_shapes": [(2048, 2048), (1024, 2048), (6144, 2048), (2048, 6144)],
         "fig3_ranks": (8, 16, 32, 64, 128, 256), "fig3_tokens": 4096, "fig3_trained_blocks": "all",
         "fig3_batch": (4, 1024),
-        "fig4a_shape": (3072, 9216), "fig4b_shapes": [(1024, 1024), (1024, 4096), (2048, 2048), (2048, 6144),
-                                                       (3072, 3072), (3072, 9216)],
+        "fig4a_shape": (3072, 9216), "fig4b_min_dim": 0,  # 0: every shape at its real size
         "fig5_shape": dict(B=2, H=16, Hkv=8, T=2048, D=64), "fig5_sharpness": (1.0, 2.0, 4.0, 8.0),
         "fig7_matmul_dims": (512, 1024, 2048, 4096, 8192),
         "fig7_hidden": (512, 1024, 2048), "fig7_batch": (8, 1024), "fig7_steps": (0, 100, 300), "fig7_lr": 1e-3,
+        "fig7_variants": ("nvfp4", "nvfp4_46"),
     },
 }
 
@@ -196,51 +197,35 @@ def plot_fig3(res, path):
 # ----------------------------------------------------------------------------------------------------------
 # Fig. 4a: the second moment in NVFP4
 
-def synthetic_second_moment(shape, steps=200, beta2=0.95, seed=0, device=None):
-    """v after `steps` of v = beta2 v + (1 - beta2) g^2 with heavy-tailed gradients: g = r_i c_j z, row and
-    column scales log-normal (sigma 1) like real gradients' per-channel magnitudes, z Student-t (3 dof)."""
-    g = torch.Generator().manual_seed(seed)
-    rows = torch.exp(torch.randn(shape[0], 1, generator=g))
-    cols = torch.exp(torch.randn(1, shape[1], generator=g))
-    t = torch.distributions.StudentT(3.0)
-    torch.manual_seed(seed)
-    v = torch.zeros(shape)
-    for _ in range(steps):
-        grad = 1e-3 * rows * cols * t.sample(shape)
-        v = beta2 * v + (1 - beta2) * grad * grad
-    return v.to(device)
-
-
 def fig4a(size, device, seed=0):
+    """optim.fig4a_numbers on optim.synthetic_moments (Adam moments of a gradient stream with log-normal row and
+    column scales and 1% spikes): relative Frobenius errors of v and sqrt(v), the fraction of v > 0 decoded to
+    <= 0, and the error of Adam's direction m / sqrt(v)."""
     import optim
-    v = synthetic_second_moment(size["fig4a_shape"], seed=seed, device=device)
-    if hasattr(optim, "fig4a_numbers"):
-        numbers = optim.fig4a_numbers(v)
-    else:  # computed here from optim's public encoders (see the module docstring of optim.py)
-        numbers = {}
-        for method in ("direct", "pipeline"):
-            _, _, encode_v, decode_v = optim.ENCODERS[method]
-            v_hat = decode_v(encode_v(v))
-            pos = v > 0
-            numbers[method] = {"v_rel_mse": rel(v_hat, v), "sqrt_v_rel_mse": rel(v_hat.clamp_min(0).sqrt(), v.sqrt()),
-                               "zero_fraction": ((v_hat <= 0) & pos).sum().item() / max(1, pos.sum().item())}
-        numbers["reduction_v"] = 1 - numbers["pipeline"]["v_rel_mse"] / numbers["direct"]["v_rel_mse"]
-        numbers["reduction_sqrt_v"] = 1 - numbers["pipeline"]["sqrt_v_rel_mse"] / numbers["direct"]["sqrt_v_rel_mse"]
-    return {"shape": list(v.shape), "v": "synthetic: 200-step EMA (beta2 0.95) of heavy-tailed g^2", **numbers}
+    R, C = size["fig4a_shape"]
+    m, v = optim.synthetic_moments(R, C, seed=seed)
+    numbers = optim.fig4a_numbers(v.to(device), m.to(device))
+    return {"shape": [R, C], "v": "optim.synthetic_moments (bias-corrected Adam moments, 30 steps)", **numbers}
 
 
 def plot_fig4a(res, path):
     import matplotlib.pyplot as plt
-    metrics = [("v_rel_mse", "rel. MSE of v"), ("sqrt_v_rel_mse", "rel. MSE of sqrt(v)"),
-               ("zero_fraction", "fraction of v > 0 decoded to 0")]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
+    metrics = [("v_rel_err", "rel. error of v"), ("sqrt_rel_err", "rel. error of sqrt(v)"),
+               ("update_rel_err", "rel. error of m / sqrt(v)"), ("zero_fraction", "fraction of v > 0 decoded to 0")]
+    methods = [("direct", "direct", "tab:red"), ("pipeline", "pipeline", "tab:green"),
+               ("pipeline_sr", "pipeline, SR", "tab:olive")]
+    methods = [mt for mt in methods if mt[0] in res]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 3.8))
     for ax, (key, label) in zip(axes, metrics):
-        vals = [res["direct"][key], res["pipeline"][key]]
-        ax.bar(["direct NVFP4", "pipeline (§3.3)"], vals, color=["tab:red", "tab:green"])
+        vals = [res[name].get(key, float("nan")) for name, _, _ in methods]
+        ax.bar([lab for _, lab, _ in methods], vals, color=[c for _, _, c in methods])
         for i, val in enumerate(vals):
-            ax.text(i, val, f"{val:.3g}", ha="center", va="bottom", fontsize=9)
-        ax.set_title(label)
-    fig.suptitle(f"Fig. 4a: second moment v {res['shape'][0]}x{res['shape'][1]} in NVFP4")
+            ax.text(i, val, f"{val:.3g}", ha="center", va="bottom", fontsize=8)
+        ax.set_title(label, fontsize=10)
+        ax.tick_params(axis="x", labelsize=8)
+    red = res.get("pipeline_reduction_v_rel_err", float("nan"))
+    fig.suptitle(f"Fig. 4a: second moment v ({res['shape'][0]}x{res['shape'][1]}) in NVFP4: the §3.3 pipeline "
+                 f"has {100 * red:.0f}% less error in v than direct NVFP4")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -250,44 +235,31 @@ def plot_fig4a(res, path):
 # Fig. 4b: NVFP4 Newton-Schulz, Root vs Muon coefficients
 
 def fig4b(size, device, seed=0):
+    """optim.fig4b_numbers: orthogonality (polar) error after 5 NVFP4 NS steps with the shape's fitted Root
+    coefficients vs Muon's, and fp32 NS with Muon's as the unquantized reference, for every Root-routed shape
+    of the toy/1b/3b configs (at --size small evaluated at min dim 128, aspect ratio kept)."""
     import optim
-    shapes = [tuple(s) for s in size["fig4b_shapes"]]
-    if hasattr(optim, "fig4b_numbers"):
-        return {"shapes": [list(s) for s in shapes], "rows": optim.fig4b_numbers(shapes)}
-    rows = []  # computed here from optim's public pieces
-    g = torch.Generator(device=device or "cpu").manual_seed(seed)
-    for m, n in shapes:
-        G = torch.randn(m, n, generator=g, device=device)
-        U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
-        polar = U @ Vh  # the exact orthogonalization NS approximates
-        row = {"shape": [m, n]}
-        for name, coefficients in (("root", optim.root_coefficients(m, n)), ("muon", optim.MUON_COEFFICIENTS)):
-            X_fp = optim.newton_schulz(G, coefficients=coefficients, quantized=False)
-            X_q = optim.newton_schulz(G, coefficients=coefficients, quantized=True, generator=g)
-            row[name] = {"coefficients": list(coefficients), "quant_rel_err": rel(X_q, X_fp),
-                         "polar_rel_err": rel(X_q, polar)}
-        rows.append(row)
-    return {"shapes": [list(s) for s in shapes], "rows": rows,
-            "quant_rel_err": "||NS_nvfp4 - NS_fp32||^2 / ||NS_fp32||^2, same coefficients",
-            "polar_rel_err": "||NS_nvfp4 - U V^T||^2 / ||U V^T||^2"}
+    shapes = optim.config_shapes(["toy", "1b", "3b"])
+    rows = optim.fig4b_numbers(shapes, fit_min_dim=size["fig4b_min_dim"], seed=1234 + seed, device=device)
+    return {"rows": rows, "error": "optim.polar_error after 5 NS steps, mean over optim.representative_inputs"}
 
 
 def plot_fig4b(res, path):
     import matplotlib.pyplot as plt
     rows = res["rows"]
     labels = [f"{r['shape'][0]}x{r['shape'][1]}" for r in rows]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    for ax, key in zip(axes, ("quant_rel_err", "polar_rel_err")):
-        xs = range(len(rows))
-        ax.bar([x - 0.2 for x in xs], [r["muon"][key] for r in rows], 0.4, label="Muon coefficients", color="tab:gray")
-        ax.bar([x + 0.2 for x in xs], [r["root"][key] for r in rows], 0.4, label="Root (shape) coefficients",
-               color="tab:blue")
-        ax.set_xticks(list(xs), labels, rotation=20)
-        ax.set_title({"quant_rel_err": "NVFP4 NS vs fp32 NS (same coefficients)",
-                      "polar_rel_err": "NVFP4 NS vs exact U V^T"}[key])
-        ax.set_ylabel("rel. MSE")
-        ax.legend(fontsize=8)
-    fig.suptitle("Fig. 4b: quantized Newton-Schulz error per shape")
+    xs = list(range(len(rows)))
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(rows)), 4))
+    ax.bar([x - 0.27 for x in xs], [r["nvfp4_muon"] for r in rows], 0.27, label="NVFP4 NS, Muon coefficients",
+           color="tab:gray")
+    ax.bar(xs, [r["nvfp4_root"] for r in rows], 0.27, label="NVFP4 NS, Root (fitted per shape)", color="tab:blue")
+    ax.bar([x + 0.27 for x in xs], [r["fp32_muon"] for r in rows], 0.27, label="fp32 NS, Muon (reference)",
+           color="tab:green")
+    ax.set_xticks(xs, labels, rotation=20)
+    ax.set_yscale("log")
+    ax.set_ylabel("orthogonality error after 5 steps")
+    ax.set_title("Fig. 4b: quantized Newton-Schulz error per shape")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -390,7 +362,7 @@ def final_block_output(model, idx):
 def fig7_measured(size, device, seed=0):
     """For each hidden dim: a 6-layer GPT (toy family: FFN 4x, head dim 64, GQA 2:1), trained in high precision
     (fp32 on CPU, bf16 autocast on CUDA) with AdamW; at each step of fig7_steps, the MSE between the final
-    block's output with NVFP4 block linears (RTN forward; also with 4/6) and with dense ones."""
+    block's output with NVFP4 block linears (RTN forward; at full size also with 4/6) and with dense ones."""
     from model import GPT, GPTConfig
     B, T = size["fig7_batch"]
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if str(device).startswith("cuda")
@@ -402,7 +374,8 @@ def fig7_measured(size, device, seed=0):
         cfg = GPTConfig(n_layer=6, n_embd=hidden, n_head=hidden // 64, n_kv_head=max(1, hidden // 128),
                         ffn_hidden=4 * hidden, block_size=T)
         model = GPT(cfg).to(device)
-        opt = torch.optim.AdamW(model.parameters(), lr=size["fig7_lr"], betas=(0.9, 0.95), weight_decay=0.1)
+        opt = torch.optim.AdamW(model.parameters(), lr=size["fig7_lr"], betas=(0.9, 0.95), weight_decay=0.1,
+                                foreach=True)
         step = 0
         for target in sorted(size["fig7_steps"]):
             model.train()
@@ -419,8 +392,8 @@ def fig7_measured(size, device, seed=0):
             with torch.no_grad(), autocast:
                 ref = final_block_output(model, eval_tokens[:, :-1])
                 row = {"hidden": hidden, "params": model.num_params(), "step": step, "ref_mean_sq": ref.pow(2).mean().item()}
-                for name, fos in (("nvfp4", False), ("nvfp4_46", True)):
-                    with nvfp4_linears(model, fos):
+                for name in size["fig7_variants"]:
+                    with nvfp4_linears(model, four_over_six=name == "nvfp4_46"):
                         out = final_block_output(model, eval_tokens[:, :-1])
                     row[f"{name}_mse"] = (out - ref).pow(2).mean().item()
                     row[f"{name}_rel_mse"] = row[f"{name}_mse"] / row["ref_mean_sq"]
@@ -460,8 +433,9 @@ def plot_fig7(res, path):
         rows = [r for r in m["rows"] if r["step"] == step]
         color = plt.cm.viridis(i / max(1, len(steps) - 1))
         ax.plot([r["hidden"] for r in rows], [r["nvfp4_mse"] for r in rows], "o-", color=color, label=f"NVFP4, step {step}")
-        ax.plot([r["hidden"] for r in rows], [r["nvfp4_46_mse"] for r in rows], "s--", color=color, lw=1,
-                label=f"NVFP4 4/6, step {step}")
+        if "nvfp4_46_mse" in rows[0]:
+            ax.plot([r["hidden"] for r in rows], [r["nvfp4_46_mse"] for r in rows], "s--", color=color, lw=1,
+                    label=f"NVFP4 4/6, step {step}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("hidden dim (6 layers)")
