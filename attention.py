@@ -73,7 +73,8 @@ def fake_quantize_rows16(x, s_g, rounding="rtn", rand=None):
     xb = xp.reshape(*xp.shape[:-1], -1, 16)                                    # (..., N/16, 16)
     s_g = torch.as_tensor(s_g, dtype=torch.float32, device=x.device).unsqueeze(-1)
     amax = xb.abs().amax(-1, keepdim=True)
-    s_b = nvfp4.to_e4m3(amax / nvfp4.FP4_MAX / s_g).float()
+    six = torch.full((), nvfp4.FP4_MAX, device=x.device)   # a tensor: torch on CUDA divides by a Python scalar
+    s_b = nvfp4.to_e4m3(amax / six / s_g).float()           # as a multiply by its reciprocal (not bit-exact)
     denom = s_b * s_g
     a = torch.where(denom > 0, xb.abs() / torch.where(denom > 0, denom, 1.0), 0.0).clamp(max=nvfp4.FP4_MAX)
     if rounding == "rtn":

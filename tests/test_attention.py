@@ -336,4 +336,5 @@ def test_gpu_kernel_quantizer_bitwise(rounding):
     u = torch.rand(x.shape, device="cuda")
     out = torch.empty_like(x)
     _quant_tile_kernel[(1,)](x, u, out, s_g.reshape(1), 8, 64, rounding == "sr")
-    assert torch.equal(out, attention.fake_quantize_rows16(x, s_g, rounding, u))
+    assert torch.equal(out, attention.fake_quantize_rows16(x, s_g, rounding, u))            # mirror on the GPU
+    assert torch.equal(out.cpu(), attention.fake_quantize_rows16(x.cpu(), s_g.cpu(), rounding, u.cpu()))
