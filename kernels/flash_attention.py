@@ -1,7 +1,9 @@
 """
-Flash attention kernels for attention.py (paper §3.5, App. 11): forward, and a backward in two passes
-(dK/dV per key tile, dQ per query tile), causal or not, GQA without repeating K/V (each query head h reads
-kv head h // G; the dK/dV pass loops over the G query heads of its kv head and sums in registers).
+Flash attention kernels for attention.py (paper §3.5, App. 11): forward, and a backward whose dK/dV pass (one
+key tile of one kv head) either also adds dS K into an fp32 dQ with atomics (DQ_MODE "atomic", 5 matmuls as in
+FlashAttention-2) or leaves dQ to a dQ pass per query tile that recomputes S, P, dP ("separate", 7 matmuls,
+deterministic). Causal or not, any T; GQA without repeating K/V (query head h reads kv head h // G; the dK/dV
+pass loops over the G query heads of its kv head and sums in registers).
 
 FP4 operands (PACKED): Q, K, V arrive as packed E2M1 codes (two per byte) + E4M3 1x16 block scales, quantized
 once by nvfp4.quantize. Every pass loads the 4-bit codes (the IO saving: a quarter of BF16's bytes, on every
