@@ -78,6 +78,9 @@ class NVFP4Tensor:
         return q * s
 
     def dequantize(self, dtype=torch.float32):
+        if self.codes.is_cuda and not use_reference():
+            from kernels.nvfp4_quant import dequantize as dequantize_kernel
+            return dequantize_kernel(self, dtype)  # one pass, same bits
         return (self.grid_values() * self.global_scale).to(dtype)
 
     def t(self):
@@ -119,7 +122,10 @@ def _check(x, block, name):
 
 def global_scale(amax, four_over_six=False):
     """s_g = amax / (448 * 6) in fp32 (256 with 4/6), 1 when amax is 0 so that zeros stay zeros."""
-    s = amax.float() / ((E4M3_MAX_46 if four_over_six else E4M3_MAX) * FP4_MAX)
+    # divide by a tensor, not a Python scalar: on CUDA torch turns `t / scalar` into `t * (1 / scalar)`, which
+    # differs in the last bit and would break bit-equality with the kernels (and with the CPU)
+    amax = amax.float()
+    s = amax / torch.full_like(amax, (E4M3_MAX_46 if four_over_six else E4M3_MAX) * FP4_MAX)
     return torch.where(amax > 0, s, torch.ones_like(s))
 
 
@@ -161,7 +167,7 @@ def _quantize_reference(x, block, rounding, four_over_six, generator):
 
     def candidate(fp4_max):
         # the block's max maps to fp4_max (6 normally; 4 is 4/6's second candidate)
-        s_b = to_e4m3(block_amax / fp4_max / s_g)
+        s_b = to_e4m3(block_amax / torch.full_like(block_amax, fp4_max) / s_g)
         denom = s_b.float() * s_g
         a = torch.where(denom > 0, xb.abs() / torch.where(denom > 0, denom, 1.0), 0.0).clamp(max=FP4_MAX)
         return s_b, a, denom
@@ -197,13 +203,19 @@ def quantize(x, block=(1, 16), rounding="rtn", four_over_six=False, generator=No
     _check(x, block, name)
     if _use_kernels(x):
         from kernels.nvfp4_quant import quantize as quantize_kernel
-        seed = 0
-        if rounding == "sr":  # one draw from the same RNG keeps kernel runs reproducible from a saved state
-            seed = int(torch.randint(0, 2**31 - 1, (), generator=generator, device=x.device))
+        seed = sr_seed(generator) if rounding == "sr" else 0
         return quantize_kernel(x, block, rounding, four_over_six, seed=seed, hadamard=hadamard)
     if hadamard is not None:
         x = hadamard_transform(x.float(), hadamard, dim=-1 if block == (1, 16) else -2)
     return _quantize_reference(x, block, rounding, four_over_six, generator)
+
+
+def sr_seed(generator=None):
+    """The kernels' SR seed: one draw from a CPU generator (torch's global CPU RNG by default, which a checkpoint
+    saves), so a resumed run rounds identically and no GPU->host sync is needed."""
+    if generator is not None and generator.device.type != "cpu":
+        raise ValueError("SR on CUDA draws its kernel seed from a CPU torch.Generator")
+    return int(torch.randint(0, 2**31 - 1, (), generator=generator))
 
 
 def fake_quantize(x, block=(1, 16), rounding="rtn", four_over_six=False, generator=None, hadamard=None, name="x"):
@@ -242,17 +254,22 @@ def hadamard_transform(x, H, dim=-1):
 # ----------------------------------------------------------------------------------------------------------
 # The NVFP4 GEMM
 
-def nvfp4_matmul(a, b, out_dtype=torch.float32):
-    """a_hat @ b_hat^T for a (M, K) and b (N, K), both blocked along K. Like a native NVFP4 GEMM: the products
-    of E2M1 values and block scales are accumulated in fp32, the two global scales applied once at the end."""
-    if a.shape[-1] != b.shape[-1] or a.block[1] != 16 or b.block[1] != 16:
+def nvfp4_matmul(a, b, out_dtype=torch.float32, trans_a=False, trans_b=False):
+    """a_hat @ b_hat^T for logical a (M, K) and b (N, K), both blocked along K. trans_a / trans_b: the tensor is
+    stored transposed ((K, M) / (K, N), blocked along its dim -2), e.g. the forward's Q16x16(W) (out, in) used as
+    the (in, out) operand of dX = dY W, without re-packing. Like a native NVFP4 GEMM: products of E2M1 values and
+    block scales are accumulated in fp32 and the two global scales applied once at the end."""
+    ka = (a.shape[-2], a.block[0]) if trans_a else (a.shape[-1], a.block[1])
+    kb = (b.shape[-2], b.block[0]) if trans_b else (b.shape[-1], b.block[1])
+    if ka[0] != kb[0] or ka[1] != 16 or kb[1] != 16:
         raise ValueError(f"nvfp4_matmul: need a (M, K), b (N, K) both blocked along K; got {tuple(a.shape)} "
-                         f"{a.block} and {tuple(b.shape)} {b.block}")
+                         f"{a.block} (trans_a={trans_a}) and {tuple(b.shape)} {b.block} (trans_b={trans_b})")
     if a.codes.is_cuda and not use_reference():
         from kernels.nvfp4_gemm import nvfp4_gemm
-        return nvfp4_gemm(a, b, out_dtype=out_dtype)
-    acc = a.grid_values() @ b.grid_values().transpose(-1, -2)
-    return (acc * (a.global_scale * b.global_scale)).to(out_dtype)
+        return nvfp4_gemm(a, b, out_dtype=out_dtype, trans_a=trans_a, trans_b=trans_b)
+    ga, gb = a.grid_values(), b.grid_values()
+    ga, gb = (ga.transpose(-1, -2) if trans_a else ga), (gb if trans_b else gb.transpose(-1, -2))
+    return ((ga @ gb) * (a.global_scale * b.global_scale)).to(out_dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -277,7 +294,7 @@ class _NVFP4LinearFn(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dyq = quantize(dy2, (1, 16), "sr", fos, name="gradient dY")                     # Q1x16(dY), SR
-            dx = nvfp4_matmul(dyq, wq.t(), out_dtype=dy.dtype).reshape(ctx.x_shape)         # Q16x16(W) reused
+            dx = nvfp4_matmul(dyq, wq, dy.dtype, trans_b=True).reshape(ctx.x_shape)        # Q16x16(W) reused
         if ctx.needs_input_grad[1]:
             dw = wgrad(dy2, xq, fos).to(ctx.weight_dtype)
         ctx.xq = ctx.wq = None
@@ -287,15 +304,20 @@ class _NVFP4LinearFn(torch.autograd.Function):
 def wgrad(dy, xq, four_over_six=False):
     """Eq. 2: dW = Q1x16(dY^T H) . Q16x1(H^T Q1x16(X)), H a fresh random Hadamard, SR on both operands.
     dy (T, out); xq the forward's packed Q1x16(X) (T, in). The rotation spreads outliers along the token
-    (contraction) dim before the coarse 16-element blocks see them; H H^T = I leaves the product unbiased."""
+    (contraction) dim before the 16-element blocks see them; H H^T = I leaves the product unbiased.
+    Both operands are quantized as stored, (T, out) and (T, in) with 16x1 blocks along T (Q16x1(H^T dY) is
+    Q1x16(dY^T H) transposed), and the GEMM reads them transposed."""
     T = dy.shape[0]
     if T % 16:
         raise ValueError(f"wgrad: the number of tokens ({T}) must be a multiple of 16 (the contraction dim of dW)")
     H = random_hadamard(device=dy.device)
-    dyq = quantize(dy.t(), (1, 16), "sr", four_over_six, hadamard=H, name="gradient dY^T")  # (out, T)
-    x_hat = xq.dequantize(torch.bfloat16 if xq.device.type == "cuda" else torch.float32)
-    xhq = quantize(x_hat, (16, 1), "sr", four_over_six, hadamard=H, name="activation Q(X)")  # (T, in), 16x1
-    return nvfp4_matmul(dyq, xhq.t())                                                     # (out, in) fp32
+    dyq = quantize(dy, (16, 1), "sr", four_over_six, hadamard=H, name="gradient dY")        # (T, out)
+    if _use_kernels(dy):  # one pass from the packed X, the dense X_hat never written
+        from kernels.nvfp4_quant import requantize
+        xhq = requantize(xq, (16, 1), "sr", four_over_six, seed=sr_seed(), hadamard=H, dtype=torch.float32)
+    else:
+        xhq = quantize(xq.dequantize(), (16, 1), "sr", four_over_six, hadamard=H, name="activation Q(X)")
+    return nvfp4_matmul(dyq, xhq, trans_a=True, trans_b=True)                              # (out, in) fp32
 
 
 def nvfp4_linear(x, weight, four_over_six=False):

@@ -92,13 +92,13 @@ def test_forward_backward_match_float64_eqs_1_2(four_over_six):
     torch.manual_seed(123)
     q_dy = nvfp4.quantize(dy2, (1, 16), "sr", fos)
     H = nvfp4.random_hadamard()
-    q_dyt = nvfp4.quantize(dy2.t(), (1, 16), "sr", fos, hadamard=H)  # Q1x16(dY^T H)   (out, T)
+    q_dyt = nvfp4.quantize(dy2, (16, 1), "sr", fos, hadamard=H)  # Q16x1(H^T dY) = Q1x16(dY^T H)^T  (T, out)
     q_hx = nvfp4.quantize(qx.dequantize(), (16, 1), "sr", fos, hadamard=H)  # Q16x1(H^T Q(X))  (T, in)
     # eq. 1, dX: Q16x16(W_res) reused untransposed-requantized + branch
     dx_ref = f64(q_dy.dequantize()) @ f64(qw.dequantize()) + beta * (f64(dy2) @ L2) @ L1
     assert_close64(x.grad.reshape(T, IN), dx_ref)
     # eq. 2, dW
-    dw_ref = f64(q_dyt.dequantize()) @ f64(q_hx.dequantize())
+    dw_ref = f64(q_dyt.dequantize()).t() @ f64(q_hx.dequantize())
     assert_close64(layer.weight_res.grad, dw_ref)
     # the rotations cancel: dW estimates dY^T Q(X) (a wrongly placed H would give ~100% error)
     exact = f64(dy2).t() @ f64(qx.dequantize())

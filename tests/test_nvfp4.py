@@ -189,6 +189,10 @@ def test_matmul_matches_dequantized_product():
     a, b = quantize(randn(48, 64, seed=10)), quantize(randn(32, 64, seed=11), (16, 16))
     ref = a.dequantize() @ b.dequantize().t()
     assert torch.allclose(nvfp4.nvfp4_matmul(a, b), ref, rtol=1e-5, atol=1e-5)
+    # operands stored transposed are read as such: a^T (64, 48) blocked 16x1, b^T (64, 32) blocked 16x16
+    at, bt = quantize(randn(64, 48, seed=10), (16, 1)), b.t()
+    assert torch.allclose(nvfp4.nvfp4_matmul(at, bt, trans_a=True, trans_b=True), at.dequantize().t() @ b.dequantize().t(),
+                          rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="blocked along K"):
         nvfp4.nvfp4_matmul(a, quantize(randn(32, 64), (16, 1)))
 
@@ -219,8 +223,9 @@ def test_linear_backward_replays_eqs_1_2():
     dx = nvfp4.fake_quantize(dy, rounding="sr", four_over_six=True) @ W.dequantize()
     H = nvfp4.random_hadamard()
     xq = nvfp4.fake_quantize(x.detach(), four_over_six=True)
-    a = nvfp4.fake_quantize(dy.t() @ torch.block_diag(*[H] * 2), rounding="sr", four_over_six=True)
-    b = nvfp4.fake_quantize(torch.block_diag(*[H] * 2).t() @ xq, (16, 1), rounding="sr", four_over_six=True)
+    Hbig = torch.block_diag(*[H] * 2)  # H_16^r on every 16 tokens
+    a = nvfp4.fake_quantize(Hbig.t() @ dy, (16, 1), rounding="sr", four_over_six=True).t()  # Q1x16(dY^T H)
+    b = nvfp4.fake_quantize(Hbig.t() @ xq, (16, 1), rounding="sr", four_over_six=True)      # Q16x1(H^T Q(X))
     assert torch.allclose(x.grad, dx, rtol=1e-5, atol=1e-5)
     assert torch.allclose(layer.weight.grad, a @ b, rtol=1e-4, atol=1e-4)
 
