@@ -422,7 +422,7 @@ def test_fused_path_of_the_layer_replays_eqs_1_2(monkeypatch, route):
     torch.manual_seed(5)  # replay: the kernel's SR seed, then eq. 2's draws
     q_dy = nvfp4_quant.quantize(dy, (1, 16), "sr", True, seed=int(torch.randint(0, 2**31 - 1, ())))
     H = nvfp4.random_hadamard()
-    q_dyt = nvfp4.quantize(dy.t(), (1, 16), "sr", True, hadamard=H)
+    q_dyt = nvfp4.quantize(dy, (16, 1), "sr", True, hadamard=H)
     q_hx = nvfp4.quantize(qx.dequantize(), (16, 1), "sr", True, hadamard=H)
     y_branch = beta * (f64(x) @ L1.t()) @ L2.t()
     dx_branch = beta * (f64(dy) @ L2) @ L1
@@ -434,7 +434,7 @@ def test_fused_path_of_the_layer_replays_eqs_1_2(monkeypatch, route):
         else:  # bf16 branch operands: error within a few bf16 roundings of the branch
             assert (f64(got) - ref).abs().max() <= 2**-6 * branch.abs().max()
             assert (f64(got) - ref).abs().max() >= 1e-9  # (the bf16 rounding is really there)
-    assert_close64(layer.weight_res.grad, f64(q_dyt.dequantize()) @ f64(q_hx.dequantize()))
+    assert_close64(layer.weight_res.grad, f64(q_dyt.dequantize()).t() @ f64(q_hx.dequantize()))
 
 
 @pytest.mark.gpu
