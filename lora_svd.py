@@ -167,7 +167,7 @@ class LoRASVDFunction(torch.autograd.Function):
         bdt = branch_dtype(dy)
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            # eq. 1's dX, with the forward's Q16x16(W_res) reused (transposed, not requantized).
+            # eq. 1's dX, with the forward's Q16x16(W_res) reused (read transposed, not requantized).
             # RNG order: dY's SR draw comes before eq. 2's draws (as in NVFP4Linear).
             if use_fused_kernels(dy, ctx.fused):
                 from kernels import lora_fused
@@ -175,7 +175,7 @@ class LoRASVDFunction(torch.autograd.Function):
             else:
                 q_dy = nvfp4.quantize(dy, (1, 16), "sr", fos, name="gradient dY")  # Q1x16(dY), SR
                 dyl2 = dy.to(bdt) @ L2.to(bdt)  # (T, r)
-                dx = nvfp4.nvfp4_matmul(q_dy, qw.t(), out_dtype=dy.dtype)  # (T, in)
+                dx = nvfp4.nvfp4_matmul(q_dy, qw, out_dtype=dy.dtype, trans_b=True)  # (T, in)
                 dx = dx.add_((dyl2 @ L1.to(bdt)).to(dy.dtype), alpha=beta)
             dx = dx.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:

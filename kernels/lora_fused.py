@@ -131,7 +131,7 @@ def _launch_quantize(x, L, beta, rounding, four_over_six, seed, name, write_code
         raise ValueError(f"quantize_down_proj: need {name} (T, K) and L (r, K), got {tuple(x.shape)} and "
                          f"{tuple(L.shape)}")
     if rounding == "sr" and seed is None:
-        seed = int(torch.randint(0, 2**31 - 1, (), device=x.device))
+        seed = nvfp4.sr_seed()
     M, N = x.shape
     R = L.shape[0]
     amax = torch.linalg.vector_norm(x, ord=float("inf")).float().reshape(1)
@@ -163,8 +163,8 @@ def _launch_quantize(x, L, beta, rounding, four_over_six, seed, name, write_code
 
 def quantize_down_proj(x, L, beta=1.0, rounding="rtn", four_over_six=False, seed=None, name="x"):
     """x (T, K) -> (Q1x16(x) as nvfp4.NVFP4Tensor, beta * x L^T (T, r) in L's dtype) in one pass over x.
-    L (r, K): L1 for the forward, L2^T for dX. rounding "rtn" | "sr"; for SR the seed is drawn from torch's
-    global RNG of x's device when not given (as nvfp4.quantize does)."""
+    L (r, K): L1 for the forward, L2^T for dX. rounding "rtn" | "sr"; for SR the seed is nvfp4.sr_seed() (torch's
+    global CPU RNG) when not given, as nvfp4.quantize draws it."""
     t, xl, _ = _launch_quantize(x, L, beta, rounding, four_over_six, seed, name, write_codes=True)
     return t, xl
 
@@ -301,9 +301,10 @@ def lora_forward(x, qw, L1, L2, beta, four_over_six, out_dtype, route=None):
 
 def lora_dx(dy, qw, L1, L2, beta, four_over_six, out_dtype, route=None, seed=None):
     """eq. 1's dX = Q1x16(dY, SR) Q16x16(W_res) + (beta dY L2) L1, fused, reusing the forward's packed qw (no
-    requantization). The SR seed is drawn from torch's global RNG when not given (as nvfp4.quantize does)."""
+    requantization). The SR seed is nvfp4.sr_seed() when not given, as nvfp4.quantize draws it."""
     if seed is None:
-        seed = int(torch.randint(0, 2**31 - 1, (), device=dy.device))
+        import nvfp4
+        seed = nvfp4.sr_seed()
 
     def run_triton():
         q_dy, dyl2 = quantize_down_proj(dy, L2.t(), beta, "sr", four_over_six, seed=seed, name="gradient dY")

@@ -420,7 +420,7 @@ def test_fused_path_of_the_layer_replays_eqs_1_2(monkeypatch, route):
     qw = nvfp4.quantize(layer.weight_res.detach(), (16, 16), "rtn", True)
     L1, L2 = f64(layer.L1), f64(layer.L2)
     torch.manual_seed(5)  # replay: the kernel's SR seed, then eq. 2's draws
-    q_dy = nvfp4_quant.quantize(dy, (1, 16), "sr", True, seed=int(torch.randint(0, 2**31 - 1, ())))
+    q_dy = nvfp4_quant.quantize(dy, (1, 16), "sr", True, seed=nvfp4.sr_seed())
     H = nvfp4.random_hadamard()
     q_dyt = nvfp4.quantize(dy, (16, 1), "sr", True, hadamard=H)
     q_hx = nvfp4.quantize(qx.dequantize(), (16, 1), "sr", True, hadamard=H)
@@ -449,7 +449,7 @@ def test_gpu_fused_routes_equal_unfused_at_full_size(monkeypatch):
         layer.fused = fused
         layer.zero_grad(set_to_none=True)
         x.grad = None
-        torch.manual_seed(1)  # same SR seeds: fused and unfused quantizers draw identical tl.rand streams
+        torch.manual_seed(1)  # same SR seeds (nvfp4.sr_seed): fused and unfused quantizers draw identical streams
         y = layer(x)
         y.backward(dy)
         outs[name] = (y.float(), x.grad.float(), layer.weight_res.grad.clone())
