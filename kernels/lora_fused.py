@@ -6,6 +6,9 @@ on the two kernels the NVFP4 residual needs anyway, so it adds no pass over the 
                                    kernels/nvfp4_quant.py's numbers) AND the down-projection beta * x L^T (T, r)
   nvfp4_matmul_up_proj(a, b, xl, L)  the NVFP4 GEMM a_hat b_hat^T whose epilogue adds xl L^T before the one
                                    write of the output (the up-projection; xl already carries beta)
+  cuBLAS route (when cuBLAS beats the Triton GEMM): the same quantize pass writes bf16 grid values and
+                                   beta x L^T / s_g side by side, and one GEMM with K + r columns adds the branch
+  lora_forward / lora_dx           what lora_svd.py calls: eq. 1's Y and dX on the faster route (timed once)
 
 Forward: Y = Q(X) Q(W_res)^T + (beta X L1^T) L2^T  ->  quantize_down_proj(X, L1), nvfp4_matmul_up_proj(.., L2)
 dX:      dX = Q(dY) Q(W_res) + (beta dY L2) L1      ->  quantize_down_proj(dY, L2^T, SR), (.., L1^T, trans_b)
@@ -25,8 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels.nvfp4_gemm import _CONFIGS, _dequant_tile, _operand, grid_values_mm
-from kernels.nvfp4_quant import (_e2m1_value, _global_scale_dev, _load_tile, _round_to_e4m3, _rtn_e2m1, _sr_e2m1,
-                                 grid_values_bf16)
+from kernels.nvfp4_quant import _e2m1_value, _load_tile, _round_to_e4m3, _rtn_e2m1, _sr_e2m1, grid_values_bf16
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -153,8 +155,7 @@ def _launch_quantize(x, L, beta, rounding, four_over_six, seed, name, write_code
         _quantize_down_proj_kernel[(triton.cdiv(M, 16),)](*args, **flags, BM=16, BN=64, NUM_STAGES=1, num_warps=4)
     else:
         _quantize_down_proj_autotuned[lambda meta: (triton.cdiv(M, meta["BM"]),)](*args, **flags)
-    s_g = nvfp4.global_scale(amax.reshape(()), four_over_six) if x.device.type == "cpu" else \
-        _global_scale_dev(amax, four_over_six)
+    s_g = nvfp4.global_scale(amax.reshape(()), four_over_six)  # the kernel's s_g: same true division
     t = None
     if write_codes:
         t = nvfp4.NVFP4Tensor(codes, scales.view(torch.float8_e4m3fn), s_g, x.shape, (1, 16))
