@@ -462,3 +462,21 @@ def test_gpu_fused_routes_equal_unfused_at_full_size(monkeypatch):
     same_nvfp4(q, nvfp4.quantize(x.detach(), (1, 16), "rtn", True))
     ref = x.detach().float() @ L.float().t()
     assert ((xl.float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_projection_and_realign_at_full_size():
+    torch.manual_seed(0)
+    layer = lora_svd.LoRASVDLinear(4096, 4096, 64, device="cuda")
+    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    layer(x).float().square().mean().backward()
+    dW = f64(layer.weight_res.grad)
+    lora_svd.project_gradients(layer)
+    Q2 = torch.linalg.qr(f64(layer.L2))[0]
+    Q1 = torch.linalg.qr(f64(layer.L1).t())[0]
+    dW_lora = Q2 @ (Q2.t() @ dW @ Q1) @ Q1.t()
+    assert_close64(layer.weight_res.grad, dW - dW_lora, rel=1e-5)
+    assert_close64(layer.L1.grad, f64(layer.L2).t() @ dW_lora, rel=1e-5)
+    W = f64(layer.effective_weight())
+    lora_svd.realign(layer)
+    assert_close64(layer.effective_weight(), W, rel=4 * torch.finfo(torch.float32).eps)
