@@ -62,16 +62,10 @@ def make_linear(in_f, out_f, policy, std=0.02, lora_rank=32, lora_beta=1.0):
         return lin  # fp32 master weight; BF16 compute comes from autocast
     if policy in ("nvfp4", "nvfp4_46"):  # direct NVFP4, eqs. 1-2 without the LoRA branch (+ 4/6 scaling)
         import nvfp4
-        layer = nvfp4.NVFP4Linear(in_f, out_f, four_over_six=(policy == "nvfp4_46"))
-        with torch.no_grad():
-            layer.weight.copy_(lin.weight)
-        return layer
-    if policy == "lora_naive":  # NVFP4 + a plain BF16 LoRA branch (the ablation's "naive LoRA")
+        return nvfp4.NVFP4Linear.from_linear(lin, four_over_six=(policy == "nvfp4_46"))
+    if policy == "lora_naive":  # NVFP4 (4/6) main weight + a plain BF16 LoRA branch (the ablation's "naive LoRA")
         import lora_svd
-        layer = lora_svd.NaiveLoRALinear(in_f, out_f, lora_rank, four_over_six=True)
-        with torch.no_grad():
-            layer.weight.copy_(lin.weight)
-        return layer
+        return lora_svd.NaiveLoRALinear.from_linear(lin, lora_rank, four_over_six=True)
     if policy == "lora_svd":  # §3.2: top-r SVD of the init in the BF16 branch, the residual in NVFP4
         import lora_svd
         return lora_svd.LoRASVDLinear.from_linear(lin, lora_rank, lora_beta)

@@ -162,18 +162,7 @@ def lr_factor(step, args):
 
 def build_optimizer(model, args, state_quant):
     """Everything goes through optim.build_optimizer (it also runs LoRA-SVD's eq. 3-4 gradient projection)."""
-    try:
-        import optim
-    except ImportError:  # TEMPORARY until optim.py lands: plain fp32 AdamW for the unquantized adamw recipes
-        if args.optimizer != "adamw" or state_quant != "none" or args.recipe in ("lora_svd", "fullstack"):
-            raise
-        decay = [p for p in model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in model.parameters() if p.dim() < 2]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                                 {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
-        for group in opt.param_groups:
-            group["base_lr"] = args.lr
-        return opt
+    import optim
     return optim.build_optimizer(model, optimizer=args.optimizer, state_quant=state_quant, lr=args.lr,
                                  lora_lr=args.lora_lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
 
@@ -402,7 +391,7 @@ def main(argv=None):
     train_time, timed_tokens = 0.0, 0  # for the summary: excludes eval, checkpoints and the first (warmup) steps
     skip_steps = min(args.max_steps - step - 1, max(1, (args.max_steps - step) // 10))
     interval_time, interval_tokens = 0.0, 0  # training time only (no eval / checkpoint time)
-    loss_val = val_loss = float("nan")
+    loss_val, val_loss = float("nan"), None
     while step < args.max_steps:
         t0 = time.perf_counter()
         lr_scale = lr_factor(step, args)
@@ -428,6 +417,9 @@ def main(argv=None):
         loss_mean = loss_sum / args.grad_accum
         if distributed:
             torch.distributed.all_reduce(loss_mean, op=torch.distributed.ReduceOp.AVG)
+        if uses_lora_svd:  # eqs. 3-4 split dW into dW_res, dL1, dL2 (optim's step() repeats it idempotently);
+            import lora_svd  # done here so that the clipped norm is the norm of the gradients actually applied
+            lora_svd.project_all(raw_model)
         grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.clip if args.clip > 0 else float("inf"))
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
             grad_norm = grad_norm.full_tensor()
@@ -495,7 +487,7 @@ def main(argv=None):
                    "optimizer_state_bytes": opt_bytes, "optimizer_bytes_per_param": opt_bytes / n_params}
         with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
-        print(f"done: {step} steps, loss {loss_val:.4f}, val {val_loss:.4f}, {tok_s:,.0f} tokens/s, peak mem "
+        print(f"done: {step} steps, loss {loss_val:.4f}, val {val_loss if val_loss is None else round(val_loss, 4)}, {tok_s:,.0f} tokens/s, peak mem "
               f"{summary['peak_mem_bytes'] / 2**30:.2f} GiB, optimizer state {summary['optimizer_bytes_per_param']:.2f} "
               f"bytes/param -> {args.out_dir}/")
     if distributed:

@@ -15,8 +15,8 @@ import model
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MICRO = dict(n_layer=2, n_embd=64, n_head=2, n_kv_head=1, ffn_hidden=192, block_size=64, vocab_size=256,
-             tie_embeddings=True)
+MICRO = dict(n_layer=2, n_embd=128, n_head=2, n_kv_head=1, ffn_hidden=256, block_size=64, vocab_size=256,
+             tie_embeddings=True)  # head_dim 64: what the FP4 attention supports
 MICRO_DEFAULTS = dict(batch_size=8, grad_accum=1, seq_len=64, max_steps=30, lr=3e-3, warmup=5, eval_every=10,
                       eval_iters=2, save_every=0, log_every=1)
 
@@ -38,6 +38,17 @@ def byte_data(tmp_path_factory):
 def micro(monkeypatch):
     monkeypatch.setitem(model.CONFIGS, "micro", MICRO)
     monkeypatch.setitem(train.CONFIG_DEFAULTS, "micro", MICRO_DEFAULTS)
+    # the FP4 reference paths are many small ops: one thread is much faster than two on a busy 2-core machine
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def micro1(micro, monkeypatch):
+    """One block: the FP4 recipes' reference paths cost ~0.3 s per block per step on CPU."""
+    monkeypatch.setitem(model.CONFIGS, "micro", {**MICRO, "n_layer": 1})
 
 
 def run(byte_data, out_dir, *flags):
@@ -54,7 +65,7 @@ def test_loss_falls_and_outputs_are_written(byte_data, micro, tmp_path):
     rows = run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "40")
     losses = train_losses(rows)
     assert len(losses) == 40 and all(math.isfinite(l) for l in losses)
-    assert abs(losses[0] - math.log(256)) < 0.3  # starts near uniform over bytes
+    assert 4.0 < losses[0] < math.log(256) + 0.3  # near uniform over bytes (tied embeddings favour repeats)
     assert np.mean(losses[-5:]) < losses[0] - 1.5, losses  # clearly learning (bytes of Python source)
     assert set(rows[0]) == {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s"}
     assert [r["step"] for r in rows if "val_loss" in r] == [10, 20, 30, 40]
@@ -89,15 +100,34 @@ def test_grad_accum_matches_a_bigger_batch(byte_data, micro, tmp_path):
     assert a[0]["grad_norm"] == pytest.approx(b[0]["grad_norm"], rel=0.3)
 
 
-@pytest.mark.parametrize("recipe", ["bf16"])
-def test_resume_is_exact(byte_data, micro, tmp_path, recipe):
-    """N steps in one go == N/2, then --resume to N: identical losses (evals in between must not disturb RNG)."""
-    flags = ["--recipe", recipe, "--lr_decay_steps", "8", "--eval_every", "3", "--lora_rank", "8"]
-    full = train_losses(run(byte_data, tmp_path / "full", *flags, "--max_steps", "8"))
-    run(byte_data, tmp_path / "half", *flags, "--max_steps", "4")
-    resumed = train_losses(run(byte_data, tmp_path / "half", *flags, "--max_steps", "8", "--resume"))
-    assert len(full) == len(resumed) == 8
+@pytest.mark.parametrize("recipe,steps", [("bf16", 8), ("fullstack", 6)])
+def test_resume_is_exact(byte_data, micro1, tmp_path, recipe, steps):
+    """N steps in one go == N/2, then --resume to N: identical losses. Covers SR, random Hadamards, quantized
+    optimizer states and the FP4 attention (fullstack), and evals in between (they must not disturb the RNG)."""
+    flags = ["--recipe", recipe, "--lr_decay_steps", str(steps), "--eval_every", "2", "--lora_rank", "8"]
+    full = train_losses(run(byte_data, tmp_path / "full", *flags, "--max_steps", str(steps)))
+    run(byte_data, tmp_path / "half", *flags, "--max_steps", str(steps // 2))
+    resumed = train_losses(run(byte_data, tmp_path / "half", *flags, "--max_steps", str(steps), "--resume"))
+    assert len(full) == len(resumed) == steps
     assert full == resumed  # bit-exact
+
+
+@pytest.mark.parametrize("recipe,optimizer", [(r, "adamw") for r in train.RECIPES if r != "bf16"] +
+                         [("fullstack", "root")])
+def test_every_recipe_trains(byte_data, micro1, tmp_path, recipe, optimizer):
+    """Issue 7: every recipe runs on CPU (reference FP4 paths) with finite, falling loss; a realignment included.
+    naive_fp4 is App. 13's collapsing baseline: its directly quantized AdamW states blow the loss up within a
+    few steps here (the same run with fp32 states trains fine), so for it we only require a finite run."""
+    rows = run(byte_data, tmp_path, "--recipe", recipe, "--optimizer", optimizer, "--max_steps", "8",
+               "--lora_rank", "8", "--eval_every", "0", "--realign_every", "4")
+    losses = train_losses(rows)
+    assert len(losses) == 8 and all(math.isfinite(l) for l in losses)
+    if recipe != "naive_fp4":
+        assert np.mean(losses[-2:]) < losses[0] - 0.5, losses
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert summary["recipe"] == recipe and summary["optimizer"] == optimizer
+    if recipe in ("fullstack", "naive_fp4"):  # NVFP4 optimizer states: far below fp32 AdamW's 8 bytes/param
+        assert summary["optimizer_bytes_per_param"] < 3
 
 
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(byte_data, micro, tmp_path, capsys):
