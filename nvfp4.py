@@ -211,11 +211,11 @@ def quantize(x, block=(1, 16), rounding="rtn", four_over_six=False, generator=No
 
 
 def sr_seed(generator=None):
-    """The kernels' SR seed: one draw from a CPU generator (torch's global CPU RNG by default, which a checkpoint
-    saves), so a resumed run rounds identically and no GPU->host sync is needed."""
-    if generator is not None and generator.device.type != "cpu":
-        raise ValueError("SR on CUDA draws its kernel seed from a CPU torch.Generator")
-    return int(torch.randint(0, 2**31 - 1, (), generator=generator))
+    """The kernels' SR seed: one draw from `generator`, by default torch's global CPU RNG (which a checkpoint
+    saves), so a resumed run rounds identically. A CPU draw needs no GPU->host sync; a CUDA generator works
+    too but costs one sync per quantization."""
+    device = generator.device if generator is not None else "cpu"
+    return int(torch.randint(0, 2**31 - 1, (), generator=generator, device=device))
 
 
 def fake_quantize(x, block=(1, 16), rounding="rtn", four_over_six=False, generator=None, hadamard=None, name="x"):
