@@ -139,14 +139,14 @@ def test_state_bytes_and_which_tensors_are_packed():
 
 def regression_problem(seed=0):
     g0 = gen(seed)
-    W_true = torch.randn(64, 128, generator=g0) / 8
-    X = torch.randn(512, 128, generator=g0)
+    W_true = torch.randn(32, 128, generator=g0) / 8
+    X = torch.randn(256, 128, generator=g0)
     return X, X @ W_true.t()
 
 
-def fit_regression(state_quant, steps=60):
+def fit_regression(state_quant, steps=30):
     X, Y = regression_problem()
-    W = nn.Parameter(torch.zeros(64, 128))
+    W = nn.Parameter(torch.zeros(32, 128))  # 4096 elements: packed states
     opt = optim.QuantizedAdamW([W], lr=3e-2, weight_decay=0.0, state_quant=state_quant)
     loss0 = ((X @ W.t() - Y) ** 2).mean().item()
     for _ in range(steps):
@@ -158,7 +158,7 @@ def fit_regression(state_quant, steps=60):
 
 def test_quantized_adamw_converges_on_regression_and_direct_states_do_not():
     pipeline, direct = fit_regression("pipeline"), fit_regression("direct")
-    assert pipeline < 0.02
+    assert pipeline < 0.05
     # App. 13's collapse in miniature: v entries decoding to 0 turn m / sqrt(v) into huge steps
     assert direct > 10 * pipeline
 
@@ -239,10 +239,10 @@ def test_coefficient_lookup_and_stability_check():
 def test_root_converges_on_regression():
     X, Y = regression_problem(1)
     for quantized in (False, True):
-        W = nn.Parameter(torch.zeros(64, 128))
+        W = nn.Parameter(torch.zeros(32, 128))
         opt = optim.Root([W], lr=2e-2, weight_decay=0.0, quantized=quantized)
         loss0 = ((X @ W.t() - Y) ** 2).mean().item()
-        for _ in range(60):
+        for _ in range(40):
             loss = ((X @ W.t() - Y) ** 2).mean()
             W.grad = torch.autograd.grad(loss, W)[0]
             opt.step()
@@ -260,19 +260,21 @@ def test_root_rejects_bad_shapes():
 # build_optimizer, state_dict
 
 class TinyModel(nn.Module):
-    def __init__(self, lora=True):
+    def __init__(self, lora=True, narrow=True):
         super().__init__()
         torch.manual_seed(0)
         self.wte = nn.Embedding(96, 64)
         self.attn = nn.Linear(64, 64, bias=False)
         self.mlp = lora_svd.LoRASVDLinear(64, 128, rank=4) if lora else nn.Linear(64, 128, bias=False)
-        self.narrow = nn.Linear(64, 16 * 40, bias=False)  # aspect 10 > 8: AdamW
+        self.narrow = nn.Linear(64, 16 * 40, bias=False) if narrow else None  # aspect 10 > 8: AdamW
         self.norm = nn.LayerNorm(64)
         self.lm_head = nn.Linear(64, 96, bias=False)
 
     def forward(self, idx):
         x = self.wte(idx)
-        x = x + self.attn(x) + self.mlp(x)[..., :64] + self.narrow(x)[..., :64]
+        x = x + self.attn(x) + self.mlp(x)[..., :64]
+        if self.narrow is not None:
+            x = x + self.narrow(x)[..., :64]
         return self.lm_head(self.norm(x))
 
 
@@ -299,14 +301,14 @@ def test_routing():
 
 @pytest.mark.parametrize("optimizer,state_quant", [("root", "pipeline"), ("adamw", "none"), ("root", "direct")])
 def test_build_optimizer_steps_and_has_base_lr(optimizer, state_quant):
-    model = TinyModel()
+    model = TinyModel(narrow=False)
     opt = optim.build_optimizer(model, optimizer, state_quant, lr=1e-3, lora_lr=2e-3)
     assert all("base_lr" in g for g in opt.param_groups)
     assert sorted({g["base_lr"] for g in opt.param_groups}) == [1e-3, 2e-3]
     n_params = sum(len(g["params"]) for g in opt.param_groups)
     assert n_params == len(list(model.parameters()))
     before = [p.detach().clone() for p in model.parameters()]
-    train_steps(model, opt, 2, seed=1)
+    train_steps(model, opt, 1, seed=1)
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert opt.state_nbytes() > 0
     opt.reset_state(model.attn.weight)
@@ -314,15 +316,15 @@ def test_build_optimizer_steps_and_has_base_lr(optimizer, state_quant):
 
 
 def test_state_dict_round_trip_continues_bit_for_bit():
-    model = TinyModel(lora=False)  # LoRA-SVD's backward draws from the global RNG: not this test's subject
+    model = TinyModel(lora=False, narrow=False)  # LoRA-SVD's backward draws from the global RNG
     opt = optim.build_optimizer(model, "root", "pipeline", lr=1e-3)
-    train_steps(model, opt, 2, seed=2)
+    train_steps(model, opt, 1, seed=2)
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
     train_steps(model, opt, 2, seed=3)
     buf.seek(0)
     ckpt = torch.load(buf, weights_only=False)
-    resumed = TinyModel(lora=False)
+    resumed = TinyModel(lora=False, narrow=False)
     resumed.load_state_dict(ckpt["model"])
     opt2 = optim.build_optimizer(resumed, "root", "pipeline", lr=1e-3)
     opt2.load_state_dict(ckpt["opt"])
@@ -384,18 +386,18 @@ def test_fused_kernel_equals_reference(shape):
 
 def test_fused_kernel_stochastic_rounding_of_m_is_unbiased():
     from kernels.optim_fused import fused_adamw_step
-    R, C = 16, 128
+    R, C = 16, 64
     st = packed_state(R, C, seed=24)
     p = torch.randn(R, C, generator=gen(25))
     g = torch.randn(R, C, generator=gen(26)) * 1e-2
     _, m_ref, _ = reference_step(p, g, st, 2, HP)
-    n, total = 24, 0
+    n, total = 12, 0
     for seed in range(n):
         st_k = {k: x.clone() for k, x in st.items()}
         fused_adamw_step(p.clone(), g, st_k, *HP, step=2, seed=seed)
         total = total + optim.decode_first_moment(optim._prefixed(st_k, "m"))
     single = (optim.decode_first_moment(optim._prefixed(st_k, "m")) - m_ref).norm()
-    assert ((total / n) - m_ref).norm() < 2.5 * single / n**0.5
+    assert ((total / n) - m_ref).norm() < 2 * single / n**0.5
 
 
 @pytest.mark.gpu
@@ -420,7 +422,7 @@ def test_fused_kernel_on_gpu_matches_cpu_reference():
 @pytest.mark.gpu
 def test_quantized_adamw_cuda_converges_and_resumes_bit_exactly():
     X, Y = (t.cuda() for t in regression_problem())
-    W = nn.Parameter(torch.zeros(64, 128, device="cuda"))
+    W = nn.Parameter(torch.zeros(32, 128, device="cuda"))
     opt = optim.QuantizedAdamW([W], lr=3e-2, weight_decay=0.0)
     loss0 = ((X @ W.t() - Y) ** 2).mean().item()
     for i in range(60):
@@ -446,3 +448,61 @@ def test_nvfp4_newton_schulz_on_gpu():
     X = optim.newton_schulz(G, generator=torch.Generator("cuda").manual_seed(1))
     s = torch.linalg.svdvals(X.double())
     assert s.max() < 1.5 and optim.polar_error(X, G) < 0.3
+
+
+# ---------------------------------------------------------------------------------------------------------
+# FSDP2 (2 CPU processes, gloo): QuantizedAdamW on local shards, Root gathers the full matrix
+
+def _fsdp_worker(rank, world, port, out):
+    import os
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {}
+    for state_quant, steps in (("none", 2), ("pipeline", 1)):
+        model = fsdp_model()
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        opt = train_fsdp_model(model, state_quant, steps)
+        results[state_quant] = [p.full_tensor() for p in model.parameters()]
+        results[state_quant + "_packed"] = {tuple(p.shape): tuple(opt.state[p]["m.codes"].shape)
+                                            for p in model.parameters() if "m.codes" in opt.state[p]}
+    if rank == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+def fsdp_model():
+    torch.manual_seed(0)
+    # (128, 64) and (64, 128) go to Root, the (1152, 64) one (aspect 18) to QuantizedAdamW, the bias to fp32 AdamW
+    return nn.Sequential(nn.Linear(64, 128, bias=False), nn.Linear(128, 64, bias=True),
+                         nn.Linear(64, 1152, bias=False))
+
+
+def train_fsdp_model(model, state_quant, steps):
+    x = torch.randn(256, 64, generator=gen(30))
+    opt = optim.build_optimizer(model, "root", state_quant, lr=1e-2)
+    for _ in range(steps):
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return opt
+
+
+@pytest.mark.slow
+def test_fsdp2_sharded_states_and_gathered_root(tmp_path):
+    """2 ranks: fp32 states give the single-process numbers; with packed states the first step does too (the
+    moments' encoding only matters from the second step; Root's NS runs on the gathered matrix with the same
+    Hadamard draws on every rank), and each rank keeps packed states of its own (half-row) shard."""
+    import torch.multiprocessing as mp
+    out = str(tmp_path / "fsdp.pt")
+    mp.spawn(_fsdp_worker, args=(2, 29500 + torch.randint(0, 400, ()).item(), out), nprocs=2)
+    sharded = torch.load(out)
+    for state_quant, steps in (("none", 2), ("pipeline", 1)):
+        model = fsdp_model()
+        train_fsdp_model(model, state_quant, steps)
+        for a, b in zip(sharded[state_quant], model.parameters()):
+            torch.testing.assert_close(a, b.detach(), atol=1e-6, rtol=1e-5)
+    assert sharded["pipeline_packed"] == {(1152, 64): (576, 32)}  # local shard (576, 64), codes 2 per byte
