@@ -242,11 +242,12 @@ def test_root_converges_on_regression():
         W = nn.Parameter(torch.zeros(32, 128))
         opt = optim.Root([W], lr=2e-2, weight_decay=0.0, quantized=quantized)
         loss0 = ((X @ W.t() - Y) ** 2).mean().item()
-        for _ in range(40):
+        for i in range(40):
+            opt.param_groups[0]["lr"] = 0.1 * (1 - i / 40)  # an orthogonalized step has a fixed size: decay it
             loss = ((X @ W.t() - Y) ** 2).mean()
             W.grad = torch.autograd.grad(loss, W)[0]
             opt.step()
-        assert loss.item() < 0.05 * loss0, (quantized, loss.item() / loss0)
+        assert loss.item() < 0.03 * loss0, (quantized, loss.item() / loss0)
 
 
 def test_root_rejects_bad_shapes():
@@ -505,4 +506,5 @@ def test_fsdp2_sharded_states_and_gathered_root(tmp_path):
         train_fsdp_model(model, state_quant, steps)
         for a, b in zip(sharded[state_quant], model.parameters()):
             torch.testing.assert_close(a, b.detach(), atol=1e-6, rtol=1e-5)
-    assert sharded["pipeline_packed"] == {(1152, 64): (576, 32)}  # local shard (576, 64), codes 2 per byte
+    # packed AdamW states / Root momentum of each rank's half-row shard (codes: 2 per byte)
+    assert sharded["pipeline_packed"] == {(1152, 64): (576, 32), (128, 64): (64, 32), (64, 128): (32, 64)}
