@@ -55,33 +55,35 @@ def _tile_mean(s, BM: tl.constexpr, BN: tl.constexpr, LOG2_BN: tl.constexpr):
 
 
 @triton.jit
-def _decode(codes_ptr, scales_ptr, gs, rows, cols, C, BM: tl.constexpr, BN: tl.constexpr):
+def _decode(codes_ptr, scales_ptr, gs, rows, cols, R, C, BM: tl.constexpr, BN: tl.constexpr):
     """Packed (1, 16)-block NVFP4 -> (q * s_b) * s_g, (BM, BN) fp32 (NVFP4Tensor.dequantize)."""
     half = cols // 2 + tl.arange(0, BN // 2)
-    c = tl.load(codes_ptr + rows[:, None] * (C // 2) + half[None, :])
+    c = tl.load(codes_ptr + rows[:, None] * (C // 2) + half[None, :], mask=rows[:, None] < R, other=0)
     code = tl.join(c & 0xF, c >> 4).reshape(BM, BN).to(tl.int32)
     q = _e2m1_value(code & 7)
     q = tl.where(code >= 8, -q, q)
-    sc = tl.load(scales_ptr + rows[:, None] * (C // 16) + cols // 16 + tl.arange(0, BN // 16)[None, :])
+    sc = tl.load(scales_ptr + rows[:, None] * (C // 16) + cols // 16 + tl.arange(0, BN // 16)[None, :],
+                 mask=rows[:, None] < R, other=0)
     s = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32).reshape(BM, BN // 16, 1)
     return (q.reshape(BM, BN // 16, 16) * s).reshape(BM, BN) * gs
 
 
 @triton.jit
-def _decode_update(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, old_gs_ptr, rows, cols, C,
+def _decode_update(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, old_gs_ptr, rows, cols, R, C,
                    wd_factor, beta1, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, step_size,
                    FLOOR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LOG2_BN: tl.constexpr):
     """Decode m, v; AdamW update (optim.adamw_update_math). Returns new p, m H, (sqrt(v) - mu) H and mu."""
     offs = rows[:, None] * C + cols + tl.arange(0, BN)[None, :]
-    g = tl.load(g_ptr + offs).to(tl.float32)
-    m = _fwht16(_decode(mc_ptr, ms_ptr, tl.load(old_gs_ptr), rows, cols, C, BM, BN), BM, BN)
+    rmask = rows[:, None] < R                                                 # rows past R: zeros, not stored
+    g = tl.load(g_ptr + offs, mask=rmask, other=0.0).to(tl.float32)
+    m = _fwht16(_decode(mc_ptr, ms_ptr, tl.load(old_gs_ptr), rows, cols, R, C, BM, BN), BM, BN)
     n_tiles = C // BN
-    mu = tl.load(mu_ptr + rows * n_tiles + cols // BN)                        # (BM,)
-    r = _fwht16(_decode(vc_ptr, vs_ptr, tl.load(old_gs_ptr + 1), rows, cols, C, BM, BN), BM, BN) + mu[:, None]
+    mu = tl.load(mu_ptr + rows * n_tiles + cols // BN, mask=rows < R, other=0.0)  # (BM,)
+    r = _fwht16(_decode(vc_ptr, vs_ptr, tl.load(old_gs_ptr + 1), rows, cols, R, C, BM, BN), BM, BN) + mu[:, None]
     r = tl.maximum(r, mu[:, None] * FLOOR)
     v = r * r
     # AdamW, one rounding per op in the reference's order
-    p = tl.load(p_ptr + offs) * wd_factor
+    p = tl.load(p_ptr + offs, mask=rmask, other=0.0) * wd_factor
     m = beta1 * m + one_minus_beta1 * g
     v = beta2 * v + one_minus_beta2 * (g * g)
     denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
@@ -93,13 +95,13 @@ def _decode_update(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, old_gs_
 
 
 @triton.jit
-def _amax_pass(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, old_gs_ptr, part_ptr, C,
+def _amax_pass(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, old_gs_ptr, part_ptr, R, C,
                wd_factor, beta1, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, step_size,
                FLOOR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LOG2_BN: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     _, mh, rh, _, _ = _decode_update(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, old_gs_ptr, rows,
-                                     pid_n * BN, C, wd_factor, beta1, one_minus_beta1, beta2, one_minus_beta2,
+                                     pid_n * BN, R, C, wd_factor, beta1, one_minus_beta1, beta2, one_minus_beta2,
                                      bc2_sqrt, eps, step_size, FLOOR, BM, BN, LOG2_BN)
     pid = pid_m * tl.num_programs(1) + pid_n
     tl.store(part_ptr + 2 * pid, tl.max(tl.max(tl.abs(mh), axis=1), axis=0))
@@ -107,7 +109,7 @@ def _amax_pass(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, old_gs_ptr,
 
 
 @triton.jit
-def _encode(x, s_g, rand, codes_ptr, scales_ptr, rows, cols, C, SR: tl.constexpr, EXACT_FMA: tl.constexpr,
+def _encode(x, s_g, rand, codes_ptr, scales_ptr, rows, cols, R, C, SR: tl.constexpr, EXACT_FMA: tl.constexpr,
             BM: tl.constexpr, BN: tl.constexpr):
     """nvfp4.quantize(x, (1, 16), rtn|sr, four_over_six=True) of a (BM, BN) tile given s_g; stores in place."""
     ax = tl.abs(x)
@@ -131,13 +133,14 @@ def _encode(x, s_g, rand, codes_ptr, scales_ptr, rows, cols, C, SR: tl.constexpr
     code = (idx.reshape(BM, BN) | ((x < 0).to(tl.int32) << 3)).to(tl.uint8)
     lo, hi = tl.split(code.reshape(BM, BN // 2, 2))
     half = cols // 2 + tl.arange(0, BN // 2)
-    tl.store(codes_ptr + rows[:, None] * (C // 2) + half[None, :], lo | (hi << 4))
+    tl.store(codes_ptr + rows[:, None] * (C // 2) + half[None, :], lo | (hi << 4), mask=rows[:, None] < R)
     bits = tl.where(use4, bits4, bits6)
-    tl.store(scales_ptr + rows[:, None] * (C // 16) + cols // 16 + tl.arange(0, BN // 16)[None, :], bits)
+    tl.store(scales_ptr + rows[:, None] * (C // 16) + cols // 16 + tl.arange(0, BN // 16)[None, :], bits,
+             mask=rows[:, None] < R)
 
 
 @triton.jit
-def _update_pass(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, old_gs_ptr, amax_ptr, new_gs_ptr, C, seed,
+def _update_pass(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, old_gs_ptr, amax_ptr, new_gs_ptr, R, C, seed,
                  wd_factor, beta1, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, step_size,
                  FLOOR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LOG2_BN: tl.constexpr,
                  EXACT_FMA: tl.constexpr):
@@ -145,28 +148,25 @@ def _update_pass(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, old_gs_pt
     rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     cols = pid_n * BN
     p, mh, rh, mu, offs = _decode_update(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, old_gs_ptr, rows,
-                                         cols, C, wd_factor, beta1, one_minus_beta1, beta2, one_minus_beta2,
+                                         cols, R, C, wd_factor, beta1, one_minus_beta1, beta2, one_minus_beta2,
                                          bc2_sqrt, eps, step_size, FLOOR, BM, BN, LOG2_BN)
-    tl.store(p_ptr + offs, p)
+    tl.store(p_ptr + offs, p, mask=rows[:, None] < R)
     # global scales s_g = amax / (256 * 6) (nvfp4.global_scale with 4/6), 1 when amax == 0
     amax_m, amax_v = tl.load(amax_ptr), tl.load(amax_ptr + 1)
     gs_m = tl.where(amax_m > 0, tl.div_rn(amax_m, 1536.0), 1.0)
     gs_v = tl.where(amax_v > 0, tl.div_rn(amax_v, 1536.0), 1.0)
     rand = tl.rand(seed, offs.to(tl.uint32))
-    _encode(mh, gs_m, rand, mc_ptr, ms_ptr, rows, cols, C, True, EXACT_FMA, BM, BN)
-    _encode(rh, gs_v, rand, vc_ptr, vs_ptr, rows, cols, C, False, EXACT_FMA, BM, BN)
-    tl.store(mu_ptr + rows * (C // BN) + cols // BN, mu)
+    _encode(mh, gs_m, rand, mc_ptr, ms_ptr, rows, cols, R, C, True, EXACT_FMA, BM, BN)
+    _encode(rh, gs_v, rand, vc_ptr, vs_ptr, rows, cols, R, C, False, EXACT_FMA, BM, BN)
+    tl.store(mu_ptr + rows * (C // BN) + cols // BN, mu, mask=rows < R)
     if (pid_m == 0) & (pid_n == 0):
         tl.store(new_gs_ptr, gs_m)
         tl.store(new_gs_ptr + 1, gs_v)
 
 
 def _rows_per_program(R, T):
-    """BM: ~2048 elements per program, a power of two dividing R (R is a multiple of 16 or small)."""
-    bm = max(1, 2048 // T)
-    while R % bm:
-        bm //= 2
-    return bm
+    """BM: ~2048 elements per program (a power of two; the last program's rows past R are masked)."""
+    return min(max(1, 2048 // T), triton.next_power_of_2(R))
 
 
 def fused_adamw_step(p, g, state, lr, beta1, beta2, eps, weight_decay, step, seed, floor=None):
@@ -185,13 +185,13 @@ def fused_adamw_step(p, g, state, lr, beta1, beta2, eps, weight_decay, step, see
     scalars = (1 - lr * weight_decay, beta1, 1 - beta1, beta2, 1 - beta2, (1 - beta2 ** step) ** 0.5, eps,
                lr / (1 - beta1 ** step))
     ms, vs = state["m.scales"].view(torch.uint8), state["v.scales"].view(torch.uint8)
-    grid = (R // BM, C // T)
+    grid = (triton.cdiv(R, BM), C // T)
     tensors = (p, g, state["m.codes"], ms, state["v.codes"], vs, state["v.tile_mean"], old_gs)
     partial = torch.empty(2 * grid[0] * grid[1], device=p.device, dtype=torch.float32)
-    _amax_pass[grid](*tensors, partial, C, *scalars, FLOOR=floor, BM=BM, BN=T, LOG2_BN=T.bit_length() - 1, num_warps=4,
+    _amax_pass[grid](*tensors, partial, R, C, *scalars, FLOOR=floor, BM=BM, BN=T, LOG2_BN=T.bit_length() - 1, num_warps=4,
                      enable_fp_fusion=False)
     amax = partial.view(-1, 2).amax(0)
     new_gs = torch.empty(2, device=p.device, dtype=torch.float32)
-    _update_pass[grid](*tensors, amax, new_gs, C, int(seed), *scalars, FLOOR=floor, BM=BM, BN=T, LOG2_BN=T.bit_length() - 1,
+    _update_pass[grid](*tensors, amax, new_gs, R, C, int(seed), *scalars, FLOOR=floor, BM=BM, BN=T, LOG2_BN=T.bit_length() - 1,
                        EXACT_FMA=_exact_fma(), num_warps=4, enable_fp_fusion=False)
     state["m.global_scale"], state["v.global_scale"] = new_gs[0].clone(), new_gs[1].clone()

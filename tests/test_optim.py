@@ -363,7 +363,7 @@ def as_bits(t):
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
-@pytest.mark.parametrize("shape", [(16, 256), (32, 48)])  # v tiles of 128 and of gcd(48, 128) = 16
+@pytest.mark.parametrize("shape", [(24, 256), (40, 48)])  # v tiles of 128 / gcd(48, 128) = 16; masked rows
 def test_fused_kernel_equals_reference(shape):
     from kernels.optim_fused import fused_adamw_step
     R, C = shape
