@@ -19,7 +19,7 @@ import os
 import torch
 import torch.nn as nn
 
-E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device="cpu")  # cpu even under `with torch.device("meta")`
 FP4_MAX = 6.0
 E4M3_MAX = 448.0
 E4M3_MAX_46 = 256.0  # with 4/6 the x1.5 candidate scale (max -> 4) must still fit E4M3: 256 * 1.5 < 448
