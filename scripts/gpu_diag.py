@@ -2,7 +2,7 @@
 GPU diagnostics for the NVFP4 kernels: every primitive against the CPU reference (nvfp4.py, the spec) on the
 same inputs, plus the speed probes of the backward's quantizers.
 
-    python scripts/gpu_diag.py [--sections quant,gemm,speed] [--workers 12] [--log diag.txt]
+    python scripts/gpu_diag.py [--sections quant,gemm,ns,speed] [--workers 12] [--log diag.txt]
 
 One line per case: PASS/FAIL, section, case, numbers. Stdout gets the FAIL lines and a summary (the full list
 goes to --log); exit code 1 if anything failed. Cases run in a pool of processes (spawn) so that the many
@@ -15,6 +15,10 @@ quant   kernels.nvfp4_quant.quantize vs nvfp4.quantize on CPU: every block x RTN
 gemm    kernels.nvfp4_gemm (each Hopper config, the autotuned kernel, cuBLAS, and nvfp4.nvfp4_matmul's pick) vs an
         fp64 product of the same grid values, for NN / NT / TT / TN layouts, 1x16 / 16x16 / 16x1 blocks,
         fp32 / bf16 out, at 1024^3, 1024x3072x1024, 4096^3 and 1040x1008x1040. Bound: fp32 summation order.
+fos4096 (opt-in) 4/6 at 4096^2 vs the pairwise reference (and the unpatched one, for the record)
+lora    (opt-in) test_lora_svd's fused-route check, per output (y, dX, dW_res), also the unfused path per route
+ns      optim.newton_schulz(quantized=True) on 1024x4096 step by step: each intermediate on the GPU vs the CPU
+        reference computed from the same X, then the full GPU and CPU runs (largest singular value).
 speed   per-call times of the wgrad quantizers with fresh seeds (recompiles show as outliers), NVFP4Linear fwd+bwd,
         and a quantize tile sweep (GB/s vs a bf16 copy).
 """
@@ -96,8 +100,8 @@ def _use_pairwise_reference():
     return "diag patch"
 
 
-def _init_worker():
-    torch.set_num_threads(1)
+def _init_worker(threads=1):
+    torch.set_num_threads(threads)
     _use_pairwise_reference()
 
 
@@ -148,8 +152,11 @@ def quant_case(args):
     r = nvfp4._quantize_reference(xr, block, rounding, fos, torch.Generator().manual_seed(seed + 1))
     gs, ds, dc, rel = _compare(k, r)
     exact = not had or kind == "grid8"
-    ok = gs and ((ds == 0 and dc == 0) if exact else (ds <= 1e-3 * r.scales.numel() and dc <= 1e-3 * r.codes.numel()
-                                                      and rel < 1e-2))
+    # generic values through the Hadamard: x.H rounds in the summation order (tl.dot vs torch), so the global
+    # amax and a few codes may differ by an ulp; the dequantized tensors must still agree closely
+    gs_close = abs(k.global_scale.item() - r.global_scale.item()) <= 1e-6 * abs(r.global_scale.item())
+    ok = (gs and ds == 0 and dc == 0) if exact else (gs_close and ds <= 1e-3 * r.scales.numel()
+                                                     and dc <= 1e-3 * r.codes.numel() and rel < 1e-2)
     extra = ""
     if fos and not ok and hasattr(nvfp4, "_quantize_reference_original"):
         r0 = nvfp4._quantize_reference_original(xr, block, rounding, fos, torch.Generator().manual_seed(seed + 1))
@@ -157,6 +164,25 @@ def quant_case(args):
     name = f"{M}x{N} {layout} {str(dtype)[6:]:8s} {str(block):8s} {rounding} 4/6={int(fos)} had={int(had)} {kind}"
     return (f"{'PASS' if ok else 'FAIL'} quant {name}: gs_equal={int(gs)} scales_diff={ds}/{r.scales.numel()} "
             f"codes_diff={dc}/{r.codes.numel()} rel_err={rel:.2e}{extra}")
+
+
+def fos_full_case(args):
+    """4/6 at 4096^2 (the size where the old torch-sum reference disagreed on ~1e-5 of the blocks): the kernel vs
+    the pairwise reference, and, for the record, vs the unpatched reference."""
+    import nvfp4
+    from kernels import nvfp4_quant as kq
+    block, dtype = args
+    S = 64 if DRY else 4096
+    x = _input((S, S), 0, "heavy", dtype)
+    k = kq.quantize(x.to(DEV), block, "rtn", True)
+    r = nvfp4._quantize_reference(x, block, "rtn", True, None)
+    gs, ds, dc, rel = _compare(k, r)
+    extra = ""
+    if hasattr(nvfp4, "_quantize_reference_original"):
+        extra = f"; unpatched reference: {_compare(k, nvfp4._quantize_reference_original(x, block, 'rtn', True, None))[1]} scales differ"
+    ok = gs and ds == 0 and dc == 0
+    return (f"{'PASS' if ok else 'FAIL'} quant {S}x{S} {str(dtype)[6:]} {block} rtn 4/6=1: scales_diff={ds} "
+            f"codes_diff={dc}{extra}")
 
 
 def requant_case(args):
@@ -343,10 +369,77 @@ def speed(log):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# ns: optim.newton_schulz(quantized=True) step by step, GPU kernels vs the CPU reference from the same X
+
+def ns_section(log, shape=(1024, 4096), steps=5):
+    import nvfp4
+    import optim
+    G = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    a, b, c = optim.root_coefficients(*shape, quantized=True)
+    log(f"INFO ns {shape}: coefficients (a, b, c) = ({a:.4f}, {b:.4f}, {c:.4f})")
+    X = G.t() if shape[0] > shape[1] else G
+    X = X / (X.norm() + 1e-7)
+    Xg = X.to(DEV)
+    gH = torch.Generator().manual_seed(1)
+    rel = lambda u, v: ((u.double().cpu() - v.double().cpu()).norm() / v.double().cpu().norm().clamp(min=1e-30)).item()
+
+    def step(X, H, tag):
+        q = lambda t: nvfp4.quantize(t, (1, 16), "rtn", four_over_six=True, hadamard=H.to(t.device))
+        qX = q(X)
+        A = nvfp4.nvfp4_matmul(qX, qX)
+        qA, qA_t = q(A), q(A.t())
+        B = b * A + c * nvfp4.nvfp4_matmul(qA, qA_t)
+        qB, qX_t = q(B), q(X.t())
+        return {"qX": qX.dequantize(), "A": A, "qA_t": qA_t.dequantize(), "B": B, "qX_t": qX_t.dequantize(),
+                "X_next": a * X + nvfp4.nvfp4_matmul(qB, qX_t)}
+
+    for i in range(steps):
+        H = nvfp4.random_hadamard(gH)
+        kg_ = step(Xg, H, "gpu")
+        kr = step(Xg.cpu(), H, "cpu")  # the reference, from the very same X
+        errs = " ".join(f"{k}={rel(kg_[k], kr[k]):.1e}" for k in kr)
+        sv = torch.linalg.svdvals(kg_["X_next"].double())
+        bad = any(rel(kg_[k], kr[k]) > 1e-2 for k in kr)
+        log(f"{'FAIL' if bad else 'PASS'} ns step {i}: rel err GPU vs CPU ref {errs}; GPU smax={sv.max().item():.3f}")
+        Xg = kg_["X_next"]
+    if not DRY:  # (the full CPU reference run at 1024x4096 takes minutes; on a 2-core CPU it gave smax 1.08)
+        Xd = optim.newton_schulz(G.cuda(), steps=steps, generator=torch.Generator("cuda").manual_seed(1))
+        sd = torch.linalg.svdvals(Xd.double())
+        log(f"INFO ns full GPU {shape}: smax={sd.max().item():.3f} polar_error={optim.polar_error(Xd, G.cuda()):.3f}")
+
+
+def lora_section(log):
+    """tests/test_lora_svd.py::test_gpu_fused_routes_equal_unfused_at_full_size, per output: y, dX, dW_res."""
+    import lora_svd
+    torch.manual_seed(0)
+    layer = lora_svd.LoRASVDLinear(4096, 4096, 64, device=DEV)
+    x = torch.randn(2048, 4096, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(2048, 4096, device=DEV, dtype=torch.bfloat16)
+    outs = {}
+    for name, fused, route in (("unfused", False, "auto"), ("triton", True, "triton"), ("cublas", True, "cublas"),
+                               ("unfused-triton", False, "triton"), ("unfused-cublas", False, "cublas")):
+        os.environ["NANOFP4_GEMM_ROUTE"] = route
+        layer.fused = fused
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        torch.manual_seed(1)
+        y = layer(x)
+        y.backward(dy)
+        outs[name] = (y.float(), x.grad.float(), layer.weight_res.grad.clone())
+    os.environ.pop("NANOFP4_GEMM_ROUTE")
+    for name in outs:
+        if name == "unfused":
+            continue
+        errs = [((u - v).norm() / v.norm()).item() for u, v in zip(outs[name], outs["unfused"])]
+        log(f"{'PASS' if max(errs) < 1e-2 else 'FAIL'} lora {name} vs unfused(auto): rel err y={errs[0]:.2e} "
+            f"dX={errs[1]:.2e} dW_res={errs[2]:.2e}")
+
+
+# ----------------------------------------------------------------------------------------------------------
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--sections", default="quant,gemm,speed")
+    p.add_argument("--sections", default="quant,gemm,ns,speed")
     p.add_argument("--workers", type=int, default=12)
     p.add_argument("--log", default=None)
     p.add_argument("--quick", action="store_true", help="fewer quant shapes and GEMM shapes")
@@ -390,6 +483,8 @@ def main():
                 tasks.append((requant_case, (SHAPES_Q[0], dtype, rounding, fos)))
         for block in BLOCKS:
             tasks.append((dequant_case, (SHAPES_Q[-1], block)))
+    if "fos4096" in sections:
+        tasks += [(fos_full_case, (block, dtype)) for block in BLOCKS for dtype in (torch.float32, torch.bfloat16)]
     if "gemm" in sections:
         shapes = SHAPES_G[:2] if args.quick else SHAPES_G
         for shape in shapes:
@@ -403,13 +498,18 @@ def main():
     if "speed" in sections and not DRY:
         tasks += [(sweep_compile, (tile, ci)) for tile in SWEEP_TILES for ci in range(len(SWEEP_CASES))]
     # GEMM tasks first (slowest compiles)
-    tasks.sort(key=lambda t: {gemm_case: 0, sweep_compile: 1}.get(t[0], 2))
+    tasks.sort(key=lambda t: {fos_full_case: -1, gemm_case: 0, sweep_compile: 1}.get(t[0], 2))
     if tasks:
         import multiprocessing as mp
-        with mp.get_context("spawn").Pool(args.workers, initializer=_init_worker) as pool:
+        with mp.get_context("spawn").Pool(args.workers, initializer=_init_worker,
+                                                   initargs=(max(1, (os.cpu_count() or 1) // args.workers),)) as pool:
             for out in pool.imap_unordered(_run_task, tasks):
                 log(out)
     print(f"[parallel part {time.time() - t_start:.0f} s]", flush=True)
+    if "ns" in sections:
+        ns_section(lambda ln: log(ln, show=True), (64, 256) if DRY else (1024, 4096))
+    if "lora" in sections and not DRY:
+        lora_section(lambda ln: log(ln, show=True))
     if "speed" in sections and not DRY:
         speed(lambda ln: log(ln, show=True))
     n_pass = sum(ln.startswith("PASS") for ln in lines)
