@@ -39,8 +39,8 @@ RECIPES = {
 # 1b/3b: the paper's hyperparameters (DESIGN.md): 1M-token batches (batch_size x grad_accum x seq_len, batch_size
 # split across ranks), peak lr 1.5e-4 (LoRA branch 3e-4), 3B warmup tokens, 20B / 64B tokens, cosine decay.
 CONFIG_DEFAULTS = {
-    "tiny": dict(batch_size=8, grad_accum=1, seq_len=128, max_steps=200, lr=3e-3, warmup=20, eval_every=50,
-                 eval_iters=8, save_every=100, log_every=1),
+    "tiny": dict(batch_size=8, grad_accum=1, seq_len=128, max_steps=50, lr=3e-3, warmup=5, eval_every=25,
+                 eval_iters=4, save_every=25, log_every=1),
     "toy": dict(batch_size=32, grad_accum=1, seq_len=1024, max_steps=700, lr=1e-3, warmup=50, eval_every=100,
                 eval_iters=20, save_every=500, log_every=10),
     "1b": dict(batch_size=32, grad_accum=16, seq_len=2048, max_steps=20_000, lr=1.5e-4, warmup=3000,
@@ -81,7 +81,7 @@ def parse_args(argv=None):
     p.add_argument("--eval_every", type=int, default=None)
     p.add_argument("--eval_iters", type=int, default=None, help="val batches per eval")
     p.add_argument("--log_every", type=int, default=None)
-    p.add_argument("--save_every", type=int, default=None, help="checkpoint period in steps (0: only at the end)")
+    p.add_argument("--save_every", type=int, default=None, help="checkpoint period (0: only at the end, -1: never)")
     p.add_argument("--out_dir", default="out")
     p.add_argument("--data", default="data_cache/default", help="directory with train.bin / val.bin (python data.py)")
     p.add_argument("--resume", action="store_true", help="continue from <out_dir>/ckpt.pt")
@@ -132,7 +132,9 @@ def resolve_args(args, world_size):
     for flag in ("max_steps", "batch_size", "grad_accum", "seq_len", "eval_iters", "log_every", "lr_decay_steps"):
         if getattr(args, flag) < 1:
             die(f"--{flag} {getattr(args, flag)}: must be >= 1")
-    for flag in ("warmup", "eval_every", "save_every", "realign_every", "lora_rank"):
+    if args.save_every < -1:
+        die(f"--save_every {args.save_every}: must be >= -1")
+    for flag in ("warmup", "eval_every", "realign_every", "lora_rank"):
         if getattr(args, flag) < 0:
             die(f"--{flag} {getattr(args, flag)}: must be >= 0")
     if not args.lr > 0 or not 0 <= args.min_lr <= args.lr or not args.lora_lr > 0:
@@ -467,15 +469,16 @@ def main(argv=None):
             log({"step": step, "val_loss": val_loss, "tokens": step * tokens_per_step})
             if bar is not None:
                 bar.write(f"step {step}: train loss {loss_val:.4f}, val loss {val_loss:.4f}")
-        if (args.save_every and step % args.save_every == 0) or step == args.max_steps:
+        if args.save_every >= 0 and ((args.save_every and step % args.save_every == 0) or step == args.max_steps):
             save(step)
             last_good = step
     if bar is not None:
         bar.close()
 
     if master:
+        plot_metrics(args.out_dir, f"{args.config} / {args.recipe} / {args.optimizer}")
         tok_s = timed_tokens / train_time if train_time > 0 else float("nan")
-        opt_bytes = optimizer_state_bytes(optimizer) * (world_size if args.fsdp else 1)
+        opt_bytes = optimizer_state_bytes(optimizer)  # FSDP2: DTensor sizes are global, so this is the total
         summary = {"config": args.config, "recipe": args.recipe, "optimizer": args.optimizer,
                    "linear_policy": linear_policy, "attn_policy": attn_policy, "state_quant": state_quant,
                    "params": n_params, "steps": step, "tokens": step * tokens_per_step, "world_size": world_size,

@@ -172,3 +172,21 @@ def test_bad_flag_subprocess_has_no_traceback(tmp_path):
                            cwd=ROOT, capture_output=True, text=True, env=env)
         assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.count("\n") == 1, p.stderr
         assert message in p.stderr
+
+
+@pytest.mark.slow
+def test_torchrun_ddp_and_fsdp2_on_cpu_agree(byte_data, tmp_path):
+    """2 ranks on CPU (gloo): DDP and FSDP2 see the same batches, so their losses agree; FSDP2 resumes."""
+    def torchrun(out, *flags):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+               "--device", "cpu", "--config", "tiny", "--recipe", "bf16", "--batch_size", "4", "--seq_len", "32",
+               "--eval_every", "0", "--data", byte_data, "--out_dir", str(out), "--no_progress", *flags]
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert p.returncode == 0, p.stderr[-3000:]
+        return train_losses(train.read_metrics(os.path.join(out, "metrics.jsonl")))
+    ddp = torchrun(tmp_path / "ddp", "--max_steps", "3")
+    torchrun(tmp_path / "fsdp", "--max_steps", "2", "--lr_decay_steps", "3", "--fsdp")
+    fsdp = torchrun(tmp_path / "fsdp", "--max_steps", "3", "--fsdp", "--resume")
+    assert os.path.exists(tmp_path / "fsdp" / "ckpt_rank1.pt")
+    assert len(ddp) == len(fsdp) == 3
+    np.testing.assert_allclose(fsdp, ddp, rtol=1e-5)
