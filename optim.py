@@ -844,16 +844,21 @@ def synthetic_moments(R=256, C=1024, row_sigma=1.5, col_sigma=1.0, steps=30, see
 
 
 def fig4b_numbers(shapes, fit_min_dim=128, inputs=2, seed=1234, device=None):
-    """Fig. 4b: orthogonality error of the NVFP4 NS (5 steps) with the shape's Root coefficients against Muon's,
-    plus the fp32 NS with Muon's as the unquantized reference. Fresh inputs (seed differs from the fit's)."""
+    """Fig. 4b: orthogonality error (polar_error) of the NVFP4 NS (5 steps) with the shape's Root coefficients
+    against Muon's and against ROOT's published set of the nearest aspect ratio, plus the fp32 NS with Muon's as
+    the unquantized reference. Fresh inputs (seed differs from the fit's). Errors are capped at 10 (exploded)."""
     rows = []
     for m, n in shapes:
         fm, fn = reduced_shape(m, n, fit_min_dim)
         data = representative_inputs(fm, fn, inputs, seed, device)
         root = root_coefficients(m, n, quantized=True)
+        aspect = math.log(max(m, n) / min(m, n))
+        published = min(PUBLISHED_COEFFICIENTS, key=lambda k: abs(math.log(k[1] / k[0]) - aspect))
         rows.append({"shape": [m, n], "eval_shape": [fm, fn], "root_abc": list(root),
                      "nvfp4_root": ns_error(root, data, seed=seed),
                      "nvfp4_muon": ns_error(MUON_COEFFICIENTS, data, seed=seed),
+                     "nvfp4_published_nearest": ns_error(PUBLISHED_COEFFICIENTS[published], data, seed=seed),
+                     "published_nearest": list(published),
                      "fp32_muon": ns_error(MUON_COEFFICIENTS, data, quantized=False, seed=seed)})
     return rows
 
