@@ -164,14 +164,16 @@ def _update_pass(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, old_gs_pt
         tl.store(new_gs_ptr + 1, gs_v)
 
 
-def _rows_per_program(R, T):
-    """BM: ~2048 elements per program (a power of two; the last program's rows past R are masked)."""
-    return min(max(1, 2048 // T), triton.next_power_of_2(R))
+def _rows_per_program(R, T, elements):
+    """BM: ~`elements` per program (a power of two; the last program's rows past R are masked)."""
+    return min(max(1, elements // T), triton.next_power_of_2(R))
 
 
-def fused_adamw_step(p, g, state, lr, beta1, beta2, eps, weight_decay, step, seed, floor=None):
+def fused_adamw_step(p, g, state, lr, beta1, beta2, eps, weight_decay, step, seed, floor=None,
+                     elements_per_program=2048, num_warps=4):
     """One QuantizedAdamW step on p (R, C) fp32 with optim.py's packed "pipeline" state (keys m.codes,
-    m.scales, m.global_scale, v.codes, v.scales, v.global_scale, v.tile_mean), updated in place."""
+    m.scales, m.global_scale, v.codes, v.scales, v.global_scale, v.tile_mean), updated in place.
+    elements_per_program / num_warps: launch shape (bench_optim.py sweeps them; results do not depend on it)."""
     import torch
     import optim
     if p.dtype != torch.float32 or p.dim() != 2 or not p.is_contiguous():
@@ -179,7 +181,7 @@ def fused_adamw_step(p, g, state, lr, beta1, beta2, eps, weight_decay, step, see
     g = g.contiguous()
     R, C = p.shape
     T = C // state["v.tile_mean"].shape[-1]
-    BM = _rows_per_program(R, T)
+    BM = _rows_per_program(R, T, elements_per_program)
     floor = optim.FLOOR_FRACTION if floor is None else floor
     old_gs = torch.stack((state["m.global_scale"], state["v.global_scale"])).float()
     scalars = (1 - lr * weight_decay, beta1, 1 - beta1, beta2, 1 - beta2, (1 - beta2 ** step) ** 0.5, eps,
@@ -188,10 +190,10 @@ def fused_adamw_step(p, g, state, lr, beta1, beta2, eps, weight_decay, step, see
     grid = (triton.cdiv(R, BM), C // T)
     tensors = (p, g, state["m.codes"], ms, state["v.codes"], vs, state["v.tile_mean"], old_gs)
     partial = torch.empty(2 * grid[0] * grid[1], device=p.device, dtype=torch.float32)
-    _amax_pass[grid](*tensors, partial, R, C, *scalars, FLOOR=floor, BM=BM, BN=T, LOG2_BN=T.bit_length() - 1, num_warps=4,
-                     enable_fp_fusion=False)
+    _amax_pass[grid](*tensors, partial, R, C, *scalars, FLOOR=floor, BM=BM, BN=T, LOG2_BN=T.bit_length() - 1,
+                     num_warps=num_warps, enable_fp_fusion=False)
     amax = partial.view(-1, 2).amax(0)
     new_gs = torch.empty(2, device=p.device, dtype=torch.float32)
     _update_pass[grid](*tensors, amax, new_gs, R, C, int(seed), *scalars, FLOOR=floor, BM=BM, BN=T, LOG2_BN=T.bit_length() - 1,
-                       EXACT_FMA=_exact_fma(), num_warps=4, enable_fp_fusion=False)
+                       EXACT_FMA=_exact_fma(), num_warps=num_warps, enable_fp_fusion=False)
     state["m.global_scale"], state["v.global_scale"] = new_gs[0].clone(), new_gs[1].clone()
