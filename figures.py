@@ -50,7 +50,9 @@ SIZES = {
         "fig3_shapes": [(2048, 2048), (1024, 2048), (6144, 2048), (2048, 6144)],
         "fig3_ranks": (8, 16, 32, 64, 128, 256), "fig3_tokens": 4096, "fig3_trained_blocks": "all",
         "fig3_batch": (4, 1024),
-        "fig4a_shape": (3072, 9216), "fig4b_min_dim": 0,  # 0: every shape at its real size
+        "fig4a_shape": (3072, 9216),
+        # at min dim 512 (aspect kept; 0 = real size): optim.polar_error's float64 SVD per call makes 3072x9216 slow
+        "fig4b_min_dim": 512,
         "fig4b_configs": ("toy", "1b", "3b"),
         "fig5_shape": dict(B=2, H=16, Hkv=8, T=2048, D=64), "fig5_sharpness": (1.0, 2.0, 4.0, 8.0),
         "fig7_matmul_dims": (512, 1024, 2048, 4096, 8192),

@@ -192,3 +192,18 @@ def test_fig5_pv_and_dov_quantization_add_error(tmp_path, monkeypatch):
         assert e["fp4_dov"]["dq"] > e["fp4"]["dq"] and e["fp4_dov"]["dk"] > e["fp4"]["dk"]  # App. 10.2
         assert e["bf16"]["o"] < 1e-4 < e["fp4"]["o"]
         assert row["simplex_violation"]["zeroed_mass"] > 0
+
+
+@pytest.mark.gpu
+def test_gpu_every_figure_small(tmp_path):
+    """The CUDA paths (Triton kernels, bf16 attention inputs, autocast) of every figure at --size small."""
+    figures.main(["--fig", "all", "--size", "small", "--device", "cuda", "--out_dir", str(tmp_path)])
+    res = json.load(open(tmp_path / "figures.json"))
+    assert all(os.path.getsize(tmp_path / f"fig{f}.png") > 10_000 for f in figures.FIGS)
+    assert all(0 < r["lora_svd"] < r["nvfp4"] for r in res["fig3"]["random_init"])
+    assert res["fig4a"]["pipeline"]["sqrt_rel_err"] < 0.5 * res["fig4a"]["direct"]["sqrt_rel_err"]
+    for row in res["fig5"]["rows"]:
+        assert row["policies"]["fp4_dov"]["dq"] > row["policies"]["fp4"]["dq"]
+    rows = res["fig7"]["measured"]["rows"]
+    at0 = sorted((r for r in rows if r["step"] == 0), key=lambda r: r["hidden"])
+    assert all(b["nvfp4_mse"] > a["nvfp4_mse"] for a, b in zip(at0, at0[1:]))
