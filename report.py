@@ -12,7 +12,8 @@ Columns (one row per recipe x optimizer):
   train loss   mean train loss over the last 10% of logged train rows (--tail_frac): one noisy step says little
   val loss     the last evaluation's val_loss
   gap          100 * (loss - bf16 loss) / bf16 loss, against the bf16 run with the SAME optimizer (the paper's
-               "loss gap", Table 3)
+               "loss gap", Table 3) and the same setup (config and --compile, from summary.json / cmd.txt, so a
+               runs/ directory may also hold the perf runs of several configs: a "setup" column then appears)
   tokens/s, x bf16, peak memory, optimizer bytes/param   from summary.json
   status       ok | diverged (a non-finite loss: train.py stops before the update, so the NaN shows up in the
                log / exit code rather than in metrics.jsonl) | collapsed (the tail loss rose more than
@@ -66,8 +67,11 @@ def load_run(run_dir, tail_frac=0.1):
     summary_path = os.path.join(run_dir, "summary.json")
     summary = json.load(open(summary_path)) if os.path.exists(summary_path) else None
     recipe, optimizer = parse_name(name)
+    cmd = read_text(os.path.join(run_dir, "cmd.txt"))
+    config, compiled = name.split("_")[0], "--compile" in (cmd or "")
     if summary is not None:
         recipe, optimizer = summary.get("recipe", recipe), summary.get("optimizer", optimizer)
+        config, compiled = summary.get("config", config), bool(summary.get("compile", compiled))
     train = sorted(((r["step"], r["loss"]) for r in rows if "loss" in r), key=lambda t: t[0])
     val = sorted(((r["step"], r["val_loss"]) for r in rows if "val_loss" in r), key=lambda t: t[0])
     n_tail = max(1, math.ceil(tail_frac * len(train))) if train else 0
@@ -94,9 +98,10 @@ def load_run(run_dir, tail_frac=0.1):
         status = "incomplete"
     else:
         status = "ok"
-    return {"name": name, "dir": run_dir, "recipe": recipe, "optimizer": optimizer, "train": train, "val": val,
+    return {"name": name, "dir": run_dir, "recipe": recipe, "optimizer": optimizer, "config": config,
+            "setup": config + (" +compile" if compiled else ""), "train": train, "val": val,
             "steps": train[-1][0] if train else 0, "train_loss": train_loss, "val_loss": val_loss,
-            "summary": summary, "status": status, "cmd": read_text(os.path.join(run_dir, "cmd.txt"))}
+            "summary": summary, "status": status, "cmd": cmd}
 
 
 def find_runs(root, tail_frac=0.1):
@@ -110,7 +115,7 @@ def find_runs(root, tail_frac=0.1):
     def order(run):
         r = RECIPE_ORDER.index(run["recipe"]) if run["recipe"] in RECIPE_ORDER else len(RECIPE_ORDER)
         o = OPTIMIZERS.index(run["optimizer"]) if run["optimizer"] in OPTIMIZERS else len(OPTIMIZERS)
-        return (o, r, run["name"])
+        return (run["setup"], o, r, run["name"])
     return sorted(runs, key=order)
 
 
@@ -119,10 +124,11 @@ def gap_percent(x, ref):
 
 
 def add_gaps(runs):
-    """Gap to the bf16 run of the same optimizer (train and val loss), and tokens/s relative to it."""
-    base = {r["optimizer"]: r for r in runs if r["recipe"] == "bf16"}
+    """Gap to the bf16 run of the same optimizer and setup (config, --compile): train and val loss, tokens/s."""
+    base = {(r["setup"], r["optimizer"]): r for r in runs if r["recipe"] == "bf16"}
     for r in runs:
-        b = base.get(r["optimizer"])
+        # a run that stopped early (diverged, timeout, ...) has no comparable final loss: no gap
+        b = base.get((r["setup"], r["optimizer"])) if r["status"] in ("ok", "collapsed") else None
         r["train_gap"] = gap_percent(r["train_loss"], b["train_loss"]) if b else float("nan")
         r["val_gap"] = gap_percent(r["val_loss"], b["val_loss"]) if b else float("nan")
         tps, btps = (r["summary"] or {}).get("tokens_per_s"), ((b or {}).get("summary") or {}).get("tokens_per_s")
@@ -135,13 +141,14 @@ def fmt(x, spec, suffix=""):
 
 
 def table_markdown(runs):
-    head = ("| recipe | optimizer | steps | train loss | gap | val loss | val gap | tokens/s | × bf16 | "
-            "peak mem (GiB) | opt. bytes/param | status |")
+    setups = len({r["setup"] for r in runs}) > 1  # a config / --compile column only when runs differ in it
+    head = (("| setup " if setups else "") + "| recipe | optimizer | steps | train loss | gap | val loss | val gap | "
+            "tokens/s | × bf16 | peak mem (GiB) | opt. bytes/param | status |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in runs:
         s = r["summary"] or {}
         mem = s.get("peak_mem_bytes")
-        lines.append("| " + " | ".join([
+        lines.append("| " + " | ".join(([r["setup"]] if setups else []) + [
             f"`{r['recipe']}`", r["optimizer"], str(r["steps"]),
             fmt(r["train_loss"], ".4f"), fmt(r["train_gap"], "+.2f", "%"),
             fmt(r["val_loss"], ".4f"), fmt(r["val_gap"], "+.2f", "%"),
@@ -154,7 +161,8 @@ def table_markdown(runs):
 def write_markdown(runs, path, plot_path=None, tail_frac=0.1):
     out = ["# Toy-scale ablation (paper Table 3 / App. 13)", "",
            f"Train loss: mean over the last {tail_frac:.0%} of logged steps. Val loss: last evaluation. Gaps are "
-           "relative to the `bf16` run with the same optimizer: 100·(loss − bf16)/bf16. Status `diverged`: a "
+           "relative to the `bf16` run with the same optimizer (and setup): 100·(loss − bf16)/bf16, only for runs "
+           "that finished. Status `diverged`: a "
            f"non-finite loss stopped the run; `collapsed`: the tail loss rose > {COLLAPSE_NATS} nat above the "
            "run's best.", "", table_markdown(runs), ""]
     if plot_path:
@@ -171,12 +179,11 @@ def plot_curves(runs, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    optimizers = [o for o in OPTIMIZERS if any(r["optimizer"] == o for r in runs)] or sorted({r["optimizer"] for r in runs})
-    fig, axes = plt.subplots(1, len(optimizers), figsize=(6.5 * len(optimizers), 4.5), squeeze=False)
+    panels = list(dict.fromkeys((r["setup"], r["optimizer"]) for r in runs))  # runs are sorted: setup, optimizer
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
     colors = {rec: plt.cm.tab10(i) for i, rec in enumerate(RECIPE_ORDER)}
-    finite_losses = [loss for r in runs for _, loss in r["train"] if finite(loss)]
-    for ax, opt in zip(axes[0], optimizers):
-        for r in (r for r in runs if r["optimizer"] == opt):
+    for ax, (setup, opt) in zip(axes[0], panels):
+        for r in (r for r in runs if (r["setup"], r["optimizer"]) == (setup, opt)):
             pts = [(s, loss) for s, loss in r["train"] if finite(loss)]
             label = r["recipe"] if r["status"] == "ok" else f"{r['recipe']} ({r['status']})"
             color = colors.get(r["recipe"], "gray")
@@ -188,12 +195,14 @@ def plot_curves(runs, path):
             vals = [(s, v) for s, v in r["val"] if finite(v)]
             if vals:
                 ax.plot(*zip(*vals), "o", color=color, ms=3)
-        ax.set_title(f"optimizer: {opt}  (lines: train, dots: val)")
+        ax.set_title(f"{setup}, optimizer {opt}  (lines: train, dots: val)")
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
-        if finite_losses:  # the first steps (~10.8 nat) would squash the interesting part
-            lo = min(finite_losses)
-            ax.set_ylim(lo - 0.1, min(max(finite_losses), lo + 4.0))
+        losses = [loss for r in runs if (r["setup"], r["optimizer"]) == (setup, opt) for _, loss in r["train"]
+                  if finite(loss)]
+        if losses:  # the first steps (~10.8 nat) would squash the interesting part
+            lo = min(losses)
+            ax.set_ylim(lo - 0.1, min(max(losses), lo + 4.0) + 0.1)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -219,7 +228,7 @@ def main(argv=None):
         plot_curves(runs, args.plot)
     write_markdown(runs, args.out, args.plot or None, args.tail_frac)
     if args.json:
-        keep = ("name", "recipe", "optimizer", "steps", "train_loss", "val_loss", "train_gap", "val_gap",
+        keep = ("name", "setup", "recipe", "optimizer", "steps", "train_loss", "val_loss", "train_gap", "val_gap",
                 "speed_ratio", "status", "summary", "cmd")
         with open(args.json, "w") as f:
             json.dump([{k: r[k] for k in keep} for r in runs], f, indent=2)

@@ -66,6 +66,11 @@ def test_report_table_numbers_gaps_and_diverged_run(tmp_path):
     write_run(runs, "toy_nvfp4_adamw", [(s, 3.0 if s < 50 else 6.0) for s in steps], summary=summary("nvfp4", "adamw", 1.0, 1, 8.0))
     # a root run without its bf16 baseline: no gap
     write_run(runs, "toy_fullstack_root", nv, summary=summary("fullstack", "root", 1.0, 1, 1.2))
+    # perf runs of another setup (1b, --compile) in the same directory: gaps against their own bf16
+    write_run(runs, "1b_bf16_adamw", [(1, 8.0), (2, 7.0)], summary={**summary("bf16", "adamw", 4e4, 1, 8.0),
+                                                                   "config": "1b", "compile": True})
+    write_run(runs, "1b_fullstack_adamw", [(1, 8.0), (2, 7.7)], summary={**summary("fullstack", "adamw", 3e4, 1, 1.2),
+                                                                        "config": "1b", "compile": True})
 
     out, plot, js = str(tmp_path / "res.md"), str(tmp_path / "curves.png"), str(tmp_path / "res.json")
     report.main([runs, "--out", out, "--plot", plot, "--json", js])
@@ -81,12 +86,16 @@ def test_report_table_numbers_gaps_and_diverged_run(tmp_path):
     assert rows["toy_nvfp4_46_adamw"]["speed_ratio"] == pytest.approx(tok_nv / tok_bf16)
     assert rows["toy_bf16_adamw"]["status"] == "ok" and rows["toy_nvfp4_46_adamw"]["status"] == "ok"
     assert rows["toy_naive_fp4_adamw"]["status"].startswith("diverged")
+    assert math.isnan(rows["toy_naive_fp4_adamw"]["train_gap"])  # stopped at step 40: no comparable final loss
     assert rows["toy_lora_naive_adamw"]["status"] == "diverged (step 30)"
     assert rows["toy_nvfp4_adamw"]["status"] == "collapsed"
     assert math.isnan(rows["toy_fullstack_root"]["train_gap"])
+    assert rows["1b_fullstack_adamw"]["setup"] == "1b +compile"
+    assert rows["1b_fullstack_adamw"]["train_gap"] == pytest.approx(10.0)  # 7.7 vs 7.0 (last 10% = last row)
+    assert rows["1b_fullstack_adamw"]["speed_ratio"] == pytest.approx(0.75)
 
     md = open(out).read()
-    line = next(l for l in md.splitlines() if l.startswith("| `nvfp4_46`"))
+    line = next(l for l in md.splitlines() if l.startswith("| toy | `nvfp4_46`"))
     assert f"{n_train:.4f}" in line and f"{100 * (n_train - b_train) / b_train:+.2f}%" in line
     assert f"{2 * mem / 2**30:.2f}" in line and "1.13" in line
     assert "python train.py --recipe bf16 --seed 0" in md and "curves.png" in md
