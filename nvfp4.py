@@ -73,9 +73,10 @@ class NVFP4Tensor:
         codes = self.unpack_codes().long()
         q = E2M1_VALUES.to(self.device)[codes & 7]
         q = torch.where(codes >= 8, -q, q)
+        *lead, M, N = self.shape
         bm, bn = self.block
-        s = self.scales.float().repeat_interleave(bm, dim=-2).repeat_interleave(bn, dim=-1)
-        return q * s
+        s = self.scales.float()[..., :, None, :, None]                      # (*, M/bm, 1, N/bn, 1)
+        return (q.reshape(*lead, M // bm, bm, N // bn, bn) * s).reshape(self.shape)
 
     def dequantize(self, dtype=torch.float32):
         if self.codes.is_cuda and not use_reference():
@@ -135,23 +136,39 @@ def to_e4m3(s):
     return s.clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
 
 
+_TIES_DOWN = torch.tensor([p for p, up in _RTN_MIDPOINTS if not up], device="cpu")
+_TIES_UP = torch.tensor([p for p, up in _RTN_MIDPOINTS if up], device="cpu")
+
+
 def rtn_e2m1(a):
-    """Index (0..7) of the nearest E2M1 magnitude for a in [0, 6], ties to even."""
-    idx = torch.zeros_like(a, dtype=torch.uint8)
-    for point, tie_up in _RTN_MIDPOINTS:
-        idx += (a >= point) if tie_up else (a > point)
-    return idx
+    """Index (0..7) of the nearest E2M1 magnitude for a in [0, 6], ties to even: the number of decision points
+    below a, counting a midpoint only when its tie goes up."""
+    down = torch.bucketize(a, _TIES_DOWN.to(a.device), right=False)  # midpoints strictly below a
+    up = torch.bucketize(a, _TIES_UP.to(a.device), right=True)        # midpoints at or below a
+    return (down + up).to(torch.uint8)
 
 
 def sr_e2m1(a, rand):
     """Stochastic rounding of a in [0, 6]: up to the next grid value with probability equal to the fractional
     distance (unbiased: E[q] = a). rand: uniform [0, 1), same shape."""
     grid = E2M1_VALUES.to(a.device)
-    lo = (a.unsqueeze(-1) >= grid[1:]).sum(-1)  # index of the grid value at or below a
+    lo = torch.bucketize(a, grid[1:], right=True)  # index of the grid value at or below a
     hi = (lo + 1).clamp(max=7)
     gap = grid[hi] - grid[lo]
     frac = torch.where(gap > 0, (a - grid[lo]) / torch.where(gap > 0, gap, 1.0), 0.0)
     return (lo + (rand < frac).long()).to(torch.uint8)
+
+
+def _pairwise_block_sum(e):
+    """Per-block sum of e (*, M/bm, bm, N/bn, bn) -> (*, M/bm, 1, N/bn, 1) as a fixed binary tree: neighbours
+    along the row pairwise (16 -> 8 -> 4 -> 2 -> 1), then along the column. Every step adds two fp32 values, so the
+    Triton kernel (kernels/nvfp4_quant._pairwise_block_sum) gets the same bits whatever its reduction order; a
+    plain .sum() rounds in a machine-dependent order and 4/6 then picked the other candidate on ~1e-5 of blocks."""
+    while e.shape[-1] > 1:
+        e = e[..., 0::2] + e[..., 1::2]
+    while e.shape[-3] > 1:
+        e = e[..., 0::2, :, :] + e[..., 1::2, :, :]
+    return e
 
 
 def _quantize_reference(x, block, rounding, four_over_six, generator):
@@ -178,7 +195,8 @@ def _quantize_reference(x, block, rounding, four_over_six, generator):
         # (ties to 6). The choice uses the RTN error even when rounding is SR, so that the random draw does
         # not influence the scale and SR stays unbiased given the scale.
         def rtn_error(a, denom):
-            return ((E2M1_VALUES.to(x.device)[rtn_e2m1(a).long()] * denom - xb.abs()) ** 2).sum((-3, -1), keepdim=True)
+            d = E2M1_VALUES.to(x.device)[rtn_e2m1(a).long()] * denom - xb.abs()
+            return _pairwise_block_sum(d * d)
         s_b4, a4, denom4 = candidate(4.0)
         use4 = rtn_error(a4, denom4) < rtn_error(a, denom)
         s_b = torch.where(use4, s_b4.float(), s_b.float()).to(torch.float8_e4m3fn)

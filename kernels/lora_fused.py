@@ -45,7 +45,7 @@ def _scale_candidate(xb, block_amax, s_g, FP4_MAX: tl.constexpr):
     return s, bits, a, tl.sum(tl.sum(err * err, axis=3), axis=1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])  # a fresh SR seed per call must not recompile
 def _quantize_down_proj_kernel(x_ptr, l_ptr, amax_ptr, gs_other_ptr, codes_ptr, scales_ptr, vals_ptr, xl_ptr,
                                M, R, beta, seed, stride_xm, stride_xn, stride_lr, stride_ln, stride_vm, stride_xlm,
                                N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
