@@ -16,7 +16,7 @@ launch() {  # recipe optimizer
 for r in bf16 nvfp4 nvfp4_46 lora_naive lora_svd fullstack naive_fp4; do launch $r adamw & done
 for r in bf16 fullstack naive_fp4; do launch $r root & done
 ( d=runs/1b_fullstack_root; mkdir -p $d
-  c="python train.py --config 1b --recipe fullstack --optimizer root --max_steps 4 --batch_size 4 --grad_accum 1 --seq_len 2048 --eval_every 0 --log_every 1 --save_every 0 --no_progress --out_dir $d"
+  c="python train.py --config 1b --recipe fullstack --optimizer root --max_steps 4 --batch_size 4 --grad_accum 1 --seq_len 2048 --eval_every 1000 --log_every 1 --save_every 0 --no_progress --out_dir $d"
   echo "$c" > $d/cmd.txt; timeout $LIMIT $c > $d/train.log 2>&1; echo $? > $d/exit_code ) &
 wait
 python report.py runs --out "$OUT/results.md" --plot "$OUT/loss_curves.png" --json "$OUT/results.json" 2>&1 | tail -30
