@@ -171,8 +171,8 @@ def build_optimizer(model, args, state_quant):
 
 def rng_state():
     state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()  # this rank's device only
     nvfp4 = sys.modules.get("nvfp4")  # the quantizers' own generator, if they keep one (SR must resume exactly)
     if nvfp4 is not None and hasattr(nvfp4, "get_rng_state"):
         state["nvfp4"] = nvfp4.get_rng_state()
@@ -182,7 +182,7 @@ def rng_state():
 def set_rng_state(state):
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"])
     if "nvfp4" in state:
         import nvfp4
         nvfp4.set_rng_state(state["nvfp4"])
@@ -203,15 +203,17 @@ def atomic_save(obj, path):
         os.close(dir_fd)
 
 
-def optimizer_state_bytes(optimizer):
-    if hasattr(optimizer, "state_nbytes"):
+def optimizer_state_bytes(optimizer, fsdp, device):
+    """Bytes of optimizer state over the whole model. Without FSDP every rank holds all of it; with FSDP2 each rank
+    holds its shard (DTensor states: their local part; optim.py's packed NVFP4 states are local tensors already)."""
+    if not fsdp and hasattr(optimizer, "state_nbytes"):
         return int(optimizer.state_nbytes())
-    total = 0
-    for state in getattr(optimizer, "state", {}).values():
-        for v in state.values():
-            if torch.is_tensor(v):
-                total += v.numel() * v.element_size()
-    return total
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t
+    total = sum(local(v).nbytes for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
+    if fsdp and torch.distributed.is_initialized():  # every rank must call this
+        total = torch.tensor(float(total), device=device)
+        torch.distributed.all_reduce(total)
+    return int(total)
 
 
 def read_metrics(path):
@@ -391,6 +393,7 @@ def main(argv=None):
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     train_time, timed_tokens = 0.0, 0  # for the summary: excludes eval, checkpoints and the first (warmup) steps
+    start_step = step
     skip_steps = min(args.max_steps - step - 1, max(1, (args.max_steps - step) // 10))
     interval_time, interval_tokens = 0.0, 0  # training time only (no eval / checkpoint time)
     loss_val, val_loss = float("nan"), None
@@ -445,7 +448,7 @@ def main(argv=None):
         if args.device == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        if step > skip_steps or step == args.max_steps:
+        if step - start_step > skip_steps:
             train_time, timed_tokens = train_time + dt, timed_tokens + tokens_per_step
         interval_time, interval_tokens = interval_time + dt, interval_tokens + tokens_per_step
 
@@ -475,10 +478,10 @@ def main(argv=None):
     if bar is not None:
         bar.close()
 
+    opt_bytes = optimizer_state_bytes(optimizer, args.fsdp, device)
     if master:
         plot_metrics(args.out_dir, f"{args.config} / {args.recipe} / {args.optimizer}")
         tok_s = timed_tokens / train_time if train_time > 0 else float("nan")
-        opt_bytes = optimizer_state_bytes(optimizer)  # FSDP2: DTensor sizes are global, so this is the total
         summary = {"config": args.config, "recipe": args.recipe, "optimizer": args.optimizer,
                    "linear_policy": linear_policy, "attn_policy": attn_policy, "state_quant": state_quant,
                    "params": n_params, "steps": step, "tokens": step * tokens_per_step, "world_size": world_size,

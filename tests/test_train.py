@@ -188,5 +188,18 @@ def test_torchrun_ddp_and_fsdp2_on_cpu_agree(byte_data, tmp_path):
     torchrun(tmp_path / "fsdp", "--max_steps", "2", "--lr_decay_steps", "3", "--fsdp")
     fsdp = torchrun(tmp_path / "fsdp", "--max_steps", "3", "--fsdp", "--resume")
     assert os.path.exists(tmp_path / "fsdp" / "ckpt_rank1.pt")
+    summaries = [json.load(open(tmp_path / d / "summary.json")) for d in ("ddp", "fsdp")]
+    for s in summaries:  # fp32 AdamW m + v over the whole model, whether replicated (DDP) or sharded (FSDP2)
+        assert 8.0 <= s["optimizer_bytes_per_param"] < 8.01, s
     assert len(ddp) == len(fsdp) == 3
     np.testing.assert_allclose(fsdp, ddp, rtol=1e-5)
+
+
+def test_sample_from_a_checkpoint(byte_data, micro, tmp_path, monkeypatch, capsys):
+    import sample
+    monkeypatch.setitem(model.CONFIGS, "micro", {**MICRO, "vocab_size": 50304})  # GPT-2 ids for the tokenizer
+    run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "2", "--eval_every", "0")
+    sample.main(["--out_dir", str(tmp_path), "--prompt", "def main():", "--max_new_tokens", "5", "--num_samples", "2",
+                 "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert "step 2, config micro, recipe bf16" in out and out.count("def main():") == 2
