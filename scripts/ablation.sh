@@ -10,16 +10,18 @@
 #
 # Budget: the defaults (200 steps of 16 x 512 tokens = 1.6M tokens per run, each capped at JOB_TIMEOUT seconds)
 # are sized so that the 14 runs fit ~10 minutes on 2 H200s. A run killed by the cap keeps its metrics.jsonl
-# (report.py marks it "timeout"). Finished runs (summary.json present) are skipped unless FORCE=1.
+# (report.py marks it "timeout"). DEADLINE bounds the whole script (jobs are capped to it, later ones are not
+# started); rerun the script to continue: finished runs (summary.json present) are skipped unless FORCE=1.
 # tokens/s is only comparable across runs with one job per GPU (the default); JOBS_PER_GPU=2 trades that
 # for throughput on these small models.
 # Run directories are $RUNS/<config>_<recipe>_<optimizer>; each gets cmd.txt (the exact command), train.log, exit_code, metrics.jsonl, summary.json, ckpt.pt.
-# With $OUT set (the device tool's folder) the table, the plot and every run's small files are copied there.
+# With $OUT set (the device tool's folder) each run's small files are copied there as soon as it ends, and the
+# table and the plot at the end (or: python report.py <copied ablation dir> on any machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 RUNS=${RUNS:-runs}
-CONFIG=${CONFIG:-toy}  # tiny: a CPU smoke run of the queue (tests/test_figures.py)
+CONFIG=${CONFIG:-toy}  # tiny: a CPU smoke run of the queue
 STEPS=${STEPS:-200}
 BATCH=${BATCH:-16}
 SEQ=${SEQ:-512}
@@ -30,6 +32,7 @@ EVAL_ITERS=${EVAL_ITERS:-10}
 LOG_EVERY=${LOG_EVERY:-5}
 SEED=${SEED:-0}
 JOB_TIMEOUT=${JOB_TIMEOUT:-150}
+DEADLINE=${DEADLINE:-560}  # whole script, seconds (0: none): no job starts or runs past it (a 10-min command cap)
 JOBS_PER_GPU=${JOBS_PER_GPU:-1}
 EXTRA=${EXTRA:-}  # more train.py flags for every run, e.g. EXTRA="--compile"
 RECIPES=${RECIPES:-"bf16 nvfp4 nvfp4_46 lora_naive lora_svd fullstack naive_fp4"}
@@ -65,22 +68,33 @@ if [ "$DRY_RUN" = 1 ]; then
   exit 0
 fi
 
+START=$(date +%s)
 mkdir -p "$RUNS"
 export PYTHONUNBUFFERED=1
 # train.py builds the default corpus on first use; build it once here so parallel jobs don't race on it
 [ -f data_cache/default/train.bin ] || python data.py || exit 1
 
-run_job() {  # gpu recipe optimizer
-  local gpu=$1 dir="$RUNS/${CONFIG}_$2_$3" cmd rc
+save_out() {  # run dir -> its small files (not the checkpoint) under $OUT, right away: a killed script keeps them
+  [ -n "${OUT:-}" ] || return 0
+  local dest="$OUT/ablation/$(basename "$1")" f
+  mkdir -p "$dest"
+  for f in metrics.jsonl summary.json cmd.txt exit_code; do [ -f "$1/$f" ] && cp "$1/$f" "$dest/"; done
+  tail -n 30 "$1/train.log" > "$dest/train.log" 2>/dev/null
+  return 0
+}
+
+run_job() {  # gpu seconds recipe optimizer
+  local gpu=$1 cap=$2 dir="$RUNS/${CONFIG}_$3_$4" cmd rc
   if [ -f "$dir/summary.json" ] && [ "$FORCE" != 1 ]; then echo "[gpu $gpu] skip $dir: finished earlier"; return; fi
   mkdir -p "$dir"
-  cmd=$(command_for "$2" "$3")
+  cmd=$(command_for "$3" "$4")
   echo "$cmd" > "$dir/cmd.txt"
-  echo "[gpu $gpu] $(date +%T) start $dir"
-  CUDA_VISIBLE_DEVICES=$gpu timeout "$JOB_TIMEOUT" $cmd > "$dir/train.log" 2>&1
+  echo "[gpu $gpu] $(date +%T) start $dir (cap ${cap}s)"
+  CUDA_VISIBLE_DEVICES=$gpu timeout "$cap" $cmd > "$dir/train.log" 2>&1
   rc=$?
   echo $rc > "$dir/exit_code"
   echo "[gpu $gpu] $(date +%T) exit $rc $dir: $(tail -n 1 "$dir/train.log")"
+  save_out "$dir"
 }
 
 QUEUE="$RUNS/.queue"
@@ -88,30 +102,30 @@ echo 0 > "$QUEUE"
 next_job() {  # atomically take the next index of JOBS (flock: several workers share one counter)
   { flock 9; local i; i=$(cat "$QUEUE"); echo $((i + 1)) > "$QUEUE"; echo "$i"; } 9> "$QUEUE.lock"
 }
-worker() {  # gpu: run jobs from the queue until it is empty
-  local i
+worker() {  # gpu: run jobs from the queue until it is empty or the deadline is near
+  local i left cap
   while i=$(next_job) && [ "$i" -lt "${#JOBS[@]}" ]; do
-    run_job "$1" ${JOBS[$i]}
+    cap=$JOB_TIMEOUT
+    if [ "$DEADLINE" -gt 0 ]; then  # leave ~30 s for the report; a job with < 60 s left would say nothing
+      left=$(( START + DEADLINE - 30 - $(date +%s) ))
+      if [ "$left" -lt 60 ]; then echo "[gpu $1] deadline: not starting ${JOBS[$i]}"; continue; fi
+      [ "$left" -lt "$cap" ] && cap=$left
+    fi
+    run_job "$1" "$cap" ${JOBS[$i]}
   done
 }
 
-echo "ablation: ${#JOBS[@]} runs on GPU(s) [$GPUS] x $JOBS_PER_GPU, $STEPS steps of $BATCH x $SEQ tokens, cap ${JOB_TIMEOUT}s each"
-start=$(date +%s)
+echo "ablation: ${#JOBS[@]} runs on GPU(s) [$GPUS] x $JOBS_PER_GPU, $STEPS steps of $BATCH x $SEQ tokens," \
+     "cap ${JOB_TIMEOUT}s each, deadline ${DEADLINE}s"
 for gpu in $GPUS; do
   for _ in $(seq "$JOBS_PER_GPU"); do worker "$gpu" & done
 done
 wait
-echo "ablation: all runs done in $(( $(date +%s) - start ))s"
+echo "ablation: done in $(( $(date +%s) - START ))s"
 rm -f "$QUEUE" "$QUEUE.lock"
 
 python report.py "$RUNS" --out "$RUNS/README_results.md" --plot "$RUNS/loss_curves.png" --json "$RUNS/results.json"
-
-if [ -n "${OUT:-}" ]; then  # bring back the results and each run's small files (not the checkpoints)
+if [ -n "${OUT:-}" ]; then
   mkdir -p "$OUT/ablation"
   cp "$RUNS/README_results.md" "$RUNS/loss_curves.png" "$RUNS/results.json" "$OUT/ablation/" 2>/dev/null
-  for dir in "$RUNS"/${CONFIG}_*; do
-    mkdir -p "$OUT/ablation/$(basename "$dir")"
-    for f in metrics.jsonl summary.json cmd.txt exit_code; do [ -f "$dir/$f" ] && cp "$dir/$f" "$OUT/ablation/$(basename "$dir")/"; done
-    tail -n 30 "$dir/train.log" > "$OUT/ablation/$(basename "$dir")/train.log" 2>/dev/null
-  done
 fi
