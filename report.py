@@ -74,6 +74,7 @@ def load_run(run_dir, tail_frac=0.1):
         recipe, optimizer = summary.get("recipe", recipe), summary.get("optimizer", optimizer)
         config, compiled = summary.get("config", config), bool(summary.get("compile", compiled))
     train = sorted(((r["step"], r["loss"]) for r in rows if "loss" in r), key=lambda t: t[0])
+    grad_norm = sorted(((r["step"], r["grad_norm"]) for r in rows if "grad_norm" in r), key=lambda t: t[0])
     val = sorted(((r["step"], r["val_loss"]) for r in rows if "val_loss" in r), key=lambda t: t[0])
     n_tail = max(1, math.ceil(tail_frac * len(train))) if train else 0
     tail = [loss for _, loss in train[-n_tail:]] if train else []
@@ -100,7 +101,7 @@ def load_run(run_dir, tail_frac=0.1):
     else:
         status = "ok"
     return {"name": name, "dir": run_dir, "recipe": recipe, "optimizer": optimizer, "config": config,
-            "setup": config + (" +compile" if compiled else ""), "train": train, "val": val,
+            "setup": config + (" +compile" if compiled else ""), "train": train, "val": val, "grad_norm": grad_norm,
             "steps": train[-1][0] if train else 0, "train_loss": train_loss, "val_loss": val_loss,
             "summary": summary, "status": status, "cmd": cmd}
 
@@ -176,15 +177,21 @@ def write_markdown(runs, path, plot_path=None, tail_frac=0.1):
 
 
 def plot_curves(runs, path):
-    """Train loss per optimizer panel, one colour per recipe (Fig. 6 / App. 13 style); diverged runs end in an x."""
+    """Top row: train loss, one panel per (setup, optimizer), one colour per recipe (Fig. 6 / App. 13 style),
+    diverged or collapsed runs end in an x. Bottom row: the pre-clipping gradient norm (App. 12, Fig. 9)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     panels = list(dict.fromkeys((r["setup"], r["optimizer"]) for r in runs))  # runs are sorted: setup, optimizer
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
+    fig, axes = plt.subplots(2, len(panels), figsize=(6.5 * len(panels), 7.5), squeeze=False,
+                             gridspec_kw={"height_ratios": (3, 2)})
     colors = {rec: plt.cm.tab10(i) for i, rec in enumerate(RECIPE_ORDER)}
-    for ax, (setup, opt) in zip(axes[0], panels):
+    for ax, gax, (setup, opt) in zip(axes[0], axes[1], panels):
         for r in (r for r in runs if (r["setup"], r["optimizer"]) == (setup, opt)):
+            gn = [(s, g) for s, g in r["grad_norm"] if finite(g)]
+            if gn:
+                gax.plot(*zip(*gn), color=colors.get(r["recipe"], "gray"), lw=0.8,
+                         ls="--" if r["recipe"] == "naive_fp4" else "-")
             pts = [(s, loss) for s, loss in r["train"] if finite(loss)]
             label = r["recipe"] if r["status"] == "ok" else f"{r['recipe']} ({r['status']})"
             color = colors.get(r["recipe"], "gray")
@@ -206,6 +213,10 @@ def plot_curves(runs, path):
             ax.set_ylim(lo - 0.1, min(max(losses), lo + 4.0) + 0.1)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+        gax.set_yscale("log")
+        gax.set_xlabel("step")
+        gax.set_ylabel("grad norm (before clipping)")
+        gax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
