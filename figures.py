@@ -48,7 +48,7 @@ SIZES = {
     "full": {
         # Fig. 3: the 1b config's shapes (hidden 2048, FFN 6144, 8 KV heads of 128)
         "fig3_shapes": [(2048, 2048), (1024, 2048), (6144, 2048), (2048, 6144)],
-        "fig3_ranks": (8, 16, 32, 64, 128, 256), "fig3_tokens": 4096, "fig3_trained_blocks": "all",
+        "fig3_ranks": (8, 32, 128, 256), "fig3_tokens": 4096, "fig3_trained_blocks": "all",
         "fig3_batch": (4, 1024),
         "fig4a_shape": (3072, 9216),
         # at min dim 512 (aspect kept; 0 = real size): optim.polar_error's float64 SVD per call makes 3072x9216 slow
