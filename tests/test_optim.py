@@ -357,6 +357,7 @@ def reference_step(p, g, st, step, hp):
 
 
 HP = (1e-3, 0.9, 0.95, 1e-8, 0.1)  # lr, beta1, beta2, eps, weight_decay
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel: the GPU, else the Triton interpreter
 
 
 def as_bits(t):
@@ -373,8 +374,9 @@ def test_fused_kernel_equals_reference(shape):
     p_ref, m_ref, v_ref = reference_step(p, g, st, 3, HP)
     v_enc = optim.encode_second_moment(v_ref)
     m_enc = optim.encode_first_moment(m_ref, gen(23))
-    p_k, st_k = p.clone(), {k: x.clone() for k, x in st.items()}
-    fused_adamw_step(p_k, g, st_k, *HP, step=3, seed=123)
+    p_k, st_k = p.to(DEV), {k: x.to(DEV) for k, x in st.items()}
+    fused_adamw_step(p_k, g.to(DEV), st_k, *HP, step=3, seed=123)
+    p_k, st_k = p_k.cpu(), {k: x.cpu() for k, x in st_k.items()}
     assert torch.equal(p_k, p_ref)                                      # RTN / exact parts: bit for bit
     for key in ("codes", "scales", "global_scale", "tile_mean"):
         assert torch.equal(as_bits(st_k["v." + key]), as_bits(v_enc[key])), key
@@ -394,8 +396,9 @@ def test_fused_kernel_stochastic_rounding_of_m_is_unbiased():
     _, m_ref, _ = reference_step(p, g, st, 2, HP)
     n, total = 12, 0
     for seed in range(n):
-        st_k = {k: x.clone() for k, x in st.items()}
-        fused_adamw_step(p.clone(), g, st_k, *HP, step=2, seed=seed)
+        st_k = {k: x.to(DEV) for k, x in st.items()}
+        fused_adamw_step(p.to(DEV), g.to(DEV), st_k, *HP, step=2, seed=seed)
+        st_k = {k: x.cpu() for k, x in st_k.items()}
         total = total + optim.decode_first_moment(optim._prefixed(st_k, "m"))
     single = (optim.decode_first_moment(optim._prefixed(st_k, "m")) - m_ref).norm()
     assert ((total / n) - m_ref).norm() < 2 * single / n**0.5
