@@ -676,11 +676,16 @@ def build_optimizer(model, optimizer="adamw", state_quant="none", lr=1e-3, lora_
 # ----------------------------------------------------------------------------------------------------------
 # Fitting the NS coefficients per shape (the published table does not cover our configs' shapes)
 
-def polar_error(X, G):
-    """Orthogonality error ||X - U V^T||_F / ||U V^T||_F: the distance of NS's output to the exact
-    orthogonal polar factor of its input G = U S V^T (float64 SVD)."""
+def polar_factor(G):
+    """U V^T of G = U S V^T (float64 SVD): the exact orthogonalization NS approximates."""
     U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
-    P = U @ Vh
+    return U @ Vh
+
+
+def polar_error(X, G, P=None):
+    """Orthogonality error ||X - U V^T||_F / ||U V^T||_F: the distance of NS's output to the exact
+    orthogonal polar factor of its input G (pass P = polar_factor(G) to reuse it)."""
+    P = polar_factor(G) if P is None else P
     return ((X.double() - P).norm() / P.norm()).item()
 
 
@@ -702,13 +707,14 @@ def representative_inputs(m, n, count=2, seed=0, device=None):
     return inputs
 
 
-def ns_error(coefficients, inputs, quantized=True, seed=0, cap=10.0):
-    """Mean polar_error of NS(input) over `inputs` (the same Hadamard draws for every coefficient set)."""
+def ns_error(coefficients, inputs, quantized=True, seed=0, cap=10.0, polars=None):
+    """Mean polar_error of NS(input) over `inputs` (the same Hadamard draws for every coefficient set).
+    polars: the inputs' polar factors, if already computed (the fit evaluates the same inputs many times)."""
     errors = []
     for i, G in enumerate(inputs):
         g = torch.Generator(device=G.device).manual_seed(seed + i)
         X = newton_schulz(G, coefficients=coefficients, quantized=quantized, generator=g)
-        e = polar_error(X, G)
+        e = polar_error(X, G, None if polars is None else polars[i])
         errors.append(e if math.isfinite(e) else cap)
     return min(sum(errors) / len(errors), cap)
 
@@ -759,9 +765,10 @@ def fit_coefficients(m, n, fit_min_dim=64, inputs=2, iters=40, seed=0, device=No
     Started from a conservative stable set and from Muon's."""
     fm, fn = reduced_shape(min(m, n), max(m, n), fit_min_dim)
     data = representative_inputs(fm, fn, inputs, seed, device)
+    polars = [polar_factor(G) for G in data]
 
     def objective(abc):
-        return ns_error(tuple(abc), data, seed=seed) if coefficients_stable(abc) else float("inf")
+        return ns_error(tuple(abc), data, seed=seed, polars=polars) if coefficients_stable(abc) else float("inf")
 
     best, best_err = None, float("inf")
     for start in ((2.0, -1.5, 0.5), MUON_COEFFICIENTS):
@@ -769,7 +776,7 @@ def fit_coefficients(m, n, fit_min_dim=64, inputs=2, iters=40, seed=0, device=No
         if err < best_err:
             best, best_err = abc, err
     return {"abc": [round(x, 4) for x in best], "fit_shape": [fm, fn], "fit_error": round(best_err, 4),
-            "muon_error": round(ns_error(MUON_COEFFICIENTS, data, seed=seed), 4)}
+            "muon_error": round(ns_error(MUON_COEFFICIENTS, data, seed=seed, polars=polars), 4)}
 
 
 def config_shapes(names):
