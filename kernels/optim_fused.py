@@ -17,15 +17,17 @@ encode_first_moment / encode_second_moment), op for op, compiled with enable_fp_
   - the 16-point Hadamard is the same 4-stage butterfly as optim.fwht16, the tile mean the same pairwise tree;
   - quantization reuses kernels/nvfp4_quant.py's E4M3 / E2M1 helpers (bit-exact with nvfp4.quantize);
   - divisions and sqrt are correctly rounded (tl.div_rn / tl.sqrt_rn), like torch on the CPU.
-So with the same inputs the RTN parts (v's codes, scales, tile means; p) equal the CPU reference bit for bit,
-except where 4/6 compares two block errors within an ulp (sums in another order: rare). m's stochastic
-rounding draws from tl.rand(seed, element index), not torch's generator: equal in distribution only.
+  - 4/6's block errors are summed with the same fixed pairwise tree as nvfp4._pairwise_block_sum.
+So with the same inputs the RTN parts (v's codes, scales, tile means; p) equal the CPU reference bit for bit.
+m's stochastic rounding draws from tl.rand(seed, element index), not torch's generator: equal in distribution
+only (its block scales, chosen by RTN error, match).
 """
 
 import triton
 import triton.language as tl
 
-from kernels.nvfp4_quant import _div_by, _e2m1_value, _exact_fma, _round_to_e4m3, _rtn_e2m1, _sr_e2m1
+from kernels.nvfp4_quant import (_div_by, _e2m1_value, _exact_fma, _pairwise_block_sum, _round_to_e4m3, _rtn_e2m1,
+                                  _sr_e2m1)
 
 
 @triton.jit
@@ -124,7 +126,9 @@ def _encode(x, s_g, rand, codes_ptr, scales_ptr, rows, cols, R, C, SR: tl.conste
     a4 = tl.minimum(_div_by(xb, den4[:, :, None], inv4[:, :, None], EXACT_FMA), 6.0)
     d6 = _e2m1_value(_rtn_e2m1(a6)) * den6[:, :, None] - xb
     d4 = _e2m1_value(_rtn_e2m1(a4)) * den4[:, :, None] - xb
-    use4 = tl.sum(d4 * d4, axis=2) < tl.sum(d6 * d6, axis=2)                  # 4/6, ties to 6
+    err6 = _pairwise_block_sum((d6 * d6).reshape(BM, 1, BN // 16, 16), BM, 1, BN // 16, 16)
+    err4 = _pairwise_block_sum((d4 * d4).reshape(BM, 1, BN // 16, 16), BM, 1, BN // 16, 16)
+    use4 = err4 < err6                                                         # 4/6, ties to 6
     a = tl.where(use4[:, :, None], a4, a6)
     if SR:
         idx = _sr_e2m1(a, rand.reshape(BM, BN // 16, 16))

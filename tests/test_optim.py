@@ -382,7 +382,7 @@ def test_fused_kernel_equals_reference(shape):
         assert torch.equal(as_bits(st_k["v." + key]), as_bits(v_enc[key])), key
     assert torch.equal(st_k["m.global_scale"], m_enc["global_scale"])
     # m: SR with tl.rand vs torch's generator: same scales (the scale choice uses RTN error), similar error
-    assert (as_bits(st_k["m.scales"]) == as_bits(m_enc["scales"])).float().mean() > 0.99
+    assert torch.equal(as_bits(st_k["m.scales"]), as_bits(m_enc["scales"]))
     err = lambda st_m: ((optim.decode_first_moment(st_m) - m_ref).norm() / m_ref.norm()).item()
     assert abs(err(optim._prefixed(st_k, "m")) - err(m_enc)) < 0.05
 
@@ -417,7 +417,7 @@ def test_fused_kernel_on_gpu_matches_cpu_reference():
     p_k, st_k = p.cuda(), {k: x.cuda() for k, x in st.items()}
     fused_adamw_step(p_k, g.cuda(), st_k, *HP, step=5, seed=7)
     assert torch.equal(p_k.cpu(), p_ref)
-    assert (as_bits(st_k["v.codes"]).cpu() == v_enc["codes"]).float().mean() > 0.999
+    assert torch.equal(st_k["v.codes"].cpu(), v_enc["codes"])
     assert torch.equal(st_k["v.tile_mean"].cpu(), v_enc["tile_mean"])
     m_k = optim.decode_first_moment({k: x.cpu() for k, x in optim._prefixed(st_k, "m").items()})
     assert ((m_k - m_ref).norm() / m_ref.norm()).item() < 0.2
