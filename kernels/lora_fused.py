@@ -272,8 +272,10 @@ _ROUTES = {}
 
 
 def _pick_route(key, run_triton, run_cublas, device):
-    """NANOFP4_GEMM_ROUTE=triton|cublas forces a route (as in nvfp4_gemm); else time both once per shape."""
-    forced = os.environ.get("NANOFP4_GEMM_ROUTE", "auto")
+    """NANOFP4_GEMM_ROUTE=triton|cublas|auto picks the route (auto: time both once per shape). On CUDA the default
+    is cublas: the Triton epilogue kernel hit an illegal memory access in the dX up-projection (trans_b) at the toy
+    config's shapes on the H200 (2026-11-29, not yet debugged); the interpreter tests cover it on CPU."""
+    forced = os.environ.get("NANOFP4_GEMM_ROUTE", "cublas" if device.type == "cuda" else "auto")
     if forced in ("triton", "cublas"):
         return forced
     if device.type != "cuda":
