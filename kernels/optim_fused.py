@@ -143,7 +143,7 @@ def _encode(x, s_g, rand, codes_ptr, scales_ptr, rows, cols, R, C, SR: tl.conste
              mask=rows[:, None] < R)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])  # a fresh SR seed per step must not recompile
 def _update_pass(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, old_gs_ptr, amax_ptr, new_gs_ptr, R, C, seed,
                  wd_factor, beta1, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, step_size,
                  FLOOR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LOG2_BN: tl.constexpr,
