@@ -143,6 +143,7 @@ _TIES_UP = torch.tensor([p for p, up in _RTN_MIDPOINTS if up], device="cpu")
 def rtn_e2m1(a):
     """Index (0..7) of the nearest E2M1 magnitude for a in [0, 6], ties to even: the number of decision points
     below a, counting a midpoint only when its tie goes up."""
+    a = a.contiguous()
     down = torch.bucketize(a, _TIES_DOWN.to(a.device), right=False)  # midpoints strictly below a
     up = torch.bucketize(a, _TIES_UP.to(a.device), right=True)        # midpoints at or below a
     return (down + up).to(torch.uint8)
@@ -152,7 +153,7 @@ def sr_e2m1(a, rand):
     """Stochastic rounding of a in [0, 6]: up to the next grid value with probability equal to the fractional
     distance (unbiased: E[q] = a). rand: uniform [0, 1), same shape."""
     grid = E2M1_VALUES.to(a.device)
-    lo = torch.bucketize(a, grid[1:], right=True)  # index of the grid value at or below a
+    lo = torch.bucketize(a.contiguous(), grid[1:], right=True)  # index of the grid value at or below a
     hi = (lo + 1).clamp(max=7)
     gap = grid[hi] - grid[lo]
     frac = torch.where(gap > 0, (a - grid[lo]) / torch.where(gap > 0, gap, 1.0), 0.0)
