@@ -52,57 +52,8 @@ def _seed(args):
 BLOCKS = [(1, 16), (16, 1), (16, 16)]
 
 
-# ----------------------------------------------------------------------------------------------------------
-# the reference with the pairwise 4/6 error sum (the patch the lead applies to nvfp4.py; used only if missing)
-
-def _use_pairwise_reference():
-    import nvfp4
-    if hasattr(nvfp4, "_pairwise_block_sum"):
-        return "nvfp4"
-
-    def _pairwise_block_sum(e):
-        while e.shape[-1] > 1:
-            e = e[..., 0::2] + e[..., 1::2]
-        while e.shape[-3] > 1:
-            e = e[..., 0::2, :, :] + e[..., 1::2, :, :]
-        return e
-
-    def _quantize_reference(x, block, rounding, four_over_six, generator):
-        shape, (bm, bn) = x.shape, block
-        lead, (M, N) = shape[:-2], shape[-2:]
-        x = x.float()
-        xb = x.reshape(*lead, M // bm, bm, N // bn, bn)
-        s_g = nvfp4.global_scale(x.abs().amax(), four_over_six)
-        block_amax = xb.abs().amax(dim=(-3, -1), keepdim=True)
-        rand = torch.rand(xb.shape, generator=generator, device=x.device) if rounding == "sr" else None
-
-        def candidate(fp4_max):
-            s_b = nvfp4.to_e4m3(block_amax / torch.full_like(block_amax, fp4_max) / s_g)
-            denom = s_b.float() * s_g
-            a = torch.where(denom > 0, xb.abs() / torch.where(denom > 0, denom, 1.0), 0.0).clamp(max=6.0)
-            return s_b, a, denom
-
-        s_b, a, denom = candidate(6.0)
-        if four_over_six:
-            def rtn_error(a, denom):
-                d = nvfp4.E2M1_VALUES.to(x.device)[nvfp4.rtn_e2m1(a).long()] * denom - xb.abs()
-                return _pairwise_block_sum(d * d)
-            s_b4, a4, denom4 = candidate(4.0)
-            use4 = rtn_error(a4, denom4) < rtn_error(a, denom)
-            s_b = torch.where(use4, s_b4.float(), s_b.float()).to(torch.float8_e4m3fn)
-            a = torch.where(use4, a4, a)
-        idx = nvfp4.rtn_e2m1(a) if rounding == "rtn" else nvfp4.sr_e2m1(a, rand)
-        codes = (idx | ((xb < 0).to(torch.uint8) << 3)).reshape(shape)
-        return nvfp4.NVFP4Tensor(nvfp4._pack(codes), s_b.reshape(*lead, M // bm, N // bn), s_g, shape, block)
-
-    nvfp4._quantize_reference_original = nvfp4._quantize_reference
-    nvfp4._quantize_reference = _quantize_reference
-    return "diag patch"
-
-
 def _init_worker(threads=1):
     torch.set_num_threads(threads)
-    _use_pairwise_reference()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -461,7 +412,7 @@ def main():
                 print(ln, flush=True)
 
     t_start = time.time()
-    print(f"reference 4/6 sum: {_use_pairwise_reference()}; {DEV if DRY else torch.cuda.get_device_name()} "
+    print(f"{DEV if DRY else torch.cuda.get_device_name()} "
           f"torch {torch.__version__}", flush=True)
     tasks = []
     if "quant" in sections:
