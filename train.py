@@ -287,6 +287,10 @@ def main(argv=None):
         torch.distributed.init_process_group(backend=backend)
     device = f"cuda:{local_rank}" if args.device == "cuda" else "cpu"
     master = rank == 0
+    if args.device == "cpu" and linear_policy != "bf16" and "OMP_NUM_THREADS" not in os.environ:
+        # the FP4 reference paths are thousands of small ops a step: OpenMP fan-out costs more than it gains, and
+        # on a CPU shared with other jobs 2 threads were ~5x slower than 1 (set OMP_NUM_THREADS to override)
+        torch.set_num_threads(1)
     ckpt_path = os.path.join(args.out_dir, f"ckpt_rank{rank}.pt" if args.fsdp else "ckpt.pt")
     metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
 
