@@ -191,18 +191,21 @@ def _quantize_reference(x, block, rounding, four_over_six, generator):
         return s_b, a, denom
 
     s_b, a, denom = candidate(FP4_MAX)
+    idx = rtn_e2m1(a)
     if four_over_six:
         # 4/6 scaling: per block keep whichever of max->6 / max->4 reconstructs with lower squared error
         # (ties to 6). The choice uses the RTN error even when rounding is SR, so that the random draw does
         # not influence the scale and SR stays unbiased given the scale.
-        def rtn_error(a, denom):
-            d = E2M1_VALUES.to(x.device)[rtn_e2m1(a).long()] * denom - xb.abs()
+        def rtn_error(idx, denom):
+            d = E2M1_VALUES.to(x.device)[idx.long()] * denom - xb.abs()
             return _pairwise_block_sum(d * d)
         s_b4, a4, denom4 = candidate(4.0)
-        use4 = rtn_error(a4, denom4) < rtn_error(a, denom)
+        idx4 = rtn_e2m1(a4)
+        use4 = rtn_error(idx4, denom4) < rtn_error(idx, denom)
         s_b = torch.where(use4, s_b4.float(), s_b.float()).to(torch.float8_e4m3fn)
-        a = torch.where(use4, a4, a)
-    idx = rtn_e2m1(a) if rounding == "rtn" else sr_e2m1(a, rand)
+        a, idx = torch.where(use4, a4, a), torch.where(use4, idx4, idx)
+    if rounding == "sr":
+        idx = sr_e2m1(a, rand)
     codes = idx | ((xb < 0).to(torch.uint8) << 3)                       # sign bit as the hardware writes it: -0 kept
     codes = codes.reshape(shape)
     scales = s_b.reshape(*lead, M // bm, N // bn)
