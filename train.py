@@ -39,8 +39,8 @@ RECIPES = {
 # 1b/3b: the paper's hyperparameters (DESIGN.md): 1M-token batches (batch_size x grad_accum x seq_len, batch_size
 # split across ranks), peak lr 1.5e-4 (LoRA branch 3e-4), 3B warmup tokens, 20B / 64B tokens, cosine decay.
 CONFIG_DEFAULTS = {
-    "tiny": dict(batch_size=8, grad_accum=1, seq_len=128, max_steps=40, lr=3e-3, warmup=5, eval_every=20,
-                 eval_iters=4, save_every=20, log_every=1),
+    "tiny": dict(batch_size=8, grad_accum=1, seq_len=128, max_steps=30, lr=3e-3, warmup=5, eval_every=15,
+                 eval_iters=4, save_every=15, log_every=1),
     "toy": dict(batch_size=32, grad_accum=1, seq_len=1024, max_steps=700, lr=1e-3, warmup=50, eval_every=100,
                 eval_iters=20, save_every=500, log_every=10),
     "1b": dict(batch_size=32, grad_accum=16, seq_len=2048, max_steps=20_000, lr=1.5e-4, warmup=3000,
