@@ -348,6 +348,8 @@ def main(argv=None):
         optimizer.load_state_dict(ckpt["optimizer"])
         train_loader.load_state_dict(ckpt["loader"])
         step = ckpt["step"]
+        if step >= args.max_steps:
+            die(f"--max_steps {args.max_steps}: the checkpoint {ckpt_path} is already at step {step}; raise --max_steps")
         set_rng_state(ckpt["ranks"][rank]["rng"])  # each rank's own SR / Hadamard streams
         if master:  # drop metrics rows written after the checkpoint (a crash between save and the next save)
             rows = [r for r in read_metrics(metrics_path) if r["step"] <= step]

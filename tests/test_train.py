@@ -110,6 +110,9 @@ def test_resume_is_exact(byte_data, micro1, tmp_path, recipe, steps):
     resumed = train_losses(run(byte_data, tmp_path / "half", *flags, "--max_steps", str(steps), "--resume"))
     assert len(full) == len(resumed) == steps
     assert full == resumed  # bit-exact
+    with pytest.raises(SystemExit) as e:  # nothing left to do: a clear error, not a silent no-op
+        run(byte_data, tmp_path / "half", *flags, "--max_steps", str(steps), "--resume")
+    assert e.value.code == 2
 
 
 @pytest.mark.parametrize("recipe,optimizer", [(r, "adamw") for r in train.RECIPES if r != "bf16"] +
