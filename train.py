@@ -146,8 +146,8 @@ def resolve_args(args, world_size):
         die(f"--seq_len {args.seq_len}: recipe {args.recipe} quantizes in 16-element blocks; use a multiple of 16")
     if args.batch_size % world_size:
         die(f"--batch_size {args.batch_size}: does not divide across {world_size} ranks")
-    if args.fsdp and world_size == 1 and args.device == "cuda":
-        pass  # FSDP2 on one rank is allowed (a sharding of one); useful to test the code path
+    if args.fsdp and world_size == 1:
+        die("--fsdp: shards over the ranks of a torchrun launch; run it under torchrun --nproc_per_node=N (N > 1)")
     return linear_policy, attn_policy, state_quant
 
 

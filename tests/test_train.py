@@ -155,6 +155,8 @@ BAD_FLAGS = [
     (["--max_steps", "abc"], "--max_steps: invalid int value"),
     (["--data", "/nonexistent/dir"], "--data /nonexistent/dir: token shard"),
     (["--resume"], "--resume: no checkpoint at"),
+    (["--fsdp"], "--fsdp: shards over the ranks of a torchrun launch"),
+    (["--attn_policy", "fp8"], "--attn_policy 'fp8': expected"),
 ]
 
 
