@@ -24,10 +24,6 @@ FP4_MAX = 6.0
 E4M3_MAX = 448.0
 E4M3_MAX_46 = 256.0  # with 4/6 the x1.5 candidate scale (max -> 4) must still fit E4M3: 256 * 1.5 < 448
 BLOCKS = ((1, 16), (16, 1), (16, 16))
-# RTN decision points between neighbouring grid values. At an exact midpoint the value goes to the code with
-# an even index ("ties to even", like the hardware's cvt.rn): midpoints 0.25, 1.25, 2.5, 5 round down,
-# 0.75, 1.75, 3.5 round up.
-_RTN_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
 
 def use_reference():
@@ -136,28 +132,30 @@ def to_e4m3(s):
     return s.clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-_TIES_DOWN = torch.tensor([p for p, up in _RTN_MIDPOINTS if not up], device="cpu")
-_TIES_UP = torch.tensor([p for p, up in _RTN_MIDPOINTS if up], device="cpu")
+def _grid_step(a):
+    """The E2M1 grid is uniform within each binade: step 0.5 below 2, 1 below 4, 2 up to 6."""
+    return torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+
+
+def _e2m1_index(q):
+    """Index into E2M1_VALUES of a grid value q: 0, .5, 1, 1.5, 2 -> 0..4; 3, 4 -> 5, 6; 6 -> 7."""
+    return torch.where(q <= 2, q * 2, torch.where(q <= 4, q + 2, 7.0)).to(torch.uint8)
 
 
 def rtn_e2m1(a):
-    """Index (0..7) of the nearest E2M1 magnitude for a in [0, 6], ties to even: the number of decision points
-    below a, counting a midpoint only when its tie goes up."""
-    a = a.contiguous()
-    down = torch.bucketize(a, _TIES_DOWN.to(a.device), right=False)  # midpoints strictly below a
-    up = torch.bucketize(a, _TIES_UP.to(a.device), right=True)        # midpoints at or below a
-    return (down + up).to(torch.uint8)
+    """Index (0..7) of the nearest E2M1 magnitude for a in [0, 6]. torch.round rounds half to even on the binade's
+    grid, which is the hardware's ties-to-even on the code: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2,
+    3.5 -> 4, 5 -> 4 (a value at the top of a binade rounds into the next one, where it is exact)."""
+    step = _grid_step(a)
+    return _e2m1_index(torch.round(a / step) * step)
 
 
 def sr_e2m1(a, rand):
     """Stochastic rounding of a in [0, 6]: up to the next grid value with probability equal to the fractional
     distance (unbiased: E[q] = a). rand: uniform [0, 1), same shape."""
-    grid = E2M1_VALUES.to(a.device)
-    lo = torch.bucketize(a.contiguous(), grid[1:], right=True)  # index of the grid value at or below a
-    hi = (lo + 1).clamp(max=7)
-    gap = grid[hi] - grid[lo]
-    frac = torch.where(gap > 0, (a - grid[lo]) / torch.where(gap > 0, gap, 1.0), 0.0)
-    return (lo + (rand < frac).long()).to(torch.uint8)
+    step = _grid_step(a)
+    lo = torch.floor(a / step) * step
+    return _e2m1_index(torch.where(rand < (a - lo) / step, lo + step, lo).clamp(max=FP4_MAX))
 
 
 def _pairwise_block_sum(e):
