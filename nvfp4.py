@@ -81,9 +81,9 @@ class NVFP4Tensor:
         return (self.grid_values() * self.global_scale).to(dtype)
 
     def t(self):
-        """The transpose of the last two dims, re-packed: exact, no requantization. Turns a (1,16)-blocked
-        tensor into a (16,1)-blocked one and keeps (16,16): this is how the backward reuses the forward's
-        Q16x16(W) for dX = dY W (eq. 1, "reused from fwd")."""
+        """The transpose of the last two dims, re-packed: exact, no requantization ((1,16) blocks become (16,1),
+        (16,16) stay). The layers never need it (the GEMMs read stored operands transposed, trans_a / trans_b);
+        it is the oracle the tests use for those transposed reads."""
         codes = self.unpack_codes().transpose(-1, -2).contiguous()
         return NVFP4Tensor(_pack(codes), self.scales.transpose(-1, -2).contiguous(), self.global_scale,
                            codes.shape, self.block[::-1])
