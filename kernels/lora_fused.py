@@ -28,21 +28,22 @@ import triton
 import triton.language as tl
 
 from kernels.nvfp4_gemm import _CONFIGS, _dequant_tile, _operand, grid_values_mm
-from kernels.nvfp4_quant import _e2m1_value, _load_tile, _round_to_e4m3, _rtn_e2m1, _sr_e2m1, grid_values_bf16
+from kernels.nvfp4_quant import (_e2m1_value, _load_tile, _pairwise_block_sum, _round_to_e4m3, _rtn_e2m1, _sr_e2m1,
+                                 grid_values_bf16)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # quantize + down-projection
 
 @triton.jit
-def _scale_candidate(xb, block_amax, s_g, FP4_MAX: tl.constexpr):
+def _scale_candidate(xb, block_amax, s_g, FP4_MAX: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr):
     """Block scale with the block max mapped to FP4_MAX (6, or 4 for 4/6's second candidate) and the scaled
     magnitudes a = min(|x| / (s_b s_g), 6), rounded exactly as nvfp4_quant._quantize_kernel does."""
     s, bits = _round_to_e4m3(tl.minimum(tl.div_rn(tl.div_rn(block_amax, FP4_MAX), s_g), 448.0))
     den = (s * s_g)[:, None, :, None]
     a = tl.minimum(tl.where(den > 0, tl.div_rn(xb, tl.where(den > 0, den, 1.0)), 0.0), 6.0)
     err = _e2m1_value(_rtn_e2m1(a)) * den - xb  # RTN reconstruction error, for the 4/6 choice
-    return s, bits, a, tl.sum(tl.sum(err * err, axis=3), axis=1)
+    return s, bits, a, _pairwise_block_sum(err * err, BM, 1, NB, 16)  # (BM, NB): nvfp4's fixed summation order
 
 
 @triton.jit(do_not_specialize=["seed"])  # a fresh SR seed per call must not recompile
@@ -68,9 +69,9 @@ def _quantize_down_proj_kernel(x_ptr, l_ptr, amax_ptr, gs_other_ptr, codes_ptr, 
                                              BM, BN, 0, True)
         xb = tl.abs(x).reshape(BM, 1, BN // 16, 16)
         block_amax = tl.max(tl.max(xb, axis=3), axis=1)  # (BM, BN // 16)
-        s_b, bits, a, err6 = _scale_candidate(xb, block_amax, s_g, 6.0)
+        s_b, bits, a, err6 = _scale_candidate(xb, block_amax, s_g, 6.0, BM, BN // 16)
         if FOUR_OVER_SIX:  # keep the lower-error candidate per block, ties to 6
-            s4, bits4, a4, err4 = _scale_candidate(xb, block_amax, s_g, 4.0)
+            s4, bits4, a4, err4 = _scale_candidate(xb, block_amax, s_g, 4.0, BM, BN // 16)
             use4 = err4 < err6
             s_b = tl.where(use4, s4, s_b)
             bits = tl.where(use4, bits4, bits)
