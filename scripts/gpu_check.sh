@@ -1,20 +1,50 @@
 #!/usr/bin/env bash
-# The whole GPU check in one call (run on the H200 through the device tool, from the repo root):
-#   bash scripts/gpu_check.sh [tests] [bench] [train]      (default: tests bench)
-# Results land in $OUT (the device tool's folder) or ./gpu_out: one log per stage plus the benchmarks' JSON.
-# Needs the prepared corpus in data_cache/default (carry it: it is git-ignored).
+# The GPU check in one call (H200 through the device tool, from the repo root):
+#   bash scripts/gpu_check.sh [stage ...]          (default: tests bench)
+# Stages, run in the order given, each bounded so that the call ends before DEADLINE seconds (default 560):
+#   tests       pytest -m gpu (full-size kernel checks against the CPU reference)
+#   diag        scripts/gpu_diag.py: every NVFP4 primitive vs the CPU reference + timings + quantize tile sweep
+#   lora_debug  scripts/debug_lora_fused.py: the Triton LoRA epilogue route per config at the toy shapes
+#   smoke       toy fullstack (AdamW and Root), 30 steps each: the main recipe trains on this GPU
+#   bench       bench_{optim,lora_svd,nvfp4,attention}.py (JSON into bench_json.tgz)
+# On a 2-GPU machine run two lists side by side:
+#   CUDA_VISIBLE_DEVICES=0 STREAM=g0 bash scripts/gpu_check.sh tests diag & \
+#   CUDA_VISIBLE_DEVICES=1 STREAM=g1 bash scripts/gpu_check.sh smoke bench & wait
+# Results: $OUT (the device tool's folder, at most 8 files come back) or ./gpu_out: <stream>_<stage>.log.
+# Training stages need the prepared corpus in data_cache/default (carry it: it is git-ignored).
 set -uo pipefail
+cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+STREAM=${STREAM:-gpu}
+DEADLINE=${DEADLINE:-560}
+START=${START:-$(date +%s)}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 stages=${*:-tests bench}
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/env.txt" 2>&1
+
+left() {  # seconds until the deadline, capped at $1
+  local l=$(( START + DEADLINE - $(date +%s) ))
+  [ "$l" -gt "$1" ] && l=$1
+  echo $(( l > 0 ? l : 1 ))
+}
+
 for stage in $stages; do
+  log="$OUT/${STREAM}_$stage.log"
+  echo "== $stage ($(date +%T), $(left 100000)s left)" | tee "$log"
   case $stage in
-    tests) timeout 900 python -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
-    bench) for b in bench_nvfp4 bench_lora_svd bench_optim bench_attention; do
-             [ -f $b.py ] || continue
-             echo "== $b"; timeout 300 python $b.py --out "$OUT/$b.json" 2>&1 | tail -40
-           done 2>&1 | tee "$OUT/bench.log" ;;
-    train) bash scripts/ablation.sh 2>&1 | tee "$OUT/train.log" | tail -40 ;;
+    tests) timeout "$(left 400)" python -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -60 >> "$log" ;;
+    diag) timeout "$(left 200)" python scripts/gpu_diag.py --workers 8 --log "$OUT/${STREAM}_diag_full.log" >> "$log" 2>&1 ;;
+    lora_debug) timeout "$(left 200)" python scripts/debug_lora_fused.py >> "$log" 2>&1 ;;
+    smoke) for opt in adamw root; do
+             timeout "$(left 150)" python train.py --config toy --recipe fullstack --optimizer $opt --max_steps 30 \
+               --batch_size 16 --seq_len 512 --warmup 3 --eval_every 15 --eval_iters 2 --log_every 5 \
+               --save_every -1 --no_progress --out_dir runs/smoke_fullstack_$opt 2>&1 | tail -25 >> "$log"
+           done ;;
+    bench) mkdir -p bench_json
+           for b in bench_optim bench_lora_svd bench_nvfp4 bench_attention; do
+             echo "== $b ($(date +%T))" >> "$log"
+             timeout "$(left 240)" python $b.py --out bench_json/$b.json 2>&1 | tail -60 >> "$log"
+           done
+           tar czf "$OUT/${STREAM}_bench_json.tgz" bench_json ;;
+    *) echo "unknown stage $stage" >> "$log" ;;
   esac
 done
