@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from triton.testing import do_bench
 
+import nvfp4
 import optim
 
 
@@ -74,13 +75,17 @@ def bench_root(configs):
         t_q = do_bench(lambda: optim.newton_schulz(G, quantized=True, generator=gen))
         Gb = G.bfloat16()
         t_b = do_bench(lambda: optim.newton_schulz(Gb, coefficients=optim.MUON_COEFFICIENTS, quantized=False))
+        hs = [nvfp4.random_hadamard(gen) for _ in range(5)]
+        t_eager = do_bench(lambda: optim.root_direction(G, hadamards=hs))
+        captured = optim._CapturedDirection(G, 0.9, 5)
+        t_graph = do_bench(lambda: captured(G, hs))
         p = nn.Parameter(torch.randn(m, n, device="cuda") * 0.02)
         p.grad = torch.randn(m, n, device="cuda") * 1e-3
         root = optim.Root([p], lr=1e-4)
         root.step()
         t_step = do_bench(root.step)
         rows.append({"shape": [m, n], "ns_nvfp4_ms": t_q, "ns_bf16_ms": t_b, "nvfp4_vs_bf16": t_q / t_b,
-                     "root_step_nvfp4_ms": t_step})
+                     "direction_eager_ms": t_eager, "direction_graph_ms": t_graph, "root_step_nvfp4_ms": t_step})
     return rows
 
 
@@ -101,10 +106,12 @@ def main():
         else:
             print(f"  {name:30s} {row}")
     print("Root / Newton-Schulz (5 steps), ms")
-    print(f"  {'shape':>12s} {'NS nvfp4':>9s} {'NS bf16':>9s} {'ratio':>6s} {'Root step':>9s}")
+    print(f"  {'shape':>12s} {'NS nvfp4':>9s} {'NS bf16':>9s} {'ratio':>6s} {'dir eager':>9s} {'dir graph':>9s}"
+          f" {'Root step':>9s}")
     for r in result["root"]:
         print(f"  {r['shape'][0]:>5d}x{r['shape'][1]:<6d} {r['ns_nvfp4_ms']:9.3f} {r['ns_bf16_ms']:9.3f} "
-              f"{r['nvfp4_vs_bf16']:6.2f} {r['root_step_nvfp4_ms']:9.3f}")
+              f"{r['nvfp4_vs_bf16']:6.2f} {r['direction_eager_ms']:9.3f} {r['direction_graph_ms']:9.3f} "
+              f"{r['root_step_nvfp4_ms']:9.3f}")
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {args.out}")

@@ -445,11 +445,12 @@ def _ns_step_nvfp4(X, a, b, c, H):
     return a * X + nvfp4.nvfp4_matmul(qB, qX_t)            # (m, n)
 
 
-def newton_schulz(G, steps=5, coefficients=None, quantized=True, generator=None):
+def newton_schulz(G, steps=5, coefficients=None, quantized=True, generator=None, hadamards=None):
     """Orthogonalize G (m, n): X0 = G / (||G||_F + 1e-7), then `steps` of X <- a X + (b A + c A^2) X, A = X X^T,
     on the wide orientation (transposed if m > n). quantized: every matmul in NVFP4 (§3.4, nvfp4.nvfp4_matmul:
     the Triton GEMM on CUDA); else in G's dtype (fp32 for Root, bf16 for the Muon reference).
-    coefficients default to root_coefficients(m, n)."""
+    coefficients default to root_coefficients(m, n). The per-step random Hadamards are drawn from `generator`
+    (all `steps` of them up front), or given as `hadamards` (a list, as Root's CUDA graph passes them)."""
     if G.dim() != 2:
         raise ValueError(f"newton_schulz: G must be 2-D, got shape {tuple(G.shape)}")
     if quantized and (G.shape[0] % 16 or G.shape[1] % 16):
@@ -460,9 +461,11 @@ def newton_schulz(G, steps=5, coefficients=None, quantized=True, generator=None)
     if transposed:
         X = X.t()
     X = X / (X.norm() + 1e-7)
-    for _ in range(steps):
+    if quantized and hadamards is None:
+        hadamards = [nvfp4.random_hadamard(generator, device=X.device) for _ in range(steps)]
+    for i in range(steps):
         if quantized:
-            X = _ns_step_nvfp4(X, a, b, c, nvfp4.random_hadamard(generator, device=X.device))
+            X = _ns_step_nvfp4(X, a, b, c, hadamards[i])
         else:
             A = X @ X.t()
             X = a * X + (b * A + c * (A @ A)) @ X
@@ -474,11 +477,46 @@ def quantile(x, q):
     flat = x.reshape(-1)
     pos = q * (flat.numel() - 1)
     lo = math.floor(pos)
-    v_lo = flat.kthvalue(lo + 1).values
-    if pos == lo:
-        return v_lo
-    v_hi = flat.kthvalue(lo + 2).values
+    if flat.is_cuda:  # one sort: CUDA's kthvalue on a single 12M-element slice took 150 ms (bench_optim, H200)
+        ordered = flat.sort().values
+        v_lo, v_hi = ordered[lo], ordered[min(lo + 1, flat.numel() - 1)]
+    else:
+        v_lo = flat.kthvalue(lo + 1).values
+        if pos == lo:
+            return v_lo
+        v_hi = flat.kthvalue(lo + 2).values
     return v_lo + (v_hi - v_lo) * (pos - lo)
+
+
+def root_direction(M, threshold_quantile=0.9, steps=5, quantized=True, hadamards=None, generator=None):
+    """Root's update direction: NS5 of M soft-thresholded at its quantile (outliers clipped, §3.4)."""
+    eps = quantile(M.abs(), threshold_quantile)
+    return newton_schulz(M.clamp(-eps, eps), steps, quantized=quantized, generator=generator, hadamards=hadamards)
+
+
+class _CapturedDirection:
+    """root_direction for one matrix shape as a CUDA graph, replayed every step. The NVFP4 NS is ~130 small
+    kernels (5 quantizations and 3 GEMMs per step, each with its amax pass and scale arithmetic): at toy and 1B
+    sizes the Python launch overhead, not the math, set its time (13 ms per matrix at any size, bench_optim.py).
+    The random Hadamards are drawn outside and copied in; the kernels, the GEMM routes and every rounding are
+    those of the eager call (tests/test_optim.py::test_gpu_root_cuda_graph_equals_eager checks bit equality)."""
+
+    def __init__(self, M, threshold_quantile, steps):
+        self.M = M.detach().clone()
+        # placeholder rotations for the capture, no RNG draw (a draw here would shift a resumed run's streams)
+        self.H = (nvfp4.sylvester_hadamard(16, M.device) / 4).expand(steps, 16, 16).contiguous()
+        run = lambda: root_direction(self.M, threshold_quantile, steps, True, list(self.H.unbind(0)))
+        run()  # compile the kernels and cache the GEMM routes (pick_route times both) outside the capture
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.X = run()
+
+    def __call__(self, M, hadamards):
+        self.M.copy_(M)
+        self.H.copy_(torch.stack(hadamards))
+        self.graph.replay()
+        return self.X  # a static buffer: overwritten by the next replay of this shape
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -501,7 +539,7 @@ class Root(_StateMixin, torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr=1e-3, momentum=0.95, weight_decay=0.1, ns_steps=5, quantized=True,
-                 state_quant=None, threshold_quantile=0.9, seed=0):
+                 state_quant=None, threshold_quantile=0.9, seed=0, cuda_graphs=True):
         state_quant = state_quant or ("pipeline" if quantized else "none")
         if state_quant not in ("pipeline", "direct", "none"):
             raise ValueError(f"Root: state_quant must be 'pipeline', 'direct' or 'none', got {state_quant!r}")
@@ -515,7 +553,8 @@ class Root(_StateMixin, torch.optim.Optimizer):
                     raise ValueError(f"Root: NVFP4 NS needs both dims multiples of 16, got {tuple(p.shape)}")
         self.quantized, self.state_quant, self.ns_steps = quantized, state_quant, ns_steps
         self.threshold_quantile, self.seed = threshold_quantile, seed
-        self._generators = {}
+        self.cuda_graphs = cuda_graphs  # NVFP4 NS on CUDA replayed from one captured graph per shape
+        self._generators, self._graphs = {}, {}
 
     def _momentum(self, g, state, mu, gen):
         """buf <- mu buf + g (stored packed or fp32); returns the Nesterov M = g + mu buf."""
@@ -531,6 +570,21 @@ class Root(_StateMixin, torch.optim.Optimizer):
         buf = mu * buf + g.float()
         _store(state, "m", enc(buf, generator=gen))
         return g.float() + mu * buf
+
+    def _direction(self, M, gen):
+        """root_direction(M); the NVFP4 NS on CUDA through a captured graph per (shape, device)."""
+        if not (self.quantized and self.cuda_graphs and M.is_cuda):
+            return root_direction(M, self.threshold_quantile, self.ns_steps, self.quantized, generator=gen)
+        hadamards = [nvfp4.random_hadamard(gen) for _ in range(self.ns_steps)]  # the eager call's draws
+        key = (tuple(M.shape), M.device)
+        if key not in self._graphs:
+            try:
+                self._graphs[key] = _CapturedDirection(M, self.threshold_quantile, self.ns_steps)
+            except RuntimeError as e:  # a capture failure must not stop a long run: eager from here on, once said
+                warnings.warn(f"Root: CUDA graph capture failed ({e}); running the NVFP4 NS eagerly")
+                self.cuda_graphs = False
+                return root_direction(M, self.threshold_quantile, self.ns_steps, True, hadamards)
+        return self._graphs[key](M, hadamards)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -553,10 +607,7 @@ class Root(_StateMixin, torch.optim.Optimizer):
                     from torch.distributed.tensor import DTensor
                     M = DTensor.from_local(M, p.device_mesh, p.placements, shape=p.shape,
                                            stride=p.stride()).full_tensor()
-                eps = quantile(M.abs(), self.threshold_quantile)
-                B = M.clamp(-eps, eps)
-                X = newton_schulz(B, self.ns_steps, quantized=self.quantized,
-                                  generator=_generator(self._generators, B.device, self.seed, "ns"))
+                X = self._direction(M, _generator(self._generators, M.device, self.seed, "ns"))
                 if _is_dtensor(p):
                     from torch.distributed.tensor import distribute_tensor
                     X = distribute_tensor(X, p.device_mesh, p.placements, src_data_rank=None).to_local()

@@ -74,12 +74,14 @@ export PYTHONUNBUFFERED=1
 # train.py builds the default corpus on first use; build it once here so parallel jobs don't race on it
 [ -f data_cache/default/train.bin ] || python data.py || exit 1
 
-save_out() {  # run dir -> its small files (not the checkpoint) under $OUT, right away: a killed script keeps them
+save_out() {  # run dir -> its small files (not the checkpoint) into $OUT/ablation/runs.tgz, right away: a killed
+  # script keeps them (one archive: the device tool brings back at most 8 files)
   [ -n "${OUT:-}" ] || return 0
-  local dest="$OUT/ablation/$(basename "$1")" f
-  mkdir -p "$dest"
+  local dest="$RUNS/_small/$(basename "$1")" f
+  mkdir -p "$dest" "$OUT/ablation"
   for f in metrics.jsonl summary.json cmd.txt exit_code; do [ -f "$1/$f" ] && cp "$1/$f" "$dest/"; done
   tail -n 30 "$1/train.log" > "$dest/train.log" 2>/dev/null
+  { flock 8; tar czf "$OUT/ablation/runs.tgz.tmp" -C "$RUNS/_small" . && mv "$OUT/ablation/runs.tgz.tmp" "$OUT/ablation/runs.tgz"; } 8> "$RUNS/.tar.lock"
   return 0
 }
 

@@ -465,6 +465,42 @@ def test_gpu_fused_routes_equal_unfused_at_full_size(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d_in, d_out", [(1024, 1024), (1024, 512), (1024, 4096), (4096, 1024)])
+def test_gpu_triton_epilogue_configs(d_in, d_out):
+    """Every autotuned config of the fused GEMM + up-projection, forward and dX, at the toy model's shapes
+    (8192 tokens, rank 32) against the cuBLAS route: the 4-warp config that gave 85% error here is excluded."""
+    import triton
+    from kernels import lora_fused as lf
+    torch.manual_seed(0)
+    T, r = 8192, 32
+    qw = nvfp4.quantize(torch.randn(d_out, d_in, device="cuda") / d_in ** 0.5, (16, 16))
+    L1 = (torch.randn(r, d_in, device="cuda") / d_in ** 0.5).bfloat16()
+    L2 = (torch.randn(d_out, r, device="cuda") / r ** 0.5).bfloat16()
+    x = torch.randn(T, d_in, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(T, d_out, device="cuda", dtype=torch.bfloat16)
+    qx, xl1 = lf.quantize_down_proj(x, L1, 1.0, "rtn")
+    q_dy, dyl2 = lf.quantize_down_proj(dy, L2.t(), 1.0, "sr", seed=99)
+    ref_y = lf._forward_cublas(x, qw, L1, L2, 1.0, False, torch.bfloat16)[1].float()
+    ref_dx = lf._dx_cublas(dy, qw, L1, L2, 1.0, False, torch.bfloat16, 99).float()
+    for cfg in lf._UP_PROJ_CONFIGS:
+        for a, L, trans_b, ref in ((qx, xl1, False, ref_y), (q_dy, dyl2, True, ref_dx)):
+            Lb = L2 if not trans_b else L1.t()
+            M, K, sac0, sac1, sasr, sask, a_sb = lf._operand(a, False, "a")
+            N, _, sbc0, sbc1, sbsr, sbsk, b_sb = lf._operand(qw, trans_b, "b")
+            out = torch.empty((M, N), device="cuda", dtype=torch.bfloat16)
+            kw = dict(cfg.kwargs)
+            grid = (triton.cdiv(M, kw["BM"]) * triton.cdiv(N, kw["BN"]),)
+            lf._gemm_up_proj_kernel[grid](
+                a.codes, a.scales, qw.codes, qw.scales, a.global_scale, qw.global_scale, L, Lb, out, M, N, r, K,
+                sac0, sac1, sasr, sask, sbc0, sbc1, sbsr, sbsk, L.stride(0), L.stride(1), Lb.stride(0), Lb.stride(1),
+                out.stride(0), out.stride(1), B_TRANS=trans_b, A_SB=a_sb, B_SB=b_sb, BR=lf._rank_block(r),
+                DOT_FP32=False, EVEN_K=K % kw["BK"] == 0, **kw, num_warps=cfg.num_warps)
+            torch.cuda.synchronize()
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            assert err < 1e-2, (cfg, trans_b, err)
+
+
+@pytest.mark.gpu
 def test_gpu_projection_and_realign_at_full_size():
     torch.manual_seed(0)
     layer = lora_svd.LoRASVDLinear(4096, 4096, 64, device="cuda")

@@ -454,6 +454,35 @@ def test_nvfp4_newton_schulz_on_gpu():
     assert s.max() < 1.5 and optim.polar_error(X, G) < 0.3
 
 
+@pytest.mark.gpu
+def test_gpu_quantile_sort_path_matches_torch_quantile():
+    x = torch.randn(3001, 17, device="cuda")
+    for q in (0.0, 0.5, 0.9, 1.0):
+        torch.testing.assert_close(optim.quantile(x, q), torch.quantile(x.cpu(), q).cuda(), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_root_cuda_graph_equals_eager():
+    """The captured Root direction replays the eager computation bit for bit, for fresh inputs and rotations
+    on every replay (a graph that kept its capture-time inputs would fail the second round)."""
+    gen = torch.Generator("cuda").manual_seed(3)
+    captured = None
+    for _ in range(2):
+        M = torch.randn(512, 1536, device="cuda", generator=gen)
+        hs = [nvfp4.random_hadamard(gen) for _ in range(5)]
+        captured = captured or optim._CapturedDirection(M, 0.9, 5)
+        assert torch.equal(captured(M, hs), optim.root_direction(M, 0.9, 5, True, hs))
+    p1 = torch.nn.Parameter(torch.randn(256, 512, device="cuda") * 0.02)
+    p2 = torch.nn.Parameter(p1.detach().clone())
+    o1, o2 = optim.Root([p1], lr=1e-2), optim.Root([p2], lr=1e-2, cuda_graphs=False)
+    for i in range(3):
+        g = torch.randn(256, 512, device="cuda", generator=gen) * 1e-2
+        p1.grad, p2.grad = g.clone(), g.clone()
+        o1.step()
+        o2.step()
+        assert torch.equal(p1, p2), i
+
+
 # ---------------------------------------------------------------------------------------------------------
 # FSDP2 (2 CPU processes, gloo): QuantizedAdamW on local shards, Root gathers the full matrix
 
