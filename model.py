@@ -77,7 +77,8 @@ def attention_core(q, k, v, policy):
     if policy == "bf16":
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     import attention  # §3.5 mixed-precision FP4 attention and its variants (fp4, fp4_pv, fp4_dov, fp4_all)
-    return attention.attention(q, k, v, causal=True, policy=policy)
+    # outside torch.compile's graph, like the NVFP4 linears: inductor must not re-trace our Triton kernels
+    return torch.compiler.disable(attention.attention)(q, k, v, causal=True, policy=policy)
 
 
 class RMSNorm(nn.Module):

@@ -278,9 +278,11 @@ _ROUTES = {}
 
 
 def _pick_route(key, run_triton, run_cublas, device):
-    """NANOFP4_GEMM_ROUTE=triton|cublas|auto picks the route (default auto: time both once per shape and keep the
-    faster; on the H200 at 4096^2 that is cuBLAS, 1.47x faster fwd+bwd: bench_lora_svd.py)."""
-    forced = os.environ.get("NANOFP4_GEMM_ROUTE", "auto")
+    """NANOFP4_GEMM_ROUTE=triton|cublas|auto picks the route (auto: time both once per shape, keep the faster).
+    The default on CUDA is cublas: it won at every shape measured on the H200 (1.47x faster fwd+bwd at 4096^2,
+    bench_lora_svd.py), and auto compiles every Triton variant (N, K are constexprs) for each new shape, which
+    cost the 1b config minutes before its first step."""
+    forced = os.environ.get("NANOFP4_GEMM_ROUTE", "cublas" if device.type == "cuda" else "auto")
     if forced in ("triton", "cublas"):
         return forced
     if device.type != "cuda":

@@ -200,6 +200,18 @@ def test_loader_determinism_and_ranks(shard):
         assert not torch.equal(xa, s8.next_batch()[0])
 
 
+def test_loader_data_independent_of_world_size(shard):
+    """2 ranks of B see exactly the global batches one process of 2B sees: DDP and 1 GPU compare step for step."""
+    path, _ = shard
+    one = data.TokenLoader(path, 8, 16, seed=3)
+    ranks = [data.TokenLoader(path, 4, 16, rank=r, world_size=2, seed=3) for r in range(2)]
+    for _ in range(3):
+        x, y = one.next_batch()
+        parts = [loader.next_batch() for loader in ranks]
+        assert torch.equal(x, torch.cat([p[0] for p in parts])) and torch.equal(y, torch.cat([p[1] for p in parts]))
+        assert not torch.equal(parts[0][0], parts[1][0])
+
+
 def test_loader_exact_resume(shard):
     path, _ = shard
     full = data.TokenLoader(path, 3, 20, seed=5)

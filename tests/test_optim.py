@@ -458,7 +458,7 @@ def test_nvfp4_newton_schulz_on_gpu():
 def test_gpu_quantile_sort_path_matches_torch_quantile():
     x = torch.randn(3001, 17, device="cuda")
     for q in (0.0, 0.5, 0.9, 1.0):
-        torch.testing.assert_close(optim.quantile(x, q), torch.quantile(x.cpu(), q).cuda(), rtol=0, atol=0)
+        torch.testing.assert_close(optim.quantile(x, q), torch.quantile(x.cpu(), q).cuda())  # lerp: ~1 ulp
 
 
 @pytest.mark.gpu
