@@ -473,7 +473,7 @@ def newton_schulz(G, steps=5, coefficients=None, quantized=True, generator=None,
 
 
 def quantile(x, q):
-    """torch.quantile(x, q) (linear interpolation) through kthvalue, which has no input-size limit."""
+    """torch.quantile(x, q) (linear interpolation) without its input-size limit: kthvalue on the CPU, a sort on CUDA."""
     flat = x.reshape(-1)
     pos = q * (flat.numel() - 1)
     lo = math.floor(pos)

@@ -330,14 +330,16 @@ TILE_OVERRIDE = None  # (BM, BN, num_warps) for every dense quantize launch; scr
 
 
 def _tiles(block, x):
-    """Tile shape: 16 rows keeps every block shape whole; 256 columns = 512 contiguous bytes of bf16 per row.
-    For inputs that are contiguous along rows instead (a transposed view such as dY.t()), 64 x 64 tiles keep
-    the column reads at 128 bytes."""
+    """Tile shape: 16 rows keeps every block shape whole. From the H200 sweep of 13 tiles (scripts/gpu_diag.py,
+    16384 x 4096 bf16, results/h200_run3/g0_diag.log): 16 x 128 on 4 warps is the fastest for 1-D blocks (RTN
+    142 us, 4/6 285 us vs 341 us at 16 x 256, SR + Hadamard 506 us vs 588 us), 16 x 256 for 16 x 16 blocks
+    (132 us vs 144 us). For inputs contiguous along rows instead (a transposed view such as dY.t()), 64 x 64 tiles
+    keep the column reads at 128 bytes."""
     if TILE_OVERRIDE is not None:
         return TILE_OVERRIDE
     if x.stride(-1) != 1 and x.stride(-2) == 1:
         return 64, 64, 4
-    return 16, 256, 4
+    return (16, 256, 4) if tuple(block) == (16, 16) else (16, 128, 4)
 
 
 def _check_options(block, rounding, hadamard, name):
