@@ -16,7 +16,7 @@ The global amax of x is still a separate read (as in kernels/nvfp4_quant.py): pe
 
 The quantize arithmetic reuses nvfp4_quant's @triton.jit helpers (E4M3 rounding, RTN, SR, E2M1 values, tile
 load), the GEMM reuses nvfp4_gemm's in-register dequantization and its Hopper configs. Codes and scales are
-bit-identical to nvfp4_quant.quantize (RTN, and SR given the seed: same tl.rand offsets). The branch is BF16
+bit-identical to nvfp4_quant.quantize (RTN, and SR given the seed: same Philox counters). The branch is BF16
 on the GPU (bf16 operands, fp32 accumulation, beta * x L^T rounded to bf16 once) and fp32 in the interpreter,
 whose bf16 tl.dot is wrong in Triton 3.6; it equals the unfused torch branch up to those roundings.
 """
@@ -29,7 +29,7 @@ import triton.language as tl
 
 from kernels.nvfp4_gemm import _CONFIGS, _dequant_tile, _operand, grid_values_mm
 from kernels.nvfp4_quant import (_e2m1_value, _load_tile, _pairwise_block_sum, _round_to_e4m3, _rtn_e2m1, _sr_e2m1,
-                                 grid_values_bf16)
+                                 _uniforms, grid_values_bf16)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -76,8 +76,8 @@ def _quantize_down_proj_kernel(x_ptr, l_ptr, amax_ptr, gs_other_ptr, codes_ptr, 
             s_b = tl.where(use4, s4, s_b)
             bits = tl.where(use4, bits4, bits)
             a = tl.where(use4[:, None, :, None], a4, a)
-        if SR:  # same counter-based draws as nvfp4_quant: tl.rand(seed, element index)
-            rand = tl.rand(seed, (offs_m[:, None] * N + offs_n[None, :]).to(tl.uint32))
+        if SR:  # the same counter-based draws as nvfp4_quant (its _uniforms: Philox keyed by element index)
+            rand = _uniforms(seed, offs_m, n0, N, BM, BN)
             idx = _sr_e2m1(a, rand.reshape(BM, 1, BN // 16, 16))
         else:
             idx = _rtn_e2m1(a)
@@ -115,8 +115,9 @@ def _quantize_down_proj_kernel(x_ptr, l_ptr, amax_ptr, gs_other_ptr, codes_ptr, 
 _QUANT_CONFIGS = [triton.Config({"BM": bm, "BN": bn, "NUM_STAGES": st}, num_warps=w)
                   for bm, bn, st, w in ((64, 64, 2, 4), (32, 128, 2, 4), (16, 256, 2, 4), (64, 128, 2, 8),
                                         (32, 64, 3, 4))]
-_quantize_down_proj_autotuned = triton.autotune(
-    configs=_QUANT_CONFIGS, key=["M", "N", "BR", "SR", "WRITE_CODES", "WRITE_VALUES"])(_quantize_down_proj_kernel)
+_quantize_down_proj_autotuned = triton.autotune(  # cache_results: later processes on this machine skip the timing
+    configs=_QUANT_CONFIGS, key=["M", "N", "BR", "SR", "WRITE_CODES", "WRITE_VALUES"], cache_results=True)(
+    _quantize_down_proj_kernel)
 
 
 def _rank_block(r):
@@ -214,8 +215,8 @@ def _gemm_up_proj_kernel(a_codes, a_scales, b_codes, b_scales, gs_a_ptr, gs_b_pt
 # scripts/debug_lora_fused.py, 2026-11-29), while the same config is correct in the plain GEMM. The 8-warp
 # configs are correct at every toy shape (that script; tests/test_lora_svd.py::test_gpu_triton_epilogue_configs).
 _UP_PROJ_CONFIGS = [c for c in _CONFIGS if c.num_warps == 8]
-_gemm_up_proj_autotuned = triton.autotune(configs=_UP_PROJ_CONFIGS, key=["M", "N", "K", "B_TRANS", "BR", "EVEN_K"])(
-    _gemm_up_proj_kernel)
+_gemm_up_proj_autotuned = triton.autotune(configs=_UP_PROJ_CONFIGS, key=["M", "N", "K", "B_TRANS", "BR", "EVEN_K"],
+                                          cache_results=True)(_gemm_up_proj_kernel)
 
 
 def nvfp4_matmul_up_proj(a, b, xl, L, out_dtype=torch.float32, trans_b=False):

@@ -14,9 +14,9 @@ It reproduces the reference `nvfp4._quantize_reference` (the spec) bit for bit:
   q   = RTN ties-to-even on the E2M1 grid, or SR: up with probability (a - lo) / (hi - lo)
   sign = x < 0                               (-0.0 gets a + code, as in the reference)
 Where it can differ from the reference:
-  * SR draws its uniforms from tl.rand(seed, element index) instead of torch's generator: same distribution,
-    not the same numbers. Tests pass the reference's uniforms through `noise=` to check the arithmetic bit for
-    bit, and check the tl.rand path statistically.
+  * SR draws its uniforms from Philox (tl.rand4x(seed, element index // 4), 4 uniforms per call) instead of
+    torch's generator: same distribution, not the same numbers. Tests pass the reference's uniforms through
+    `noise=` to check the arithmetic bit for bit, and check the Philox path statistically.
   * 4/6 sums the 16 (or 256) squared errors of a block with a fixed pairwise tree (_pairwise_block_sum); it
     equals the reference bit for bit once the reference sums the same way (nvfp4._pairwise_block_sum). With a
     plain torch .sum() the two orders differ in the last bit and ~1e-5 of the blocks pick the other candidate.
@@ -102,6 +102,18 @@ def _sr_e2m1(a, rand):
     inv_gap = tl.where(lo < 4, 2.0, tl.where(lo < 6, 1.0, tl.where(lo < 7, 0.5, 0.0)))  # 1 / (hi - lo), 0 at 6
     frac = (a - _e2m1_value(lo)) * inv_gap                             # exact (Sterbenz; power-of-two gap)
     return lo + (rand < frac).to(tl.int32)
+
+
+@triton.jit
+def _uniforms(seed, rows, n0, N, BM: tl.constexpr, BN: tl.constexpr):
+    """(BM, BN) uniforms in [0, 1) for the elements (rows[i], n0 + j) of a row-major tensor with N columns: one
+    Philox call (tl.rand4x) per 4 consecutive elements, counter = element index // 4, so a quarter of tl.rand's
+    Philox work (10 rounds of 32-bit multiplies per call: the bulk of an SR quantization's arithmetic) and a draw
+    that does not depend on the tiling. n0 and N are multiples of 4 (of 16, in fact)."""
+    offs4 = rows[:, None] * (N // 4) + (n0 // 4 + tl.arange(0, BN // 4))[None, :]
+    r0, r1, r2, r3 = tl.rand4x(seed, offs4.to(tl.uint32))
+    # element 4c + k gets r_k[c]: join(join(r0, r2), join(r1, r3))[.., a, b] = r_(2a + b)
+    return tl.join(tl.join(r0, r2), tl.join(r1, r3)).reshape(BM, BN)
 
 
 @triton.jit
@@ -280,8 +292,7 @@ def _quantize_kernel(x_ptr, src_scales_ptr, src_gs_ptr, h_ptr, noise_ptr, amax_p
             nptrs = noise_ptr + (pid_b.to(tl.int64) * M + offs_m[:, None]) * N + offs_n[None, :]
             rand = tl.load(nptrs, mask=mask, other=0.0)
         else:
-            # counter-based Philox: element index as the offset, so the draw does not depend on the tiling
-            rand = tl.rand(seed, ((pid_b * M + offs_m[:, None]) * N + offs_n[None, :]).to(tl.uint32))
+            rand = _uniforms(seed, pid_b * M + offs_m, n0, N, BM, BN)  # counter-based: independent of the tiling
         idx = _sr_e2m1(a, rand.reshape(BM // SBM, SBM, BN // SBN, SBN))
     else:
         idx = _rtn_e2m1(a)
@@ -478,7 +489,7 @@ def quantize(x, block=(1, 16), rounding="rtn", four_over_six=False, seed=0, hada
              noise=None, name="x"):
     """Fused NVFP4 quantization -> nvfp4.NVFP4Tensor (codes uint8 (*, M, N/2), scales float8_e4m3fn
     (*, M/bm, N/bn), global_scale fp32 0-d). block (1, 16) | (16, 1) | (16, 16) on the last two dims.
-    rounding "rtn" | "sr" (tl.rand(seed, element index), or the uniforms in `noise`, x's shape, for tests).
+    rounding "rtn" | "sr" (Philox uniforms keyed by (seed, element index), or the uniforms in `noise`, x's shape, for tests).
     hadamard: (16, 16) matrix applied first along the block's 16-long dim (x·H for 1x16, H^T·x for 16x1).
     global_amax: max |x| (of x·H with hadamard) if the caller already has it; else one extra read pass."""
     t, _, _ = _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, noise, True, False, name)

@@ -8,15 +8,18 @@
 #   STEPS=700 BATCH=32 SEQ=1024 JOB_TIMEOUT=900 bash scripts/ablation.sh    # App. 13's length (a bigger budget)
 #   RECIPES="bf16 fullstack" OPTIMIZERS=root bash scripts/ablation.sh       # a subset
 #
-# Budget: the defaults (200 steps of 16 x 512 tokens = 1.6M tokens per run, each capped at JOB_TIMEOUT seconds)
-# are sized so that the 14 runs fit ~10 minutes on 2 H200s. A run killed by the cap keeps its metrics.jsonl
-# (report.py marks it "timeout"). DEADLINE bounds the whole script (jobs are capped to it, later ones are not
-# started); rerun the script to continue: finished runs (summary.json present) are skipped unless FORCE=1.
+# Budget: each run is capped at JOB_TIMEOUT seconds; DEADLINE bounds the whole script (jobs are capped to it, later
+# ones are not started); rerun the script to continue: finished runs (summary.json present) are skipped unless
+# FORCE=1. A run killed by the cap keeps its metrics.jsonl (report.py marks it "timeout"). Measured on 2 H200s
+# (100 steps of 16 x 512, 2026-11-29): bf16 ~25 s, lora_svd ~50 s, naive_fp4 ~75 s a run with compilation, while
+# fullstack's first run on a fresh machine spent its whole 100 s cap compiling; hence WARM=1 (default): a 2-step
+# run of every recipe first fills Triton's disk cache (and its autotuning cache), then the timed runs start warm.
 # tokens/s is only comparable across runs with one job per GPU (the default); JOBS_PER_GPU=2 trades that
 # for throughput on these small models.
-# Run directories are $RUNS/<config>_<recipe>_<optimizer>; each gets cmd.txt (the exact command), train.log, exit_code, metrics.jsonl, summary.json, ckpt.pt.
-# With $OUT set (the device tool's folder) each run's small files are copied there as soon as it ends, and the
-# table and the plot at the end (or: python report.py <copied ablation dir> on any machine).
+# Run directories are $RUNS/<config>_<recipe>_<optimizer>; each gets cmd.txt (the exact command), train.log,
+# exit_code, metrics.jsonl, summary.json, ckpt.pt. With $OUT set (the device tool's folder) each run's small files
+# go into $OUT/ablation/runs.tgz as soon as it ends, and the table and the plot at the end (or: python report.py
+# <copied ablation dir> on any machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -39,6 +42,8 @@ RECIPES=${RECIPES:-"bf16 nvfp4 nvfp4_46 lora_naive lora_svd fullstack naive_fp4"
 OPTIMIZERS=${OPTIMIZERS:-"adamw root"}
 DRY_RUN=${DRY_RUN:-0}
 FORCE=${FORCE:-0}
+WARM=${WARM:-1}  # first: a 2-step run of each recipe (uncapped but within DEADLINE) so that Triton's disk cache holds
+                 # every kernel before the timed runs; on a fresh machine fullstack compiles for 60-100 s
 if [ -z "${GPUS:-}" ]; then  # GPU ids, e.g. GPUS="0 1"; default: every GPU nvidia-smi lists (none: one CPU "slot")
   n=$(nvidia-smi -L 2>/dev/null | wc -l)
   GPUS=$(seq -s " " 0 $((n > 0 ? n - 1 : 0)))
@@ -57,7 +62,20 @@ for r in $RECIPES; do  # recipes this script does not know (new rows): last
   case " bf16 fullstack naive_fp4 lora_svd lora_naive nvfp4_46 nvfp4 " in *" $r "*) ;; *) for o in $OPTIMIZERS; do JOBS+=("$r $o"); done ;; esac
 done
 
-command_for() {  # recipe optimizer -> the train.py command line
+if [ "$WARM" = 1 ]; then  # compile warm-up jobs go first in the queue, into $RUNS/_warm (not in the report)
+  WARM_JOBS=()
+  for r in $RECIPES; do WARM_JOBS+=("$r adamw warm"); done
+  case " $RECIPES " in *" fullstack "*) case " $OPTIMIZERS " in *" root "*) WARM_JOBS+=("fullstack root warm") ;; esac ;; esac
+  JOBS=("${WARM_JOBS[@]}" "${JOBS[@]}")
+fi
+
+command_for() {  # recipe optimizer [warm] -> the train.py command line
+  if [ "${3:-}" = warm ]; then
+    echo "python train.py --config $CONFIG --recipe $1 --optimizer $2 --max_steps 2 --batch_size $BATCH" \
+         "--seq_len $SEQ --lr $LR --warmup 1 --eval_every 2 --eval_iters 1 --log_every 1 --save_every -1" \
+         "--seed $SEED --no_progress --out_dir $RUNS/_warm/${CONFIG}_$1_$2${EXTRA:+ $EXTRA}"
+    return
+  fi
   echo "python train.py --config $CONFIG --recipe $1 --optimizer $2 --max_steps $STEPS --batch_size $BATCH" \
        "--seq_len $SEQ --lr $LR --warmup $WARMUP --eval_every $EVAL_EVERY --eval_iters $EVAL_ITERS" \
        "--log_every $LOG_EVERY --save_every 0 --seed $SEED --no_progress --out_dir $RUNS/${CONFIG}_$1_$2${EXTRA:+ $EXTRA}"
@@ -85,18 +103,19 @@ save_out() {  # run dir -> its small files (not the checkpoint) into $OUT/ablati
   return 0
 }
 
-run_job() {  # gpu seconds recipe optimizer
+run_job() {  # gpu seconds recipe optimizer [warm]
   local gpu=$1 cap=$2 dir="$RUNS/${CONFIG}_$3_$4" cmd rc
+  [ "${5:-}" = warm ] && dir="$RUNS/_warm/${CONFIG}_$3_$4"
   if [ -f "$dir/summary.json" ] && [ "$FORCE" != 1 ]; then echo "[gpu $gpu] skip $dir: finished earlier"; return; fi
   mkdir -p "$dir"
-  cmd=$(command_for "$3" "$4")
+  cmd=$(command_for "$3" "$4" "${5:-}")
   echo "$cmd" > "$dir/cmd.txt"
   echo "[gpu $gpu] $(date +%T) start $dir (cap ${cap}s)"
   CUDA_VISIBLE_DEVICES=$gpu timeout "$cap" $cmd > "$dir/train.log" 2>&1
   rc=$?
   echo $rc > "$dir/exit_code"
   echo "[gpu $gpu] $(date +%T) exit $rc $dir: $(tail -n 1 "$dir/train.log")"
-  save_out "$dir"
+  [ "${5:-}" = warm ] || save_out "$dir"
 }
 
 QUEUE="$RUNS/.queue"
@@ -108,6 +127,7 @@ worker() {  # gpu: run jobs from the queue until it is empty or the deadline is 
   local i left cap
   while i=$(next_job) && [ "$i" -lt "${#JOBS[@]}" ]; do
     cap=$JOB_TIMEOUT
+    case "${JOBS[$i]}" in *warm) cap=100000 ;; esac  # warm-ups: bounded by the deadline only
     if [ "$DEADLINE" -gt 0 ]; then  # leave ~30 s for the report; a job with < 60 s left would say nothing
       left=$(( START + DEADLINE - 30 - $(date +%s) ))
       if [ "$left" -lt 60 ]; then echo "[gpu $1] deadline: not starting ${JOBS[$i]}"; continue; fi

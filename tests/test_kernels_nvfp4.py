@@ -208,6 +208,27 @@ def test_sr_trand_unbiased_reproducible_and_distributed_like_the_reference():
     assert torch.equal(k.scales.view(torch.uint8), rtn.scales.view(torch.uint8))  # SR leaves the scales alone
 
 
+@pytest.mark.parametrize("block", [(1, 16), (16, 1)])
+def test_sr_draws_independent_across_neighbours(block):
+    """Every element sits halfway between two grid points (a = 1.25: up with probability 1/2). One Philox call
+    feeds 4 neighbouring elements (kernels.nvfp4_quant._uniforms): a reused or correlated draw would still be
+    unbiased, so check the pair correlations of the up/down decisions too, within and across the groups of 4."""
+    x = torch.full((128, 256), 1.25)
+    firsts = torch.zeros(128, 256, dtype=torch.bool)  # the first element of each block is 6: s_b * s_g = 1, a = 1.25
+    if block == (1, 16):
+        firsts[:, ::16] = True
+    else:
+        firsts[::16, :] = True
+    x[firsts] = 6.0
+    d = kq.quantize(x, block, "sr", seed=77).dequantize()
+    up = (d[~firsts] > 1.25).float()           # the other 15/16 of the decisions, in memory order
+    assert abs(up.mean().item() - 0.5) < 0.02
+    z = up - up.mean()
+    for lag in (1, 2, 3, 4, 5):
+        corr = (z[:-lag] * z[lag:]).mean() / z.var()
+        assert abs(corr.item()) < 0.03, lag
+
+
 # ----------------------------------------------------------------------------------------------------------
 # quantize_dequant / grid values
 
