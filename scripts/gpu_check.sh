@@ -7,6 +7,7 @@
 #   lora_debug  scripts/debug_lora_fused.py: the Triton LoRA epilogue route per config at the toy shapes
 #   smoke       toy fullstack (AdamW and Root), 30 steps each: the main recipe trains on this GPU
 #   bench       bench_{optim,lora_svd,nvfp4,attention}.py (JSON into bench_json.tgz)
+#   profile     scripts/profile_step.py for toy fullstack (AdamW, Root) and bf16: where a step's time goes
 # On a 2-GPU machine run two lists side by side:
 #   CUDA_VISIBLE_DEVICES=0 STREAM=g0 bash scripts/gpu_check.sh tests diag & \
 #   CUDA_VISIBLE_DEVICES=1 STREAM=g1 bash scripts/gpu_check.sh smoke bench & wait
@@ -45,6 +46,10 @@ for stage in $stages; do
              timeout "$(left 240)" python $b.py --out bench_json/$b.json 2>&1 | tail -60 >> "$log"
            done
            tar czf "$OUT/${STREAM}_bench_json.tgz" bench_json ;;
+    profile) for ro in "fullstack adamw" "fullstack root" "bf16 adamw"; do
+               set -- $ro
+               timeout "$(left 200)" python scripts/profile_step.py --recipe $1 --optimizer $2 >> "$log" 2>&1
+             done ;;
     *) echo "unknown stage $stage" >> "$log" ;;
   esac
 done
