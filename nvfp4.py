@@ -247,10 +247,21 @@ def fake_quantize(x, block=(1, 16), rounding="rtn", four_over_six=False, generat
 # Random Hadamard transform (eq. 2's H_16^r)
 
 def sylvester_hadamard(n=16, device=None):
-    h = torch.ones(1, 1, device=device)
-    while h.shape[0] < n:
-        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-    return h
+    """The n x n Sylvester Hadamard matrix (entries +-1), built once per (n, device) and cached: every backward draws
+    a random_hadamard, and building it from scratch cost a dozen tiny kernels on the GPU. Treat it as read-only."""
+    device = torch.device(device) if device is not None else torch.get_default_device()
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (n, str(device))
+    if key not in _SYLVESTER:
+        h = torch.ones(1, 1, device=device)
+        while h.shape[0] < n:
+            h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+        _SYLVESTER[key] = h
+    return _SYLVESTER[key]
+
+
+_SYLVESTER = {}
 
 
 def random_hadamard(generator=None, device=None):
