@@ -19,15 +19,15 @@ encode_first_moment / encode_second_moment), op for op, compiled with enable_fp_
   - divisions and sqrt are correctly rounded (tl.div_rn / tl.sqrt_rn), like torch on the CPU.
   - 4/6's block errors are summed with the same fixed pairwise tree as nvfp4._pairwise_block_sum.
 So with the same inputs the RTN parts (v's codes, scales, tile means; p) equal the CPU reference bit for bit.
-m's stochastic rounding draws from tl.rand(seed, element index), not torch's generator: equal in distribution
-only (its block scales, chosen by RTN error, match).
+m's stochastic rounding draws Philox uniforms keyed by (seed, element index) (nvfp4_quant._uniforms), not torch's
+generator: equal in distribution only (its block scales, chosen by RTN error, match).
 """
 
 import triton
 import triton.language as tl
 
 from kernels.nvfp4_quant import (_div_by, _e2m1_value, _exact_fma, _pairwise_block_sum, _round_to_e4m3, _rtn_e2m1,
-                                  _sr_e2m1)
+                                 _sr_e2m1, _uniforms)
 
 
 @triton.jit
@@ -159,7 +159,7 @@ def _update_pass(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, old_gs_pt
     amax_m, amax_v = tl.load(amax_ptr), tl.load(amax_ptr + 1)
     gs_m = tl.where(amax_m > 0, tl.div_rn(amax_m, 1536.0), 1.0)
     gs_v = tl.where(amax_v > 0, tl.div_rn(amax_v, 1536.0), 1.0)
-    rand = tl.rand(seed, offs.to(tl.uint32))
+    rand = _uniforms(seed, rows, cols, C, BM, BN)  # Philox keyed by element index, as in nvfp4_quant
     _encode(mh, gs_m, rand, mc_ptr, ms_ptr, rows, cols, R, C, True, EXACT_FMA, BM, BN)
     _encode(rh, gs_v, rand, vc_ptr, vs_ptr, rows, cols, R, C, False, EXACT_FMA, BM, BN)
     tl.store(mu_ptr + rows * (C // BN) + cols // BN, mu, mask=rows < R)

@@ -381,7 +381,7 @@ def test_fused_kernel_equals_reference(shape):
     for key in ("codes", "scales", "global_scale", "tile_mean"):
         assert torch.equal(as_bits(st_k["v." + key]), as_bits(v_enc[key])), key
     assert torch.equal(st_k["m.global_scale"], m_enc["global_scale"])
-    # m: SR with tl.rand vs torch's generator: same scales (the scale choice uses RTN error), similar error
+    # m: SR with Philox vs torch's generator: same scales (the scale choice uses RTN error), similar error
     assert torch.equal(as_bits(st_k["m.scales"]), as_bits(m_enc["scales"]))
     err = lambda st_m: ((optim.decode_first_moment(st_m) - m_ref).norm() / m_ref.norm()).item()
     assert abs(err(optim._prefixed(st_k, "m")) - err(m_enc)) < 0.05
@@ -396,8 +396,8 @@ def test_fused_kernel_stochastic_rounding_of_m_is_unbiased():
     _, m_ref, _ = reference_step(p, g, st, 2, HP)
     n, total = 12, 0
     for seed in range(n):
-        st_k = {k: x.to(DEV) for k, x in st.items()}
-        fused_adamw_step(p.to(DEV), g.to(DEV), st_k, *HP, step=2, seed=seed)
+        st_k = {k: x.to(DEV, copy=True) for k, x in st.items()}  # copies: the kernel updates p and the state in
+        fused_adamw_step(p.to(DEV, copy=True), g.to(DEV), st_k, *HP, step=2, seed=seed)  # place (DEV may be cpu)
         st_k = {k: x.cpu() for k, x in st_k.items()}
         total = total + optim.decode_first_moment(optim._prefixed(st_k, "m"))
     single = (optim.decode_first_moment(optim._prefixed(st_k, "m")) - m_ref).norm()
