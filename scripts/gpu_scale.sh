@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Scale and throughput checks on a 2-GPU H200 machine (nvidia-h200-x2), one call (~8 min):
-#   1. side by side: GPU0 the newest GPU tests + bench_optim.py; GPU1 the 1-GPU half of the DDP comparison and
-#      the 1b config on one GPU (fullstack/root and bf16/adamw: fits, tokens/s, peak memory)
-#   2. the same toy bf16 run under torchrun on 2 GPUs, DDP then FSDP2 (same global batch: 32 x 1024 tokens/step)
+# Scale and throughput checks on a 2-GPU H200 machine (nvidia-h200-x2), one call (~9 min):
+#   1. side by side: GPU0 scripts/profile_step.py (toy fullstack AdamW / Root: where a step's time goes), then the
+#      1-GPU half of the DDP comparison; GPU1 the 1b config on one GPU (fullstack/root and bf16/adamw: fits,
+#      tokens/s, peak memory)
+#   2. the same toy bf16 run under torchrun on 2 GPUs, DDP then FSDP2 (same global batches: 32 x 1024 tokens/step;
+#      data.TokenLoader's batches do not depend on the world size, so the curves must agree with the 1-GPU run)
 #   3. 3b fullstack/root with FSDP2 on 2 GPUs, a few steps
-#   4. side by side: toy bf16 and toy fullstack without / with --compile (tokens/s, MFU)
-# Every run's small files go into $OUT/scale_runs.tgz; the log and the DDP-vs-1-GPU loss comparison into
-# $OUT/scale.log. Needs data_cache/default (carry it).
+#   4. side by side: toy fullstack without / with --compile (tokens/s, MFU; bf16 measured 2026-11-29)
+# Every run's small files go into $OUT/scale_runs.tgz; the log and the loss comparisons into $OUT/scale.log.
+# Needs data_cache/default (carry it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT" runs
@@ -32,28 +34,28 @@ TOY_DDP="--config toy --recipe bf16 --max_steps 150 --batch_size 32 --seq_len 10
 ONE_B="--config 1b --max_steps 6 --batch_size 4 --grad_accum 1 --seq_len 2048 --warmup 1 --eval_every 0 --log_every 1 $COMMON"
 
 # 1. ------------------------------------------------------------------------------------------------------
-( CUDA_VISIBLE_DEVICES=0 timeout "$(left 200)" python -m pytest -q -m gpu -p no:cacheprovider \
-      -k "epilogue_configs or cuda_graph or quantile_sort" tests > runs/gpu_new_tests.log 2>&1
-  CUDA_VISIBLE_DEVICES=0 timeout "$(left 150)" python bench_optim.py --out runs/bench_optim.json > runs/bench_optim.log 2>&1 ) &
-( run ddp_1gpu 1 150 $TOY_DDP
-  run 1b_fullstack_root 1 120 $ONE_B --recipe fullstack --optimizer root
+( for opt in adamw root; do
+    CUDA_VISIBLE_DEVICES=0 timeout "$(left 150)" python scripts/profile_step.py --recipe fullstack --optimizer $opt \
+        > runs/profile_fullstack_$opt.log 2>&1
+  done
+  run ddp_1gpu 0 90 $TOY_DDP ) &
+( run 1b_fullstack_root 1 180 $ONE_B --recipe fullstack --optimizer root
   run 1b_bf16_adamw 1 90 $ONE_B --recipe bf16 --optimizer adamw ) &
 wait
-{ echo "== new GPU tests"; tail -15 runs/gpu_new_tests.log; echo "== bench_optim"; cat runs/bench_optim.log; } >> "$LOG"
+{ for opt in adamw root; do echo "== profile fullstack $opt"; head -45 runs/profile_fullstack_$opt.log; done; } >> "$LOG"
 
 # 2. ------------------------------------------------------------------------------------------------------
-run ddp_2gpu 0,1 120 $TOY_DDP
-run fsdp_2gpu 0,1 120 $TOY_DDP --fsdp
+run ddp_2gpu 0,1 90 $TOY_DDP
+run fsdp_2gpu 0,1 90 $TOY_DDP --fsdp
 
 # 3. ------------------------------------------------------------------------------------------------------
-run 3b_fsdp_fullstack_root 0,1 150 --config 3b --recipe fullstack --optimizer root --fsdp --max_steps 4 --batch_size 2 \
+run 3b_fsdp_fullstack_root 0,1 200 --config 3b --recipe fullstack --optimizer root --fsdp --max_steps 4 --batch_size 2 \
     --grad_accum 1 --seq_len 2048 --warmup 1 --eval_every 0 --log_every 1 $COMMON
 
 # 4. ------------------------------------------------------------------------------------------------------
 PERF="--config toy --max_steps 60 --batch_size 16 --seq_len 1024 --warmup 6 --eval_every 0 --log_every 10 $COMMON"
-( run perf_toy_bf16 0 90 $PERF --recipe bf16; run perf_toy_fullstack 0 120 $PERF --recipe fullstack ) &
-( run perf_toy_bf16_compile 1 120 $PERF --recipe bf16 --compile
-  run perf_toy_fullstack_compile 1 150 $PERF --recipe fullstack --compile ) &
+( run perf_toy_fullstack 0 150 $PERF --recipe fullstack ) &
+( run perf_toy_fullstack_compile 1 150 $PERF --recipe fullstack --compile ) &
 wait
 
 python - >> "$LOG" 2>&1 <<'EOF'
@@ -81,5 +83,5 @@ for d in ("ddp_1gpu", "ddp_2gpu", "fsdp_2gpu", "1b_fullstack_root", "1b_bf16_ada
         print(d, "no summary:", e)
 EOF
 tar czf "$OUT/scale_runs.tgz" runs/*/cmd.txt runs/*/train.log runs/*/metrics.jsonl runs/*/summary.json \
-    runs/*/exit_code runs/bench_optim.json runs/gpu_new_tests.log 2>/dev/null
+    runs/*/exit_code runs/profile_*.log 2>/dev/null
 echo "scale: done in $(( $(date +%s) - START ))s" >> "$LOG"
