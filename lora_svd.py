@@ -316,11 +316,11 @@ def orthonormal_basis(A):
     global _warned_householder
     A64 = A.detach().double()
     L, info = torch.linalg.cholesky_ex(A64.t() @ A64)  # A^T A = L L^T, R = L^T
-    if int(info) == 0:
-        Q = torch.linalg.solve_triangular(L.t(), A64, upper=True, left=False)  # (d, r) = A R^-1
-        eye = torch.eye(A.shape[1], dtype=torch.float64, device=A.device)
-        if torch.isfinite(Q).all() and (Q.t() @ Q - eye).abs().max() < 1e-6:
-            return Q.float()
+    Q = torch.linalg.solve_triangular(L.t(), A64, upper=True, left=False)  # (d, r) = A R^-1
+    eye = torch.eye(A.shape[1], dtype=torch.float64, device=A.device)
+    ok = (info == 0) & torch.isfinite(Q).all() & ((Q.t() @ Q - eye).abs().max() < 1e-6)
+    if ok:  # one device->host sync per call (a step calls this twice per LoRA-SVD layer)
+        return Q.float()
     if not _warned_householder:
         warnings.warn("lora_svd: Cholesky-QR failed (L1 or L2 is rank deficient or ill conditioned); "
                       "using Householder QR for the subspace projection (warned once)")
