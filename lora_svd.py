@@ -251,7 +251,6 @@ class LoRASVDLinear(nn.Module):
         W_res, L1, L2 = (full_tensor(p).float() for p in (self.weight_res, self.L1, self.L2))
         return W_res + self.beta * (L2 @ L1)
 
-    @torch.compiler.disable  # torch.compile leaves our Triton kernels alone (see nvfp4.NVFP4Linear)
     def forward(self, x):
         y = lora_svd_linear(x, self.weight_res, self.L1, self.L2, self.beta, self.four_over_six, self.fused)
         return y if self.bias is None else y + self.bias.to(y.dtype)
@@ -289,7 +288,6 @@ class NaiveLoRALinear(nn.Module):
                 layer.bias.copy_(linear.bias.float())
         return layer
 
-    @torch.compiler.disable  # torch.compile leaves our Triton kernels alone (see nvfp4.NVFP4Linear)
     def forward(self, x):
         y = nvfp4.nvfp4_linear(x, self.weight, four_over_six=self.four_over_six)
         bdt = branch_dtype(x)

@@ -77,8 +77,7 @@ def attention_core(q, k, v, policy):
     if policy == "bf16":
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     import attention  # §3.5 mixed-precision FP4 attention and its variants (fp4, fp4_pv, fp4_dov, fp4_all)
-    # outside torch.compile's graph, like the NVFP4 linears: inductor must not re-trace our Triton kernels
-    return torch.compiler.disable(attention.attention)(q, k, v, causal=True, policy=policy)
+    return attention.attention(q, k, v, causal=True, policy=policy)
 
 
 class RMSNorm(nn.Module):
@@ -115,6 +114,7 @@ class Attention(nn.Module):
         self.k_proj = lin(cfg.n_embd, cfg.n_kv_head * hd)
         self.v_proj = lin(cfg.n_embd, cfg.n_kv_head * hd)
         self.o_proj = lin(cfg.n_head * hd, cfg.n_embd, proj_std)
+        self.core = attention_core  # compile_model swaps in a torch.compiler.disable'd one for FP4 policies
 
     def forward(self, x, cos, sin):
         B, T, C = x.shape
@@ -123,7 +123,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, self.cfg.n_kv_head, hd).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.v_proj(x).view(B, T, self.cfg.n_kv_head, hd).transpose(1, 2)  # (B, Hkv, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = attention_core(q, k, v, self.cfg.attn_policy)  # (B, H, T, D)
+        y = self.core(q, k, v, self.cfg.attn_policy)  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.cfg.n_head * hd))  # (B, T, C)
 
 
@@ -213,6 +213,20 @@ class GPT(nn.Module):
                 next_id = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
             idx = torch.cat([idx, next_id], dim=1)
         return idx
+
+
+def compile_model(model):
+    """torch.compile(model) with the FP4 parts left out of its graph, run eagerly between compiled pieces: inductor
+    re-traced our Triton kernels and turned their fp32 constants into fp64 (H200, torch 2.11). torch._dynamo is
+    imported only here: uncompiled runs never load it."""
+    import lora_svd
+    import nvfp4
+    for m in model.modules():
+        if isinstance(m, (nvfp4.NVFP4Linear, lora_svd.LoRASVDLinear, lora_svd.NaiveLoRALinear)):
+            m.forward = torch.compiler.disable(m.forward)
+        elif isinstance(m, Attention) and m.cfg.attn_policy != "bf16":
+            m.core = torch.compiler.disable(attention_core)
+    return torch.compile(model)
 
 
 def config_from_name(name, **overrides):

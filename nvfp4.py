@@ -381,8 +381,6 @@ class NVFP4Linear(nn.Module):
                 layer.bias.copy_(linear.bias)
         return layer
 
-    @torch.compiler.disable  # torch.compile leaves our Triton kernels alone: inductor re-traces user kernels
-                             # and turned their fp32 constants into fp64 (H200, torch 2.11)
     def forward(self, x):
         y = nvfp4_linear(x, self.weight, self.four_over_six)
         return y if self.bias is None else y + self.bias.to(y.dtype)

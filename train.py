@@ -22,7 +22,7 @@ from dataclasses import asdict
 
 import torch
 
-from model import CONFIGS, GPT, config_from_name
+from model import CONFIGS, GPT, compile_model, config_from_name
 
 # recipe -> (linear policy, attention policy, optimizer-state quantization). The paper's Table 3 rows.
 RECIPES = {
@@ -364,7 +364,7 @@ def main(argv=None):
     if distributed and not args.fsdp:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if args.device == "cuda" else None)
     if args.compile:
-        model = torch.compile(model)
+        model = compile_model(model)  # the FP4 layers stay eager (model.compile_model)
 
     amp_dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     autocast = (torch.autocast(device_type=args.device, dtype=amp_dtype) if amp_dtype != torch.float32

@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import CONFIGS, GPT, GPTConfig, apply_rope, config_from_name, make_linear, rope_cache
+from model import CONFIGS, GPT, GPTConfig, apply_rope, compile_model, config_from_name, make_linear, rope_cache
 
 
 def small_config(**kw):
@@ -131,8 +131,9 @@ def test_generate_greedy_is_deterministic_and_extends():
 
 
 def _compiled_vs_eager(device):
-    """torch.compile of a model with every FP4 part (LoRA-SVD linears, FP4 attention): the FP4 modules are left out
-    of the graph (torch.compiler.disable), the rest compiled; forward losses agree, backward gives finite grads."""
+    """model.compile_model on a model with every FP4 part (LoRA-SVD linears, FP4 attention): the FP4 modules are
+    left out of the graph (torch.compiler.disable), the rest compiled; forward losses agree, backward gives finite
+    grads."""
     torch.manual_seed(0)
     cfg = small_config(n_embd=128, n_head=2, n_kv_head=1, ffn_hidden=256, block_size=64, linear_policy="lora_svd",
                        attn_policy="fp4", lora_rank=8)  # head dim 64: one the FP4 attention kernel takes
@@ -142,7 +143,7 @@ def _compiled_vs_eager(device):
     tgt = torch.randint(0, cfg.vocab_size, (2, 64), device=device)
     with torch.no_grad():
         eager = model(idx, tgt)[1]
-    compiled = torch.compile(model)
+    compiled = compile_model(model)
     _, loss = compiled(idx, tgt)
     loss.backward()
     assert abs(loss.item() - eager.item()) < 1e-3 * eager.item()  # RTN forward: same up to fused-op roundings
