@@ -219,10 +219,11 @@ _gemm_up_proj_autotuned = triton.autotune(configs=_UP_PROJ_CONFIGS, key=["M", "N
                                           cache_results=True)(_gemm_up_proj_kernel)
 
 
-def nvfp4_matmul_up_proj(a, b, xl, L, out_dtype=torch.float32, trans_b=False):
+def nvfp4_matmul_up_proj(a, b, xl, L, out_dtype=torch.float32, trans_b=False, config=None):
     """a_hat b_hat^T + xl L^T in one kernel. a: NVFP4Tensor (M, K) blocked along K; b: logical (N, K) blocked
     along K, stored (K, N) when trans_b (dX reuses the forward's Q16x16(W_res) (out, in) this way, without
-    re-packing); xl (M, r) and L (N, r) in the same dtype (bf16 on the GPU, fp32 in the interpreter)."""
+    re-packing); xl (M, r) and L (N, r) in the same dtype (bf16 on the GPU, fp32 in the interpreter).
+    config: a triton.Config to run instead of autotuning (tests and scripts/debug_lora_fused.py check each one)."""
     if a.codes.dim() != 2:
         raise ValueError(f"nvfp4_matmul_up_proj: a must be 2-D, got {tuple(a.shape)}")
     M, K, sac0, sac1, sasr, sask, a_sb = _operand(a, False, "a")
@@ -236,10 +237,11 @@ def nvfp4_matmul_up_proj(a, b, xl, L, out_dtype=torch.float32, trans_b=False):
             sac0, sac1, sasr, sask, sbc0, sbc1, sbsr, sbsk, xl.stride(0), xl.stride(1), L.stride(0), L.stride(1),
             out.stride(0), out.stride(1))
     flags = dict(B_TRANS=trans_b, A_SB=a_sb, B_SB=b_sb, BR=_rank_block(R), DOT_FP32=L.dtype == torch.float32)
-    if out.device.type != "cuda":  # the interpreter: one small config, no autotuning
-        cfg = dict(BM=32, BN=32, BK=64, GROUP_M=4, NUM_STAGES=1)
-        grid = (triton.cdiv(M, 32) * triton.cdiv(N, 32),)
-        _gemm_up_proj_kernel[grid](*args, **flags, EVEN_K=K % 64 == 0, **cfg, num_warps=4)
+    if config is not None or out.device.type != "cuda":  # a given config, or the interpreter's one small config
+        config = config or triton.Config(dict(BM=32, BN=32, BK=64, GROUP_M=4, NUM_STAGES=1), num_warps=4)
+        cfg = config.kwargs
+        grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]),)
+        _gemm_up_proj_kernel[grid](*args, **flags, EVEN_K=K % cfg["BK"] == 0, **cfg, num_warps=config.num_warps)
         return out
     grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),)
     _gemm_up_proj_autotuned[grid](*args, **flags, EVEN_K=K % 128 == 0)

@@ -23,7 +23,6 @@ SHAPES = [(8192, 1024, 1024), (8192, 1024, 512), (8192, 1024, 4096), (8192, 4096
 
 def run_case(direction, cfg_index, T, d_in, d_out, r):
     import torch
-    import triton
     import nvfp4
     from kernels import lora_fused as lf
     from kernels import nvfp4_gemm as kg
@@ -34,44 +33,27 @@ def run_case(direction, cfg_index, T, d_in, d_out, r):
     bdt = torch.bfloat16 if dev == "cuda" else torch.float32  # the interpreter's bf16 tl.dot is wrong
     L1 = (torch.randn(r, d_in, device=dev) / d_in ** 0.5).to(bdt)
     L2 = (torch.randn(d_out, r, device=dev) / r ** 0.5).to(bdt)
-    cfg = lf._CONFIGS[cfg_index]
-    kw = dict(cfg.kwargs)
+    cfg = lf._CONFIGS[cfg_index]  # every nvfp4_gemm config, the excluded 4-warp one too
     if direction == "gemm_dx":  # plain nvfp4_gemm, dX layout (trans_b), same config
         dy = torch.randn(T, d_out, device=dev, dtype=torch.bfloat16)
         q_dy = nvfp4.quantize(dy, block=(1, 16))
-        out = kg._gemm_triton(q_dy, qw, False, True, torch.bfloat16, config={**kw, "num_warps": cfg.num_warps})
+        out = kg._gemm_triton(q_dy, qw, False, True, torch.bfloat16, config={**cfg.kwargs, "num_warps": cfg.num_warps})
         ref = kg.grid_values_mm(kg.grid_values_bf16(q_dy), kg.grid_values_bf16(qw), q_dy.global_scale * qw.global_scale,
                                 torch.bfloat16)
     elif direction == "fwd":
         x = torch.randn(T, d_in, device=dev, dtype=torch.bfloat16)
         qx, xl1 = lf.quantize_down_proj(x, L1, 1.0, "rtn")
-        out = _up_proj(lf, qx, qw, xl1, L2, False, kw, cfg.num_warps)
+        out = lf.nvfp4_matmul_up_proj(qx, qw, xl1, L2, torch.bfloat16, config=cfg)
         ref = lf._forward_cublas(x, qw, L1, L2, 1.0, False, torch.bfloat16)[1]
     else:  # dx
         dy = torch.randn(T, d_out, device=dev, dtype=torch.bfloat16)
         q_dy, dyl2 = lf.quantize_down_proj(dy, L2.t(), 1.0, "sr", seed=1234)
-        out = _up_proj(lf, q_dy, qw, dyl2, L1.t(), True, kw, cfg.num_warps)
+        out = lf.nvfp4_matmul_up_proj(q_dy, qw, dyl2, L1.t(), torch.bfloat16, True, config=cfg)
         ref = lf._dx_cublas(dy, qw, L1, L2, 1.0, False, torch.bfloat16, 1234)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     return dict(ok=err < 1e-2, rel_err=err)
-
-
-def _up_proj(lf, a, b, xl, L, trans_b, kw, warps):
-    """lf.nvfp4_matmul_up_proj with one explicit config instead of the autotuner."""
-    import torch
-    import triton
-    M, K, sac0, sac1, sasr, sask, a_sb = lf._operand(a, False, "a")
-    N, _, sbc0, sbc1, sbsr, sbsk, b_sb = lf._operand(b, trans_b, "b")
-    out = torch.empty((M, N), device=xl.device, dtype=torch.bfloat16)
-    grid = (triton.cdiv(M, kw["BM"]) * triton.cdiv(N, kw["BN"]),)
-    lf._gemm_up_proj_kernel[grid](a.codes, a.scales, b.codes, b.scales, a.global_scale, b.global_scale, xl, L, out,
-                                  M, N, xl.shape[1], K, sac0, sac1, sasr, sask, sbc0, sbc1, sbsr, sbsk,
-                                  xl.stride(0), xl.stride(1), L.stride(0), L.stride(1), out.stride(0), out.stride(1),
-                                  B_TRANS=trans_b, A_SB=a_sb, B_SB=b_sb, BR=lf._rank_block(xl.shape[1]),
-                                  DOT_FP32=L.dtype == torch.float32, EVEN_K=K % kw["BK"] == 0, **kw, num_warps=warps)
-    return out
 
 
 def main():
