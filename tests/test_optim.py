@@ -350,6 +350,12 @@ def packed_state(R, C, seed, device="cpu"):
     return {k: x.to(device) for k, x in st.items()}
 
 
+def fused_case(R, C, seed):
+    """A packed state, a parameter and a gradient for the fused-kernel tests (seeds seed .. seed + 2)."""
+    return (packed_state(R, C, seed=seed), torch.randn(R, C, generator=gen(seed + 1)),
+            torch.randn(R, C, generator=gen(seed + 2)) * 1e-2)
+
+
 def reference_step(p, g, st, step, hp):
     m = optim.decode_first_moment(optim._prefixed(st, "m"))
     v = optim.decode_second_moment(optim._prefixed(st, "v"))
@@ -368,9 +374,7 @@ def as_bits(t):
 def test_fused_kernel_equals_reference(shape):
     from kernels.optim_fused import fused_adamw_step
     R, C = shape
-    st = packed_state(R, C, seed=20)
-    p = torch.randn(R, C, generator=gen(21))
-    g = torch.randn(R, C, generator=gen(22)) * 1e-2
+    st, p, g = fused_case(R, C, seed=20)
     p_ref, m_ref, v_ref = reference_step(p, g, st, 3, HP)
     v_enc = optim.encode_second_moment(v_ref)
     m_enc = optim.encode_first_moment(m_ref, gen(23))
@@ -390,9 +394,7 @@ def test_fused_kernel_equals_reference(shape):
 def test_fused_kernel_stochastic_rounding_of_m_is_unbiased():
     from kernels.optim_fused import fused_adamw_step
     R, C = 16, 64
-    st = packed_state(R, C, seed=24)
-    p = torch.randn(R, C, generator=gen(25))
-    g = torch.randn(R, C, generator=gen(26)) * 1e-2
+    st, p, g = fused_case(R, C, seed=24)
     _, m_ref, _ = reference_step(p, g, st, 2, HP)
     n, total = 12, 0
     for seed in range(n):
@@ -408,9 +410,7 @@ def test_fused_kernel_stochastic_rounding_of_m_is_unbiased():
 def test_fused_kernel_on_gpu_matches_cpu_reference():
     """Full size: QuantizedAdamW on CUDA (fused kernel) against the reference on the CPU, one step."""
     R, C = 1024, 4096
-    st = packed_state(R, C, seed=27)
-    p = torch.randn(R, C, generator=gen(28))
-    g = torch.randn(R, C, generator=gen(29)) * 1e-2
+    st, p, g = fused_case(R, C, seed=27)
     p_ref, m_ref, v_ref = reference_step(p, g, st, 5, HP)
     v_enc = optim.encode_second_moment(v_ref)
     from kernels.optim_fused import fused_adamw_step
