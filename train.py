@@ -502,8 +502,8 @@ def main(argv=None):
         print(f"done: {step} steps, loss {loss_val:.4f}, val {val_loss if val_loss is None else round(val_loss, 4)}, {tok_s:,.0f} tokens/s, peak mem "
               f"{summary['peak_mem_bytes'] / 2**30:.2f} GiB, optimizer state {summary['optimizer_bytes_per_param']:.2f} "
               f"bytes/param -> {args.out_dir}/")
-    if distributed:  # every rank waits for rank 0's plot and summary, then all leave together (a rank tearing
-        torch.distributed.barrier()  # down gloo while another still worked aborted it once in CI)
+    if distributed:  # the other ranks wait for rank 0's plot and summary, then all leave together
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 

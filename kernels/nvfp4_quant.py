@@ -481,13 +481,12 @@ def _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, noise, 
     return t, values, s_g
 
 
-
-
 def quantize(x, block=(1, 16), rounding="rtn", four_over_six=False, seed=0, hadamard=None, global_amax=None,
              noise=None, name="x"):
     """Fused NVFP4 quantization -> nvfp4.NVFP4Tensor (codes uint8 (*, M, N/2), scales float8_e4m3fn
     (*, M/bm, N/bn), global_scale fp32 0-d). block (1, 16) | (16, 1) | (16, 16) on the last two dims.
-    rounding "rtn" | "sr" (Philox uniforms keyed by (seed, element index), or the uniforms in `noise`, x's shape, for tests).
+    rounding "rtn" | "sr" (Philox uniforms keyed by (seed, element index), or the uniforms in `noise`, x's shape,
+    for tests).
     hadamard: (16, 16) matrix applied first along the block's 16-long dim (x·H for 1x16, H^T·x for 16x1).
     global_amax: max |x| (of x·H with hadamard) if the caller already has it; else one extra read pass."""
     t, _, _ = _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, noise, True, False, name)
