@@ -274,6 +274,38 @@ def peak_memory_bytes(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def compute_gradients(model, raw_model, loader, args, autocast, device, distributed, uses_lora_svd, step):
+    """One optimizer step's gradients: args.grad_accum micro-batches (gradient sync on the last only), the LoRA-SVD
+    projection of eqs. 3-4, clipping. Returns (mean loss, grad norm) as 0-d tensors (no host sync here)."""
+    loss_sum = torch.zeros((), device=device)
+    for micro in range(args.grad_accum):
+        x, y = loader.next_batch()
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        last = micro == args.grad_accum - 1
+        if args.fsdp:
+            model.set_requires_gradient_sync(last)
+            sync = contextlib.nullcontext()
+        else:
+            sync = model.no_sync() if distributed and not last else contextlib.nullcontext()
+        with sync:
+            with autocast:
+                _, loss = model(x, y)
+            if args.nan_at_step is not None and step + 1 == args.nan_at_step:
+                loss = loss * float("nan")
+            (loss / args.grad_accum).backward()
+        loss_sum += loss.detach()
+    loss_mean = loss_sum / args.grad_accum
+    if distributed:
+        torch.distributed.all_reduce(loss_mean, op=torch.distributed.ReduceOp.AVG)
+    if uses_lora_svd:  # eqs. 3-4 split dW into dW_res, dL1, dL2 (optim's step() repeats it idempotently);
+        import lora_svd  # done here so that the clipped norm is the norm of the gradients actually applied
+        lora_svd.project_all(raw_model)
+    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.clip if args.clip > 0 else float("inf"))
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
+        grad_norm = grad_norm.full_tensor()
+    return loss_mean, grad_norm
+
+
 def main(argv=None):
     args = parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -408,32 +440,8 @@ def main(argv=None):
         lr_scale = lr_factor(step, args)
         for group in optimizer.param_groups:
             group["lr"] = group["base_lr"] * lr_scale
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(args.grad_accum):
-            x, y = train_loader.next_batch()
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            last = micro == args.grad_accum - 1
-            if args.fsdp:
-                model.set_requires_gradient_sync(last)
-                sync = contextlib.nullcontext()
-            else:
-                sync = model.no_sync() if distributed and not last else contextlib.nullcontext()
-            with sync:
-                with autocast:
-                    _, loss = model(x, y)
-                if args.nan_at_step is not None and step + 1 == args.nan_at_step:
-                    loss = loss * float("nan")
-                (loss / args.grad_accum).backward()
-            loss_sum += loss.detach()
-        loss_mean = loss_sum / args.grad_accum
-        if distributed:
-            torch.distributed.all_reduce(loss_mean, op=torch.distributed.ReduceOp.AVG)
-        if uses_lora_svd:  # eqs. 3-4 split dW into dW_res, dL1, dL2 (optim's step() repeats it idempotently);
-            import lora_svd  # done here so that the clipped norm is the norm of the gradients actually applied
-            lora_svd.project_all(raw_model)
-        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.clip if args.clip > 0 else float("inf"))
-        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
-            grad_norm = grad_norm.full_tensor()
+        loss_mean, grad_norm = compute_gradients(model, raw_model, train_loader, args, autocast, device, distributed,
+                                                 uses_lora_svd, step)
         loss_val, grad_norm_val = loss_mean.item(), grad_norm.item()
         if not (math.isfinite(loss_val) and math.isfinite(grad_norm_val)):
             if bar is not None:

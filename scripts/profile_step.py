@@ -6,10 +6,11 @@ host-bound, i.e. Python and launch overhead), kernel launches per step, and the 
     python scripts/profile_step.py --recipe fullstack --optimizer adamw          # toy, 16 x 512 tokens a step
     python scripts/profile_step.py --recipe bf16 --config toy --trace /tmp/t.json  # + a Chrome trace
 
-It builds the model, optimizer and data exactly as train.py does (same functions), without checkpoints or evals.
+It builds the model, optimizer and data and runs the step with train.py's functions, without checkpoints or evals.
 """
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -50,17 +51,10 @@ def main():
         model = GPT(cfg)
     optimizer = train.build_optimizer(model, args, state_quant)
     loader = data.TokenLoader(os.path.join(args.data, "train.bin"), a.batch_size, a.seq_len)
-    uses_lora_svd = linear_policy == "lora_svd"
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
 
-    def step():
-        x, y = (t.to(a.device, non_blocking=True) for t in loader.next_batch())
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-            _, loss = model(x, y)
-        loss.backward()
-        if uses_lora_svd:
-            import lora_svd
-            lora_svd.project_all(model)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    def step():  # train.py's step without the schedule, the checks and the logging
+        train.compute_gradients(model, model, loader, args, autocast, a.device, False, linear_policy == "lora_svd", 0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
