@@ -29,7 +29,7 @@ import triton.language as tl
 
 from kernels.nvfp4_gemm import _CONFIGS, _dequant_tile, _operand, grid_values_mm
 from kernels.nvfp4_quant import (_e2m1_value, _load_tile, _pairwise_block_sum, _round_to_e4m3, _rtn_e2m1, _sr_e2m1,
-                                 _uniforms, grid_values_bf16)
+                                 _uniforms, _with_sign, grid_values_bf16)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -93,7 +93,7 @@ def _quantize_down_proj_kernel(x_ptr, l_ptr, amax_ptr, gs_other_ptr, codes_ptr, 
         if WRITE_VALUES:  # q * s_b has at most 6 significant bits: exact in bf16
             q = (_e2m1_value(idx) * s_b[:, None, :, None]).reshape(BM, BN)
             tl.store(vals_ptr + offs_m[:, None].to(tl.int64) * stride_vm + offs_n[None, :],
-                     tl.where(x < 0, -q, q).to(tl.bfloat16), mask=mask)
+                     _with_sign(q, x).to(tl.bfloat16), mask=mask)
         # the down-projection from the same registers: acc += x_tile @ L_tile^T
         lt = tl.load(l_ptr + offs_r[:, None] * stride_lr + offs_n[None, :] * stride_ln,
                      mask=(offs_r[:, None] < R) & (offs_n[None, :] < N), other=0.0)  # (BR, BN)

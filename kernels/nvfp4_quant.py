@@ -59,13 +59,17 @@ def _round_to_e4m3(s):
 
 @triton.jit
 def _rtn_e2m1(a):
-    """Index 0..7 of the nearest E2M1 magnitude for a in [0, 6], ties to the even index (nvfp4.rtn_e2m1).
-    A 3-level search instead of 7 compares: the decision points 1.75, then 0.75 / 3.5, round ties up (to the
-    even index); the last level's points 0.25, 1.25, 2.5, 5 round ties down."""
-    s2 = a >= 1.75
-    s1 = a >= tl.where(s2, 3.5, 0.75)
-    t0 = tl.where(s2, tl.where(s1, 5.0, 2.5), tl.where(s1, 1.25, 0.25))
-    return s2.to(tl.int32) * 4 + s1.to(tl.int32) * 2 + (a > t0).to(tl.int32)
+    """Index 0..7 of the nearest E2M1 magnitude for a in [0, 6], ties to the even index (nvfp4.rtn_e2m1), from
+    a's fp32 bits instead of a compare tree (7 instructions instead of ~16). For a >= 1 the E2M1 code is the
+    fp32 exponent and the top mantissa bit: round the mantissa to one bit, ties to even (the carry of 1.75 -> 2
+    moves into the exponent), and (bits >> 22) - (126 << 1) is the index (1.0 -> 2, 6.0 -> 7; a <= 6 cannot round
+    past 6). Below 1 the grid is 0, 0.5, 1 (quantum 0.5): RNE of 2a with the 2^23 magic number, whose low bits
+    are then the index. Both are exact RNE, so the index equals the compare tree's on every fp32 (tested on every
+    tie and its neighbours)."""
+    bits = a.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252
+    sub = (a * 2.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
+    return tl.where(a < 1.0, sub, normal)
 
 
 @triton.jit
@@ -86,22 +90,42 @@ def _div_by(x, den, inv, EXACT_FMA: tl.constexpr):
 
 @triton.jit
 def _e2m1_value(idx):
-    """E2M1 magnitude of index 0..7: 0, .5, 1, 1.5, 2, 3, 4, 6."""
-    e = idx >> 1
-    m = (idx & 1).to(tl.float32)
-    normal = (1.0 + 0.5 * m) * (1 << tl.maximum(e - 1, 0)).to(tl.float32)
-    return tl.where(e == 0, 0.5 * m, normal)
+    """E2M1 magnitude of index 0..7: 0, .5, 1, 1.5, 2, 3, 4, 6. From index 2 on, the index is the value's fp32
+    exponent and top mantissa bit (the inverse of _rtn_e2m1's bit trick): bits = (idx + 252) << 22."""
+    return tl.where(idx >= 2, ((idx + 252) << 22).to(tl.float32, bitcast=True), idx.to(tl.float32) * 0.5)
+
+
+@triton.jit
+def _rtn_e2m1_grid(a):
+    """The nearest E2M1 magnitude itself, _e2m1_value(_rtn_e2m1(a)) without the index: the same two roundings,
+    kept as fp32 values (4/6's reconstruction error)."""
+    bits = a.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) & -4194304).to(tl.float32, bitcast=True)  # 0xFFC00000
+    sub = ((a * 2.0 + 8388608.0) - 8388608.0) * 0.5
+    return tl.where(a < 1.0, sub, normal)
+
+
+@triton.jit
+def _with_sign(q, x):
+    """q >= 0 with x's sign as the reference decodes it (the code's sign bit is x < 0): -q is 0 - q in Triton,
+    which turns a negative code's -0.0 into +0.0, so set the fp32 sign bit instead."""
+    return (q.to(tl.int32, bitcast=True) | ((x < 0).to(tl.int32) << 31)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _sr_e2m1(a, rand):
-    """Stochastic rounding of a in [0, 6] (nvfp4.sr_e2m1): lo = the grid value at or below a, up to the next
-    one with probability (a - lo) / gap. gap is a power of two, so the fraction is exact."""
-    lo = (a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32) \
-        + (a >= 2.0).to(tl.int32) + (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32) + (a >= 6.0).to(tl.int32)
-    inv_gap = tl.where(lo < 4, 2.0, tl.where(lo < 6, 1.0, tl.where(lo < 7, 0.5, 0.0)))  # 1 / (hi - lo), 0 at 6
-    frac = (a - _e2m1_value(lo)) * inv_gap                             # exact (Sterbenz; power-of-two gap)
-    return lo + (rand < frac).to(tl.int32)
+    """Stochastic rounding of a in [0, 6] (nvfp4.sr_e2m1: up to the next grid value iff rand < (a - lo) / gap),
+    from a's fp32 bits. For a >= 1, lo is a with its mantissa cut to one bit and (a - lo) / gap = m / 2^22 for
+    the 22 bits m cut off, so rand < m / 2^22 <=> floor(rand * 2^22) < m: an exact integer compare (rand * 2^22
+    is exact). At a = 6, m = 0: never up. Below 1 the gap is 0.5: lo = floor(2a) / 2, fraction 2a - floor(2a)
+    (exact). Same decisions as the reference for every rand, so the tests' given uniforms reproduce it bit for bit."""
+    bits = a.to(tl.int32, bitcast=True)
+    up = (rand * 4194304.0).to(tl.int32) < (bits & 0x3FFFFF)
+    normal = (bits >> 22) - 252 + up.to(tl.int32)
+    t = a * 2.0
+    fl = tl.floor(t)
+    sub = fl.to(tl.int32) + (rand < t - fl).to(tl.int32)
+    return tl.where(a < 1.0, sub, normal)
 
 
 @triton.jit
@@ -280,8 +304,8 @@ def _quantize_kernel(x_ptr, src_scales_ptr, src_gs_ptr, h_ptr, noise_ptr, amax_p
         inv4 = tl.where(den4 > 0, tl.div_rn(1.0, tl.where(den4 > 0, den4, 1.0)), 0.0)
         den4, inv4 = den4[:, None, :, None], inv4[:, None, :, None]
         a4 = tl.minimum(_div_by(xb, den4, inv4, EXACT_FMA), 6.0)
-        d6 = _e2m1_value(_rtn_e2m1(a6)) * den6 - xb
-        d4 = _e2m1_value(_rtn_e2m1(a4)) * den4 - xb
+        d6 = _rtn_e2m1_grid(a6) * den6 - xb
+        d4 = _rtn_e2m1_grid(a4) * den4 - xb
         err6 = _pairwise_block_sum(d6 * d6, BM // SBM, SBM, BN // SBN, SBN)
         err4 = _pairwise_block_sum(d4 * d4, BM // SBM, SBM, BN // SBN, SBN)
         use4 = err4 < err6
@@ -314,9 +338,78 @@ def _quantize_kernel(x_ptr, src_scales_ptr, src_gs_ptr, h_ptr, noise_ptr, amax_p
     if WRITE_VALUES:
         # q * s_b: at most 6 significant bits and within bf16's range, so the bf16 store is exact
         q = _e2m1_value(idx).reshape(BM // SBM, SBM, BN // SBN, SBN) * s_b[:, None, :, None]
-        q = tl.where(x < 0, -q.reshape(BM, BN), q.reshape(BM, BN))
+        q = _with_sign(q.reshape(BM, BN), x)
         vptrs = values_ptr + (pid_b.to(tl.int64) * M + offs_m[:, None]) * N + offs_n[None, :]
         tl.store(vptrs, q.to(tl.bfloat16), mask=mask)
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _quantize_rows_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, values_ptr, part_ptr,
+                          n_blocks, seed, NB: tl.constexpr, FP8_BOUND: tl.constexpr, FOUR_OVER_SIX: tl.constexpr,
+                          SR: tl.constexpr, USE_NOISE: tl.constexpr, HADAMARD: tl.constexpr,
+                          X_IS_FP32: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr,
+                          EXACT_FMA: tl.constexpr, AMAX_ONLY: tl.constexpr):
+    """_quantize_kernel's arithmetic for the common case, 1x16 blocks of a contiguous x: NB consecutive blocks
+    as an (NB, 16) tile, so each block sits in one or two threads (no 4-D reshapes, whose layouts needed
+    shared-memory shuffles), codes stored as two int32 words per block (8 codes each, element 0 in the low
+    nibble: little-endian, the same bytes), int32 offsets from a per-program base. Same results bit for bit
+    (same operations per element; SR: the same Philox counters, element index // 4). AMAX_ONLY: the global-amax
+    pre-pass over the same (rotated) values."""
+    pid = tl.program_id(0)
+    base = pid.to(tl.int64) * NB                                                 # first block of this program
+    blk = tl.arange(0, NB)
+    bmask = blk < n_blocks - base
+    offs = blk[:, None] * 16 + tl.arange(0, 16)[None, :]                          # (NB, 16), int32
+    x = tl.load(x_ptr + base * 16 + offs, mask=bmask[:, None], other=0.0)
+    if HADAMARD:  # x . H on each block (the reference's hadamard_transform(x, H, dim=-1))
+        h = tl.load(h_ptr + tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :])
+        if X_IS_FP32:
+            x = tl.dot(x.to(tl.float32), h, input_precision="ieee")
+        else:
+            x = tl.dot(x.to(tl.bfloat16), h.to(tl.bfloat16), out_dtype=tl.float32)
+    x = x.to(tl.float32)
+    ax = tl.abs(x)
+    if AMAX_ONLY:
+        tl.store(part_ptr + pid, tl.max(tl.max(ax, axis=1), axis=0))
+        return
+    amax = tl.load(amax_ptr)
+    s_g = tl.where(amax > 0, tl.div_rn(amax, FP8_BOUND * 6.0), 1.0)
+    if pid == 0:
+        tl.store(gs_out_ptr, s_g)
+    block_amax = tl.max(ax, axis=1)                                               # (NB,)
+    s_b, bits = _round_to_e4m3(tl.minimum(tl.div_rn(tl.div_rn(block_amax, 6.0), s_g), 448.0))
+    den = s_b * s_g
+    inv = tl.where(den > 0, tl.div_rn(1.0, tl.where(den > 0, den, 1.0)), 0.0)
+    a = tl.minimum(_div_by(ax, den[:, None], inv[:, None], EXACT_FMA), 6.0)
+    if FOUR_OVER_SIX:  # as in _quantize_kernel: the "max -> 4" candidate wins on a lower RTN error, ties to 6
+        s4, bits4 = _round_to_e4m3(tl.minimum(tl.div_rn(tl.div_rn(block_amax, 4.0), s_g), 448.0))
+        den4 = s4 * s_g
+        inv4 = tl.where(den4 > 0, tl.div_rn(1.0, tl.where(den4 > 0, den4, 1.0)), 0.0)
+        a4 = tl.minimum(_div_by(ax, den4[:, None], inv4[:, None], EXACT_FMA), 6.0)
+        d6 = _rtn_e2m1_grid(a) * den[:, None] - ax
+        d4 = _rtn_e2m1_grid(a4) * den4[:, None] - ax
+        use4 = _pairwise_block_sum((d4 * d4).reshape(NB, 1, 1, 16), NB, 1, 1, 16).reshape(NB) \
+            < _pairwise_block_sum((d6 * d6).reshape(NB, 1, 1, 16), NB, 1, 1, 16).reshape(NB)
+        s_b = tl.where(use4, s4, s_b)
+        bits = tl.where(use4, bits4, bits)
+        a = tl.where(use4[:, None], a4, a)
+    if SR:
+        if USE_NOISE:
+            rand = tl.load(noise_ptr + base * 16 + offs, mask=bmask[:, None], other=0.0)
+        else:  # _uniforms' counters: element index // 4 of the flat tensor
+            r0, r1, r2, r3 = tl.rand4x(seed, ((base + blk)[:, None] * 4 + tl.arange(0, 4)[None, :]).to(tl.uint32))
+            rand = tl.join(tl.join(r0, r2), tl.join(r1, r3)).reshape(NB, 16)
+        idx = _sr_e2m1(a, rand)
+    else:
+        idx = _rtn_e2m1(a)
+    if WRITE_CODES:
+        code = idx | ((x < 0).to(tl.int32) << 3)
+        words = tl.sum(code.reshape(NB, 2, 8) << (tl.arange(0, 8) * 4)[None, None, :], axis=2)   # (NB, 2)
+        tl.store(codes_ptr + base * 2 + blk[:, None] * 2 + tl.arange(0, 2)[None, :], words, mask=bmask[:, None])
+        tl.store(scales_ptr + base + blk, bits, mask=bmask)
+    if WRITE_VALUES:
+        q = _with_sign(_e2m1_value(idx) * s_b[:, None], x)
+        tl.store(values_ptr + base * 16 + offs, q.to(tl.bfloat16), mask=bmask[:, None])
 
 
 @triton.jit
@@ -340,6 +433,12 @@ def _dequantize_kernel(codes_ptr, scales_ptr, gs_ptr, out_ptr, M, N,
 # Host side
 
 TILE_OVERRIDE = None  # (BM, BN, num_warps) for every dense quantize launch; scripts/gpu_diag.py's tile sweep
+ROWS_LAUNCH = (256, 4)  # (blocks per program, num_warps) of _quantize_rows_kernel (1x16 blocks, contiguous x)
+
+
+def _use_rows(x3, block, src):
+    # the rows kernel: 1x16 blocks of a contiguous dense x (a TILE_OVERRIDE forces the tile kernel: the sweep)
+    return src is None and tuple(block) == (1, 16) and x3.is_contiguous() and TILE_OVERRIDE is None
 
 
 def _tiles(block, x):
@@ -410,6 +509,9 @@ def _global_amax(x3, hadamard, had_dim, tiles, src=None, x_is_fp32=None):
     B, M, N = x3.shape[0], x3.shape[1], x3.shape[2] * (2 if src is not None else 1)
     if had_dim == 0 and src is None:  # max |x| without an |x| temporary
         return torch.linalg.vector_norm(x3, ord=float("inf")).float()
+    x_is_fp32 = _dot_in_fp32(x3) if x_is_fp32 is None else x_is_fp32
+    if _use_rows(x3, (1, 16) if had_dim == 1 else (16, 1), src):  # the rows kernel's own rotation: same bits
+        return _rows_launch(x3, None, hadamard, None, False, 0, x_is_fp32, amax_only=True)
     BM, BN, warps = tiles
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN), B)
     partial = torch.empty(grid[0] * grid[1] * grid[2], device=x3.device, dtype=torch.float32)
@@ -417,8 +519,28 @@ def _global_amax(x3, hadamard, had_dim, tiles, src=None, x_is_fp32=None):
     _amax_kernel[grid](x3, src_scales if src is not None else x3, src_gs if src is not None else x3,
                        hadamard if hadamard is not None else x3, partial, M, N,
                        x3.stride(0), x3.stride(1), x3.stride(2), BM=BM, BN=BN, HAD_DIM=had_dim,
-                       X_IS_FP32=_dot_in_fp32(x3) if x_is_fp32 is None else x_is_fp32, **flags, num_warps=warps)
+                       X_IS_FP32=x_is_fp32, **flags, num_warps=warps)
     return partial.amax()
+
+
+def _rows_launch(x3, amax, hadamard, noise, four_over_six, seed, x_is_fp32, rounding="rtn", codes=None,
+                 scales=None, values=None, gs_out=None, amax_only=False):
+    """Launch _quantize_rows_kernel over x3's B*M*N/16 blocks (or its amax pre-pass: returns the global amax)."""
+    NB, warps = ROWS_LAUNCH
+    n_blocks = x3.numel() // 16
+    grid = (triton.cdiv(n_blocks, NB),)
+    partial = torch.empty(grid[0], device=x3.device, dtype=torch.float32) if amax_only else None
+    dummy = x3
+    _quantize_rows_kernel[grid](
+        x3, hadamard if hadamard is not None else dummy, noise if noise is not None else dummy,
+        amax if amax is not None else dummy, gs_out if gs_out is not None else dummy,
+        codes.view(torch.int32) if codes is not None else dummy, scales if scales is not None else dummy,
+        values if values is not None else dummy, partial if partial is not None else dummy, n_blocks, int(seed),
+        NB=NB, FP8_BOUND=256.0 if four_over_six else 448.0, FOUR_OVER_SIX=bool(four_over_six), SR=rounding == "sr",
+        USE_NOISE=noise is not None, HADAMARD=hadamard is not None, X_IS_FP32=x_is_fp32,
+        WRITE_CODES=codes is not None, WRITE_VALUES=values is not None, EXACT_FMA=_exact_fma(),
+        AMAX_ONLY=amax_only, num_warps=warps, enable_fp_fusion=False)  # no FMA contraction, as _quantize_kernel
+    return partial.amax() if amax_only else None
 
 
 def _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, noise, write_codes, write_values, name,
@@ -460,16 +582,20 @@ def _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, noise, 
     flags, src_scales, src_gs = _src_args(src)
     dummy = amax
     gs_out = torch.empty((), device=device, dtype=torch.float32)
-    _quantize_kernel[grid](
-        x3, src_scales if src is not None else dummy, src_gs if src is not None else dummy,
-        hadamard if hadamard is not None else dummy, noise if noise is not None else dummy, amax, gs_out,
-        codes if codes is not None else dummy, scales if scales is not None else dummy,
-        values if values is not None else dummy,
-        M, N, x3.stride(0), x3.stride(1), x3.stride(2), int(seed),
-        BM=BM, BN=BN, SBM=bm, SBN=bn, FP8_BOUND=256.0 if four_over_six else 448.0,
-        FOUR_OVER_SIX=bool(four_over_six), SR=rounding == "sr", USE_NOISE=noise is not None, HAD_DIM=had_dim,
-        X_IS_FP32=x_is_fp32, WRITE_CODES=write_codes, WRITE_VALUES=write_values, EXACT_FMA=_exact_fma(), **flags,
-        num_warps=warps, enable_fp_fusion=False)  # no FMA contraction: every rounding as in the reference
+    if _use_rows(x3, block, src):
+        _rows_launch(x3, amax, hadamard, noise, four_over_six, seed, x_is_fp32, rounding, codes, scales, values,
+                     gs_out)
+    else:
+        _quantize_kernel[grid](
+            x3, src_scales if src is not None else dummy, src_gs if src is not None else dummy,
+            hadamard if hadamard is not None else dummy, noise if noise is not None else dummy, amax, gs_out,
+            codes if codes is not None else dummy, scales if scales is not None else dummy,
+            values if values is not None else dummy,
+            M, N, x3.stride(0), x3.stride(1), x3.stride(2), int(seed),
+            BM=BM, BN=BN, SBM=bm, SBN=bn, FP8_BOUND=256.0 if four_over_six else 448.0,
+            FOUR_OVER_SIX=bool(four_over_six), SR=rounding == "sr", USE_NOISE=noise is not None, HAD_DIM=had_dim,
+            X_IS_FP32=x_is_fp32, WRITE_CODES=write_codes, WRITE_VALUES=write_values, EXACT_FMA=_exact_fma(), **flags,
+            num_warps=warps, enable_fp_fusion=False)  # no FMA contraction: every rounding as in the reference
     s_g = gs_out  # amax / (bound * 6) by tl.div_rn (a true division, like nvfp4.global_scale on the CPU), or 1
     t = None
     if write_codes:

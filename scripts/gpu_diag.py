@@ -239,6 +239,7 @@ SWEEP_CASES = [("RTN 1x16", (1, 16), "rtn", False, False), ("RTN 1x16 4/6", (1, 
                ("RTN 16x16", (16, 16), "rtn", False, False), ("SR+RHT 1x16", (1, 16), "sr", False, True),
                ("SR+RHT 16x1 4/6", (16, 1), "sr", True, True)]
 SWEEP_SHAPE = (16384, 4096)
+SWEEP_ROWS = [(128, 4), (256, 4), (512, 4), (256, 8), (512, 8), (1024, 8)]  # rows kernel (1x16): (blocks, warps)
 
 
 def _sweep_call(x, H, case, amax):
@@ -305,18 +306,24 @@ def speed(log):
     copy_ms = do_bench(lambda: xs.clone(), warmup=10, rep=50)
     gbs = lambda ms: (xs.numel() * 2 + xs.numel() // 2 + xs.numel() // 16) / ms / 1e6
     log(f"INFO speed copy bf16 {SWEEP_SHAPE}: {copy_ms:.4f} ms {2 * xs.numel() * 2 / copy_ms / 1e6:.0f} GB/s")
-    default = kq.TILE_OVERRIDE
+    copy_gbs = 2 * xs.numel() * 2 / copy_ms / 1e6
+
+    def timed(case, amax, name, setting, value):  # one launch setting of kq (TILE_OVERRIDE / ROWS_LAUNCH) timed
+        old = getattr(kq, setting)
+        setattr(kq, setting, value)
+        try:
+            ms = do_bench(lambda: _sweep_call(xs, H, case, amax), warmup=5, rep=25)
+            return f"{name}={ms * 1e3:.0f}us/{gbs(ms) / copy_gbs:.2f}x"
+        except Exception as e:
+            return f"{name}=ERR {type(e).__name__}"
+        finally:
+            setattr(kq, setting, old)
+
     for case in SWEEP_CASES:
         amax = xs.abs().amax().float() if not case[4] else None
-        row = []
-        for tile in SWEEP_TILES:
-            kq.TILE_OVERRIDE = tile
-            try:
-                ms = do_bench(lambda: _sweep_call(xs, H, case, amax), warmup=5, rep=25)
-                row.append(f"{tile[0]}x{tile[1]}w{tile[2]}={ms * 1e3:.0f}us/{gbs(ms) / (2 * xs.numel() * 2 / copy_ms / 1e6):.2f}x")
-            except Exception as e:
-                row.append(f"{tile}=ERR {type(e).__name__}")
-        kq.TILE_OVERRIDE = default
+        row = [timed(case, amax, f"{t[0]}x{t[1]}w{t[2]}", "TILE_OVERRIDE", t) for t in SWEEP_TILES]
+        if case[1] == (1, 16):  # the rows kernel (the default for 1x16 blocks of a contiguous x)
+            row += [timed(case, amax, f"rows{r[0]}w{r[1]}", "ROWS_LAUNCH", r) for r in SWEEP_ROWS]
         log(f"INFO sweep {case[0]:16s} (kernel only, ratio vs copy): " + " ".join(row))
 
 

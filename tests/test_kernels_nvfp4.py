@@ -95,6 +95,26 @@ def test_round_to_e4m3_matches_torch_including_ties_and_subnormals():
 
 
 @triton.jit
+def _e2m1_probe(a_ptr, idx_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    a = tl.load(a_ptr + offs, mask=offs < n, other=0.0)
+    tl.store(idx_ptr + offs, kq._rtn_e2m1(a), mask=offs < n)
+
+
+def test_rtn_e2m1_bit_trick_matches_the_reference_on_ties_and_neighbours():
+    grid = torch.tensor(nvfp4.E2M1_VALUES[:8]).float()
+    ties = (grid[:-1] + grid[1:]) / 2                                       # 0.25, 0.75, ..., 5: exact midpoints
+    pts = torch.cat((grid, ties))
+    near = torch.cat((pts, torch.nextafter(pts, torch.zeros_like(pts)), torch.nextafter(pts, torch.full_like(pts, 7.0))))
+    g = torch.Generator().manual_seed(0)
+    a = torch.cat((near, torch.rand(20000, generator=g) * 6, torch.tensor([0.0, 1e-38, 6.0]))).clamp(0, 6)
+    idx = torch.empty(a.shape, dtype=torch.int32)
+    _e2m1_probe[(triton.cdiv(a.numel(), 1024),)](a, idx, a.numel(), BLOCK=1024)
+    assert torch.equal(idx, nvfp4.rtn_e2m1(a).int())
+    assert idx[:8].tolist() == list(range(8)) and idx[8:15].tolist() == [0, 2, 2, 4, 4, 6, 6]  # ties to even
+
+
+@triton.jit
 def _pairwise_probe(e_ptr, out_ptr, BM: tl.constexpr, BN: tl.constexpr, SBM: tl.constexpr, SBN: tl.constexpr):
     e = tl.load(e_ptr + tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :])
     s = kq._pairwise_block_sum(e.reshape(BM // SBM, SBM, BN // SBN, SBN), BM // SBM, SBM, BN // SBN, SBN)
@@ -227,6 +247,27 @@ def test_sr_draws_independent_across_neighbours(block):
     for lag in (1, 2, 3, 4, 5):
         corr = (z[:-lag] * z[lag:]).mean() / z.var()
         assert abs(corr.item()) < 0.03, lag
+
+
+@pytest.mark.parametrize("options", [dict(rounding="rtn"), dict(rounding="rtn", four_over_six=True),
+                                     dict(rounding="sr", seed=5), dict(rounding="sr", seed=5, hadamard=True)])
+def test_rows_kernel_equals_the_tile_kernel(options, monkeypatch):
+    """1x16 blocks of a contiguous x take _quantize_rows_kernel; the general tile kernel must give the same bits
+    (codes, scales, bf16 values, global scale; SR: the same Philox counters), on a block count that is not a
+    multiple of the rows kernel's program size (the masked tail)."""
+    g = torch.Generator().manual_seed(3)
+    x = _heavy_tailed((2, 40, 48), g)                                   # 240 blocks, 16 per program below
+    opts = dict(options)
+    if opts.pop("hadamard", False):
+        opts["hadamard"] = nvfp4.random_hadamard(g)
+        x = x.to(torch.bfloat16).float()  # exact products: the two kernels' 16-term dots may differ in order only
+    monkeypatch.setattr(kq, "ROWS_LAUNCH", (16, 1))
+    assert kq._use_rows(x.reshape(-1, 40, 48), (1, 16), None)
+    rows_values, _, rows_t = kq.quantize_dequant(x, (1, 16), return_tensor=True, **opts)
+    monkeypatch.setattr(kq, "TILE_OVERRIDE", (16, 32, 4))
+    tile_values, _, tile_t = kq.quantize_dequant(x, (1, 16), return_tensor=True, **opts)
+    _same(rows_t, tile_t)
+    assert torch.equal(rows_values.view(torch.int16), tile_values.view(torch.int16))  # -0.0 included
 
 
 # ----------------------------------------------------------------------------------------------------------

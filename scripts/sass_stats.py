@@ -1,0 +1,84 @@
+"""
+Static instruction counts of our Triton kernels, compiled for the H200 (sm_90) on any machine: Triton ships
+ptxas and cuobjdump, so `triton.compile(..., target=GPUTarget("cuda", 90, 32))` needs no GPU. The count of SASS
+instructions per element a thread handles is a proxy for an element-wise kernel's cost when it is
+instruction-bound (the quantize kernels were: their time did not move across 13 tile shapes on the H200), and it
+shows layout conversions (shared-memory LDS/STS, SHFL) the compiler inserted. Static counts include branches
+that rarely run (the slow path of a correctly rounded division: CALL); timings on the GPU decide.
+
+    python scripts/sass_stats.py            # the quantize kernel's variants
+Other scripts import compile_sm90 / sass_stats.
+"""
+
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+os.environ.pop("TRITON_INTERPRET", None)  # compile for real
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def compile_sm90(fn, types, constexprs, div16=(), num_warps=4):
+    """fn: a @triton.jit kernel. types: {arg: "*bf16" | "i32" | "fp32" ...} (default "i32"); constexprs:
+    {arg: value}; div16: integer args known to be multiples of 16 (Triton specializes them so at launch;
+    pointers are always marked 16-byte aligned, as torch's allocations are)."""
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+            continue
+        sig[name] = types.get(name, "i32")
+        if sig[name].startswith("*") or name in div16:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, enable_fp_fusion=False))
+
+
+def sass_stats(kernel, elements, num_warps, label="", show_ops=0):
+    """Print and return {total, per_elem, ops}: SASS instruction count, per element a thread handles."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-sass", f.name], capture_output=True,
+                              text=True, check=True).stdout
+    lines = [l for l in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", l)]
+    ops = collections.Counter(re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", l).group(1) for l in lines)
+    per = len(lines) / (elements / (32 * num_warps))
+    print(f"{label:44s} SASS {len(lines):6d}  per element {per:6.1f}  convert_layout "
+          f"{kernel.asm['ttgir'].count('convert_layout'):2d}  LDS+STS {ops['LDS'] + ops['STS']:4d}  "
+          f"SHFL {ops['SHFL']:4d}  CALL {ops['CALL']:3d}")
+    if show_ops:
+        print("   ", ops.most_common(show_ops))
+    return dict(total=len(lines), per_elem=per, ops=ops)
+
+
+if __name__ == "__main__":
+    from kernels import nvfp4_quant as nq
+    types = dict(x_ptr="*bf16", src_scales_ptr="*fp32", src_gs_ptr="*fp32", h_ptr="*fp32", noise_ptr="*fp32",
+                 amax_ptr="*fp32", gs_out_ptr="*fp32", codes_ptr="*u8", scales_ptr="*u8", values_ptr="*bf16")
+    base = dict(BM=16, BN=128, SBM=1, SBN=16, FP8_BOUND=448.0, FOUR_OVER_SIX=False, SR=False, USE_NOISE=False,
+                HAD_DIM=0, X_IS_FP32=False, WRITE_CODES=True, WRITE_VALUES=False, EXACT_FMA=True, SRC_SBM=0,
+                SRC_SBN=0, SRC_BF16=False, stride_xn=1)
+    for label, ce in [("tile kernel, RTN 1x16", {}), ("tile kernel, RTN 1x16 4/6", dict(FOUR_OVER_SIX=True)),
+                      ("tile kernel, SR + Hadamard 1x16", dict(SR=True, HAD_DIM=1))]:
+        k = compile_sm90(nq._quantize_kernel, types, dict(base, **ce), ("M", "N", "stride_xb", "stride_xm"))
+        sass_stats(k, base["BM"] * base["BN"], 4, label)
+    rows_types = dict(x_ptr="*bf16", h_ptr="*fp32", noise_ptr="*fp32", amax_ptr="*fp32", gs_out_ptr="*fp32",
+                      codes_ptr="*i32", scales_ptr="*u8", values_ptr="*bf16", part_ptr="*fp32", n_blocks="i64")
+    NB, warps = nq.ROWS_LAUNCH
+    rows = dict(NB=NB, FP8_BOUND=448.0, FOUR_OVER_SIX=False, SR=False, USE_NOISE=False, HADAMARD=False,
+                X_IS_FP32=False, WRITE_CODES=True, WRITE_VALUES=False, EXACT_FMA=True, AMAX_ONLY=False)
+    for label, ce in [("rows kernel, RTN 1x16", {}), ("rows kernel, RTN 1x16 codes + bf16 values", dict(WRITE_VALUES=True)),
+                      ("rows kernel, RTN 1x16 4/6", dict(FOUR_OVER_SIX=True)),
+                      ("rows kernel, SR + Hadamard 1x16", dict(SR=True, HADAMARD=True)),
+                      ("rows kernel, amax pre-pass with Hadamard", dict(HADAMARD=True, AMAX_ONLY=True))]:
+        k = compile_sm90(nq._quantize_rows_kernel, rows_types, dict(rows, **ce), ("n_blocks",), warps)
+        sass_stats(k, NB * 16, warps, label)
