@@ -157,15 +157,18 @@ def _fake_quant_rows16(x, s_g, u, R: tl.constexpr, C: tl.constexpr, SR: tl.const
     inv = tl.where(denom > 0, tl.div_rn(tl.full((R, C // 16), 1.0, tl.float32), tl.where(denom > 0, denom, 1.0)), 0.0)
     # |x| / denom correctly rounded, with one reciprocal per block (0 for an all-zero block)
     a = tl.minimum(nvfp4_quant._div_by(tl.abs(xb), denom[:, :, None], inv[:, :, None], EXACT_FMA), 6.0)
-    # E2M1's grid has step 0.5 on [0, 2), 1 on [2, 4), 2 on [4, 6]: round a / step to an integer
-    step = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
-    y = a * (1.0 / step)
-    if SR:
+    # E2M1's grid has step 0.5 on [0, 2), 1 on [2, 4), 2 on [4, 6]: step = p / 2 with p = 2^floor(log2 max(a, 1)),
+    # read off the exponent bits (no compares)
+    pbits = tl.maximum(a, 1.0).to(tl.int32, bitcast=True) & 0x7F800000
+    if SR:   # up iff u < the fractional distance; y = a / step is exact (step is a power of two)
+        y = a * ((255 << 23) - pbits).to(tl.float32, bitcast=True)                # 2 / p
         fl = tl.floor(y)
         q = fl + (tl.reshape(u, (R, C // 16, 16)) < (y - fl)).to(tl.float32)
-    else:
-        q = _rint(y)
-    v = q * step * s_b[:, :, None]
+        v = q * (pbits - (1 << 23)).to(tl.float32, bitcast=True)                  # * p / 2
+    else:    # RTN ties-to-even: adding C = 2^22 p leaves exactly the grid's bits (ulp(C) = step), as _rint
+        c = (pbits + (22 << 23)).to(tl.float32, bitcast=True)
+        v = (a + c) - c
+    v = v * s_b[:, :, None]
     v = tl.where(xb < 0, -v, v)
     return tl.reshape(v, (R, C))
 

@@ -369,47 +369,47 @@ def _quantize_rows_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_p
             x = tl.dot(x.to(tl.bfloat16), h.to(tl.bfloat16), out_dtype=tl.float32)
     x = x.to(tl.float32)
     ax = tl.abs(x)
-    if AMAX_ONLY:
+    if AMAX_ONLY:  # (an else branch, not an early return: Triton would still compile the rest for this launch)
         tl.store(part_ptr + pid, tl.max(tl.max(ax, axis=1), axis=0))
-        return
-    amax = tl.load(amax_ptr)
-    s_g = tl.where(amax > 0, tl.div_rn(amax, FP8_BOUND * 6.0), 1.0)
-    if pid == 0:
-        tl.store(gs_out_ptr, s_g)
-    block_amax = tl.max(ax, axis=1)                                               # (NB,)
-    s_b, bits = _round_to_e4m3(tl.minimum(tl.div_rn(tl.div_rn(block_amax, 6.0), s_g), 448.0))
-    den = s_b * s_g
-    inv = tl.where(den > 0, tl.div_rn(1.0, tl.where(den > 0, den, 1.0)), 0.0)
-    a = tl.minimum(_div_by(ax, den[:, None], inv[:, None], EXACT_FMA), 6.0)
-    if FOUR_OVER_SIX:  # as in _quantize_kernel: the "max -> 4" candidate wins on a lower RTN error, ties to 6
-        s4, bits4 = _round_to_e4m3(tl.minimum(tl.div_rn(tl.div_rn(block_amax, 4.0), s_g), 448.0))
-        den4 = s4 * s_g
-        inv4 = tl.where(den4 > 0, tl.div_rn(1.0, tl.where(den4 > 0, den4, 1.0)), 0.0)
-        a4 = tl.minimum(_div_by(ax, den4[:, None], inv4[:, None], EXACT_FMA), 6.0)
-        d6 = _rtn_e2m1_grid(a) * den[:, None] - ax
-        d4 = _rtn_e2m1_grid(a4) * den4[:, None] - ax
-        use4 = _pairwise_block_sum((d4 * d4).reshape(NB, 1, 1, 16), NB, 1, 1, 16).reshape(NB) \
-            < _pairwise_block_sum((d6 * d6).reshape(NB, 1, 1, 16), NB, 1, 1, 16).reshape(NB)
-        s_b = tl.where(use4, s4, s_b)
-        bits = tl.where(use4, bits4, bits)
-        a = tl.where(use4[:, None], a4, a)
-    if SR:
-        if USE_NOISE:
-            rand = tl.load(noise_ptr + base * 16 + offs, mask=bmask[:, None], other=0.0)
-        else:  # _uniforms' counters: element index // 4 of the flat tensor
-            r0, r1, r2, r3 = tl.rand4x(seed, ((base + blk)[:, None] * 4 + tl.arange(0, 4)[None, :]).to(tl.uint32))
-            rand = tl.join(tl.join(r0, r2), tl.join(r1, r3)).reshape(NB, 16)
-        idx = _sr_e2m1(a, rand)
     else:
-        idx = _rtn_e2m1(a)
-    if WRITE_CODES:
-        code = idx | ((x < 0).to(tl.int32) << 3)
-        words = tl.sum(code.reshape(NB, 2, 8) << (tl.arange(0, 8) * 4)[None, None, :], axis=2)   # (NB, 2)
-        tl.store(codes_ptr + base * 2 + blk[:, None] * 2 + tl.arange(0, 2)[None, :], words, mask=bmask[:, None])
-        tl.store(scales_ptr + base + blk, bits, mask=bmask)
-    if WRITE_VALUES:
-        q = _with_sign(_e2m1_value(idx) * s_b[:, None], x)
-        tl.store(values_ptr + base * 16 + offs, q.to(tl.bfloat16), mask=bmask[:, None])
+        amax = tl.load(amax_ptr)
+        s_g = tl.where(amax > 0, tl.div_rn(amax, FP8_BOUND * 6.0), 1.0)
+        if pid == 0:
+            tl.store(gs_out_ptr, s_g)
+        block_amax = tl.max(ax, axis=1)                                               # (NB,)
+        s_b, bits = _round_to_e4m3(tl.minimum(tl.div_rn(tl.div_rn(block_amax, 6.0), s_g), 448.0))
+        den = s_b * s_g
+        inv = tl.where(den > 0, tl.div_rn(1.0, tl.where(den > 0, den, 1.0)), 0.0)
+        a = tl.minimum(_div_by(ax, den[:, None], inv[:, None], EXACT_FMA), 6.0)
+        if FOUR_OVER_SIX:  # as in _quantize_kernel: the "max -> 4" candidate wins on a lower RTN error, ties to 6
+            s4, bits4 = _round_to_e4m3(tl.minimum(tl.div_rn(tl.div_rn(block_amax, 4.0), s_g), 448.0))
+            den4 = s4 * s_g
+            inv4 = tl.where(den4 > 0, tl.div_rn(1.0, tl.where(den4 > 0, den4, 1.0)), 0.0)
+            a4 = tl.minimum(_div_by(ax, den4[:, None], inv4[:, None], EXACT_FMA), 6.0)
+            d6 = _rtn_e2m1_grid(a) * den[:, None] - ax
+            d4 = _rtn_e2m1_grid(a4) * den4[:, None] - ax
+            use4 = _pairwise_block_sum((d4 * d4).reshape(NB, 1, 1, 16), NB, 1, 1, 16).reshape(NB) \
+                < _pairwise_block_sum((d6 * d6).reshape(NB, 1, 1, 16), NB, 1, 1, 16).reshape(NB)
+            s_b = tl.where(use4, s4, s_b)
+            bits = tl.where(use4, bits4, bits)
+            a = tl.where(use4[:, None], a4, a)
+        if SR:
+            if USE_NOISE:
+                rand = tl.load(noise_ptr + base * 16 + offs, mask=bmask[:, None], other=0.0)
+            else:  # _uniforms' counters: element index // 4 of the flat tensor
+                r0, r1, r2, r3 = tl.rand4x(seed, ((base + blk)[:, None] * 4 + tl.arange(0, 4)[None, :]).to(tl.uint32))
+                rand = tl.join(tl.join(r0, r2), tl.join(r1, r3)).reshape(NB, 16)
+            idx = _sr_e2m1(a, rand)
+        else:
+            idx = _rtn_e2m1(a)
+        if WRITE_CODES:
+            code = idx | ((x < 0).to(tl.int32) << 3)
+            words = tl.sum(code.reshape(NB, 2, 8) << (tl.arange(0, 8) * 4)[None, None, :], axis=2)   # (NB, 2)
+            tl.store(codes_ptr + base * 2 + blk[:, None] * 2 + tl.arange(0, 2)[None, :], words, mask=bmask[:, None])
+            tl.store(scales_ptr + base + blk, bits, mask=bmask)
+        if WRITE_VALUES:
+            q = _with_sign(_e2m1_value(idx) * s_b[:, None], x)
+            tl.store(values_ptr + base * 16 + offs, q.to(tl.bfloat16), mask=bmask[:, None])
 
 
 @triton.jit
@@ -530,7 +530,7 @@ def _rows_launch(x3, amax, hadamard, noise, four_over_six, seed, x_is_fp32, roun
     n_blocks = x3.numel() // 16
     grid = (triton.cdiv(n_blocks, NB),)
     partial = torch.empty(grid[0], device=x3.device, dtype=torch.float32) if amax_only else None
-    dummy = x3
+    dummy = partial if amax_only else amax  # an fp32 tensor for unused pointers
     _quantize_rows_kernel[grid](
         x3, hadamard if hadamard is not None else dummy, noise if noise is not None else dummy,
         amax if amax is not None else dummy, gs_out if gs_out is not None else dummy,
