@@ -2,12 +2,13 @@
 # The GPU check in one call (H200 through the device tool, from the repo root):
 #   bash scripts/gpu_check.sh [stage ...]          (default: tests bench)
 # Stages, run in the order given, each bounded so that the call ends before DEADLINE seconds (default 560):
-#   tests       pytest -m gpu (full-size kernel checks against the CPU reference)
+#   tests       pytest -m gpu (full-size kernel checks against the CPU reference; TEST_ARGS: files / -k filter)
 #   diag        scripts/gpu_diag.py: every NVFP4 primitive vs the CPU reference + timings + quantize tile sweep
 #   lora_debug  scripts/debug_lora_fused.py: the Triton LoRA epilogue route per config at the toy shapes
 #   smoke       toy fullstack (AdamW and Root), 30 steps each: the main recipe trains on this GPU
-#   bench       bench_{optim,lora_svd,nvfp4,attention}.py (JSON into bench_json.tgz)
+#   bench       bench_{optim,lora_svd,nvfp4,attention}.py (JSON into bench_json.tgz; BENCHES: a subset)
 #   profile     scripts/profile_step.py for toy fullstack (AdamW, Root) and bf16: where a step's time goes
+#   perf        toy fullstack/adamw 60 steps of 16 x 1024 without and with --compile (tokens/s, MFU, memory)
 # On a 2-GPU machine run two lists side by side:
 #   CUDA_VISIBLE_DEVICES=0 STREAM=g0 bash scripts/gpu_check.sh tests diag & \
 #   CUDA_VISIBLE_DEVICES=1 STREAM=g1 bash scripts/gpu_check.sh smoke bench & wait
@@ -32,7 +33,7 @@ for stage in $stages; do
   log="$OUT/${STREAM}_$stage.log"
   echo "== $stage ($(date +%T), $(left 100000)s left)" | tee "$log"
   case $stage in
-    tests) timeout "$(left 400)" python -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -60 >> "$log" ;;
+    tests) timeout "$(left 400)" python -m pytest -q -m gpu ${TEST_ARGS:-tests} -p no:cacheprovider 2>&1 | tail -60 >> "$log" ;;
     diag) timeout "$(left 200)" python scripts/gpu_diag.py --workers 8 --log "$OUT/${STREAM}_diag_full.log" >> "$log" 2>&1 ;;
     lora_debug) timeout "$(left 200)" python scripts/debug_lora_fused.py >> "$log" 2>&1 ;;
     smoke) for opt in adamw root; do
@@ -41,7 +42,7 @@ for stage in $stages; do
                --save_every -1 --no_progress --out_dir runs/smoke_fullstack_$opt 2>&1 | tail -25 >> "$log"
            done ;;
     bench) mkdir -p bench_json
-           for b in bench_optim bench_lora_svd bench_nvfp4 bench_attention; do
+           for b in ${BENCHES:-bench_optim bench_lora_svd bench_nvfp4 bench_attention}; do
              echo "== $b ($(date +%T))" >> "$log"
              timeout "$(left 240)" python $b.py --out bench_json/$b.json 2>&1 | tail -60 >> "$log"
            done
@@ -50,6 +51,13 @@ for stage in $stages; do
                set -- $ro
                timeout "$(left 200)" python scripts/profile_step.py --recipe $1 --optimizer $2 >> "$log" 2>&1
              done ;;
+    perf) for c in "" "--compile"; do
+            d=runs/perf_toy_fullstack${c:+_compile}; mkdir -p $d
+            cmd="python train.py --config toy --recipe fullstack --optimizer adamw --max_steps 60 --batch_size 16 \
+--seq_len 1024 --warmup 6 --eval_every 0 --log_every 10 --eval_iters 5 --save_every -1 --no_progress --seed 0 $c --out_dir $d"
+            echo "$cmd" | tee $d/cmd.txt >> "$log"
+            timeout "$(left 220)" $cmd 2>&1 | tail -4 >> "$log"
+          done ;;
     *) echo "unknown stage $stage" >> "$log" ;;
   esac
 done
