@@ -149,6 +149,18 @@ def main():
         t_qf = bench(lambda: q_lin(xin), args.dry)
         t_lf = bench(lambda: lin(xin), args.dry)
     row("linear", "NVFP4Linear fwd only", t_qf, "TFLOP/s", flop / 3 / t_qf / 1e9, t_qf / t_lf)
+    if not args.dry:  # where NVFP4Linear's fwd+bwd time goes: GPU time per kernel, per call
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                step(q_lin)()
+            torch.cuda.synchronize()
+        kernels = sorted(((e.key, e.device_time_total / 5, e.count // 5) for e in prof.key_averages()
+                          if e.device_time_total > 0), key=lambda k: -k[1])
+        res["linear_profile_us_per_call"] = [dict(kernel=k[:120], us=us, launches=n) for k, us, n in kernels[:20]]
+        print(f"NVFP4Linear fwd+bwd, GPU time per call by kernel (total {sum(k[1] for k in kernels):.0f} us):")
+        for k, us, n in kernels[:20]:
+            print(f"  {us:8.1f} us  x{n:<3d} {k[:110]}")
 
     # report ---------------------------------------------------------------------------------------------------
     print(f"{'section':9s} {'case':58s} {'ms':>9s} {'value':>10s} {'ratio':>7s} target")

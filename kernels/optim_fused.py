@@ -16,23 +16,52 @@ Same arithmetic as optim.py's reference (decode_first_moment / decode_second_mom
 encode_first_moment / encode_second_moment), op for op, compiled with enable_fp_fusion=False:
   - the 16-point Hadamard is the same 4-stage butterfly as optim.fwht16, the tile mean the same pairwise tree;
   - quantization reuses kernels/nvfp4_quant.py's E4M3 / E2M1 helpers (bit-exact with nvfp4.quantize);
-  - divisions and sqrt are correctly rounded (tl.div_rn / tl.sqrt_rn), like torch on the CPU.
+  - divisions and sqrt are correctly rounded (tl.div_rn / tl.sqrt_rn), like torch on the CPU; a division by a
+    per-block or per-program value is Markstein's fma step from one reciprocal (the same correctly rounded bits);
   - 4/6's block errors are summed with the same fixed pairwise tree as nvfp4._pairwise_block_sum.
 So with the same inputs the RTN parts (v's codes, scales, tile means; p) equal the CPU reference bit for bit.
 m's stochastic rounding draws Philox uniforms keyed by (seed, element index) (nvfp4_quant._uniforms), not torch's
 generator: equal in distribution only (its block scales, chosen by RTN error, match).
+
+The kernel is instruction-bound, so the layout keeps each 16-element block in one thread (codes in and out as one
+int64 per block, built by join / split, which stay in registers), E2M1 codes decode from their bits, the tile
+mean's cross-thread levels are shuffles, and addresses are int64 once per program (scripts/sass_stats.py counts
+SASS per element; H200 sm_90 at the default launch: amax pass 103.5 -> 79, update pass 322.5 -> 248).
 """
 
 import triton
 import triton.language as tl
 
-from kernels.nvfp4_quant import (_div_by, _e2m1_value, _exact_fma, _pairwise_block_sum, _round_to_e4m3, _rtn_e2m1,
-                                 _sr_e2m1, _uniforms)
+from kernels.nvfp4_quant import (_div_by, _exact_fma, _pairwise_block_sum, _round_to_e4m3, _rtn_e2m1, _sr_e2m1,
+                                 _uniforms)
+
+
+_TWO_118 = tl.constexpr(2.0 ** 118)  # _decode: s_b * 2^118 (and s_g * 2^8) cannot overflow
+_TWO_126 = tl.constexpr(2.0 ** 126)
 
 
 @triton.jit
-def _fwht16(x, BM: tl.constexpr, BN: tl.constexpr):
-    """x . H16/4 on groups of 16 along the columns: optim.fwht16's butterfly, stage for stage."""
+def _div_rn_by(x, den, inv, EXACT_FMA: tl.constexpr):
+    """nvfp4_quant._div_by (x / den correctly rounded; Markstein's step with inv = RN(1 / den) on the GPU) with the
+    remainder as fma(q, -den, x): the same exact product, but the negation lands on the per-block (or per-program)
+    den, not on every q (Triton's -q is 0 - q, an add that the fma cannot absorb)."""
+    if EXACT_FMA:
+        q = x * inv
+        return tl.fma(tl.fma(q, -den, x), inv, q)
+    else:
+        return _div_by(x, den, inv, EXACT_FMA)
+
+
+@triton.jit
+def _grid_value(idx):
+    """E2M1 magnitude of index 0..7 (nvfp4_quant._e2m1_value): idx << 22 is the fp32 with exponent e and top
+    mantissa bit m of the code, i.e. value * 2^-126 (e = 0: a subnormal); times 2^126 is exact."""
+    return (idx << 22).to(tl.float32, bitcast=True) * _TWO_126
+
+
+@triton.jit
+def _butterfly16(x, BM: tl.constexpr, BN: tl.constexpr):
+    """x . H16 (unnormalized) on groups of 16 along the columns: optim.fwht16's butterfly, stage for stage."""
     G: tl.constexpr = BM * BN // 16
     y = x.reshape(G, 1, 2, 8)
     a, b = tl.split(tl.permute(y, (0, 1, 3, 2)))
@@ -43,75 +72,109 @@ def _fwht16(x, BM: tl.constexpr, BN: tl.constexpr):
     y = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)).reshape(G, 8, 2, 1)
     a, b = tl.split(tl.permute(y, (0, 1, 3, 2)))
     y = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
-    return y.reshape(BM, BN) * 0.25
+    return y.reshape(BM, BN)
+
+
+@triton.jit
+def _fwht16(x, BM: tl.constexpr, BN: tl.constexpr):
+    """x . H16/4 (optim.fwht16): the butterfly, then the exact * 1/4."""
+    return _butterfly16(x, BM, BN) * 0.25
 
 
 @triton.jit
 def _tile_mean(s, BM: tl.constexpr, BN: tl.constexpr, LOG2_BN: tl.constexpr):
-    """Mean of each row of the (BM, BN) tile: optim.tile_mean's pairwise tree (first half + second half)."""
+    """Mean of each row of the (BM, BN) tile: optim.tile_mean's pairwise tree (first half + second half). Each
+    level sums a size-2 axis: one add, a + b == b + a, so the bits cannot depend on how Triton reduces; the
+    levels across threads become shuffles instead of a shared-memory layout conversion."""
     x = s
     for i in tl.static_range(LOG2_BN):
-        a, b = tl.split(tl.permute(x.reshape(BM, 2, BN >> (i + 1)), (0, 2, 1)))
-        x = a + b
+        x = tl.sum(x.reshape(BM, 2, BN >> (i + 1)), axis=1)
     return x.reshape(BM) * (1.0 / BN)
 
 
 @triton.jit
-def _decode(codes_ptr, scales_ptr, gs, rows, cols, R, C, BM: tl.constexpr, BN: tl.constexpr):
-    """Packed (1, 16)-block NVFP4 -> (q * s_b) * s_g, (BM, BN) fp32 (NVFP4Tensor.dequantize)."""
-    half = cols // 2 + tl.arange(0, BN // 2)
-    c = tl.load(codes_ptr + rows[:, None] * (C // 2) + half[None, :], mask=rows[:, None] < R, other=0)
-    code = tl.join(c & 0xF, c >> 4).reshape(BM, BN).to(tl.int32)
-    q = _e2m1_value(code & 7)
-    q = tl.where(code >= 8, -q, q)
-    sc = tl.load(scales_ptr + rows[:, None] * (C // 16) + cols // 16 + tl.arange(0, BN // 16)[None, :],
-                 mask=rows[:, None] < R, other=0)
-    s = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32).reshape(BM, BN // 16, 1)
-    return (q.reshape(BM, BN // 16, 16) * s).reshape(BM, BN) * gs
+def _decode(codes_ptr, scales_ptr, gs, blk, rmask, BM: tl.constexpr, BN: tl.constexpr):
+    """Packed (1, 16)-block NVFP4 -> (q * s_b) * s_g, (BM, BN) fp32 (NVFP4Tensor.dequantize). blk: (BM, BN // 16)
+    block indices from the pointers. A block's 16 codes are one int64, low nibble first. A code goes to fp32 by
+    its bits: sign -> bit 31, (e1 e0 m) -> bits 24..22 is q * 2^-126 (e = 0: the subnormal m * 2^-127). Then
+    (q 2^-126)(s_b 2^118) = q s_b 2^-8 is exact (6 significant bits, none below 2^-18) and times s_g 2^8 rounds
+    once to the bits of (q * s_b) * s_g, with no scale overflowing (s_b <= 448, s_g <= FLT_MAX / 1536). Code 8
+    decodes to -0.0, as the reference's -q does."""
+    w = tl.load(codes_ptr.to(tl.pointer_type(tl.int64)) + blk, mask=rmask, other=0)
+    # code k of each 32-bit half to bits 31..28 (shift 28 - 4k) by joins, which keep a block in one thread
+    u = tl.join(w.to(tl.uint32), (w >> 32).to(tl.uint32))                   # (BM, G, 2): codes 0-7, 8-15
+    u = tl.join(u << 16, u)
+    u = tl.join(u << 8, u)
+    u = tl.join(u << 4, u).reshape(BM, BN // 16, 16)
+    q = ((u.to(tl.int32, bitcast=True) >> 6) & -2118123520).to(tl.float32, bitcast=True)  # 0x81C00000: q * 2^-126
+    sc = tl.load(scales_ptr + blk, mask=rmask, other=0)
+    s = (sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _TWO_118).reshape(BM, BN // 16, 1)
+    return ((q * s) * (gs * 256.0)).reshape(BM, BN)
 
 
 @triton.jit
-def _decode_update(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, old_gs_ptr, rows, cols, R, C,
+def _decode_update(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, old_gs_ptr, offs, blk, mu_offs, mask_r,
                    wd_factor, beta1, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, step_size,
-                   FLOOR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LOG2_BN: tl.constexpr):
-    """Decode m, v; AdamW update (optim.adamw_update_math). Returns new p, m H, (sqrt(v) - mu) H and mu."""
-    offs = rows[:, None] * C + cols + tl.arange(0, BN)[None, :]
-    rmask = rows[:, None] < R                                                 # rows past R: zeros, not stored
-    g = tl.load(g_ptr + offs, mask=rmask, other=0.0).to(tl.float32)
-    m = _fwht16(_decode(mc_ptr, ms_ptr, tl.load(old_gs_ptr), rows, cols, R, C, BM, BN), BM, BN)
-    n_tiles = C // BN
-    mu = tl.load(mu_ptr + rows * n_tiles + cols // BN, mask=rows < R, other=0.0)  # (BM,)
-    r = _fwht16(_decode(vc_ptr, vs_ptr, tl.load(old_gs_ptr + 1), rows, cols, R, C, BM, BN), BM, BN) + mu[:, None]
+                   FLOOR: tl.constexpr, EXACT_FMA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                   LOG2_BN: tl.constexpr):
+    """Decode m, v; AdamW update (optim.adamw_update_math). Returns new p, m, sqrt(v) - mu_new (not yet rotated:
+    each pass applies H16 itself) and mu_new. The pointers point at the program's tile; offs, blk and mu_offs are
+    int32 offsets from them (one int64 address per pointer and program, not per element)."""
+    rmask = mask_r[:, None]
+    g = tl.load(g_ptr + offs, mask=rmask, other=0.0).to(tl.float32)          # rows past R: zeros, not stored
+    m = _fwht16(_decode(mc_ptr, ms_ptr, tl.load(old_gs_ptr), blk, rmask, BM, BN), BM, BN)
+    mu = tl.load(mu_ptr + mu_offs, mask=mask_r, other=0.0)                   # (BM,)
+    r = _fwht16(_decode(vc_ptr, vs_ptr, tl.load(old_gs_ptr + 1), blk, rmask, BM, BN), BM, BN) + mu[:, None]
     r = tl.maximum(r, mu[:, None] * FLOOR)
     v = r * r
     # AdamW, one rounding per op in the reference's order
     p = tl.load(p_ptr + offs, mask=rmask, other=0.0) * wd_factor
     m = beta1 * m + one_minus_beta1 * g
     v = beta2 * v + one_minus_beta2 * (g * g)
-    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
-    p = p - step_size * tl.div_rn(m, denom)
-    # re-encoding inputs: m H and (sqrt(v) - mu_new) H
     s = tl.sqrt_rn(v)
+    # sqrt(v) / bc2_sqrt correctly rounded from one reciprocal per program (bc2_sqrt in (0, 1], sqrt(v) 0 or normal)
+    inv_bc2 = tl.div_rn(1.0, bc2_sqrt)
+    denom = _div_rn_by(s, bc2_sqrt, inv_bc2, EXACT_FMA) + eps
+    p = p - step_size * tl.div_rn(m, denom)
     mu_new = _tile_mean(s, BM, BN, LOG2_BN)
-    return p, _fwht16(m, BM, BN), _fwht16(s - mu_new[:, None], BM, BN), mu_new, offs
+    return p, m, s - mu_new[:, None], mu_new
+
+
+@triton.jit
+def _tile_setup(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, R, C, BM: tl.constexpr, BN: tl.constexpr):
+    """The program's tile: the pointers moved to its first element (int64, once per program), int32 offsets from
+    them (element, (1, 16) block, tile mean), the row mask and the global row indices."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    row0 = pid_m * BM
+    cols = pid_n * BN
+    base = row0.to(tl.int64) * C + cols                                        # the tile's first element
+    r = tl.arange(0, BM)
+    offs = r[:, None] * C + tl.arange(0, BN)[None, :]
+    blk = r[:, None] * (C // 16) + tl.arange(0, BN // 16)[None, :]
+    return (p_ptr + base, g_ptr + base, mc_ptr + base // 2, ms_ptr + base // 16, vc_ptr + base // 2,
+            vs_ptr + base // 16, mu_ptr + base // BN, offs, blk, r * (C // BN), row0 + r < R, row0 + r, cols)
 
 
 @triton.jit
 def _amax_pass(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, old_gs_ptr, part_ptr, R, C,
                wd_factor, beta1, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, step_size,
-               FLOOR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LOG2_BN: tl.constexpr):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
-    _, mh, rh, _, _ = _decode_update(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, old_gs_ptr, rows,
-                                     pid_n * BN, R, C, wd_factor, beta1, one_minus_beta1, beta2, one_minus_beta2,
-                                     bc2_sqrt, eps, step_size, FLOOR, BM, BN, LOG2_BN)
-    pid = pid_m * tl.num_programs(1) + pid_n
-    tl.store(part_ptr + 2 * pid, tl.max(tl.max(tl.abs(mh), axis=1), axis=0))
-    tl.store(part_ptr + 2 * pid + 1, tl.max(tl.max(tl.abs(rh), axis=1), axis=0))
+               FLOOR: tl.constexpr, EXACT_FMA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+               LOG2_BN: tl.constexpr):
+    p_t, g_t, mc_t, ms_t, vc_t, vs_t, mu_t, offs, blk, mu_offs, mask_r, _, _ = _tile_setup(
+        p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, R, C, BM, BN)
+    _, m, r, _ = _decode_update(p_t, g_t, mc_t, ms_t, vc_t, vs_t, mu_t, old_gs_ptr, offs, blk, mu_offs, mask_r,
+                                wd_factor, beta1, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps,
+                                step_size, FLOOR, EXACT_FMA, BM, BN, LOG2_BN)
+    # max |y * 1/4| = (max |y|) * 1/4 exactly (rounding is monotone): the 1/4 once per program, not per element
+    amax_m = tl.max(tl.max(tl.abs(_butterfly16(m, BM, BN)), axis=1), axis=0) * 0.25
+    amax_r = tl.max(tl.max(tl.abs(_butterfly16(r, BM, BN)), axis=1), axis=0) * 0.25
+    pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    tl.store(part_ptr + 2 * pid, amax_m)
+    tl.store(part_ptr + 2 * pid + 1, amax_r)
 
 
 @triton.jit
-def _encode(x, s_g, rand, codes_ptr, scales_ptr, rows, cols, R, C, SR: tl.constexpr, EXACT_FMA: tl.constexpr,
+def _encode(x, s_g, rand, codes_ptr, scales_ptr, blk, rmask, SR: tl.constexpr, EXACT_FMA: tl.constexpr,
             BM: tl.constexpr, BN: tl.constexpr):
     """nvfp4.quantize(x, (1, 16), rtn|sr, four_over_six=True) of a (BM, BN) tile given s_g; stores in place."""
     ax = tl.abs(x)
@@ -122,10 +185,11 @@ def _encode(x, s_g, rand, codes_ptr, scales_ptr, rows, cols, R, C, SR: tl.conste
     den6, den4 = s6 * s_g, s4 * s_g
     inv6 = tl.where(den6 > 0, tl.div_rn(1.0, tl.where(den6 > 0, den6, 1.0)), 0.0)
     inv4 = tl.where(den4 > 0, tl.div_rn(1.0, tl.where(den4 > 0, den4, 1.0)), 0.0)
-    a6 = tl.minimum(_div_by(xb, den6[:, :, None], inv6[:, :, None], EXACT_FMA), 6.0)
-    a4 = tl.minimum(_div_by(xb, den4[:, :, None], inv4[:, :, None], EXACT_FMA), 6.0)
-    d6 = _e2m1_value(_rtn_e2m1(a6)) * den6[:, :, None] - xb
-    d4 = _e2m1_value(_rtn_e2m1(a4)) * den4[:, :, None] - xb
+    a6 = tl.minimum(_div_rn_by(xb, den6[:, :, None], inv6[:, :, None], EXACT_FMA), 6.0)
+    a4 = tl.minimum(_div_rn_by(xb, den4[:, :, None], inv4[:, :, None], EXACT_FMA), 6.0)
+    i6, i4 = _rtn_e2m1(a6), _rtn_e2m1(a4)
+    d6 = _grid_value(i6) * den6[:, :, None] - xb
+    d4 = _grid_value(i4) * den4[:, :, None] - xb
     err6 = _pairwise_block_sum((d6 * d6).reshape(BM, 1, BN // 16, 16), BM, 1, BN // 16, 16)
     err4 = _pairwise_block_sum((d4 * d4).reshape(BM, 1, BN // 16, 16), BM, 1, BN // 16, 16)
     use4 = err4 < err6                                                         # 4/6, ties to 6
@@ -133,14 +197,16 @@ def _encode(x, s_g, rand, codes_ptr, scales_ptr, rows, cols, R, C, SR: tl.conste
     if SR:
         idx = _sr_e2m1(a, rand.reshape(BM, BN // 16, 16))
     else:
-        idx = _rtn_e2m1(a)
-    code = (idx.reshape(BM, BN) | ((x < 0).to(tl.int32) << 3)).to(tl.uint8)
-    lo, hi = tl.split(code.reshape(BM, BN // 2, 2))
-    half = cols // 2 + tl.arange(0, BN // 2)
-    tl.store(codes_ptr + rows[:, None] * (C // 2) + half[None, :], lo | (hi << 4), mask=rows[:, None] < R)
-    bits = tl.where(use4, bits4, bits6)
-    tl.store(scales_ptr + rows[:, None] * (C // 16) + cols // 16 + tl.arange(0, BN // 16)[None, :], bits,
-             mask=rows[:, None] < R)
+        idx = tl.where(use4[:, :, None], i4, i6)                               # = _rtn_e2m1(a), already computed
+    code = (idx.reshape(BM, BN) | ((x < 0).to(tl.int32) << 3)).to(tl.uint32)
+    # a block's 16 codes -> one int64, low nibble first (what _decode reads), by splits: a block stays in a thread
+    a, b = tl.split(code.reshape(BM, BN // 16, 8, 2))
+    a, b = tl.split((a | (b << 4)).reshape(BM, BN // 16, 4, 2))
+    a, b = tl.split((a | (b << 8)).reshape(BM, BN // 16, 2, 2))
+    a, b = tl.split((a | (b << 16)).reshape(BM, BN // 16, 1, 2))
+    w = a.reshape(BM, BN // 16).to(tl.int64) | (b.reshape(BM, BN // 16).to(tl.int64) << 32)
+    tl.store(codes_ptr.to(tl.pointer_type(tl.int64)) + blk, w, mask=rmask)
+    tl.store(scales_ptr + blk, tl.where(use4, bits4, bits6), mask=rmask)
 
 
 @triton.jit(do_not_specialize=["seed"])  # a fresh SR seed per step must not recompile
@@ -148,22 +214,21 @@ def _update_pass(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, old_gs_pt
                  wd_factor, beta1, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, step_size,
                  FLOOR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LOG2_BN: tl.constexpr,
                  EXACT_FMA: tl.constexpr):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
-    cols = pid_n * BN
-    p, mh, rh, mu, offs = _decode_update(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, old_gs_ptr, rows,
-                                         cols, R, C, wd_factor, beta1, one_minus_beta1, beta2, one_minus_beta2,
-                                         bc2_sqrt, eps, step_size, FLOOR, BM, BN, LOG2_BN)
-    tl.store(p_ptr + offs, p, mask=rows[:, None] < R)
+    p_t, g_t, mc_t, ms_t, vc_t, vs_t, mu_t, offs, blk, mu_offs, mask_r, rows, cols = _tile_setup(
+        p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, R, C, BM, BN)
+    p, m, r, mu = _decode_update(p_t, g_t, mc_t, ms_t, vc_t, vs_t, mu_t, old_gs_ptr, offs, blk, mu_offs, mask_r,
+                                 wd_factor, beta1, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps,
+                                 step_size, FLOOR, EXACT_FMA, BM, BN, LOG2_BN)
+    tl.store(p_t + offs, p, mask=mask_r[:, None])
     # global scales s_g = amax / (256 * 6) (nvfp4.global_scale with 4/6), 1 when amax == 0
     amax_m, amax_v = tl.load(amax_ptr), tl.load(amax_ptr + 1)
     gs_m = tl.where(amax_m > 0, tl.div_rn(amax_m, 1536.0), 1.0)
     gs_v = tl.where(amax_v > 0, tl.div_rn(amax_v, 1536.0), 1.0)
-    rand = _uniforms(seed, rows, cols, C, BM, BN)  # Philox keyed by element index, as in nvfp4_quant
-    _encode(mh, gs_m, rand, mc_ptr, ms_ptr, rows, cols, R, C, True, EXACT_FMA, BM, BN)
-    _encode(rh, gs_v, rand, vc_ptr, vs_ptr, rows, cols, R, C, False, EXACT_FMA, BM, BN)
-    tl.store(mu_ptr + rows * (C // BN) + cols // BN, mu, mask=rows < R)
-    if (pid_m == 0) & (pid_n == 0):
+    rand = _uniforms(seed, rows, cols, C, BM, BN)  # Philox keyed by element index (a uint32: int32 rows suffice)
+    _encode(_fwht16(m, BM, BN), gs_m, rand, mc_t, ms_t, blk, mask_r[:, None], True, EXACT_FMA, BM, BN)
+    _encode(_fwht16(r, BM, BN), gs_v, rand, vc_t, vs_t, blk, mask_r[:, None], False, EXACT_FMA, BM, BN)
+    tl.store(mu_t + mu_offs, mu, mask=mask_r)
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         tl.store(new_gs_ptr, gs_m)
         tl.store(new_gs_ptr + 1, gs_v)
 
@@ -194,8 +259,8 @@ def fused_adamw_step(p, g, state, lr, beta1, beta2, eps, weight_decay, step, see
     grid = (triton.cdiv(R, BM), C // T)
     tensors = (p, g, state["m.codes"], ms, state["v.codes"], vs, state["v.tile_mean"], old_gs)
     partial = torch.empty(2 * grid[0] * grid[1], device=p.device, dtype=torch.float32)
-    _amax_pass[grid](*tensors, partial, R, C, *scalars, FLOOR=floor, BM=BM, BN=T, LOG2_BN=T.bit_length() - 1,
-                     num_warps=num_warps, enable_fp_fusion=False)
+    _amax_pass[grid](*tensors, partial, R, C, *scalars, FLOOR=floor, EXACT_FMA=_exact_fma(), BM=BM, BN=T,
+                     LOG2_BN=T.bit_length() - 1, num_warps=num_warps, enable_fp_fusion=False)
     amax = partial.view(-1, 2).amax(0)
     new_gs = torch.empty(2, device=p.device, dtype=torch.float32)
     _update_pass[grid](*tensors, amax, new_gs, R, C, int(seed), *scalars, FLOOR=floor, BM=BM, BN=T, LOG2_BN=T.bit_length() - 1,

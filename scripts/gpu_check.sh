@@ -9,6 +9,7 @@
 #   bench       bench_{optim,lora_svd,nvfp4,attention}.py (JSON into bench_json.tgz; BENCHES: a subset)
 #   profile     scripts/profile_step.py for toy fullstack (AdamW, Root) and bf16: where a step's time goes
 #   perf        toy fullstack/adamw 60 steps of 16 x 1024 without and with --compile (tokens/s, MFU, memory)
+#   fsdp3b      3b fullstack/root, 4 steps with FSDP2 over every visible GPU (torchrun; the paper's main config)
 # On a 2-GPU machine run two lists side by side:
 #   CUDA_VISIBLE_DEVICES=0 STREAM=g0 bash scripts/gpu_check.sh tests diag & \
 #   CUDA_VISIBLE_DEVICES=1 STREAM=g1 bash scripts/gpu_check.sh smoke bench & wait
@@ -58,6 +59,14 @@ for stage in $stages; do
             echo "$cmd" | tee $d/cmd.txt >> "$log"
             timeout "$(left 220)" $cmd 2>&1 | tail -4 >> "$log"
           done ;;
+    fsdp3b) d=runs/3b_fsdp_fullstack_root; mkdir -p $d
+            n=$(nvidia-smi -L | wc -l)
+            cmd="torchrun --standalone --nproc_per_node=$n train.py --config 3b --recipe fullstack --optimizer root \
+--fsdp --max_steps 4 --batch_size 2 --grad_accum 1 --seq_len 2048 --warmup 1 --eval_every 0 --log_every 1 \
+--eval_iters 5 --save_every -1 --no_progress --seed 0 --out_dir $d"
+            echo "$cmd" | tee $d/cmd.txt >> "$log"
+            timeout "$(left 400)" $cmd > $d/train.log 2>&1; echo "exit $?" >> "$log"
+            grep -vE "^\s*$" $d/train.log | tail -15 >> "$log" ;;
     *) echo "unknown stage $stage" >> "$log" ;;
   esac
 done
