@@ -413,20 +413,62 @@ def _quantize_rows_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_p
 
 
 @triton.jit
-def _dequantize_kernel(codes_ptr, scales_ptr, gs_ptr, out_ptr, M, N,
-                       BM: tl.constexpr, BN: tl.constexpr, SBM: tl.constexpr, SBN: tl.constexpr,
-                       APPLY_GLOBAL: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """Packed NVFP4 -> q * s_b (exact in bf16: the cuBLAS route's operand) or, with APPLY_GLOBAL,
-    (q * s_b) * s_g in fp32 then rounded to out's dtype (NVFP4Tensor.dequantize), same row-major layout."""
-    pid_m, pid_n, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # rows on axis 0: no 65535 cap
-    v = _load_packed(codes_ptr, scales_ptr, gs_ptr, pid_b, pid_m * BM, pid_n * BN, M, N, BM, BN, SBM, SBN,
-                     APPLY_GLOBAL)
+def _decode_codes(code, s_b):
+    """E2M1 codes (int32, 0..15) times their block scales s_b (fp32): q * s_b, exact, with the sign of the code
+    (-0.0 for code 8, as the reference). With the code in bits 31..28, an arithmetic shift by 6 and a mask leave
+    sign, exponent (2 bits) and mantissa (1 bit) where fp32 keeps them: the bit pattern of q * 2^-126 (exponent
+    0 is fp32's subnormal range: 0.5 -> 2^-127). Two exact power-of-two scalings bring it back (2^126 * 448
+    would overflow in one), instead of an fp8 -> fp32 conversion per element."""
+    bits = ((code << 28) >> 6) & -2118123520                                       # 0x81C00000
+    return (bits.to(tl.float32, bitcast=True) * 9.223372036854776e18) * (s_b * 9.223372036854776e18)  # 2^63
+
+
+@triton.jit
+def _dequant_store(v, gs_ptr, out_ptr, offs, mask, APPLY_GLOBAL: tl.constexpr, ROUND_BF16: tl.constexpr):
+    if APPLY_GLOBAL:
+        v = v * tl.load(gs_ptr)
     if ROUND_BF16:
         v = _round_to_bf16(v)
-    offs_m = pid_m * BM + tl.arange(0, BM)
+    tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dequantize_rows_kernel(codes_ptr, scales_ptr, gs_ptr, out_ptr, n_blocks, NB: tl.constexpr,
+                            APPLY_GLOBAL: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """1x16 blocks: NB consecutive blocks per program, each block's 16 codes read as two int32 words (element 0 in
+    the low nibble) and its scale read once (the tile kernel gathered a scale per element: one load each)."""
+    pid = tl.program_id(0)
+    base = pid.to(tl.int64) * NB
+    blk = tl.arange(0, NB)
+    bmask = blk < n_blocks - base
+    words = tl.load(codes_ptr + base * 2 + blk[:, None] * 2 + tl.arange(0, 2)[None, :], mask=bmask[:, None],
+                    other=0)                                                        # (NB, 2) int32
+    code = ((words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF).reshape(NB, 16)
+    s_b = tl.load(scales_ptr + base + blk, mask=bmask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    v = _decode_codes(code, s_b[:, None])                                           # (NB, 16)
+    _dequant_store(v, gs_ptr, out_ptr + base * 16, blk[:, None] * 16 + tl.arange(0, 16)[None, :],
+                   bmask[:, None], APPLY_GLOBAL, ROUND_BF16)
+
+
+@triton.jit
+def _dequantize_kernel(codes_ptr, scales_ptr, gs_ptr, out_ptr, M, N, BN: tl.constexpr, SBN: tl.constexpr,
+                       APPLY_GLOBAL: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """16-row blocks ((16, 1) or (16, 16)): a (16, BN) tile shares one row of scales, loaded once per column
+    (16x1) or once per 16 columns (16x16) and broadcast down the rows."""
+    pid_m, pid_n, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # rows on axis 0: no 65535 cap
+    offs_m = pid_m * 16 + tl.arange(0, 16)
+    offs_c = pid_n * (BN // 2) + tl.arange(0, BN // 2)
+    cmask = (offs_m[:, None] < M) & (offs_c[None, :] < N // 2)
+    c = tl.load(codes_ptr + (pid_b.to(tl.int64) * M + offs_m[:, None]) * (N // 2) + offs_c[None, :], mask=cmask,
+                other=0)
+    code = tl.join(c & 0xF, c >> 4).reshape(16, BN).to(tl.int32)                   # even element: low nibble
     offs_n = pid_n * BN + tl.arange(0, BN)
-    tl.store(out_ptr + (pid_b.to(tl.int64) * M + offs_m[:, None]) * N + offs_n[None, :],
-             v.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    s = tl.load(scales_ptr + (pid_b.to(tl.int64) * (M // 16) + pid_m) * (N // SBN) + offs_n // SBN,
+                mask=offs_n < N, other=0)
+    v = _decode_codes(code, s.to(tl.float8e4nv, bitcast=True).to(tl.float32)[None, :])
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    _dequant_store(v, gs_ptr, out_ptr, (pid_b.to(tl.int64) * M + offs_m[:, None]) * N + offs_n[None, :], mask,
+                   APPLY_GLOBAL, ROUND_BF16)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -651,13 +693,20 @@ def dequantize(t, dtype=torch.float32, apply_global_scale=True):
     M, N = t.shape[-2:]
     bm, bn = t.block
     codes = t.codes.reshape(-1, M, N // 2).contiguous()
-    scales = t.scales.reshape(-1, M // bm, N // bn).contiguous()
+    scales = t.scales.reshape(-1, M // bm, N // bn).contiguous().view(torch.uint8)
     out = torch.empty((codes.shape[0], M, N), device=codes.device, dtype=dtype)
-    BM, BN = 32, 128
-    grid = (triton.cdiv(M, BM), triton.cdiv(N, BN), codes.shape[0])
-    _dequantize_kernel[grid](codes, scales, t.global_scale.float().reshape(1), out, M, N, BM=BM, BN=BN, SBM=bm,
-                             SBN=bn, APPLY_GLOBAL=apply_global_scale, ROUND_BF16=dtype == torch.bfloat16,
-                             num_warps=4)
+    gs = t.global_scale.float().reshape(1)
+    flags = dict(APPLY_GLOBAL=apply_global_scale, ROUND_BF16=dtype == torch.bfloat16)
+    if bm == 1:  # 1x16
+        NB, warps = ROWS_LAUNCH
+        codes = codes if codes.storage_offset() % 4 == 0 else codes.clone()  # an int32 view needs 4-byte alignment
+        n_blocks = out.numel() // 16
+        _dequantize_rows_kernel[(triton.cdiv(n_blocks, NB),)](codes.view(torch.int32), scales, gs, out, n_blocks,
+                                                            NB=NB, **flags, num_warps=warps)
+    else:
+        BN = 256
+        grid = (M // 16, triton.cdiv(N, BN), codes.shape[0])
+        _dequantize_kernel[grid](codes, scales, gs, out, M, N, BN=BN, SBN=bn, **flags, num_warps=4)
     return out.reshape(t.shape)
 
 

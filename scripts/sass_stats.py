@@ -87,3 +87,10 @@ if __name__ == "__main__":
         k = compile_sm90(nq._quantize_rows_kernel, amax_types if ce.get("AMAX_ONLY") else rows_types,
                          dict(rows, **ce), ("n_blocks",), warps)
         sass_stats(k, NB * 16, warps, label)
+    dq_types = dict(codes_ptr="*i32", scales_ptr="*u8", gs_ptr="*fp32", out_ptr="*bf16", n_blocks="i64")
+    k = compile_sm90(nq._dequantize_rows_kernel, dq_types, dict(NB=NB, APPLY_GLOBAL=False, ROUND_BF16=True),
+                     ("n_blocks",), warps)
+    sass_stats(k, NB * 16, warps, "dequantize 1x16 -> bf16 grid values")
+    k = compile_sm90(nq._dequantize_kernel, dict(dq_types, codes_ptr="*u8"),
+                     dict(BN=256, SBN=1, APPLY_GLOBAL=False, ROUND_BF16=True), ("M", "N"), 4)
+    sass_stats(k, 16 * 256, 4, "dequantize 16x1 -> bf16 grid values")
