@@ -263,6 +263,6 @@ def fused_adamw_step(p, g, state, lr, beta1, beta2, eps, weight_decay, step, see
                      LOG2_BN=T.bit_length() - 1, num_warps=num_warps, enable_fp_fusion=False)
     amax = partial.view(-1, 2).amax(0)
     new_gs = torch.empty(2, device=p.device, dtype=torch.float32)
-    _update_pass[grid](*tensors, amax, new_gs, R, C, int(seed), *scalars, FLOOR=floor, BM=BM, BN=T, LOG2_BN=T.bit_length() - 1,
-                       EXACT_FMA=_exact_fma(), num_warps=num_warps, enable_fp_fusion=False)
+    _update_pass[grid](*tensors, amax, new_gs, R, C, int(seed), *scalars, FLOOR=floor, BM=BM, BN=T,
+                       LOG2_BN=T.bit_length() - 1, EXACT_FMA=_exact_fma(), num_warps=num_warps, enable_fp_fusion=False)
     state["m.global_scale"], state["v.global_scale"] = new_gs[0].clone(), new_gs[1].clone()

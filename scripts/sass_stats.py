@@ -79,7 +79,8 @@ if __name__ == "__main__":
     NB, warps = nq.ROWS_LAUNCH
     rows = dict(NB=NB, FP8_BOUND=448.0, FOUR_OVER_SIX=False, SR=False, USE_NOISE=False, HADAMARD=False,
                 X_IS_FP32=False, WRITE_CODES=True, WRITE_VALUES=False, EXACT_FMA=True, AMAX_ONLY=False)
-    for label, ce in [("rows kernel, RTN 1x16", {}), ("rows kernel, RTN 1x16 codes + bf16 values", dict(WRITE_VALUES=True)),
+    for label, ce in [("rows kernel, RTN 1x16", {}),
+                      ("rows kernel, RTN 1x16 codes + bf16 values", dict(WRITE_VALUES=True)),
                       ("rows kernel, RTN 1x16 4/6", dict(FOUR_OVER_SIX=True)),
                       ("rows kernel, SR + Hadamard 1x16", dict(SR=True, HADAMARD=True)),
                       ("rows kernel, amax pre-pass with Hadamard", dict(HADAMARD=True, AMAX_ONLY=True,

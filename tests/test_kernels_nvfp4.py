@@ -105,7 +105,8 @@ def test_rtn_e2m1_bit_trick_matches_the_reference_on_ties_and_neighbours():
     grid = torch.tensor(nvfp4.E2M1_VALUES[:8]).float()
     ties = (grid[:-1] + grid[1:]) / 2                                       # 0.25, 0.75, ..., 5: exact midpoints
     pts = torch.cat((grid, ties))
-    near = torch.cat((pts, torch.nextafter(pts, torch.zeros_like(pts)), torch.nextafter(pts, torch.full_like(pts, 7.0))))
+    down, up = torch.nextafter(pts, torch.zeros_like(pts)), torch.nextafter(pts, torch.full_like(pts, 7.0))
+    near = torch.cat((pts, down, up))
     g = torch.Generator().manual_seed(0)
     a = torch.cat((near, torch.rand(20000, generator=g) * 6, torch.tensor([0.0, 1e-38, 6.0]))).clamp(0, 6)
     idx = torch.empty(a.shape, dtype=torch.int32)
