@@ -89,20 +89,27 @@ def _div_by(x, den, inv, EXACT_FMA: tl.constexpr):
 
 
 @triton.jit
-def _e2m1_value(idx):
-    """E2M1 magnitude of index 0..7: 0, .5, 1, 1.5, 2, 3, 4, 6. From index 2 on, the index is the value's fp32
-    exponent and top mantissa bit (the inverse of _rtn_e2m1's bit trick): bits = (idx + 252) << 22."""
-    return tl.where(idx >= 2, ((idx + 252) << 22).to(tl.float32, bitcast=True), idx.to(tl.float32) * 0.5)
+def _e2m1_bits(top):
+    """fp32 q * 2^-126 for E2M1 codes held in bits 31..28 of an int32 (lower bits ignored): an arithmetic shift by
+    6 and a mask leave sign, exponent (2 bits) and mantissa (1 bit) where fp32 keeps them (exponent 0 lands in
+    fp32's subnormal range: 0.5 -> 2^-127, exactly E2M1's subnormal). Code 8 gives -0.0, as the reference's -q.
+    The inverse of _rtn_e2m1's bit trick; callers undo the 2^-126 with exact power-of-two scalings."""
+    return ((top >> 6) & -2118123520).to(tl.float32, bitcast=True)                  # 0x81C00000
 
 
 @triton.jit
-def _rtn_e2m1_grid(a):
-    """The nearest E2M1 magnitude itself, _e2m1_value(_rtn_e2m1(a)) without the index: the same two roundings,
-    kept as fp32 values (4/6's reconstruction error)."""
-    bits = a.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) & -4194304).to(tl.float32, bitcast=True)  # 0xFFC00000
-    sub = ((a * 2.0 + 8388608.0) - 8388608.0) * 0.5
-    return tl.where(a < 1.0, sub, normal)
+def _e2m1_value(idx):
+    """E2M1 magnitude of index 0..7: 0, .5, 1, 1.5, 2, 3, 4, 6. idx << 22 is _e2m1_bits' placement of an
+    unsigned code, q * 2^-126; the 2^126 scaling is exact (a subnormal needs no flush-to-zero: Triton uses none)."""
+    return (idx << 22).to(tl.float32, bitcast=True) * 8.507059173023462e37          # 2^126
+
+
+@triton.jit
+def _decode_codes(code, s_b):
+    """E2M1 codes (int32, 0..15) times their block scales s_b (fp32): q * s_b, exact, signed as the reference
+    (-0.0 for code 8). q * 2^-126 from the bits (_e2m1_bits), then two exact power-of-two scalings (2^126 * 448
+    would overflow in one), instead of an fp8 -> fp32 conversion per element."""
+    return (_e2m1_bits(code << 28) * 9.223372036854776e18) * (s_b * 9.223372036854776e18)  # 2^63 each
 
 
 @triton.jit
@@ -213,14 +220,11 @@ def _load_packed(codes_ptr, scales_ptr, gs_ptr, pid_b, m0, n0, M, N, BM: tl.cons
     cmask = (offs_m[:, None] < M) & (offs_c[None, :] < N // 2)
     c = tl.load(codes_ptr + (pid_b.to(tl.int64) * M + offs_m[:, None]) * (N // 2) + offs_c[None, :], mask=cmask, other=0)
     code = tl.join(c & 0xF, c >> 4).reshape(BM, BN).to(tl.int32)
-    # E2M1 -> E4M3 bit trick: sign to bit 7, (exp, mantissa) to bits 4..2 gives exactly q * 2^-6 (E2M1's
-    # subnormal 0.5 lands on E4M3's subnormal 2^-7); fp8 -> fp32 is exact.
-    q = (((code & 7) << 2) | ((code & 8) << 4)).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
     offs_n = n0 + tl.arange(0, BN)
     offs_s = (offs_m[:, None] // SBM) * (N // SBN) + offs_n[None, :] // SBN
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     s = tl.load(scales_ptr + pid_b.to(tl.int64) * (M // SBM) * (N // SBN) + offs_s, mask=mask, other=0.0)
-    v = q * (s.to(tl.float32) * 64.0)
+    v = _decode_codes(code, s.to(tl.float32))
     if APPLY_GLOBAL:
         v = v * tl.load(gs_ptr)
     return v
@@ -304,14 +308,16 @@ def _quantize_kernel(x_ptr, src_scales_ptr, src_gs_ptr, h_ptr, noise_ptr, amax_p
         inv4 = tl.where(den4 > 0, tl.div_rn(1.0, tl.where(den4 > 0, den4, 1.0)), 0.0)
         den4, inv4 = den4[:, None, :, None], inv4[:, None, :, None]
         a4 = tl.minimum(_div_by(xb, den4, inv4, EXACT_FMA), 6.0)
-        d6 = _rtn_e2m1_grid(a6) * den6 - xb
-        d4 = _rtn_e2m1_grid(a4) * den4 - xb
+        i6, i4 = _rtn_e2m1(a6), _rtn_e2m1(a4)
+        d6 = _e2m1_value(i6) * den6 - xb
+        d4 = _e2m1_value(i4) * den4 - xb
         err6 = _pairwise_block_sum(d6 * d6, BM // SBM, SBM, BN // SBN, SBN)
         err4 = _pairwise_block_sum(d4 * d4, BM // SBM, SBM, BN // SBN, SBN)
         use4 = err4 < err6
         s_b = tl.where(use4, s4, s6)
         bits = tl.where(use4, bits4, bits6)
         a = tl.where(use4[:, None, :, None], a4, a6)
+        rtn_idx = tl.where(use4[:, None, :, None], i4, i6)                # = _rtn_e2m1(a), already computed
 
     if SR:
         if USE_NOISE:  # the reference's uniforms (tests): noise has x's logical shape, contiguous
@@ -320,6 +326,8 @@ def _quantize_kernel(x_ptr, src_scales_ptr, src_gs_ptr, h_ptr, noise_ptr, amax_p
         else:
             rand = _uniforms(seed, pid_b * M + offs_m, n0, N, BM, BN)  # counter-based: independent of the tiling
         idx = _sr_e2m1(a, rand.reshape(BM // SBM, SBM, BN // SBN, SBN))
+    elif FOUR_OVER_SIX:
+        idx = rtn_idx
     else:
         idx = _rtn_e2m1(a)
     idx = idx.reshape(BM, BN)
@@ -386,20 +394,23 @@ def _quantize_rows_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_p
             den4 = s4 * s_g
             inv4 = tl.where(den4 > 0, tl.div_rn(1.0, tl.where(den4 > 0, den4, 1.0)), 0.0)
             a4 = tl.minimum(_div_by(ax, den4[:, None], inv4[:, None], EXACT_FMA), 6.0)
-            d6 = _rtn_e2m1_grid(a) * den[:, None] - ax
-            d4 = _rtn_e2m1_grid(a4) * den4[:, None] - ax
+            i6, i4 = _rtn_e2m1(a), _rtn_e2m1(a4)
+            d6 = _e2m1_value(i6) * den[:, None] - ax
+            d4 = _e2m1_value(i4) * den4[:, None] - ax
             use4 = _pairwise_block_sum((d4 * d4).reshape(NB, 1, 1, 16), NB, 1, 1, 16).reshape(NB) \
                 < _pairwise_block_sum((d6 * d6).reshape(NB, 1, 1, 16), NB, 1, 1, 16).reshape(NB)
             s_b = tl.where(use4, s4, s_b)
             bits = tl.where(use4, bits4, bits)
             a = tl.where(use4[:, None], a4, a)
+            rtn_idx = tl.where(use4[:, None], i4, i6)                            # = _rtn_e2m1(a), already computed
         if SR:
             if USE_NOISE:
                 rand = tl.load(noise_ptr + base * 16 + offs, mask=bmask[:, None], other=0.0)
-            else:  # _uniforms' counters: element index // 4 of the flat tensor
-                r0, r1, r2, r3 = tl.rand4x(seed, ((base + blk)[:, None] * 4 + tl.arange(0, 4)[None, :]).to(tl.uint32))
-                rand = tl.join(tl.join(r0, r2), tl.join(r1, r3)).reshape(NB, 16)
+            else:  # the flat tensor as rows of 16 elements: the same counters (element index // 4)
+                rand = _uniforms(seed, base + blk, 0, 16, NB, 16)
             idx = _sr_e2m1(a, rand)
+        elif FOUR_OVER_SIX:
+            idx = rtn_idx
         else:
             idx = _rtn_e2m1(a)
         if WRITE_CODES:
@@ -410,17 +421,6 @@ def _quantize_rows_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_p
         if WRITE_VALUES:
             q = _with_sign(_e2m1_value(idx) * s_b[:, None], x)
             tl.store(values_ptr + base * 16 + offs, q.to(tl.bfloat16), mask=bmask[:, None])
-
-
-@triton.jit
-def _decode_codes(code, s_b):
-    """E2M1 codes (int32, 0..15) times their block scales s_b (fp32): q * s_b, exact, with the sign of the code
-    (-0.0 for code 8, as the reference). With the code in bits 31..28, an arithmetic shift by 6 and a mask leave
-    sign, exponent (2 bits) and mantissa (1 bit) where fp32 keeps them: the bit pattern of q * 2^-126 (exponent
-    0 is fp32's subnormal range: 0.5 -> 2^-127). Two exact power-of-two scalings bring it back (2^126 * 448
-    would overflow in one), instead of an fp8 -> fp32 conversion per element."""
-    bits = ((code << 28) >> 6) & -2118123520                                       # 0x81C00000
-    return (bits.to(tl.float32, bitcast=True) * 9.223372036854776e18) * (s_b * 9.223372036854776e18)  # 2^63
 
 
 @triton.jit

@@ -17,7 +17,8 @@ encode_first_moment / encode_second_moment), op for op, compiled with enable_fp_
   - the 16-point Hadamard is the same 4-stage butterfly as optim.fwht16, the tile mean the same pairwise tree;
   - quantization reuses kernels/nvfp4_quant.py's E4M3 / E2M1 helpers (bit-exact with nvfp4.quantize);
   - divisions and sqrt are correctly rounded (tl.div_rn / tl.sqrt_rn), like torch on the CPU; a division by a
-    per-block or per-program value is Markstein's fma step from one reciprocal (the same correctly rounded bits);
+    per-block or per-program value is Markstein's fma step from one reciprocal (nvfp4_quant._div_by: the same
+    correctly rounded bits);
   - 4/6's block errors are summed with the same fixed pairwise tree as nvfp4._pairwise_block_sum.
 So with the same inputs the RTN parts (v's codes, scales, tile means; p) equal the CPU reference bit for bit.
 m's stochastic rounding draws Philox uniforms keyed by (seed, element index) (nvfp4_quant._uniforms), not torch's
@@ -32,31 +33,11 @@ SASS per element; H200 sm_90 at the default launch: amax pass 103.5 -> 79, updat
 import triton
 import triton.language as tl
 
-from kernels.nvfp4_quant import (_div_by, _exact_fma, _pairwise_block_sum, _round_to_e4m3, _rtn_e2m1, _sr_e2m1,
-                                 _uniforms)
+from kernels.nvfp4_quant import (_div_by, _e2m1_bits, _e2m1_value, _exact_fma, _pairwise_block_sum, _round_to_e4m3,
+                                 _rtn_e2m1, _sr_e2m1, _uniforms)
 
 
 _TWO_118 = tl.constexpr(2.0 ** 118)  # _decode: s_b * 2^118 (and s_g * 2^8) cannot overflow
-_TWO_126 = tl.constexpr(2.0 ** 126)
-
-
-@triton.jit
-def _div_rn_by(x, den, inv, EXACT_FMA: tl.constexpr):
-    """nvfp4_quant._div_by (x / den correctly rounded; Markstein's step with inv = RN(1 / den) on the GPU) with the
-    remainder as fma(q, -den, x): the same exact product, but the negation lands on the per-block (or per-program)
-    den, not on every q (Triton's -q is 0 - q, an add that the fma cannot absorb)."""
-    if EXACT_FMA:
-        q = x * inv
-        return tl.fma(tl.fma(q, -den, x), inv, q)
-    else:
-        return _div_by(x, den, inv, EXACT_FMA)
-
-
-@triton.jit
-def _grid_value(idx):
-    """E2M1 magnitude of index 0..7 (nvfp4_quant._e2m1_value): idx << 22 is the fp32 with exponent e and top
-    mantissa bit m of the code, i.e. value * 2^-126 (e = 0: a subnormal); times 2^126 is exact."""
-    return (idx << 22).to(tl.float32, bitcast=True) * _TWO_126
 
 
 @triton.jit
@@ -96,17 +77,16 @@ def _tile_mean(s, BM: tl.constexpr, BN: tl.constexpr, LOG2_BN: tl.constexpr):
 def _decode(codes_ptr, scales_ptr, gs, blk, rmask, BM: tl.constexpr, BN: tl.constexpr):
     """Packed (1, 16)-block NVFP4 -> (q * s_b) * s_g, (BM, BN) fp32 (NVFP4Tensor.dequantize). blk: (BM, BN // 16)
     block indices from the pointers. A block's 16 codes are one int64, low nibble first. A code goes to fp32 by
-    its bits: sign -> bit 31, (e1 e0 m) -> bits 24..22 is q * 2^-126 (e = 0: the subnormal m * 2^-127). Then
-    (q 2^-126)(s_b 2^118) = q s_b 2^-8 is exact (6 significant bits, none below 2^-18) and times s_g 2^8 rounds
-    once to the bits of (q * s_b) * s_g, with no scale overflowing (s_b <= 448, s_g <= FLT_MAX / 1536). Code 8
-    decodes to -0.0, as the reference's -q does."""
+    its bits (nvfp4_quant._e2m1_bits: q * 2^-126, code 8 -> -0.0). Then (q 2^-126)(s_b 2^118) = q s_b 2^-8 is
+    exact (6 significant bits, none below 2^-18) and times s_g 2^8 rounds once to the bits of (q * s_b) * s_g,
+    with no scale overflowing (s_b <= 448, s_g <= FLT_MAX / 1536)."""
     w = tl.load(codes_ptr.to(tl.pointer_type(tl.int64)) + blk, mask=rmask, other=0)
     # code k of each 32-bit half to bits 31..28 (shift 28 - 4k) by joins, which keep a block in one thread
     u = tl.join(w.to(tl.uint32), (w >> 32).to(tl.uint32))                   # (BM, G, 2): codes 0-7, 8-15
     u = tl.join(u << 16, u)
     u = tl.join(u << 8, u)
     u = tl.join(u << 4, u).reshape(BM, BN // 16, 16)
-    q = ((u.to(tl.int32, bitcast=True) >> 6) & -2118123520).to(tl.float32, bitcast=True)  # 0x81C00000: q * 2^-126
+    q = _e2m1_bits(u.to(tl.int32, bitcast=True))                              # q * 2^-126
     sc = tl.load(scales_ptr + blk, mask=rmask, other=0)
     s = (sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _TWO_118).reshape(BM, BN // 16, 1)
     return ((q * s) * (gs * 256.0)).reshape(BM, BN)
@@ -134,7 +114,7 @@ def _decode_update(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, old_gs_
     s = tl.sqrt_rn(v)
     # sqrt(v) / bc2_sqrt correctly rounded from one reciprocal per program (bc2_sqrt in (0, 1], sqrt(v) 0 or normal)
     inv_bc2 = tl.div_rn(1.0, bc2_sqrt)
-    denom = _div_rn_by(s, bc2_sqrt, inv_bc2, EXACT_FMA) + eps
+    denom = _div_by(s, bc2_sqrt, inv_bc2, EXACT_FMA) + eps
     p = p - step_size * tl.div_rn(m, denom)
     mu_new = _tile_mean(s, BM, BN, LOG2_BN)
     return p, m, s - mu_new[:, None], mu_new
@@ -185,11 +165,11 @@ def _encode(x, s_g, rand, codes_ptr, scales_ptr, blk, rmask, SR: tl.constexpr, E
     den6, den4 = s6 * s_g, s4 * s_g
     inv6 = tl.where(den6 > 0, tl.div_rn(1.0, tl.where(den6 > 0, den6, 1.0)), 0.0)
     inv4 = tl.where(den4 > 0, tl.div_rn(1.0, tl.where(den4 > 0, den4, 1.0)), 0.0)
-    a6 = tl.minimum(_div_rn_by(xb, den6[:, :, None], inv6[:, :, None], EXACT_FMA), 6.0)
-    a4 = tl.minimum(_div_rn_by(xb, den4[:, :, None], inv4[:, :, None], EXACT_FMA), 6.0)
+    a6 = tl.minimum(_div_by(xb, den6[:, :, None], inv6[:, :, None], EXACT_FMA), 6.0)
+    a4 = tl.minimum(_div_by(xb, den4[:, :, None], inv4[:, :, None], EXACT_FMA), 6.0)
     i6, i4 = _rtn_e2m1(a6), _rtn_e2m1(a4)
-    d6 = _grid_value(i6) * den6[:, :, None] - xb
-    d4 = _grid_value(i4) * den4[:, :, None] - xb
+    d6 = _e2m1_value(i6) * den6[:, :, None] - xb
+    d4 = _e2m1_value(i4) * den4[:, :, None] - xb
     err6 = _pairwise_block_sum((d6 * d6).reshape(BM, 1, BN // 16, 16), BM, 1, BN // 16, 16)
     err4 = _pairwise_block_sum((d4 * d4).reshape(BM, 1, BN // 16, 16), BM, 1, BN // 16, 16)
     use4 = err4 < err6                                                         # 4/6, ties to 6
