@@ -306,13 +306,33 @@ def nvfp4_matmul(a, b, out_dtype=torch.float32, trans_a=False, trans_b=False):
 # ----------------------------------------------------------------------------------------------------------
 # Direct-NVFP4 linear layer: the three GEMMs of eqs. 1-2 without the LoRA branch
 
+def _grid_value_route(x):
+    """True on GPUs without FP4 tensor cores (Hopper): there the GEMMs multiply bf16 grid values q * s_b with
+    cuBLAS (exact; kernels/nvfp4_gemm.py's "cublas" route, 2.6x faster than its Triton route at 8192^3 on the
+    H200), so the quantize kernels write those values directly instead of packed codes that a second pass would
+    decode. NANOFP4_GEMM_ROUTE=triton, or a Blackwell GPU (tl.dot_scaled), keeps packed operands throughout."""
+    if not _use_kernels(x) or os.environ.get("NANOFP4_GEMM_ROUTE") == "triton":
+        return False
+    from kernels.nvfp4_gemm import _use_dot_scaled
+    return not _use_dot_scaled(x.device)
+
+
 class _NVFP4LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, four_over_six):
         x2 = x.reshape(-1, x.shape[-1])                                                # (T, in)
-        xq = quantize(x2, (1, 16), "rtn", four_over_six, name="activation X")           # Q1x16(X), RTN
-        wq = quantize(weight.detach(), (16, 16), "rtn", four_over_six, name="weight W")  # Q16x16(W), RTN
-        y = nvfp4_matmul(xq, wq, out_dtype=x.dtype)                                     # (T, out)
+        w = weight.detach()
+        if _grid_value_route(x2):
+            from kernels.nvfp4_quant import quantize_dequant
+            from kernels.nvfp4_gemm import grid_values_mm
+            # one pass each writes the packed tensor (kept) and the bf16 grid values (multiplied)
+            xv, s_gx, xq = quantize_dequant(x2, (1, 16), "rtn", four_over_six, return_tensor=True)
+            wv, s_gw, wq = quantize_dequant(w, (16, 16), "rtn", four_over_six, return_tensor=True)
+            y = grid_values_mm(xv, wv.t(), s_gx * s_gw, x.dtype)                       # (T, out)
+        else:
+            xq = quantize(x2, (1, 16), "rtn", four_over_six, name="activation X")       # Q1x16(X), RTN
+            wq = quantize(w, (16, 16), "rtn", four_over_six, name="weight W")          # Q16x16(W), RTN
+            y = nvfp4_matmul(xq, wq, out_dtype=x.dtype)                                 # (T, out)
         # Save the packed 4-bit X (not X): that is where FP4 training saves activation memory.
         ctx.xq, ctx.wq, ctx.four_over_six, ctx.x_shape = xq, wq, four_over_six, x.shape
         ctx.weight_dtype = weight.dtype
@@ -324,8 +344,15 @@ class _NVFP4LinearFn(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])                                                 # (T, out)
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dyq = quantize(dy2, (1, 16), "sr", fos, name="gradient dY")                     # Q1x16(dY), SR
-            dx = nvfp4_matmul(dyq, wq, dy.dtype, trans_b=True).reshape(ctx.x_shape)        # Q16x16(W) reused
+            if _grid_value_route(dy2):
+                from kernels.nvfp4_quant import grid_values_bf16, quantize_dequant
+                from kernels.nvfp4_gemm import grid_values_mm
+                dyv, s_g = quantize_dequant(dy2, (1, 16), "sr", fos, seed=sr_seed())     # Q1x16(dY), SR
+                dx = grid_values_mm(dyv, grid_values_bf16(wq), s_g * wq.global_scale, dy.dtype)
+            else:
+                dyq = quantize(dy2, (1, 16), "sr", fos, name="gradient dY")             # Q1x16(dY), SR
+                dx = nvfp4_matmul(dyq, wq, dy.dtype, trans_b=True)                      # Q16x16(W) reused
+            dx = dx.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             dw = wgrad(dy2, xq, fos).to(ctx.weight_dtype)
         ctx.xq = ctx.wq = None
@@ -334,7 +361,8 @@ class _NVFP4LinearFn(torch.autograd.Function):
 
 def wgrad(dy, xq, four_over_six=False):
     """Eq. 2: dW = Q1x16(dY^T H) . Q16x1(H^T Q1x16(X)), H a fresh random Hadamard, SR on both operands.
-    dy (T, out); xq the forward's packed Q1x16(X) (T, in). The rotation spreads outliers along the token
+    dy (T, out); xq the forward's packed Q1x16(X) (T, in), dequantized in dy's dtype (bf16 in training: the
+    precision the activations had) before its rotation. The rotation spreads outliers along the token
     (contraction) dim before the 16-element blocks see them; H H^T = I leaves the product unbiased.
     Both operands are quantized as stored, (T, out) and (T, in) with 16x1 blocks along T (Q16x1(H^T dY) is
     Q1x16(dY^T H) transposed), and the GEMM reads them transposed."""
@@ -342,12 +370,15 @@ def wgrad(dy, xq, four_over_six=False):
     if T % 16:
         raise ValueError(f"wgrad: the number of tokens ({T}) must be a multiple of 16 (the contraction dim of dW)")
     H = random_hadamard(device=dy.device)
+    xh = xq.dequantize(dy.dtype)                                                               # (T, in)
+    if _grid_value_route(dy):  # bf16 grid values straight out of the quantize passes, then one cuBLAS GEMM
+        from kernels.nvfp4_quant import quantize_dequant
+        from kernels.nvfp4_gemm import grid_values_mm
+        dyv, s_gdy = quantize_dequant(dy, (16, 1), "sr", four_over_six, seed=sr_seed(), hadamard=H)  # (T, out)
+        xv, s_gx = quantize_dequant(xh, (16, 1), "sr", four_over_six, seed=sr_seed(), hadamard=H)    # (T, in)
+        return grid_values_mm(dyv.t(), xv, s_gdy * s_gx, torch.float32)                             # (out, in)
     dyq = quantize(dy, (16, 1), "sr", four_over_six, hadamard=H, name="gradient dY")        # (T, out)
-    if _use_kernels(dy):  # one pass from the packed X, the dense X_hat never written
-        from kernels.nvfp4_quant import requantize
-        xhq = requantize(xq, (16, 1), "sr", four_over_six, seed=sr_seed(), hadamard=H, dtype=torch.float32)
-    else:
-        xhq = quantize(xq.dequantize(), (16, 1), "sr", four_over_six, hadamard=H, name="activation Q(X)")
+    xhq = quantize(xh, (16, 1), "sr", four_over_six, hadamard=H, name="activation Q(X)")    # (T, in)
     return nvfp4_matmul(dyq, xhq, trans_a=True, trans_b=True)                              # (out, in) fp32
 
 
