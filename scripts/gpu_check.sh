@@ -10,6 +10,10 @@
 #   profile     scripts/profile_step.py for toy fullstack (AdamW, Root) and bf16: where a step's time goes
 #   perf        toy fullstack/adamw 60 steps of 16 x 1024 without and with --compile (tokens/s, MFU, memory)
 #   fsdp3b      3b fullstack/root, 4 steps with FSDP2 over every visible GPU (torchrun; the paper's main config)
+#   onebee      the 1b config on one GPU, 10 steps of 8 x 2048 tokens per run in ONEBEE_RUNS (default: every recipe
+#               with AdamW; items recipe:optimizer[:compile]), each capped at ONEBEE_CAP s: tokens/s, peak memory,
+#               optimizer bytes/param into the log (compilation excluded: the first step is not timed)
+#   fig7        figures.py --fig 7 --size full (Fig. 7 at the paper's hidden sizes) into $OUT/fig7/
 # On a 2-GPU machine run two lists side by side:
 #   CUDA_VISIBLE_DEVICES=0 STREAM=g0 bash scripts/gpu_check.sh tests diag & \
 #   CUDA_VISIBLE_DEVICES=1 STREAM=g1 bash scripts/gpu_check.sh smoke bench & wait
@@ -67,6 +71,18 @@ for stage in $stages; do
             echo "$cmd" | tee $d/cmd.txt >> "$log"
             timeout "$(left 400)" $cmd > $d/train.log 2>&1; echo "exit $?" >> "$log"
             grep -vE "^\s*$" $d/train.log | tail -15 >> "$log" ;;
+    onebee) for item in ${ONEBEE_RUNS:-bf16:adamw nvfp4:adamw nvfp4_46:adamw lora_naive:adamw lora_svd:adamw \
+fullstack:adamw naive_fp4:adamw}; do
+              IFS=: read -r recipe opt comp <<< "$item"
+              d=runs/1b_${recipe}_${opt}${comp:+_compile}; mkdir -p $d
+              cmd="python train.py --config 1b --recipe $recipe --optimizer $opt --max_steps 10 --batch_size 8 \
+--grad_accum 1 --seq_len 2048 --warmup 1 --eval_every 0 --log_every 1 --save_every -1 --no_progress --seed 0 \
+${comp:+--compile }--out_dir $d"
+              echo "$cmd" | tee $d/cmd.txt >> "$log"
+              timeout "$(left ${ONEBEE_CAP:-200})" $cmd > $d/train.log 2>&1; echo "exit $?" >> "$log"
+              grep -E "^done|Error" $d/train.log | tail -2 >> "$log"
+            done ;;
+    fig7) timeout "$(left 200)" python figures.py --fig 7 --size full --device cuda --out_dir "$OUT/fig7" >> "$log" 2>&1 ;;
     *) echo "unknown stage $stage" >> "$log" ;;
   esac
 done
