@@ -80,9 +80,10 @@ def test_triton_equals_reference(policy, causal):
 
 
 @pytest.mark.parametrize("policy,causal", [("fp4", True), ("fp4_dov", False)])
-def test_triton_separate_dq_pass_equals_reference(policy, causal, monkeypatch):
-    # the deterministic backward (a dQ pass that recomputes S, P, dP) instead of atomic dQ in the dK/dV pass
-    monkeypatch.setattr(fa, "DQ_MODE", "separate")
+def test_triton_atomic_dq_equals_reference(policy, causal, monkeypatch):
+    # the other backward (the default is a separate dQ pass that recomputes S, P, dP): dQ added with atomics
+    # in the dK/dV pass
+    monkeypatch.setattr(fa, "DQ_MODE", "atomic")
     q, k, v, do = _inputs(B=1, H=2, Hkv=1, T=45, D=64, seed=13)
     res = {}
     for impl in ("reference", "triton"):
