@@ -87,12 +87,11 @@ def main():
         ms = bench(lambda: kq.quantize(x, **kw), args.dry)
         bw = (x.nbytes + out_bytes_packed) / ms / 1e6
         row("quantize", f"{name} e2e (+amax pass)", ms, "GB/s", bw, bw / bw_copy, None)
-    # the wgrad operand Q16x1(H^T Q1x16(X)): from the packed X in one pass vs dequantize + quantize
+    # the wgrad operand Q16x1(H^T Q1x16(X)) as NVFP4Linear makes it: dequantize the saved X to bf16, then the
+    # SR + Hadamard 16x1 quantization writing the cuBLAS operand (bf16 grid values)
     xq = kq.quantize(x, (1, 16))
-    ms2 = bench(lambda: kq.quantize(kq.dequantize(xq, torch.bfloat16), (16, 1), "sr", hadamard=H), args.dry)
-    ms1 = bench(lambda: kq.requantize(xq, (16, 1), "sr", hadamard=H), args.dry)
-    row("quantize", "wgrad X: dequantize + SR+RHT 16x1 (2 kernels + amax)", ms2, "ms", ms2)
-    row("quantize", "wgrad X: requantize from packed (1 kernel + amax)", ms1, "ms", ms1, ms2 / ms1)
+    ms = bench(lambda: kq.quantize_dequant(kq.dequantize(xq, torch.bfloat16), (16, 1), "sr", hadamard=H), args.dry)
+    row("quantize", "wgrad X: dequantize + SR+RHT 16x1 -> bf16 values (+amax)", ms, "ms", ms)
     ms = bench(lambda: kq.quantize_dequant(x, (1, 16), global_amax=amax), args.dry)
     row("quantize", "RTN 1x16 -> bf16 grid values kernel", ms, "GB/s", 2 * x.nbytes / ms / 1e6,
         2 * x.nbytes / ms / 1e6 / bw_copy)

@@ -2,8 +2,7 @@
 Triton NVFP4 quantization (paper §2; DESIGN.md "NVFP4 conventions"): one pass that reads bf16/fp32 and
 writes packed E2M1 codes + E4M3 block scales, for 1x16, 16x1 and 16x16 blocks, RTN or SR, optional 4/6,
 optional fused 16-point (random) Hadamard rotation. Plus `quantize_dequant` (writes q * s_b in bf16, exactly
-on the grid, for the cuBLAS GEMM route), `dequantize` (packed -> dense in one pass) and `requantize` (packed ->
-dequantize -> rotate -> quantize in one pass: eq. 2's Q16x1(H^T Q1x16(X)) from the saved Q1x16(X)).
+on the grid, for the cuBLAS GEMM route) and `dequantize` (packed -> dense in one pass).
 
 It reproduces the reference `nvfp4._quantize_reference` (the spec) bit for bit:
   s_g = amax / (448 * 6)                     correctly rounded fp32 division (torch on CPU; see the note below)
@@ -211,54 +210,13 @@ def _round_to_bf16(v):
 
 
 @triton.jit
-def _load_packed(codes_ptr, scales_ptr, gs_ptr, pid_b, m0, n0, M, N, BM: tl.constexpr, BN: tl.constexpr,
-                 SBM: tl.constexpr, SBN: tl.constexpr, APPLY_GLOBAL: tl.constexpr):
-    """(BM, BN) fp32 tile of a packed NVFP4 tensor (codes (B, M, N/2), scales (B, M/SBM, N/SBN), contiguous):
-    q * s_b, exact, or (q * s_b) * s_g rounded to fp32 as NVFP4Tensor.dequantize computes it."""
-    offs_m = m0 + tl.arange(0, BM)
-    offs_c = n0 // 2 + tl.arange(0, BN // 2)
-    cmask = (offs_m[:, None] < M) & (offs_c[None, :] < N // 2)
-    c = tl.load(codes_ptr + (pid_b.to(tl.int64) * M + offs_m[:, None]) * (N // 2) + offs_c[None, :], mask=cmask, other=0)
-    code = tl.join(c & 0xF, c >> 4).reshape(BM, BN).to(tl.int32)
-    offs_n = n0 + tl.arange(0, BN)
-    offs_s = (offs_m[:, None] // SBM) * (N // SBN) + offs_n[None, :] // SBN
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    s = tl.load(scales_ptr + pid_b.to(tl.int64) * (M // SBM) * (N // SBN) + offs_s, mask=mask, other=0.0)
-    v = _decode_codes(code, s.to(tl.float32))
-    if APPLY_GLOBAL:
-        v = v * tl.load(gs_ptr)
-    return v
-
-
-@triton.jit
-def _load_source(x_ptr, src_scales_ptr, src_gs_ptr, h_ptr, pid_b, m0, n0, M, N, stride_xb, stride_xm, stride_xn,
-                 BM: tl.constexpr, BN: tl.constexpr, HAD_DIM: tl.constexpr, X_IS_FP32: tl.constexpr,
-                 SRC_SBM: tl.constexpr, SRC_SBN: tl.constexpr, SRC_BF16: tl.constexpr):
-    """The quantizer's input tile: dense x (SRC_SBM == 0), or a packed NVFP4 x (x_ptr = its codes) dequantized
-    on the fly, rounded to bf16 if SRC_BF16 (requantize: the wgrad's H^T Q(X) without materializing Q(X))."""
-    if SRC_SBM == 0:
-        x, offs_m, offs_n, mask = _load_tile(x_ptr, h_ptr, pid_b, m0, n0, M, N, stride_xb, stride_xm, stride_xn,
-                                             BM, BN, HAD_DIM, X_IS_FP32)
-    else:
-        offs_m = m0 + tl.arange(0, BM)
-        offs_n = n0 + tl.arange(0, BN)
-        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        x = _load_packed(x_ptr, src_scales_ptr, src_gs_ptr, pid_b, m0, n0, M, N, BM, BN, SRC_SBM, SRC_SBN, True)
-        if SRC_BF16:
-            x = _round_to_bf16(x)
-        x = _rotate(x, h_ptr, BM, BN, HAD_DIM, X_IS_FP32)
-    return x, offs_m, offs_n, mask
-
-
-@triton.jit
-def _amax_kernel(x_ptr, src_scales_ptr, src_gs_ptr, h_ptr, part_ptr, M, N, stride_xb, stride_xm, stride_xn,
-                 BM: tl.constexpr, BN: tl.constexpr, HAD_DIM: tl.constexpr, X_IS_FP32: tl.constexpr,
-                 SRC_SBM: tl.constexpr, SRC_SBN: tl.constexpr, SRC_BF16: tl.constexpr):
+def _amax_kernel(x_ptr, h_ptr, part_ptr, M, N, stride_xb, stride_xm, stride_xn,
+                 BM: tl.constexpr, BN: tl.constexpr, HAD_DIM: tl.constexpr, X_IS_FP32: tl.constexpr):
     """Per-program max |x| (of the rotated x if HAD_DIM): the global amax is the max of these partials.
     Same tiles and the same rotation code as the quantize pass, so both see bit-identical rotated values."""
     pid_m, pid_n, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # rows on axis 0: no 65535 cap
-    x, _, _, _ = _load_source(x_ptr, src_scales_ptr, src_gs_ptr, h_ptr, pid_b, pid_m * BM, pid_n * BN, M, N,
-                              stride_xb, stride_xm, stride_xn, BM, BN, HAD_DIM, X_IS_FP32, SRC_SBM, SRC_SBN, SRC_BF16)
+    x, _, _, _ = _load_tile(x_ptr, h_ptr, pid_b, pid_m * BM, pid_n * BN, M, N, stride_xb, stride_xm, stride_xn,
+                            BM, BN, HAD_DIM, X_IS_FP32)
     pid = (pid_b * tl.num_programs(1) + pid_n) * tl.num_programs(0) + pid_m
     tl.store(part_ptr + pid, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
 
@@ -267,20 +225,18 @@ def _amax_kernel(x_ptr, src_scales_ptr, src_gs_ptr, h_ptr, part_ptr, M, N, strid
 # per call that recompiled the SR kernels whenever a seed first fell into a new class (0.3-0.6 s each): the
 # "672 ms" NVFP4Linear(4/6) fwd+bwd of bench_lora_svd (its do_bench estimate saw the compiles).
 @triton.jit(do_not_specialize=["seed"])
-def _quantize_kernel(x_ptr, src_scales_ptr, src_gs_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr,
+def _quantize_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr,
                      values_ptr, M, N, stride_xb, stride_xm, stride_xn, seed,
                      BM: tl.constexpr, BN: tl.constexpr, SBM: tl.constexpr, SBN: tl.constexpr,
                      FP8_BOUND: tl.constexpr, FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr,
                      USE_NOISE: tl.constexpr, HAD_DIM: tl.constexpr, X_IS_FP32: tl.constexpr,
-                     WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr, EXACT_FMA: tl.constexpr,
-                     SRC_SBM: tl.constexpr, SRC_SBN: tl.constexpr, SRC_BF16: tl.constexpr):
+                     WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr, EXACT_FMA: tl.constexpr):
     """One (BM, BN) tile: block amax -> E4M3 block scale -> E2M1 codes (packed 2/byte, even element low) and/or
     bf16 values q * s_b. Blocks are (SBM, SBN) = (1, 16), (16, 1) or (16, 16)."""
     pid_m, pid_n, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # rows on axis 0: no 65535 cap
     m0, n0 = pid_m * BM, pid_n * BN
-    x, offs_m, offs_n, mask = _load_source(x_ptr, src_scales_ptr, src_gs_ptr, h_ptr, pid_b, m0, n0, M, N,
-                                           stride_xb, stride_xm, stride_xn, BM, BN, HAD_DIM, X_IS_FP32,
-                                           SRC_SBM, SRC_SBN, SRC_BF16)
+    x, offs_m, offs_n, mask = _load_tile(x_ptr, h_ptr, pid_b, m0, n0, M, N, stride_xb, stride_xm, stride_xn,
+                                         BM, BN, HAD_DIM, X_IS_FP32)
     # global scale s_g = amax / (bound * 6), 1 when amax == 0 (nvfp4.global_scale)
     amax = tl.load(amax_ptr)
     s_g = tl.where(amax > 0, tl.div_rn(amax, FP8_BOUND * 6.0), 1.0)
@@ -481,9 +437,9 @@ TILE_OVERRIDE = None  # (BM, BN, num_warps) for every dense quantize launch; scr
 ROWS_LAUNCH = (256, 8)
 
 
-def _use_rows(x3, block, src):
-    # the rows kernel: 1x16 blocks of a contiguous dense x (a TILE_OVERRIDE forces the tile kernel: the sweep)
-    return src is None and tuple(block) == (1, 16) and x3.is_contiguous() and TILE_OVERRIDE is None
+def _use_rows(x3, block):
+    # the rows kernel: 1x16 blocks of a contiguous x (a TILE_OVERRIDE forces the tile kernel: the sweep)
+    return tuple(block) == (1, 16) and x3.is_contiguous() and TILE_OVERRIDE is None
 
 
 def _tiles(block, x):
@@ -499,23 +455,20 @@ def _tiles(block, x):
     return (16, 256, 4) if tuple(block) == (16, 16) else (16, 128, 4)
 
 
-def _check_options(block, rounding, hadamard, name):
-    """Flag checks shared by the dense and the packed-source paths; returns the Hadamard's dim (0, 1 or 2)."""
+def _prepare(x, block, rounding, hadamard, name):
+    """Checks (shared with the reference: same messages) -> x as (B, M, N), block, the Hadamard's dim (0: none,
+    1: along rows' 16-element blocks, 2: along columns') and the Hadamard as fp32."""
+    import nvfp4
+    block = tuple(block)
     if rounding not in ("rtn", "sr"):
         raise ValueError(f"{name}: rounding must be 'rtn' or 'sr', got {rounding!r}")
-    if hadamard is None:
-        return 0
-    if block == (16, 16):
-        raise ValueError(f"{name}: a Hadamard rotation needs a 1-D block, (1, 16) or (16, 1)")
-    if tuple(hadamard.shape) != (16, 16):
-        raise ValueError(f"{name}: hadamard must be a (16, 16) matrix, got {tuple(hadamard.shape)}")
-    return 1 if block == (1, 16) else 2
-
-
-def _prepare(x, block, rounding, hadamard, name):
-    import nvfp4  # shape / dtype / finiteness checks shared with the reference, same messages
-    block = tuple(block)
-    had_dim = _check_options(block, rounding, hadamard, name)
+    had_dim = 0
+    if hadamard is not None:
+        if block == (16, 16):
+            raise ValueError(f"{name}: a Hadamard rotation needs a 1-D block, (1, 16) or (16, 1)")
+        if tuple(hadamard.shape) != (16, 16):
+            raise ValueError(f"{name}: hadamard must be a (16, 16) matrix, got {tuple(hadamard.shape)}")
+        had_dim = 1 if block == (1, 16) else 2
     nvfp4._check(x, block, name)
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"{name}: expected an fp32/bf16/fp16 tensor, got {x.dtype}")
@@ -538,33 +491,19 @@ def _dot_in_fp32(x):
     return x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _src_args(src):
-    """Kernel arguments describing a packed source (requantize) or a dense one (src None)."""
-    if src is None:
-        return dict(SRC_SBM=0, SRC_SBN=0, SRC_BF16=False), None, None
-    t, dtype = src
-    M, N = t.shape[-2:]
-    bm, bn = t.block
-    return (dict(SRC_SBM=bm, SRC_SBN=bn, SRC_BF16=dtype == torch.bfloat16),
-            t.scales.reshape(-1, M // bm, N // bn).contiguous(), t.global_scale.float().reshape(1))
-
-
-def _global_amax(x3, hadamard, had_dim, tiles, src=None, x_is_fp32=None):
+def _global_amax(x3, hadamard, had_dim, tiles):
     """max |x| (of x·H when rotating): one read of x, per-program partial maxima, then a tiny torch max."""
-    B, M, N = x3.shape[0], x3.shape[1], x3.shape[2] * (2 if src is not None else 1)
-    if had_dim == 0 and src is None:  # max |x| without an |x| temporary
+    B, M, N = x3.shape
+    if had_dim == 0:  # max |x| without an |x| temporary
         return torch.linalg.vector_norm(x3, ord=float("inf")).float()
-    x_is_fp32 = _dot_in_fp32(x3) if x_is_fp32 is None else x_is_fp32
-    if _use_rows(x3, (1, 16) if had_dim == 1 else (16, 1), src):  # the rows kernel's own rotation: same bits
+    x_is_fp32 = _dot_in_fp32(x3)
+    if _use_rows(x3, (1, 16) if had_dim == 1 else (16, 1)):  # the rows kernel's own rotation: same bits
         return _rows_launch(x3, None, hadamard, None, False, 0, x_is_fp32, amax_only=True)
     BM, BN, warps = tiles
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN), B)
     partial = torch.empty(grid[0] * grid[1] * grid[2], device=x3.device, dtype=torch.float32)
-    flags, src_scales, src_gs = _src_args(src)
-    _amax_kernel[grid](x3, src_scales if src is not None else x3, src_gs if src is not None else x3,
-                       hadamard if hadamard is not None else x3, partial, M, N,
-                       x3.stride(0), x3.stride(1), x3.stride(2), BM=BM, BN=BN, HAD_DIM=had_dim,
-                       X_IS_FP32=x_is_fp32, **flags, num_warps=warps)
+    _amax_kernel[grid](x3, hadamard, partial, M, N, x3.stride(0), x3.stride(1), x3.stride(2),
+                       BM=BM, BN=BN, HAD_DIM=had_dim, X_IS_FP32=x_is_fp32, num_warps=warps)
     return partial.amax()
 
 
@@ -588,32 +527,17 @@ def _rows_launch(x3, amax, hadamard, noise, four_over_six, seed, x_is_fp32, roun
     return partial.amax() if amax_only else None
 
 
-def _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, noise, write_codes, write_values, name,
-         src=None):
-    """Shared host side of quantize / quantize_dequant / requantize. src = (NVFP4Tensor, dtype) makes the
-    kernel read that packed tensor instead of x (x is then its codes, (B, M, N/2))."""
+def _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, noise, write_codes, write_values, name):
+    """Shared host side of quantize / quantize_dequant."""
     import nvfp4  # the NVFP4Tensor container lives with the reference
-    if src is None:
-        shape = x.shape
-        x3, block, had_dim, hadamard = _prepare(x, block, rounding, hadamard, name)
-        B, M, N = x3.shape
-        tiles, x_is_fp32 = _tiles(block, x3), _dot_in_fp32(x3)
-    else:
-        t, dtype = src
-        shape = t.shape
-        block, (M, N) = tuple(block), shape[-2:]
-        had_dim = _check_options(block, rounding, hadamard, name)
-        if block not in ((1, 16), (16, 1), (16, 16)) or M % block[0] or N % block[1]:
-            raise ValueError(f"{name}: shape {tuple(shape)} does not fit NVFP4 block {block}")
-        hadamard = None if hadamard is None else hadamard.to(device=t.device, dtype=torch.float32).contiguous()
-        x3 = t.codes.reshape(-1, M, N // 2).contiguous()
-        B = x3.shape[0]
-        tiles = (16, 256, 4)
-        x_is_fp32 = dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+    shape = x.shape
+    x3, block, had_dim, hadamard = _prepare(x, block, rounding, hadamard, name)
+    B, M, N = x3.shape
+    tiles, x_is_fp32 = _tiles(block, x3), _dot_in_fp32(x3)
     BM, BN, warps = tiles
     device = x3.device
     if global_amax is None:
-        global_amax = _global_amax(x3, hadamard, had_dim, tiles, src, x_is_fp32)
+        global_amax = _global_amax(x3, hadamard, had_dim, tiles)
     amax = torch.as_tensor(global_amax, dtype=torch.float32, device=device).reshape(1)
     if noise is not None:
         if tuple(noise.shape) != tuple(shape):
@@ -623,30 +547,27 @@ def _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, noise, 
     codes = torch.empty((B, M, N // 2), device=device, dtype=torch.uint8) if write_codes else None
     scales = torch.empty((B, M // bm, N // bn), device=device, dtype=torch.uint8) if write_codes else None
     values = torch.empty((B, M, N), device=device, dtype=torch.bfloat16) if write_values else None
-    grid = (triton.cdiv(M, BM), triton.cdiv(N, BN), B)
-    flags, src_scales, src_gs = _src_args(src)
-    dummy = amax
+    dummy = amax  # an fp32 tensor for unused pointers
     gs_out = torch.empty((), device=device, dtype=torch.float32)
-    if _use_rows(x3, block, src):
+    if _use_rows(x3, block):
         _rows_launch(x3, amax, hadamard, noise, four_over_six, seed, x_is_fp32, rounding, codes, scales, values,
                      gs_out)
     else:
-        _quantize_kernel[grid](
-            x3, src_scales if src is not None else dummy, src_gs if src is not None else dummy,
-            hadamard if hadamard is not None else dummy, noise if noise is not None else dummy, amax, gs_out,
+        _quantize_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN), B)](
+            x3, hadamard if hadamard is not None else dummy, noise if noise is not None else dummy, amax, gs_out,
             codes if codes is not None else dummy, scales if scales is not None else dummy,
             values if values is not None else dummy,
             M, N, x3.stride(0), x3.stride(1), x3.stride(2), int(seed),
             BM=BM, BN=BN, SBM=bm, SBN=bn, FP8_BOUND=256.0 if four_over_six else 448.0,
             FOUR_OVER_SIX=bool(four_over_six), SR=rounding == "sr", USE_NOISE=noise is not None, HAD_DIM=had_dim,
-            X_IS_FP32=x_is_fp32, WRITE_CODES=write_codes, WRITE_VALUES=write_values, EXACT_FMA=_exact_fma(), **flags,
+            X_IS_FP32=x_is_fp32, WRITE_CODES=write_codes, WRITE_VALUES=write_values, EXACT_FMA=_exact_fma(),
             num_warps=warps, enable_fp_fusion=False)  # no FMA contraction: every rounding as in the reference
     s_g = gs_out  # amax / (bound * 6) by tl.div_rn (a true division, like nvfp4.global_scale on the CPU), or 1
     t = None
     if write_codes:
         lead = shape[:-2]
-        t = nvfp4.NVFP4Tensor(codes.reshape(*lead, M, N // 2), scales.view(torch.float8_e4m3fn).reshape(*lead, M // bm, N // bn),
-                              s_g, shape, block)
+        t = nvfp4.NVFP4Tensor(codes.reshape(*lead, M, N // 2),
+                              scales.view(torch.float8_e4m3fn).reshape(*lead, M // bm, N // bn), s_g, shape, block)
     if write_values:
         values = values.reshape(shape)
     return t, values, s_g
@@ -672,18 +593,6 @@ def quantize_dequant(x, block=(1, 16), rounding="rtn", four_over_six=False, seed
     t, values, s_g = _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, noise,
                           return_tensor, True, name)
     return (values, s_g, t) if return_tensor else (values, s_g)
-
-
-def requantize(t, block=(16, 1), rounding="sr", four_over_six=False, seed=0, hadamard=None, dtype=torch.bfloat16,
-               noise=None, name="x"):
-    """quantize(t.dequantize(dtype), block, ...) in one pass over the packed t, without writing the dense
-    tensor: eq. 2's Q16x1(H^T Q1x16(X)) from the forward's saved Q1x16(X). dtype is the precision the dense
-    values would have had (bf16 as on CUDA: (q * s_b) * s_g rounded to bf16, ties to even; fp32 as on CPU)."""
-    if dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"{name}: requantize dtype must be float32 or bfloat16, got {dtype}")
-    q, _, _ = _run(t.codes, block, rounding, four_over_six, seed, hadamard, None, noise, True, False, name,
-                   src=(t, dtype))
-    return q
 
 
 def dequantize(t, dtype=torch.float32, apply_global_scale=True):

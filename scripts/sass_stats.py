@@ -62,18 +62,17 @@ def sass_stats(kernel, elements, num_warps, label="", show_ops=0):
 
 if __name__ == "__main__":
     from kernels import nvfp4_quant as nq
-    types = dict(x_ptr="*bf16", src_scales_ptr="*fp32", src_gs_ptr="*fp32", h_ptr="*fp32", noise_ptr="*fp32",
+    types = dict(x_ptr="*bf16", h_ptr="*fp32", noise_ptr="*fp32",
                  amax_ptr="*fp32", gs_out_ptr="*fp32", codes_ptr="*u8", scales_ptr="*u8", values_ptr="*bf16")
     base = dict(BM=16, BN=128, SBM=1, SBN=16, FP8_BOUND=448.0, FOUR_OVER_SIX=False, SR=False, USE_NOISE=False,
-                HAD_DIM=0, X_IS_FP32=False, WRITE_CODES=True, WRITE_VALUES=False, EXACT_FMA=True, SRC_SBM=0,
-                SRC_SBN=0, SRC_BF16=False, stride_xn=1)
+                HAD_DIM=0, X_IS_FP32=False, WRITE_CODES=True, WRITE_VALUES=False, EXACT_FMA=True, stride_xn=1)
     for label, ce in [("tile kernel, RTN 1x16", {}), ("tile kernel, RTN 1x16 4/6", dict(FOUR_OVER_SIX=True)),
                       ("tile kernel, SR + Hadamard 1x16", dict(SR=True, HAD_DIM=1)),
                       ("tile kernel, SR + Hadamard 16x1 -> bf16 values", dict(SBM=16, SBN=1, SR=True, HAD_DIM=2,
                                                                         WRITE_CODES=False, WRITE_VALUES=True))]:
         k = compile_sm90(nq._quantize_kernel, types, dict(base, **ce), ("M", "N", "stride_xb", "stride_xm"))
         sass_stats(k, base["BM"] * base["BN"], 4, label)
-    amax = {k: base[k] for k in ("BM", "BN", "X_IS_FP32", "SRC_SBM", "SRC_SBN", "SRC_BF16", "stride_xn")}
+    amax = {k: base[k] for k in ("BM", "BN", "X_IS_FP32", "stride_xn")}
     k = compile_sm90(nq._amax_kernel, dict(types, part_ptr="*fp32"), dict(amax, HAD_DIM=2),
                      ("M", "N", "stride_xb", "stride_xm"))
     sass_stats(k, base["BM"] * base["BN"], 4, "amax pre-pass with Hadamard 16x1")
