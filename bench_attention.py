@@ -49,7 +49,8 @@ def main():
     result = {"shape": dict(B=B, H=H, Hkv=Hkv, T=T, D=D, causal=causal, dtype="bf16"),
               "flop_formula": "fwd = 2*2*B*H*T^2*D/2 (causal), bwd = 2.5*fwd, fwd+bwd = 3.5*fwd",
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "configs": {"fwd": fa.FWD_CONFIG, "fwd_packed": fa.FWD_CONFIG_PACKED, "dkdv": fa.DKDV_CONFIG, "dq": fa.DQ_CONFIG}, "rows": []}
+              "configs": {"fwd": fa.FWD_CONFIG, "fwd_packed": fa.FWD_CONFIG_PACKED, "dkdv": fa.DKDV_CONFIG,
+                          "dkdv_packed": fa.DKDV_CONFIG_PACKED, "dq": fa.DQ_CONFIG}, "rows": []}
 
     def save():
         if args.out:

@@ -332,6 +332,10 @@ def _attn_bwd_dkdv(Q, Qs, K, Ks, V, Vs, SG, DO, DOQ, DOT, LSE, DELTA, SGDS, KEYS
         lo = 0
         mid = 0
     n_full = mid + ((T - mid) // BLOCK_M) * BLOCK_M
+    # dK = sum_g s_g(dS_g) (dS_g^T Q_g) over the G query heads of this kv head. One accumulator for all of them
+    # (a second 128 x 128 fp32 one pushed this kernel into ~600 spill stores): dk holds the sum in units of the
+    # current head's s_g(dS), rescaled by s_g(previous) / s_g(current) at each head boundary.
+    sg_prev = tl.load(SGDS + b * H + g0)
     for g in range(G):
         bh = b * H + g0 + g
         q_ptr = Q + bh.to(tl.int64) * T * QD
@@ -341,24 +345,24 @@ def _attn_bwd_dkdv(Q, Qs, K, Ks, V, Vs, SG, DO, DOQ, DOT, LSE, DELTA, SGDS, KEYS
         key = tl.load(KEYS + 2 * bh + 1).to(tl.uint32, bitcast=True)
         key_dq = tl.load(KEYS + 2 * bh).to(tl.uint32, bitcast=True)
         dq_scale = sm_scale * sg_k * sg_ds
-        dk_h = tl.zeros([BLOCK_N, D], dtype=tl.float32)
-        dk_h, dv = _dkdv_inner(dk_h, dv, k, v, q_ptr, qs_ptr, DO + row, DOQ + row, DOT + row,
-                               LSE + bh * T, DELTA + bh * T, DQ + row, key, key_dq, dq_scale,
-                               lo, mid, offs_n, T, s_scale,
-                               sg_dp, sg_ds, sg_p, D, BLOCK_M, BLOCK_N, True, CAUSAL, PACKED, QUANT_DS,
-                               QUANT_DOV, QUANT_PDO, ATOMIC_DQ, DTYPE, QK_DTYPE, PREC, EMU)
-        dk_h, dv = _dkdv_inner(dk_h, dv, k, v, q_ptr, qs_ptr, DO + row, DOQ + row, DOT + row,
-                               LSE + bh * T, DELTA + bh * T, DQ + row, key, key_dq, dq_scale,
-                               mid, n_full, offs_n, T, s_scale,
-                               sg_dp, sg_ds, sg_p, D, BLOCK_M, BLOCK_N, False, CAUSAL, PACKED, QUANT_DS,
-                               QUANT_DOV, QUANT_PDO, ATOMIC_DQ, DTYPE, QK_DTYPE, PREC, EMU)
-        dk_h, dv = _dkdv_inner(dk_h, dv, k, v, q_ptr, qs_ptr, DO + row, DOQ + row, DOT + row,
-                               LSE + bh * T, DELTA + bh * T, DQ + row, key, key_dq, dq_scale,
-                               n_full, T, offs_n, T, s_scale,
-                               sg_dp, sg_ds, sg_p, D, BLOCK_M, BLOCK_N, True, CAUSAL, PACKED, QUANT_DS,
-                               QUANT_DOV, QUANT_PDO, ATOMIC_DQ, DTYPE, QK_DTYPE, PREC, EMU)
-        dk += dk_h * sg_ds
-    dk = dk * (sm_scale * sg_q)
+        dk = dk * tl.div_rn(sg_prev, sg_ds)
+        sg_prev = sg_ds
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, qs_ptr, DO + row, DOQ + row, DOT + row,
+                             LSE + bh * T, DELTA + bh * T, DQ + row, key, key_dq, dq_scale,
+                             lo, mid, offs_n, T, s_scale,
+                             sg_dp, sg_ds, sg_p, D, BLOCK_M, BLOCK_N, True, CAUSAL, PACKED, QUANT_DS,
+                             QUANT_DOV, QUANT_PDO, ATOMIC_DQ, DTYPE, QK_DTYPE, PREC, EMU)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, qs_ptr, DO + row, DOQ + row, DOT + row,
+                             LSE + bh * T, DELTA + bh * T, DQ + row, key, key_dq, dq_scale,
+                             mid, n_full, offs_n, T, s_scale,
+                             sg_dp, sg_ds, sg_p, D, BLOCK_M, BLOCK_N, False, CAUSAL, PACKED, QUANT_DS,
+                             QUANT_DOV, QUANT_PDO, ATOMIC_DQ, DTYPE, QK_DTYPE, PREC, EMU)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, qs_ptr, DO + row, DOQ + row, DOT + row,
+                             LSE + bh * T, DELTA + bh * T, DQ + row, key, key_dq, dq_scale,
+                             n_full, T, offs_n, T, s_scale,
+                             sg_dp, sg_ds, sg_p, D, BLOCK_M, BLOCK_N, True, CAUSAL, PACKED, QUANT_DS,
+                             QUANT_DOV, QUANT_PDO, ATOMIC_DQ, DTYPE, QK_DTYPE, PREC, EMU)
+    dk = dk * (sg_prev * sm_scale * sg_q)
     dv = dv * (sg_p * sg_pdo)                 # 1 unless QUANT_PDO
     cols = tl.arange(0, D)
     out = bkv.to(tl.int64) * T * D + offs_n[:, None] * D + cols[None, :]
@@ -454,6 +458,9 @@ FWD_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
 # packed (NVFP4) Q, K, V: 4 warps, 0.755 vs 0.861 ms at the benchmark shape on the H200 (config sweep, 2026-11-29)
 FWD_CONFIG_PACKED = dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
 DKDV_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2)
+# packed with dS quantized: 32-query tiles. The dS quantization's temporaries on (128, 64) tiles spill (sm_90
+# compile, scripts/sass_stats.py-style count: 373 spill stores at 64 x 128, 116 at 32 x 128)
+DKDV_CONFIG_PACKED = dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=2)
 DQ_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
 P_BLOCK_N = FWD_CONFIG["BLOCK_N"]
 # "separate": the fp4 backward 4.5 vs 6.0 ms with atomic dQ on the H200 (bf16 equal), and deterministic
@@ -530,7 +537,8 @@ def flash_backward(q, k, v, scales, shape, do, lse, delta, do_dov, do_pdo, ds_sc
     dk = torch.empty(B, Hkv, T, D, device=dev, dtype=dtype)
     dv = torch.empty(B, Hkv, T, D, device=dev, dtype=dtype)
     flags = dict(CAUSAL=causal, QUANT_DS=quant_ds, QUANT_DOV=quant_dov)
-    meta = _meta(dtype, "dkdv", dkdv_config or DKDV_CONFIG, D, packed, quant_ds)
+    meta = _meta(dtype, "dkdv", dkdv_config or (DKDV_CONFIG_PACKED if packed and quant_ds else DKDV_CONFIG), D,
+                 packed, quant_ds)
     grid = (triton.cdiv(T, meta["BLOCK_N"]), B * Hkv)
     atomic = (dq_mode or DQ_MODE) == "atomic"
     dq_acc = torch.zeros(B, H, T, D, device=dev, dtype=torch.float32) if atomic else dk
