@@ -1,8 +1,8 @@
 """
 Flash attention kernels for attention.py (paper §3.5, App. 11): forward, and a backward whose dK/dV pass (one
-key tile of one kv head) either also adds dS K into an fp32 dQ with atomics (DQ_MODE "atomic", 5 matmuls as in
-FlashAttention-2) or leaves dQ to a dQ pass per query tile that recomputes S, P, dP ("separate", 7 matmuls,
-deterministic). Causal or not, any T; GQA without repeating K/V (query head h reads kv head h // G; the dK/dV
+key tile of one kv head) either leaves dQ to a dQ pass per query tile that recomputes S, P, dP (DQ_MODE
+"separate", the default: 7 matmuls, deterministic, and faster for fp4) or also adds dS K into an fp32 dQ with
+atomics ("atomic", 5 matmuls as in FlashAttention-2). Causal or not, any T; GQA without repeating K/V (query head h reads kv head h // G; the dK/dV
 pass loops over the G query heads of its kv head and sums in registers).
 
 FP4 operands (PACKED): Q, K, V arrive as packed E2M1 codes (two per byte) + E4M3 1x16 block scales, quantized
@@ -459,11 +459,11 @@ FWD_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
 FWD_CONFIG_PACKED = dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
 DKDV_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2)
 # packed with dS quantized: 32-query tiles. The dS quantization's temporaries on (128, 64) tiles spill (sm_90
-# compile, scripts/sass_stats.py-style count: 373 spill stores at 64 x 128, 116 at 32 x 128)
+# compile: 373 spill stores at 64 x 128, 116 at 32 x 128); H200 fp4 backward 4.33 vs 4.44 ms (2026-11-29)
 DKDV_CONFIG_PACKED = dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=2)
 DQ_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
 P_BLOCK_N = FWD_CONFIG["BLOCK_N"]
-# "separate": the fp4 backward 4.5 vs 6.0 ms with atomic dQ on the H200 (bf16 equal), and deterministic
+# "separate": the fp4 backward kernels 4.33 vs 5.26 ms with atomic dQ on the H200 (bf16 1.26 vs 1.31), deterministic
 DQ_MODE = "separate"
 # the interpreter (CPU tests) runs small tiles: same numbers, much faster
 INTERPRET_CONFIGS = {"fwd": dict(BLOCK_M=32, BLOCK_N=16), "dkdv": dict(BLOCK_M=16, BLOCK_N=32),
