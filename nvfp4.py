@@ -308,7 +308,7 @@ def nvfp4_matmul(a, b, out_dtype=torch.float32, trans_a=False, trans_b=False):
 
 def _grid_value_route(x):
     """True on GPUs without FP4 tensor cores (Hopper): there the GEMMs multiply bf16 grid values q * s_b with
-    cuBLAS (exact; kernels/nvfp4_gemm.py's "cublas" route, 2.6x faster than its Triton route at 8192^3 on the
+    cuBLAS (exact; kernels/nvfp4_gemm.py's "cublas" route, 2.8x faster than its Triton route at 8192^3 on the
     H200), so the quantize kernels write those values directly instead of packed codes that a second pass would
     decode. NANOFP4_GEMM_ROUTE=triton, or a Blackwell GPU (tl.dot_scaled), keeps packed operands throughout."""
     if not _use_kernels(x) or os.environ.get("NANOFP4_GEMM_ROUTE") == "triton":
@@ -326,8 +326,10 @@ class _NVFP4LinearFn(torch.autograd.Function):
             from kernels.nvfp4_quant import quantize_dequant
             from kernels.nvfp4_gemm import grid_values_mm
             # one pass each writes the packed tensor (kept) and the bf16 grid values (multiplied)
-            xv, s_gx, xq = quantize_dequant(x2, (1, 16), "rtn", four_over_six, return_tensor=True)
-            wv, s_gw, wq = quantize_dequant(w, (16, 16), "rtn", four_over_six, return_tensor=True)
+            xv, s_gx, xq = quantize_dequant(x2, (1, 16), "rtn", four_over_six, return_tensor=True,
+                                           name="activation X")
+            wv, s_gw, wq = quantize_dequant(w, (16, 16), "rtn", four_over_six, return_tensor=True,
+                                           name="weight W")
             y = grid_values_mm(xv, wv.t(), s_gx * s_gw, x.dtype)                       # (T, out)
         else:
             xq = quantize(x2, (1, 16), "rtn", four_over_six, name="activation X")       # Q1x16(X), RTN
@@ -347,7 +349,7 @@ class _NVFP4LinearFn(torch.autograd.Function):
             if _grid_value_route(dy2):
                 from kernels.nvfp4_quant import grid_values_bf16, quantize_dequant
                 from kernels.nvfp4_gemm import grid_values_mm
-                dyv, s_g = quantize_dequant(dy2, (1, 16), "sr", fos, seed=sr_seed())     # Q1x16(dY), SR
+                dyv, s_g = quantize_dequant(dy2, (1, 16), "sr", fos, seed=sr_seed(), name="gradient dY")
                 dx = grid_values_mm(dyv, grid_values_bf16(wq), s_g * wq.global_scale, dy.dtype)
             else:
                 dyq = quantize(dy2, (1, 16), "sr", fos, name="gradient dY")             # Q1x16(dY), SR
@@ -374,8 +376,10 @@ def wgrad(dy, xq, four_over_six=False):
     if _grid_value_route(dy):  # bf16 grid values straight out of the quantize passes, then one cuBLAS GEMM
         from kernels.nvfp4_quant import quantize_dequant
         from kernels.nvfp4_gemm import grid_values_mm
-        dyv, s_gdy = quantize_dequant(dy, (16, 1), "sr", four_over_six, seed=sr_seed(), hadamard=H)  # (T, out)
-        xv, s_gx = quantize_dequant(xh, (16, 1), "sr", four_over_six, seed=sr_seed(), hadamard=H)    # (T, in)
+        dyv, s_gdy = quantize_dequant(dy, (16, 1), "sr", four_over_six, seed=sr_seed(), hadamard=H,
+                                      name="gradient dY")                                    # (T, out)
+        xv, s_gx = quantize_dequant(xh, (16, 1), "sr", four_over_six, seed=sr_seed(), hadamard=H,
+                                    name="activation Q(X)")                                  # (T, in)
         return grid_values_mm(dyv.t(), xv, s_gdy * s_gx, torch.float32)                             # (out, in)
     dyq = quantize(dy, (16, 1), "sr", four_over_six, hadamard=H, name="gradient dY")        # (T, out)
     xhq = quantize(xh, (16, 1), "sr", four_over_six, hadamard=H, name="activation Q(X)")    # (T, in)
