@@ -2,8 +2,8 @@
 Flash attention kernels for attention.py (paper §3.5, App. 11): forward, and a backward whose dK/dV pass (one
 key tile of one kv head) either leaves dQ to a dQ pass per query tile that recomputes S, P, dP (DQ_MODE
 "separate", the default: 7 matmuls, deterministic, and faster for fp4) or also adds dS K into an fp32 dQ with
-atomics ("atomic", 5 matmuls as in FlashAttention-2). Causal or not, any T; GQA without repeating K/V (query head h reads kv head h // G; the dK/dV
-pass loops over the G query heads of its kv head and sums in registers).
+atomics ("atomic", 5 matmuls as in FlashAttention-2). Causal or not, any T; GQA without repeating K/V (query
+head h reads kv head h // G; the dK/dV pass loops over the G query heads of its kv head and sums in registers).
 
 FP4 operands (PACKED): Q, K, V arrive as packed E2M1 codes (two per byte) + E4M3 1x16 block scales, quantized
 once by nvfp4.quantize. Every pass loads the 4-bit codes (the IO saving: a quarter of BF16's bytes, on every
