@@ -78,6 +78,8 @@ def bench(args):
         "quantize X (1x16, RTN, 4/6)": lambda: nvfp4.quantize(xd, (1, 16), "rtn", True),
         "quantize X + down-projection (fused)": lambda: lora_fused.quantize_down_proj(xd, L1, 1.0, "rtn", True),
         "down-projection X L1^T (torch bf16)": lambda: xd @ L1.t(),
+        "cuBLAS operand [X_hat | X L1^T / s_g], quantize + mm + cat":
+            lambda: lora_fused._cublas_operand(xd, L1, 1.0, "rtn", True, None, qw.global_scale, "x", True),
         "NVFP4 GEMM": lambda: nvfp4.nvfp4_matmul(qx, qw, out_dtype=torch.bfloat16),
         "NVFP4 GEMM + up-projection epilogue (fused)":
             lambda: lora_fused.nvfp4_matmul_up_proj(qx, qw, xl1, L2, out_dtype=torch.bfloat16),

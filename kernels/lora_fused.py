@@ -6,8 +6,10 @@ on the two kernels the NVFP4 residual needs anyway, so it adds no pass over the 
                                    kernels/nvfp4_quant.py's numbers) AND the down-projection beta * x L^T (T, r)
   nvfp4_matmul_up_proj(a, b, xl, L)  the NVFP4 GEMM a_hat b_hat^T whose epilogue adds xl L^T before the one
                                    write of the output (the up-projection; xl already carries beta)
-  cuBLAS route (when cuBLAS beats the Triton GEMM): the same quantize pass writes bf16 grid values and
-                                   beta x L^T / s_g side by side, and one GEMM with K + r columns adds the branch
+  cuBLAS route (the default on CUDA): nvfp4_quant's quantize pass writes the bf16 grid values, one small
+                                   GEMM the branch columns beta x L^T / s_g beside them, and one GEMM with K + r
+                                   columns adds the branch to the output (two reads of x instead of one: the
+                                   fused quantize kernel was slower than quantize + down-projection unfused)
   lora_forward / lora_dx           what lora_svd.py calls: eq. 1's Y and dX on the faster route (timed once)
 
 Forward: Y = Q(X) Q(W_res)^T + (beta X L1^T) L2^T  ->  quantize_down_proj(X, L1), nvfp4_matmul_up_proj(.., L2)
@@ -28,36 +30,39 @@ import triton
 import triton.language as tl
 
 from kernels.nvfp4_gemm import _CONFIGS, _dequant_tile, _operand, grid_values_mm
-from kernels.nvfp4_quant import (_e2m1_value, _load_tile, _pairwise_block_sum, _round_to_e4m3, _rtn_e2m1, _sr_e2m1,
-                                 _uniforms, _with_sign, grid_values_bf16)
+from kernels.nvfp4_quant import (_div_by, _e2m1_value, _exact_fma, _load_tile, _pairwise_block_sum, _round_to_e4m3,
+                                 _rtn_e2m1, _sr_e2m1, _uniforms, grid_values_bf16, quantize_dequant)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # quantize + down-projection
 
 @triton.jit
-def _scale_candidate(xb, block_amax, s_g, FP4_MAX: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr):
-    """Block scale with the block max mapped to FP4_MAX (6, or 4 for 4/6's second candidate) and the scaled
-    magnitudes a = min(|x| / (s_b s_g), 6), rounded exactly as nvfp4_quant._quantize_kernel does."""
+def _scale_candidate(xb, block_amax, s_g, FP4_MAX: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr,
+                     EXACT_FMA: tl.constexpr):
+    """E4M3 bits of the block scale s_b with the block max mapped to FP4_MAX (6, or 4 for 4/6's second
+    candidate), the scaled magnitudes a = min(|x| / (s_b s_g), 6), their RTN indices and the blocks' RTN squared
+    errors, rounded exactly as nvfp4_quant._quantize_kernel does (one reciprocal per block + Markstein's fma step
+    per element: the correctly rounded quotient)."""
     s, bits = _round_to_e4m3(tl.minimum(tl.div_rn(tl.div_rn(block_amax, FP4_MAX), s_g), 448.0))
-    den = (s * s_g)[:, None, :, None]
-    a = tl.minimum(tl.where(den > 0, tl.div_rn(xb, tl.where(den > 0, den, 1.0)), 0.0), 6.0)
-    err = _e2m1_value(_rtn_e2m1(a)) * den - xb  # RTN reconstruction error, for the 4/6 choice
-    return s, bits, a, _pairwise_block_sum(err * err, BM, 1, NB, 16)  # (BM, NB): nvfp4's fixed summation order
+    den = s * s_g
+    inv = tl.where(den > 0, tl.div_rn(1.0, tl.where(den > 0, den, 1.0)), 0.0)
+    den, inv = den[:, None, :, None], inv[:, None, :, None]
+    a = tl.minimum(_div_by(xb, den, inv, EXACT_FMA), 6.0)
+    idx = _rtn_e2m1(a)
+    err = _e2m1_value(idx) * den - xb  # RTN reconstruction error, for the 4/6 choice
+    return bits, a, idx, _pairwise_block_sum(err * err, BM, 1, NB, 16)  # (BM, NB): nvfp4's fixed summation order
 
 
 @triton.jit(do_not_specialize=["seed"])  # a fresh SR seed per call must not recompile
-def _quantize_down_proj_kernel(x_ptr, l_ptr, amax_ptr, gs_other_ptr, codes_ptr, scales_ptr, vals_ptr, xl_ptr,
-                               M, R, beta, seed, stride_xm, stride_xn, stride_lr, stride_ln, stride_vm, stride_xlm,
+def _quantize_down_proj_kernel(x_ptr, l_ptr, amax_ptr, codes_ptr, scales_ptr, xl_ptr,
+                               M, R, beta, seed, stride_xm, stride_xn, stride_lr, stride_ln, stride_xlm,
                                N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
                                FP8_BOUND: tl.constexpr, FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr,
-                               DOT_FP32: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr,
-                               NUM_STAGES: tl.constexpr):
-    """A strip of BM rows: for each (BM, BN) tile, the 1x16 NVFP4 codes + scales (WRITE_CODES) and/or the
-    bf16 grid values q * s_b (WRITE_VALUES, for the cuBLAS route), and x_tile L_tile^T accumulated into the
-    (BM, r) down-projection in registers (deterministic: no atomics across column tiles). The strip then
-    stores beta * x L^T, divided by s_g * s_g_other in the cuBLAS route (whose GEMM multiplies every term by
-    the global scales at the end). N is a constexpr: the interpreter cannot range() over a runtime int."""
+                               DOT_FP32: tl.constexpr, EXACT_FMA: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """A strip of BM rows: for each (BM, BN) tile, the 1x16 NVFP4 codes + scales and x_tile L_tile^T
+    accumulated into the (BM, r) down-projection in registers (deterministic: no atomics across column tiles);
+    the strip then stores beta * x L^T. N is a constexpr: the interpreter cannot range() over a runtime int."""
     pid_m, pid_b = tl.program_id(0), tl.program_id(1)  # pid_b is 0: the grid has one batch
     m0 = pid_m * BM
     amax = tl.load(amax_ptr)
@@ -69,31 +74,24 @@ def _quantize_down_proj_kernel(x_ptr, l_ptr, amax_ptr, gs_other_ptr, codes_ptr, 
                                              BM, BN, 0, True)
         xb = tl.abs(x).reshape(BM, 1, BN // 16, 16)
         block_amax = tl.max(tl.max(xb, axis=3), axis=1)  # (BM, BN // 16)
-        s_b, bits, a, err6 = _scale_candidate(xb, block_amax, s_g, 6.0, BM, BN // 16)
+        bits, a, idx, err6 = _scale_candidate(xb, block_amax, s_g, 6.0, BM, BN // 16, EXACT_FMA)
         if FOUR_OVER_SIX:  # keep the lower-error candidate per block, ties to 6
-            s4, bits4, a4, err4 = _scale_candidate(xb, block_amax, s_g, 4.0, BM, BN // 16)
+            bits4, a4, idx4, err4 = _scale_candidate(xb, block_amax, s_g, 4.0, BM, BN // 16, EXACT_FMA)
             use4 = err4 < err6
-            s_b = tl.where(use4, s4, s_b)
             bits = tl.where(use4, bits4, bits)
             a = tl.where(use4[:, None, :, None], a4, a)
+            idx = tl.where(use4[:, None, :, None], idx4, idx)  # the RTN indices, already computed
         if SR:  # the same counter-based draws as nvfp4_quant (its _uniforms: Philox keyed by element index)
             rand = _uniforms(seed, offs_m, n0, N, BM, BN)
             idx = _sr_e2m1(a, rand.reshape(BM, 1, BN // 16, 16))
-        else:
-            idx = _rtn_e2m1(a)
-        if WRITE_CODES:
-            code = (idx.reshape(BM, BN) | ((x < 0).to(tl.int32) << 3)).to(tl.uint8)
-            lo, hi = tl.split(code.reshape(BM, BN // 2, 2))  # even element in the low nibble
-            offs_c = n0 // 2 + tl.arange(0, BN // 2)
-            tl.store(codes_ptr + offs_m[:, None].to(tl.int64) * (N // 2) + offs_c[None, :], lo | (hi << 4),
-                     mask=(offs_m[:, None] < M) & (offs_c[None, :] < N // 2))
-            offs_s = n0 // 16 + tl.arange(0, BN // 16)
-            tl.store(scales_ptr + offs_m[:, None].to(tl.int64) * (N // 16) + offs_s[None, :], bits,
-                     mask=(offs_m[:, None] < M) & (offs_s[None, :] < N // 16))
-        if WRITE_VALUES:  # q * s_b has at most 6 significant bits: exact in bf16
-            q = (_e2m1_value(idx) * s_b[:, None, :, None]).reshape(BM, BN)
-            tl.store(vals_ptr + offs_m[:, None].to(tl.int64) * stride_vm + offs_n[None, :],
-                     _with_sign(q, x).to(tl.bfloat16), mask=mask)
+        code = (idx.reshape(BM, BN) | ((x < 0).to(tl.int32) << 3)).to(tl.uint8)
+        lo, hi = tl.split(code.reshape(BM, BN // 2, 2))  # even element in the low nibble
+        offs_c = n0 // 2 + tl.arange(0, BN // 2)
+        tl.store(codes_ptr + offs_m[:, None].to(tl.int64) * (N // 2) + offs_c[None, :], lo | (hi << 4),
+                 mask=(offs_m[:, None] < M) & (offs_c[None, :] < N // 2))
+        offs_s = n0 // 16 + tl.arange(0, BN // 16)
+        tl.store(scales_ptr + offs_m[:, None].to(tl.int64) * (N // 16) + offs_s[None, :], bits,
+                 mask=(offs_m[:, None] < M) & (offs_s[None, :] < N // 16))
         # the down-projection from the same registers: acc += x_tile @ L_tile^T
         lt = tl.load(l_ptr + offs_r[:, None] * stride_lr + offs_n[None, :] * stride_ln,
                      mask=(offs_r[:, None] < R) & (offs_n[None, :] < N), other=0.0)  # (BR, BN)
@@ -102,8 +100,6 @@ def _quantize_down_proj_kernel(x_ptr, l_ptr, amax_ptr, gs_other_ptr, codes_ptr, 
         else:
             acc = tl.dot(x.to(lt.dtype), tl.trans(lt), acc)
     acc = acc * beta
-    if WRITE_VALUES:
-        acc = tl.div_rn(acc, s_g * tl.load(gs_other_ptr))
     offs_m = m0 + tl.arange(0, BM)
     tl.store(xl_ptr + offs_m[:, None].to(tl.int64) * stride_xlm + offs_r[None, :], acc.to(xl_ptr.dtype.element_ty),
              mask=(offs_m[:, None] < M) & (offs_r[None, :] < R))
@@ -116,7 +112,7 @@ _QUANT_CONFIGS = [triton.Config({"BM": bm, "BN": bn, "NUM_STAGES": st}, num_warp
                   for bm, bn, st, w in ((64, 64, 2, 4), (32, 128, 2, 4), (16, 256, 2, 4), (64, 128, 2, 8),
                                         (32, 64, 3, 4))]
 _quantize_down_proj_autotuned = triton.autotune(  # cache_results: later processes on this machine skip the timing
-    configs=_QUANT_CONFIGS, key=["M", "N", "BR", "SR", "WRITE_CODES", "WRITE_VALUES"], cache_results=True)(
+    configs=_QUANT_CONFIGS, key=["M", "N", "BR", "SR"], cache_results=True)(
     _quantize_down_proj_kernel)
 
 
@@ -124,9 +120,10 @@ def _rank_block(r):
     return max(16, triton.next_power_of_2(r))
 
 
-def _launch_quantize(x, L, beta, rounding, four_over_six, seed, name, write_codes, values=None, gs_other=None):
-    """Shared host side of both routes. values: None, or a (T, K + r) bf16 buffer that receives the grid values
-    in [:, :K] and beta x L^T / (s_g s_g_other) in [:, K:]. Returns (NVFP4Tensor or None, xl or None, s_g)."""
+def quantize_down_proj(x, L, beta=1.0, rounding="rtn", four_over_six=False, seed=None, name="x"):
+    """x (T, K) -> (Q1x16(x) as nvfp4.NVFP4Tensor, beta * x L^T (T, r) in L's dtype) in one pass over x.
+    L (r, K): L1 for the forward, L2^T for dX. rounding "rtn" | "sr"; for SR the seed is nvfp4.sr_seed() (torch's
+    global CPU RNG) when not given, as nvfp4.quantize draws it."""
     import nvfp4
     if rounding not in ("rtn", "sr"):
         raise ValueError(f"{name}: rounding must be 'rtn' or 'sr', got {rounding!r}")
@@ -139,37 +136,20 @@ def _launch_quantize(x, L, beta, rounding, four_over_six, seed, name, write_code
     M, N = x.shape
     R = L.shape[0]
     amax = torch.linalg.vector_norm(x, ord=float("inf")).float().reshape(1)
-    codes = torch.empty((M, N // 2), device=x.device, dtype=torch.uint8) if write_codes else amax
-    scales = torch.empty((M, N // 16), device=x.device, dtype=torch.uint8) if write_codes else amax
-    if values is None:
-        xl = torch.empty((M, R), device=x.device, dtype=L.dtype)
-        vals, xl_out, gs_other = amax, xl, amax
-    else:
-        xl, vals, xl_out = None, values, values[:, N:]
-    args = (x, L, amax, gs_other, codes, scales, vals, xl_out, M, R, float(beta), int(seed or 0),
-            x.stride(0), x.stride(1), L.stride(0), L.stride(1), vals.stride(0) if values is not None else 0,
-            xl_out.stride(0))
+    codes = torch.empty((M, N // 2), device=x.device, dtype=torch.uint8)
+    scales = torch.empty((M, N // 16), device=x.device, dtype=torch.uint8)
+    xl = torch.empty((M, R), device=x.device, dtype=L.dtype)
+    args = (x, L, amax, codes, scales, xl, M, R, float(beta), int(seed or 0),
+            x.stride(0), x.stride(1), L.stride(0), L.stride(1), xl.stride(0))
     flags = dict(N=N, BR=_rank_block(R), FP8_BOUND=256.0 if four_over_six else 448.0,
                  FOUR_OVER_SIX=bool(four_over_six), SR=rounding == "sr", DOT_FP32=L.dtype == torch.float32,
-                 WRITE_CODES=write_codes, WRITE_VALUES=values is not None,
-                 enable_fp_fusion=False)  # no FMA contraction: every rounding as in the reference
+                 EXACT_FMA=_exact_fma(), enable_fp_fusion=False)  # no FMA contraction: roundings as the reference
     if x.device.type != "cuda":  # the interpreter: one small config
         _quantize_down_proj_kernel[(triton.cdiv(M, 16),)](*args, **flags, BM=16, BN=64, NUM_STAGES=1, num_warps=4)
     else:
         _quantize_down_proj_autotuned[lambda meta: (triton.cdiv(M, meta["BM"]),)](*args, **flags)
     s_g = nvfp4.global_scale(amax.reshape(()), four_over_six)  # the kernel's s_g: same true division
-    t = None
-    if write_codes:
-        t = nvfp4.NVFP4Tensor(codes, scales.view(torch.float8_e4m3fn), s_g, x.shape, (1, 16))
-    return t, xl, s_g
-
-
-def quantize_down_proj(x, L, beta=1.0, rounding="rtn", four_over_six=False, seed=None, name="x"):
-    """x (T, K) -> (Q1x16(x) as nvfp4.NVFP4Tensor, beta * x L^T (T, r) in L's dtype) in one pass over x.
-    L (r, K): L1 for the forward, L2^T for dX. rounding "rtn" | "sr"; for SR the seed is nvfp4.sr_seed() (torch's
-    global CPU RNG) when not given, as nvfp4.quantize draws it."""
-    t, xl, _ = _launch_quantize(x, L, beta, rounding, four_over_six, seed, name, write_codes=True)
-    return t, xl
+    return nvfp4.NVFP4Tensor(codes, scales.view(torch.float8_e4m3fn), s_g, x.shape, (1, 16)), xl
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -256,20 +236,36 @@ def nvfp4_matmul_up_proj(a, b, xl, L, out_dtype=torch.float32, trans_b=False, co
 # FLOPs. dX likewise with [dY_hat | beta dY L2 / s_g] [W_hat ; L1]. nvfp4_gemm picks cuBLAS over its Triton
 # kernel when that is faster; this route is the fused counterpart.
 
+def _cublas_operand(x, L, beta, rounding, four_over_six, seed, s_g_other, name, return_tensor=False):
+    """The cuBLAS route's left operand [X_hat | beta X L^T / (s_g s_g_other)] (T, K + r) in bf16, X's s_g and, with
+    return_tensor, the packed Q1x16(X) written by the same pass. X_hat comes from quantize_dequant (the rows
+    kernel: the same codes and, for SR, the same Philox draws as every nvfp4 quantization of X given the seed);
+    the branch columns from one cuBLAS GEMM with an fp32 result, scaled and rounded to bf16 once. (A fused
+    quantize + down-projection kernel wrote both in one pass, reading X once, but took 0.66 ms at 16384 x 4096 on
+    the H200 against 0.24 + 0.05 ms for these two, 2026-11-29.)"""
+    import nvfp4
+    if x.dim() != 2 or L.dim() != 2 or L.shape[1] != x.shape[1]:
+        raise ValueError(f"{name}: need (T, K) and L (r, K), got {tuple(x.shape)} and {tuple(L.shape)}")
+    if rounding == "sr" and seed is None:
+        seed = nvfp4.sr_seed()
+    xv, s_g, *t = quantize_dequant(x, (1, 16), rounding, four_over_six, seed=seed or 0,
+                                   return_tensor=return_tensor, name=name)
+    a, b = x.to(L.dtype), L.t()
+    xl = torch.mm(a, b, out_dtype=torch.float32) if a.is_cuda and a.dtype == torch.bfloat16 else a.float() @ b.float()
+    branch = (xl * beta / (s_g * s_g_other)).to(torch.bfloat16)  # (T, r)
+    return (t[0] if t else None), torch.cat((xv, branch), dim=1), s_g
+
+
 def _forward_cublas(x, qw, L1, L2, beta, four_over_six, out_dtype):
-    (T, K), r = x.shape, L1.shape[0]
-    abuf = torch.empty((T, K + r), device=x.device, dtype=torch.bfloat16)  # [X_hat | beta X L1^T / s_g]
-    qx, _, s_gx = _launch_quantize(x, L1, beta, "rtn", four_over_six, None, "activation X", True, abuf,
-                                   qw.global_scale)
+    qx, abuf, s_gx = _cublas_operand(x, L1, beta, "rtn", four_over_six, None, qw.global_scale, "activation X",
+                                     return_tensor=True)                  # [X_hat | beta X L1^T / s_g]
     wbuf = torch.cat((grid_values_bf16(qw), L2.to(torch.bfloat16)), dim=1)  # (out, K + r) = [W_hat | L2]
     return qx, grid_values_mm(abuf, wbuf.t(), s_gx * qw.global_scale, out_dtype)
 
 
 def _dx_cublas(dy, qw, L1, L2, beta, four_over_six, out_dtype, seed):
-    (T, K), r = dy.shape, L1.shape[0]
-    abuf = torch.empty((T, K + r), device=dy.device, dtype=torch.bfloat16)  # [dY_hat | beta dY L2 / s_g]
-    _, _, s_g = _launch_quantize(dy, L2.t(), beta, "sr", four_over_six, seed, "gradient dY", False, abuf,
-                                 qw.global_scale)
+    _, abuf, s_g = _cublas_operand(dy, L2.t(), beta, "sr", four_over_six, seed, qw.global_scale,
+                                   "gradient dY")                         # [dY_hat | beta dY L2 / s_g]
     wbuf = torch.cat((grid_values_bf16(qw), L1.to(torch.bfloat16)), dim=0)  # (out + r, in) = [W_hat ; L1]
     return grid_values_mm(abuf, wbuf, s_g * qw.global_scale, out_dtype)
 

@@ -386,20 +386,24 @@ def test_kernel_gemm_up_proj_matches_reference(trans_b):
         lora_fused.nvfp4_matmul_up_proj(a, b, xl[:, :4], L, trans_b=trans_b)
 
 
-def test_kernel_cublas_route_operand():
-    """The cuBLAS route's left operand [X_hat | beta X L^T / s_g]: exact grid values, then the branch columns."""
-    from kernels import lora_fused
+@pytest.mark.parametrize("rounding", ["rtn", "sr"])
+def test_kernel_cublas_route_operand(rounding):
+    """The cuBLAS route's left operand [X_hat | beta X L^T / (s_g s_g_other)]: exactly the grid values of
+    nvfp4_quant's quantization of X (the same SR draws given the seed), then the branch columns in bf16."""
+    from kernels import lora_fused, nvfp4_quant
     gen = torch.Generator().manual_seed(23)
     x = heavy_tailed((48, 96), gen)
     L = torch.randn(5, 96, generator=gen)
     gs_other = torch.tensor(0.37)
-    buf = torch.zeros(48, 101, dtype=torch.bfloat16)
-    q, _, s_g = lora_fused._launch_quantize(x, L, 0.5, "rtn", True, None, "x", True, buf, gs_other)
-    ref = nvfp4._quantize_reference(x, (1, 16), "rtn", True, None)
+    q, buf, s_g = lora_fused._cublas_operand(x, L, 0.5, rounding, True, 7, gs_other, "x", return_tensor=True)
+    ref = nvfp4_quant.quantize(x, (1, 16), rounding, True, seed=7)
     same_nvfp4(q, ref)
+    if rounding == "rtn":
+        same_nvfp4(q, nvfp4._quantize_reference(x, (1, 16), "rtn", True, None))
+    assert buf.shape == (48, 101) and buf.dtype == torch.bfloat16
     assert torch.equal(buf[:, :96].float(), ref.grid_values())
     branch = 0.5 * f64(x) @ f64(L).t() / (f64(s_g) * f64(gs_other))
-    assert_close64(buf[:, 96:], branch, rel=2**-7)  # one bf16 ulp: the interpreter's fp32->bf16 cast truncates
+    assert_close64(buf[:, 96:], branch, rel=2**-8)  # one bf16 rounding
 
 
 @pytest.mark.parametrize("route", ["triton", "cublas"])
