@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.nvfp4_gemm import _CONFIGS, _dequant_tile, _operand, grid_values_mm
+from kernels.nvfp4_gemm import _CONFIGS, _dequant_tile, _operand, grid_values_mm, mm_fp32
 from kernels.nvfp4_quant import (_div_by, _e2m1_value, _exact_fma, _load_tile, _pairwise_block_sum, _round_to_e4m3,
                                  _rtn_e2m1, _sr_e2m1, _uniforms, grid_values_bf16, quantize_dequant)
 
@@ -251,7 +251,8 @@ def _cublas_operand(x, L, beta, rounding, four_over_six, seed, s_g_other, name, 
     xv, s_g, *t = quantize_dequant(x, (1, 16), rounding, four_over_six, seed=seed or 0,
                                    return_tensor=return_tensor, name=name)
     a, b = x.to(L.dtype), L.t()
-    xl = torch.mm(a, b, out_dtype=torch.float32) if a.is_cuda and a.dtype == torch.bfloat16 else a.float() @ b.float()
+    xl = mm_fp32(a, b) if a.is_cuda and a.dtype == torch.bfloat16 else None
+    xl = a.float() @ b.float() if xl is None else xl  # (T, r) fp32
     branch = (xl * beta / (s_g * s_g_other)).to(torch.bfloat16)  # (T, r)
     return (t[0] if t else None), torch.cat((xv, branch), dim=1), s_g
 

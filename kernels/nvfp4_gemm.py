@@ -233,17 +233,25 @@ def _gemm_cublas(a, b, trans_a, trans_b, out_dtype):
     return grid_values_mm(A, B, a.global_scale * b.global_scale, out_dtype)
 
 
+def mm_fp32(A, B):
+    """A @ B with an fp32 result for bf16 CUDA operands (cuBLAS's fp32 accumulator, not rounded to bf16), or None
+    where torch's mm has no out_dtype (older torch)."""
+    if _MM_FP32_OUT[0]:
+        try:
+            return torch.mm(A, B, out_dtype=torch.float32)
+        except (RuntimeError, TypeError):
+            _MM_FP32_OUT[0] = False
+    return None
+
+
 def grid_values_mm(A, B, gs, out_dtype=torch.bfloat16):
     """(A @ B) * gs for bf16 grid values A (M, K), B (K, N) (any strides) and gs = s_ga * s_gb: the cuBLAS
     route's GEMM, usable directly on kernels.nvfp4_quant.quantize_dequant's output."""
     if A.device.type == "cpu":  # tests: same fp32 accumulation as the reference
         return (A.float() @ B.float()).mul_(gs).to(out_dtype)
-    if out_dtype == torch.float32 and _MM_FP32_OUT[0]:
-        try:
-            out = torch.mm(A, B, out_dtype=torch.float32)  # the fp32 accumulator out, then the scales
-        except (RuntimeError, TypeError):
-            _MM_FP32_OUT[0] = False
-        else:
+    if out_dtype == torch.float32:
+        out = mm_fp32(A, B)  # the fp32 accumulator out, then the scales
+        if out is not None:
             return scale_(out, gs)
     # bf16 out of cuBLAS, then the global scales in place (one pass over the output): one extra rounding
     # (<= 1 ulp) vs the reference's single rounding of acc * s_g
