@@ -93,6 +93,13 @@ if __name__ == "__main__":
         k = compile_sm90(nq._quantize_rows_kernel, amax_types if ce.get("AMAX_ONLY") else rows_types,
                          dict(rows, **ce), ("n_blocks",), warps)
         sass_stats(k, NB * 16, warps, label)
+    from kernels import lora_fused as lf  # App. 9's quantize + down-projection (the Triton route's LoRA kernel)
+    lf_types = dict(x_ptr="*bf16", l_ptr="*bf16", amax_ptr="*fp32", codes_ptr="*u8", scales_ptr="*u8",
+                    xl_ptr="*bf16", beta="fp32")
+    k = compile_sm90(lf._quantize_down_proj_kernel, lf_types,
+                     dict(N=4096, BM=32, BN=128, BR=64, FP8_BOUND=256.0, FOUR_OVER_SIX=True, SR=False, DOT_FP32=False,
+                          EXACT_FMA=True, NUM_STAGES=2, stride_xn=1), ("M", "stride_xm", "stride_xlm", "stride_lr"))
+    sass_stats(k, 32 * 128, 4, "LoRA quantize + down-projection, RTN 4/6")
     dq_types = dict(codes_ptr="*i32", scales_ptr="*u8", gs_ptr="*fp32", out_ptr="*bf16", n_blocks="i64")
     k = compile_sm90(nq._dequantize_rows_kernel, dq_types, dict(NB=NB, APPLY_GLOBAL=False, ROUND_BF16=True),
                      ("n_blocks",), warps)
