@@ -240,9 +240,10 @@ def _cublas_operand(x, L, beta, rounding, four_over_six, seed, s_g_other, name, 
     """The cuBLAS route's left operand [X_hat | beta X L^T / (s_g s_g_other)] (T, K + r) in bf16, X's s_g and, with
     return_tensor, the packed Q1x16(X) written by the same pass. X_hat comes from quantize_dequant (the rows
     kernel: the same codes and, for SR, the same Philox draws as every nvfp4 quantization of X given the seed);
-    the branch columns from one cuBLAS GEMM with an fp32 result, scaled and rounded to bf16 once. (A fused
-    quantize + down-projection kernel wrote both in one pass, reading X once, but took 0.66 ms at 16384 x 4096 on
-    the H200 against 0.24 + 0.05 ms for these two, 2026-11-29.)"""
+    the branch columns from one cuBLAS GEMM with an fp32 result, scaled and rounded to bf16 once. (The fused
+    quantize + down-projection kernel wrote both in one pass, reading X once, but took 0.66 ms at 16384 x 4096 with
+    4/6 on the H200, against 0.24 ms for nvfp4.quantize of X and 0.05 ms for a torch down-projection, 2026-11-29;
+    this route itself is not yet timed.)"""
     import nvfp4
     if x.dim() != 2 or L.dim() != 2 or L.shape[1] != x.shape[1]:
         raise ValueError(f"{name}: need (T, K) and L (r, K), got {tuple(x.shape)} and {tuple(L.shape)}")

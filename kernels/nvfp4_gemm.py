@@ -288,7 +288,7 @@ def nvfp4_gemm(a, b, out_dtype=torch.bfloat16, trans_a=False, trans_b=False, rou
     lead = ()
     if a.codes.dim() > 2 and not trans_a and b.codes.dim() == 2:
         import nvfp4
-        lead, (M, K) = a.shape[:-2], a.shape[-2:]
+        lead, K = a.shape[:-2], a.shape[-1]
         bm, bn = a.block
         a = nvfp4.NVFP4Tensor(a.codes.reshape(-1, K // 2), a.scales.reshape(-1, K // bn), a.global_scale,
                               (a.shape[:-1].numel(), K), a.block)

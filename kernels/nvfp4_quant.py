@@ -499,9 +499,12 @@ def _global_amax(x3, hadamard, had_dim, tiles):
     x_is_fp32 = _dot_in_fp32(x3)
     if _use_rows(x3, (1, 16) if had_dim == 1 else (16, 1)):  # the rows kernel's own rotation: same bits
         return _rows_launch(x3, None, hadamard, None, False, 0, x_is_fp32, amax_only=True)
-    # 16 x 256 tiles for the 16x1 rotation of a row-major x: 52.6 vs 65.1 us at 16384 x 4096 bf16 on the H200
-    # (2026-11-29; the same maximum: the tile does not change the rotated values)
-    BM, BN, warps = (16, 256, 4) if tiles == (16, 128, 4) and TILE_OVERRIDE is None else tiles
+    BM, BN, warps = tiles
+    if had_dim == 2 and x3.stride(-1) == 1 and TILE_OVERRIDE is None:
+        # the 16x1 rotation of a row-major x on 16 x 256 tiles (the same maximum: tiles do not change the rotated
+        # values). H200, 16384 x 4096 bf16: 52.6 vs 65.1 us for 16 x 128 in a tile sweep; NVFP4Linear's two such
+        # passes 105 -> 85 us in its profile (2026-11-29)
+        BM, BN, warps = 16, 256, 4
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN), B)
     partial = torch.empty(grid[0] * grid[1] * grid[2], device=x3.device, dtype=torch.float32)
     _amax_kernel[grid](x3, hadamard, partial, M, N, x3.stride(0), x3.stride(1), x3.stride(2),
