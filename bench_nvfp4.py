@@ -148,6 +148,15 @@ def main():
         t_qf = bench(lambda: q_lin(xin), args.dry)
         t_lf = bench(lambda: lin(xin), args.dry)
     row("linear", "NVFP4Linear fwd only", t_qf, "TFLOP/s", flop / 3 / t_qf / 1e9, t_qf / t_lf)
+    if not args.dry:  # host time to enqueue one fwd+bwd while the GPU is busy: above the GPU time, it bounds the step
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU spin, so every launch below only queues
+        t0 = time.perf_counter()
+        for _ in range(20):
+            step(q_lin)()
+        t_host = (time.perf_counter() - t0) / 20 * 1e3
+        torch.cuda.synchronize()
+        row("linear", "NVFP4Linear fwd+bwd host enqueue time", t_host, "ms", t_host, t_host / t_q)
     if not args.dry:  # where NVFP4Linear's fwd+bwd time goes: GPU time per kernel, per call
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
