@@ -345,45 +345,55 @@ class _NVFP4LinearFn(torch.autograd.Function):
         xq, wq, fos = ctx.xq, ctx.wq, ctx.four_over_six
         dy2 = dy.reshape(-1, dy.shape[-1])                                                 # (T, out)
         dx = dw = None
+        H = amax_dy = amax_dyh = None
+        if _grid_value_route(dy2) and all(ctx.needs_input_grad[:2]):
+            # max |dY| (dX's Q1x16) and max |H^T dY| (eq. 2's Q16x1) in one read of dY, so eq. 2's H is drawn
+            # here (the CUDA RNG: the SR seeds below come from the CPU's, so their order does not change)
+            from kernels.nvfp4_quant import global_amax_pair
+            H = random_hadamard(device=dy.device)
+            amax_dy, amax_dyh = global_amax_pair(dy2, H)
         if ctx.needs_input_grad[0]:
             if _grid_value_route(dy2):
                 from kernels.nvfp4_quant import grid_values_bf16, quantize_dequant
                 from kernels.nvfp4_gemm import grid_values_mm
-                dyv, s_g = quantize_dequant(dy2, (1, 16), "sr", fos, seed=sr_seed(), name="gradient dY")
+                dyv, s_g = quantize_dequant(dy2, (1, 16), "sr", fos, seed=sr_seed(), global_amax=amax_dy,
+                                            name="gradient dY")
                 dx = grid_values_mm(dyv, grid_values_bf16(wq), s_g * wq.global_scale, dy.dtype)
             else:
                 dyq = quantize(dy2, (1, 16), "sr", fos, name="gradient dY")             # Q1x16(dY), SR
                 dx = nvfp4_matmul(dyq, wq, dy.dtype, trans_b=True)                      # Q16x16(W) reused
             dx = dx.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            dw = wgrad(dy2, xq, fos).to(ctx.weight_dtype)
+            dw = wgrad(dy2, xq, fos, hadamard=H, dy_global_amax=amax_dyh, out_dtype=ctx.weight_dtype)
         ctx.xq = ctx.wq = None
         return dx, dw, None
 
 
-def wgrad(dy, xq, four_over_six=False):
+def wgrad(dy, xq, four_over_six=False, hadamard=None, dy_global_amax=None, out_dtype=torch.float32):
     """Eq. 2: dW = Q1x16(dY^T H) . Q16x1(H^T Q1x16(X)), H a fresh random Hadamard, SR on both operands.
     dy (T, out); xq the forward's packed Q1x16(X) (T, in), dequantized in dy's dtype (bf16 in training: the
     precision the activations had) before its rotation. The rotation spreads outliers along the token
     (contraction) dim before the 16-element blocks see them; H H^T = I leaves the product unbiased.
     Both operands are quantized as stored, (T, out) and (T, in) with 16x1 blocks along T (Q16x1(H^T dY) is
-    Q1x16(dY^T H) transposed), and the GEMM reads them transposed."""
+    Q1x16(dY^T H) transposed), and the GEMM reads them transposed.
+    hadamard: H if the caller drew it (default: a fresh random_hadamard); dy_global_amax: max |H^T dY| if the
+    caller has it (kernels.nvfp4_quant.global_amax_pair). Returns (out, in) in out_dtype."""
     T = dy.shape[0]
     if T % 16:
         raise ValueError(f"wgrad: the number of tokens ({T}) must be a multiple of 16 (the contraction dim of dW)")
-    H = random_hadamard(device=dy.device)
+    H = random_hadamard(device=dy.device) if hadamard is None else hadamard
     xh = xq.dequantize(dy.dtype)                                                               # (T, in)
     if _grid_value_route(dy):  # bf16 grid values straight out of the quantize passes, then one cuBLAS GEMM
         from kernels.nvfp4_quant import quantize_dequant
         from kernels.nvfp4_gemm import grid_values_mm
         dyv, s_gdy = quantize_dequant(dy, (16, 1), "sr", four_over_six, seed=sr_seed(), hadamard=H,
-                                      name="gradient dY")                                    # (T, out)
+                                      global_amax=dy_global_amax, name="gradient dY")        # (T, out)
         xv, s_gx = quantize_dequant(xh, (16, 1), "sr", four_over_six, seed=sr_seed(), hadamard=H,
                                     name="activation Q(X)")                                  # (T, in)
-        return grid_values_mm(dyv.t(), xv, s_gdy * s_gx, torch.float32)                             # (out, in)
+        return grid_values_mm(dyv.t(), xv, s_gdy * s_gx, out_dtype)                          # (out, in)
     dyq = quantize(dy, (16, 1), "sr", four_over_six, hadamard=H, name="gradient dY")        # (T, out)
     xhq = quantize(xh, (16, 1), "sr", four_over_six, hadamard=H, name="activation Q(X)")    # (T, in)
-    return nvfp4_matmul(dyq, xhq, trans_a=True, trans_b=True)                              # (out, in) fp32
+    return nvfp4_matmul(dyq, xhq, out_dtype, trans_a=True, trans_b=True)                   # (out, in)
 
 
 def nvfp4_linear(x, weight, four_over_six=False):

@@ -211,13 +211,19 @@ def _round_to_bf16(v):
 
 @triton.jit
 def _amax_kernel(x_ptr, h_ptr, part_ptr, M, N, stride_xb, stride_xm, stride_xn,
-                 BM: tl.constexpr, BN: tl.constexpr, HAD_DIM: tl.constexpr, X_IS_FP32: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, HAD_DIM: tl.constexpr, X_IS_FP32: tl.constexpr,
+                 PLAIN_TOO: tl.constexpr):
     """Per-program max |x| (of the rotated x if HAD_DIM): the global amax is the max of these partials.
-    Same tiles and the same rotation code as the quantize pass, so both see bit-identical rotated values."""
+    Same rotation code as the quantize pass, so both see bit-identical rotated values. PLAIN_TOO: also the
+    unrotated max |x|, stored after the rotated partials (one read of x for both global amaxes)."""
     pid_m, pid_n, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # rows on axis 0: no 65535 cap
     x, _, _, _ = _load_tile(x_ptr, h_ptr, pid_b, pid_m * BM, pid_n * BN, M, N, stride_xb, stride_xm, stride_xn,
-                            BM, BN, HAD_DIM, X_IS_FP32)
+                            BM, BN, 0, X_IS_FP32)                                # fp32, not rotated
+    n_programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
     pid = (pid_b * tl.num_programs(1) + pid_n) * tl.num_programs(0) + pid_m
+    if PLAIN_TOO:
+        tl.store(part_ptr + n_programs + pid, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+    x = _rotate(x, h_ptr, BM, BN, HAD_DIM, X_IS_FP32)  # fp32 holding bf16 values: the bf16 dot sees the same bits
     tl.store(part_ptr + pid, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
 
 
@@ -508,8 +514,24 @@ def _global_amax(x3, hadamard, had_dim, tiles):
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN), B)
     partial = torch.empty(grid[0] * grid[1] * grid[2], device=x3.device, dtype=torch.float32)
     _amax_kernel[grid](x3, hadamard, partial, M, N, x3.stride(0), x3.stride(1), x3.stride(2),
-                       BM=BM, BN=BN, HAD_DIM=had_dim, X_IS_FP32=x_is_fp32, num_warps=warps)
+                       BM=BM, BN=BN, HAD_DIM=had_dim, X_IS_FP32=x_is_fp32, PLAIN_TOO=False, num_warps=warps)
     return partial.amax()
+
+
+def global_amax_pair(x, hadamard):
+    """(max |x|, max |H^T x| over groups of 16 rows) of a 2-D x in one read: the global amaxes of Q1x16(dY) (dX)
+    and of eq. 2's Q16x1(H^T dY) (dW), which NVFP4Linear's backward would otherwise read dY twice for. Each
+    equals what quantize(x, ...) computes itself (the rotated values do not depend on the tiles)."""
+    x3, _, _, hadamard = _prepare(x, (16, 1), "sr", hadamard, "x")
+    B, M, N = x3.shape
+    BM, BN, warps = (16, 256, 4) if x3.stride(-1) == 1 else (64, 64, 4)
+    grid = (triton.cdiv(M, BM), triton.cdiv(N, BN), B)
+    n = grid[0] * grid[1] * grid[2]
+    partial = torch.empty(2 * n, device=x3.device, dtype=torch.float32)
+    _amax_kernel[grid](x3, hadamard, partial, M, N, x3.stride(0), x3.stride(1), x3.stride(2),
+                       BM=BM, BN=BN, HAD_DIM=2, X_IS_FP32=_dot_in_fp32(x3), PLAIN_TOO=True, num_warps=warps)
+    amax = partial.view(2, n).amax(1)
+    return amax[1], amax[0]
 
 
 def _rows_launch(x3, amax, hadamard, noise, four_over_six, seed, x_is_fp32, rounding="rtn", codes=None,

@@ -73,9 +73,12 @@ if __name__ == "__main__":
         k = compile_sm90(nq._quantize_kernel, types, dict(base, **ce), ("M", "N", "stride_xb", "stride_xm"))
         sass_stats(k, base["BM"] * base["BN"], 4, label)
     amax = {k: base[k] for k in ("BM", "BN", "X_IS_FP32", "stride_xn")}
-    k = compile_sm90(nq._amax_kernel, dict(types, part_ptr="*fp32"), dict(amax, HAD_DIM=2),
+    k = compile_sm90(nq._amax_kernel, dict(types, part_ptr="*fp32"), dict(amax, HAD_DIM=2, PLAIN_TOO=False),
                      ("M", "N", "stride_xb", "stride_xm"))
     sass_stats(k, base["BM"] * base["BN"], 4, "amax pre-pass with Hadamard 16x1")
+    k = compile_sm90(nq._amax_kernel, dict(types, part_ptr="*fp32"), dict(amax, HAD_DIM=2, PLAIN_TOO=True, BN=256),
+                     ("M", "N", "stride_xb", "stride_xm"))
+    sass_stats(k, base["BM"] * 256, 4, "amax pair (plain + Hadamard 16x1), dY")
     # the types nvfp4_quant._rows_launch passes (unused pointers get an fp32 dummy; tests compile these)
     rows_types = dict(x_ptr="*bf16", h_ptr="*fp32", noise_ptr="*fp32", amax_ptr="*fp32", gs_out_ptr="*fp32",
                       codes_ptr="*i32", scales_ptr="*u8", values_ptr="*bf16", part_ptr="*fp32", n_blocks="i64")
