@@ -8,6 +8,7 @@
 #   smoke       toy fullstack (AdamW and Root), 30 steps each: the main recipe trains on this GPU
 #   bench       bench_{optim,lora_svd,nvfp4,attention}.py (JSON into bench_json.tgz; BENCHES: a subset)
 #   profile     scripts/profile_step.py for toy fullstack (AdamW, Root) and bf16: where a step's time goes
+#   hostprof    scripts/host_profile.py: cProfile of the host enqueueing NVFP4Linear fwd+bwd (launch overhead)
 #   perf        toy fullstack/adamw 60 steps of 16 x 1024 without and with --compile (tokens/s, MFU, memory)
 #   fsdp3b      3b fullstack/root, 4 steps with FSDP2 over every visible GPU (torchrun; the paper's main config)
 #   onebee      the 1b config on one GPU, 10 steps of 8 x 2048 tokens per run in ONEBEE_RUNS (default: every recipe
@@ -56,6 +57,7 @@ for stage in $stages; do
                set -- $ro
                timeout "$(left 200)" python scripts/profile_step.py --recipe $1 --optimizer $2 >> "$log" 2>&1
              done ;;
+    hostprof) timeout "$(left 120)" python scripts/host_profile.py >> "$log" 2>&1 ;;
     perf) for c in "" "--compile"; do
             d=runs/perf_toy_fullstack${c:+_compile}; mkdir -p $d
             cmd="python train.py --config toy --recipe fullstack --optimizer adamw --max_steps 60 --batch_size 16 \
