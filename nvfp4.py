@@ -382,17 +382,15 @@ def wgrad(dy, xq, four_over_six=False, hadamard=None, dy_global_amax=None, out_d
     if T % 16:
         raise ValueError(f"wgrad: the number of tokens ({T}) must be a multiple of 16 (the contraction dim of dW)")
     H = random_hadamard(device=dy.device) if hadamard is None else hadamard
+    xh = xq.dequantize(dy.dtype)                                                               # (T, in)
     if _grid_value_route(dy):  # bf16 grid values straight out of the quantize passes, then one cuBLAS GEMM
-        from kernels.nvfp4_quant import dequantize_rotated_amax, quantize_dequant
+        from kernels.nvfp4_quant import quantize_dequant
         from kernels.nvfp4_gemm import grid_values_mm
-        xh, xh_amax = (dequantize_rotated_amax(xq, H) if dy.dtype == torch.bfloat16 and xq.block == (1, 16)
-                       else (xq.dequantize(dy.dtype), None))  # (T, in), and max |H^T X_hat| from the same pass
         dyv, s_gdy = quantize_dequant(dy, (16, 1), "sr", four_over_six, seed=sr_seed(), hadamard=H,
                                       global_amax=dy_global_amax, name="gradient dY")        # (T, out)
         xv, s_gx = quantize_dequant(xh, (16, 1), "sr", four_over_six, seed=sr_seed(), hadamard=H,
-                                    global_amax=xh_amax, name="activation Q(X)")             # (T, in)
+                                    name="activation Q(X)")                                  # (T, in)
         return grid_values_mm(dyv.t(), xv, s_gdy * s_gx, out_dtype)                          # (out, in)
-    xh = xq.dequantize(dy.dtype)                                                               # (T, in)
     dyq = quantize(dy, (16, 1), "sr", four_over_six, hadamard=H, name="gradient dY")        # (T, out)
     xhq = quantize(xh, (16, 1), "sr", four_over_six, hadamard=H, name="activation Q(X)")    # (T, in)
     return nvfp4_matmul(dyq, xhq, out_dtype, trans_a=True, trans_b=True)                   # (out, in)

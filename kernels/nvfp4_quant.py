@@ -387,13 +387,11 @@ def _quantize_rows_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_p
 
 @triton.jit
 def _dequant_store(v, gs_ptr, out_ptr, offs, mask, APPLY_GLOBAL: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """Stores (v * s_g) in out's dtype and returns the stored values (as fp32 when rounded to bf16)."""
     if APPLY_GLOBAL:
         v = v * tl.load(gs_ptr)
     if ROUND_BF16:
         v = _round_to_bf16(v)
     tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
-    return v
 
 
 @triton.jit
@@ -415,13 +413,10 @@ def _dequantize_rows_kernel(codes_ptr, scales_ptr, gs_ptr, out_ptr, n_blocks, NB
 
 
 @triton.jit
-def _dequantize_kernel(codes_ptr, scales_ptr, gs_ptr, out_ptr, h_ptr, part_ptr, M, N, BN: tl.constexpr,
-                       SBM: tl.constexpr, SBN: tl.constexpr, APPLY_GLOBAL: tl.constexpr, ROUND_BF16: tl.constexpr,
-                       ROTATED_AMAX: tl.constexpr, DOT_FP32: tl.constexpr):
-    """(16, BN) tiles. 16-row blocks ((16, 1) or (16, 16)) share one row of scales, loaded once per column (16x1)
-    or once per 16 columns (16x16) and broadcast down the rows; 1x16 blocks load a (16, BN // 16) scale tile.
-    ROTATED_AMAX (1x16, bf16 out): also the per-program max |H^T v| of the written values v over the tile's 16
-    rows, i.e. _amax_kernel's 16x1 Hadamard pass fused into the dequantization (eq. 2's Q16x1(H^T Q1x16(X)))."""
+def _dequantize_kernel(codes_ptr, scales_ptr, gs_ptr, out_ptr, M, N, BN: tl.constexpr, SBN: tl.constexpr,
+                       APPLY_GLOBAL: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """16-row blocks ((16, 1) or (16, 16)): a (16, BN) tile shares one row of scales, loaded once per column
+    (16x1) or once per 16 columns (16x16) and broadcast down the rows."""
     pid_m, pid_n, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # rows on axis 0: no 65535 cap
     offs_m = pid_m * 16 + tl.arange(0, 16)
     offs_c = pid_n * (BN // 2) + tl.arange(0, BN // 2)
@@ -430,23 +425,12 @@ def _dequantize_kernel(codes_ptr, scales_ptr, gs_ptr, out_ptr, h_ptr, part_ptr, 
                 other=0)
     code = tl.join(c & 0xF, c >> 4).reshape(16, BN).to(tl.int32)                   # even element: low nibble
     offs_n = pid_n * BN + tl.arange(0, BN)
-    if SBM == 1:  # 1x16: one scale per row and 16 columns
-        offs_s = pid_n * (BN // 16) + tl.arange(0, BN // 16)
-        s = tl.load(scales_ptr + (pid_b.to(tl.int64) * M + offs_m[:, None]) * (N // 16) + offs_s[None, :],
-                    mask=(offs_m[:, None] < M) & (offs_s[None, :] < N // 16), other=0)
-        s = s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        v = _decode_codes(code.reshape(16, BN // 16, 16), s[:, :, None]).reshape(16, BN)
-    else:
-        s = tl.load(scales_ptr + (pid_b.to(tl.int64) * (M // 16) + pid_m) * (N // SBN) + offs_n // SBN,
-                    mask=offs_n < N, other=0)
-        v = _decode_codes(code, s.to(tl.float8e4nv, bitcast=True).to(tl.float32)[None, :])
+    s = tl.load(scales_ptr + (pid_b.to(tl.int64) * (M // 16) + pid_m) * (N // SBN) + offs_n // SBN,
+                mask=offs_n < N, other=0)
+    v = _decode_codes(code, s.to(tl.float8e4nv, bitcast=True).to(tl.float32)[None, :])
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    v = _dequant_store(v, gs_ptr, out_ptr, (pid_b.to(tl.int64) * M + offs_m[:, None]) * N + offs_n[None, :], mask,
-                       APPLY_GLOBAL, ROUND_BF16)
-    if ROTATED_AMAX:
-        r = _rotate(v, h_ptr, 16, BN, 2, DOT_FP32)  # v holds bf16 values: the bf16 dot sees the stored bits
-        pid = (pid_b * tl.num_programs(1) + pid_n) * tl.num_programs(0) + pid_m
-        tl.store(part_ptr + pid, tl.max(tl.max(tl.abs(r), axis=1), axis=0))
+    _dequant_store(v, gs_ptr, out_ptr, (pid_b.to(tl.int64) * M + offs_m[:, None]) * N + offs_n[None, :], mask,
+                   APPLY_GLOBAL, ROUND_BF16)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -658,30 +642,8 @@ def dequantize(t, dtype=torch.float32, apply_global_scale=True):
     else:
         BN = 256
         grid = (M // 16, triton.cdiv(N, BN), codes.shape[0])
-        _dequantize_kernel[grid](codes, scales, gs, out, gs, gs, M, N, BN=BN, SBM=bm, SBN=bn, **flags,
-                                 ROTATED_AMAX=False, DOT_FP32=False, num_warps=4)
+        _dequantize_kernel[grid](codes, scales, gs, out, M, N, BN=BN, SBN=bn, **flags, num_warps=4)
     return out.reshape(t.shape)
-
-
-def dequantize_rotated_amax(t, hadamard):
-    """A 1x16-blocked 2-D NVFP4Tensor (the forward's saved Q1x16(X)) -> (its bf16 dequantization, max |H^T v| of
-    those bf16 values over groups of 16 rows): the wgrad operand and the global amax of its Q16x1 rotation (eq.
-    2) from one pass over the packed codes, instead of a dequantize pass and an amax pass re-reading the bf16
-    values. Bit-identical to dequantize(t, torch.bfloat16) and to quantize's own amax of it."""
-    if t.block != (1, 16) or len(t.shape) != 2 or t.shape[0] % 16:
-        raise ValueError(f"dequantize_rotated_amax: needs a 2-D (1, 16)-blocked tensor with rows a multiple of 16, "
-                         f"got shape {tuple(t.shape)} block {t.block}")
-    M, N = t.shape
-    out = torch.empty((M, N), device=t.codes.device, dtype=torch.bfloat16)
-    BN = 256
-    grid = (M // 16, triton.cdiv(N, BN), 1)
-    partial = torch.empty(grid[0] * grid[1], device=out.device, dtype=torch.float32)
-    _dequantize_kernel[grid](t.codes.contiguous(), t.scales.contiguous().view(torch.uint8),
-                             t.global_scale.float().reshape(1), out,
-                             hadamard.to(device=out.device, dtype=torch.float32).contiguous(), partial, M, N, BN=BN,
-                             SBM=1, SBN=16, APPLY_GLOBAL=True, ROUND_BF16=True, ROTATED_AMAX=True,
-                             DOT_FP32=_dot_in_fp32(out), num_warps=4)
-    return out, partial.amax()
 
 
 def grid_values_bf16(t):

@@ -107,10 +107,6 @@ if __name__ == "__main__":
     k = compile_sm90(nq._dequantize_rows_kernel, dq_types, dict(NB=NB, APPLY_GLOBAL=False, ROUND_BF16=True),
                      ("n_blocks",), warps)
     sass_stats(k, NB * 16, warps, "dequantize 1x16 -> bf16 grid values")
-    dq_tile_types = dict(dq_types, codes_ptr="*u8", h_ptr="*fp32", part_ptr="*fp32")
-    k = compile_sm90(nq._dequantize_kernel, dq_tile_types,
-                     dict(BN=256, SBM=16, SBN=1, APPLY_GLOBAL=False, ROUND_BF16=True, ROTATED_AMAX=False, DOT_FP32=False), ("M", "N"), 4)
+    k = compile_sm90(nq._dequantize_kernel, dict(dq_types, codes_ptr="*u8"),
+                     dict(BN=256, SBN=1, APPLY_GLOBAL=False, ROUND_BF16=True), ("M", "N"), 4)
     sass_stats(k, 16 * 256, 4, "dequantize 16x1 -> bf16 grid values")
-    k = compile_sm90(nq._dequantize_kernel, dq_tile_types,
-                     dict(BN=256, SBM=1, SBN=16, APPLY_GLOBAL=True, ROUND_BF16=True, ROTATED_AMAX=True, DOT_FP32=False), ("M", "N"), 4)
-    sass_stats(k, 16 * 256, 4, "dequantize 1x16 + Hadamard 16x1 amax (wgrad X)")

@@ -201,20 +201,6 @@ def test_global_amax_pair_equals_each_quantizations_own_amax(dtype, transposed):
               kq.quantize(x, block, "rtn", False, hadamard=hadamard))
 
 
-def test_dequantize_rotated_amax_is_the_dequantization_and_its_16x1_hadamard_amax():
-    """eq. 2's wgrad operand: the bf16 dequantization of the saved Q1x16(X) and the global amax of its 16x1
-    rotation, from one pass over the packed codes, equal the two separate passes bit for bit."""
-    g = torch.Generator().manual_seed(12)
-    H = nvfp4.random_hadamard(g)
-    xq = kq.quantize(_heavy_tailed((48, 272), g, torch.bfloat16), (1, 16))  # 272: a partial 256-column tile
-    xh, amax = kq.dequantize_rotated_amax(xq, H)
-    assert xh.dtype == torch.bfloat16 and torch.equal(xh, kq.dequantize(xq, torch.bfloat16))
-    assert torch.equal(amax, kq._global_amax(xh.reshape(1, 48, 272), H, 2, kq._tiles((16, 1), xh)))
-    assert amax > xh.float().abs().max() / 4  # not a stale or partial maximum: |H^T v| >= max |v| / 4
-    with pytest.raises(ValueError, match="1, 16"):
-        kq.dequantize_rotated_amax(kq.quantize(torch.randn(32, 32, generator=g), (16, 16)), H)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # quantize: SR
 
@@ -581,4 +567,4 @@ def test_quantize_kernels_compile_for_hopper_without_a_gpu():
     script = os.path.join(os.path.dirname(__file__), "..", "scripts", "sass_stats.py")
     out = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("SASS") == 15
+    assert out.stdout.count("SASS") == 14
