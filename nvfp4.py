@@ -269,7 +269,18 @@ def random_hadamard(generator=None, device=None):
     rotation of a fixed outlier pattern different each step, so its rounding error does not repeat."""
     device = generator.device if generator is not None else device
     signs = torch.randint(0, 2, (16,), generator=generator, device=device)
-    return (2.0 * signs.float() - 1.0).unsqueeze(1) * sylvester_hadamard(16, device) / 4.0
+    table, rows = _signed_quarter_sylvester(device)
+    return table[signs, rows]                                    # row i: (-1, +1)[signs_i] * H16[i] / 4
+
+
+def _signed_quarter_sylvester(device):
+    """(-H16 / 4, +H16 / 4) stacked (2, 16, 16) and the row indices 0..15, cached per device: random_hadamard
+    picks each row's sign by indexing (two kernels per backward instead of five)."""
+    key = ("signed_quarter", str(device))
+    if key not in _SYLVESTER:
+        h = sylvester_hadamard(16, device) / 4.0
+        _SYLVESTER[key] = (torch.stack((-h, h)), torch.arange(16, device=h.device))
+    return _SYLVESTER[key]
 
 
 def hadamard_transform(x, H, dim=-1):
@@ -330,7 +341,7 @@ class _NVFP4LinearFn(torch.autograd.Function):
                                            name="activation X")
             wv, s_gw, wq = quantize_dequant(w, (16, 16), "rtn", four_over_six, return_tensor=True,
                                            name="weight W")
-            y = grid_values_mm(xv, wv.t(), s_gx * s_gw, x.dtype)                       # (T, out)
+            y = grid_values_mm(xv, wv.t(), s_gx, s_gw, x.dtype)                       # (T, out)
         else:
             xq = quantize(x2, (1, 16), "rtn", four_over_six, name="activation X")       # Q1x16(X), RTN
             wq = quantize(w, (16, 16), "rtn", four_over_six, name="weight W")          # Q16x16(W), RTN
@@ -358,7 +369,7 @@ class _NVFP4LinearFn(torch.autograd.Function):
                 from kernels.nvfp4_gemm import grid_values_mm
                 dyv, s_g = quantize_dequant(dy2, (1, 16), "sr", fos, seed=sr_seed(), global_amax=amax_dy,
                                             name="gradient dY")
-                dx = grid_values_mm(dyv, grid_values_bf16(wq), s_g * wq.global_scale, dy.dtype)
+                dx = grid_values_mm(dyv, grid_values_bf16(wq), s_g, wq.global_scale, dy.dtype)
             else:
                 dyq = quantize(dy2, (1, 16), "sr", fos, name="gradient dY")             # Q1x16(dY), SR
                 dx = nvfp4_matmul(dyq, wq, dy.dtype, trans_b=True)                      # Q16x16(W) reused
@@ -390,7 +401,7 @@ def wgrad(dy, xq, four_over_six=False, hadamard=None, dy_global_amax=None, out_d
                                       global_amax=dy_global_amax, name="gradient dY")        # (T, out)
         xv, s_gx = quantize_dequant(xh, (16, 1), "sr", four_over_six, seed=sr_seed(), hadamard=H,
                                     name="activation Q(X)")                                  # (T, in)
-        return grid_values_mm(dyv.t(), xv, s_gdy * s_gx, out_dtype)                          # (out, in)
+        return grid_values_mm(dyv.t(), xv, s_gdy, s_gx, out_dtype)                          # (out, in)
     dyq = quantize(dy, (16, 1), "sr", four_over_six, hadamard=H, name="gradient dY")        # (T, out)
     xhq = quantize(xh, (16, 1), "sr", four_over_six, hadamard=H, name="activation Q(X)")    # (T, in)
     return nvfp4_matmul(dyq, xhq, out_dtype, trans_a=True, trans_b=True)                   # (out, in)

@@ -262,14 +262,14 @@ def _forward_cublas(x, qw, L1, L2, beta, four_over_six, out_dtype):
     qx, abuf, s_gx = _cublas_operand(x, L1, beta, "rtn", four_over_six, None, qw.global_scale, "activation X",
                                      return_tensor=True)                  # [X_hat | beta X L1^T / s_g]
     wbuf = torch.cat((grid_values_bf16(qw), L2.to(torch.bfloat16)), dim=1)  # (out, K + r) = [W_hat | L2]
-    return qx, grid_values_mm(abuf, wbuf.t(), s_gx * qw.global_scale, out_dtype)
+    return qx, grid_values_mm(abuf, wbuf.t(), s_gx, qw.global_scale, out_dtype)
 
 
 def _dx_cublas(dy, qw, L1, L2, beta, four_over_six, out_dtype, seed):
     _, abuf, s_g = _cublas_operand(dy, L2.t(), beta, "sr", four_over_six, seed, qw.global_scale,
                                    "gradient dY")                         # [dY_hat | beta dY L2 / s_g]
     wbuf = torch.cat((grid_values_bf16(qw), L1.to(torch.bfloat16)), dim=0)  # (out + r, in) = [W_hat ; L1]
-    return grid_values_mm(abuf, wbuf, s_g * qw.global_scale, out_dtype)
+    return grid_values_mm(abuf, wbuf, s_g, qw.global_scale, out_dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------

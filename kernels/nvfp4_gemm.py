@@ -205,23 +205,25 @@ _MM_FP32_OUT = [True]  # torch.mm(..., out_dtype=torch.float32) exists for bf16 
 
 
 @triton.jit
-def _scale_kernel(x_ptr, gs_ptr, n, BLOCK: tl.constexpr, OUT_BF16: tl.constexpr):
-    """x *= s_g in place (x bf16 or fp32, s_g an fp32 0-d tensor): the product in fp32, rounded once to x's
-    dtype, as torch's x.mul_(s_g) computes it. torch's own kernel takes a non-vectorized path for a 0-d CUDA
-    operand of another dtype: 256 us for a 16384 x 4096 bf16 output on the H200, ~4x a copy."""
+def _scale_kernel(x_ptr, gs_a_ptr, gs_b_ptr, n, BLOCK: tl.constexpr, OUT_BF16: tl.constexpr):
+    """x *= s_ga * s_gb in place (x bf16 or fp32; the scales fp32 0-d tensors, their product rounded to fp32 as
+    torch's s_ga * s_gb): the product in fp32, rounded once to x's dtype, as torch's x.mul_(s_ga * s_gb)
+    computes it. torch's own kernel takes a non-vectorized path for a 0-d CUDA operand of another dtype: 256 us
+    for a 16384 x 4096 bf16 output on the H200, ~4x a copy."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    v = tl.load(x_ptr + offs, mask=mask).to(tl.float32) * tl.load(gs_ptr)
+    v = tl.load(x_ptr + offs, mask=mask).to(tl.float32) * (tl.load(gs_a_ptr) * tl.load(gs_b_ptr))
     if OUT_BF16:
         v = _round_to_bf16(v)  # exact in the interpreter too (its fp32 -> bf16 cast truncates)
     tl.store(x_ptr + offs, v.to(x_ptr.dtype.element_ty), mask=mask)
 
 
-def scale_(x, gs):
-    """x *= gs in place for a contiguous bf16/fp32 CUDA tensor x and an fp32 0-d tensor gs; returns x."""
+def scale_(x, gs_a, gs_b):
+    """x *= gs_a * gs_b in place for a contiguous bf16/fp32 CUDA tensor x and fp32 0-d tensors gs_a, gs_b (the
+    two operands' global scales: no separate torch kernel for their product); returns x."""
     n, BLOCK = x.numel(), 4096
-    _scale_kernel[(triton.cdiv(n, BLOCK),)](x, gs.float().reshape(1), n, BLOCK=BLOCK,
-                                            OUT_BF16=x.dtype == torch.bfloat16, num_warps=8)
+    _scale_kernel[(triton.cdiv(n, BLOCK),)](x, gs_a, gs_b, n, BLOCK=BLOCK, OUT_BF16=x.dtype == torch.bfloat16,
+                                            num_warps=8)
     return x
 
 
@@ -230,7 +232,7 @@ def _gemm_cublas(a, b, trans_a, trans_b, out_dtype):
     av, bv = grid_values_bf16(a), grid_values_bf16(b)                 # q * s_b, exact in bf16
     A = av.t() if trans_a else av                                     # (M, K) views, no copies
     B = bv if trans_b else bv.t()                                     # (K, N)
-    return grid_values_mm(A, B, a.global_scale * b.global_scale, out_dtype)
+    return grid_values_mm(A, B, a.global_scale, b.global_scale, out_dtype)
 
 
 def mm_fp32(A, B):
@@ -244,19 +246,19 @@ def mm_fp32(A, B):
     return None
 
 
-def grid_values_mm(A, B, gs, out_dtype=torch.bfloat16):
-    """(A @ B) * gs for bf16 grid values A (M, K), B (K, N) (any strides) and gs = s_ga * s_gb: the cuBLAS
-    route's GEMM, usable directly on kernels.nvfp4_quant.quantize_dequant's output."""
+def grid_values_mm(A, B, gs_a, gs_b, out_dtype=torch.bfloat16):
+    """(A @ B) * (gs_a * gs_b) for bf16 grid values A (M, K), B (K, N) (any strides) and the operands' global
+    scales (fp32 0-d): the cuBLAS route's GEMM, usable directly on kernels.nvfp4_quant.quantize_dequant's output."""
     if A.device.type == "cpu":  # tests: same fp32 accumulation as the reference
-        return (A.float() @ B.float()).mul_(gs).to(out_dtype)
+        return (A.float() @ B.float()).mul_(gs_a * gs_b).to(out_dtype)
     if out_dtype == torch.float32:
         out = mm_fp32(A, B)  # the fp32 accumulator out, then the scales
         if out is not None:
-            return scale_(out, gs)
+            return scale_(out, gs_a, gs_b)
     # bf16 out of cuBLAS, then the global scales in place (one pass over the output): one extra rounding
     # (<= 1 ulp) vs the reference's single rounding of acc * s_g
     out = torch.mm(A, B)
-    return scale_(out, gs) if out_dtype == torch.bfloat16 else out.float().mul_(gs).to(out_dtype)
+    return scale_(out, gs_a, gs_b) if out_dtype == torch.bfloat16 else out.float().mul_(gs_a * gs_b).to(out_dtype)
 
 
 _ROUTES = {}

@@ -244,7 +244,7 @@ def _quantize_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_ptr, s
     x, offs_m, offs_n, mask = _load_tile(x_ptr, h_ptr, pid_b, m0, n0, M, N, stride_xb, stride_xm, stride_xn,
                                          BM, BN, HAD_DIM, X_IS_FP32)
     # global scale s_g = amax / (bound * 6), 1 when amax == 0 (nvfp4.global_scale)
-    amax = tl.load(amax_ptr)
+    amax = tl.load(amax_ptr).to(tl.float32)  # fp32, or bf16 straight from torch's amax of a bf16 x (exact)
     s_g = tl.where(amax > 0, tl.div_rn(amax, FP8_BOUND * 6.0), 1.0)
     if (pid_m == 0) & (pid_n == 0) & (pid_b == 0):  # the tensor's s_g for the host: no extra torch kernels
         tl.store(gs_out_ptr, s_g)
@@ -342,7 +342,7 @@ def _quantize_rows_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_p
     if AMAX_ONLY:  # (an else branch, not an early return: Triton would still compile the rest for this launch)
         tl.store(part_ptr + pid, tl.max(tl.max(ax, axis=1), axis=0))
     else:
-        amax = tl.load(amax_ptr)
+        amax = tl.load(amax_ptr).to(tl.float32)  # fp32, or bf16 from torch's amax of a bf16 x (exact)
         s_g = tl.where(amax > 0, tl.div_rn(amax, FP8_BOUND * 6.0), 1.0)
         if pid == 0:
             tl.store(gs_out_ptr, s_g)
@@ -436,6 +436,7 @@ def _dequantize_kernel(codes_ptr, scales_ptr, gs_ptr, out_ptr, M, N, BN: tl.cons
 # ----------------------------------------------------------------------------------------------------------
 # Host side
 
+AMAX_DTYPES = (torch.float32, torch.bfloat16)  # global amaxes the kernels read as they are (no conversion op)
 TILE_OVERRIDE = None  # (BM, BN, num_warps) for every dense quantize launch; scripts/gpu_diag.py's tile sweep
 # (blocks per program, num_warps) of _quantize_rows_kernel (1x16 blocks, contiguous x). H200 sweep, RTN 1x16 of
 # 16384 x 4096 bf16 (results/h200_run4/g1_diag.log): 256 blocks on 8 warps 89 us (0.49x copy bandwidth), the other
@@ -498,10 +499,11 @@ def _dot_in_fp32(x):
 
 
 def _global_amax(x3, hadamard, had_dim, tiles):
-    """max |x| (of x·H when rotating): one read of x, per-program partial maxima, then a tiny torch max."""
+    """max |x| (of x·H when rotating): one read of x, per-program partial maxima, then a tiny torch max. Without
+    a rotation in x's dtype (exact: a maximum of x's values; the kernels read either dtype)."""
     B, M, N = x3.shape
     if had_dim == 0:  # max |x| without an |x| temporary
-        return torch.linalg.vector_norm(x3, ord=float("inf")).float()
+        return torch.linalg.vector_norm(x3, ord=float("inf"))
     x_is_fp32 = _dot_in_fp32(x3)
     if _use_rows(x3, (1, 16) if had_dim == 1 else (16, 1)):  # the rows kernel's own rotation: same bits
         return _rows_launch(x3, None, hadamard, None, False, 0, x_is_fp32, amax_only=True)
@@ -541,7 +543,7 @@ def _rows_launch(x3, amax, hadamard, noise, four_over_six, seed, x_is_fp32, roun
     n_blocks = x3.numel() // 16
     grid = (triton.cdiv(n_blocks, NB),)
     partial = torch.empty(grid[0], device=x3.device, dtype=torch.float32) if amax_only else None
-    dummy = partial if amax_only else amax  # an fp32 tensor for unused pointers
+    dummy = partial if amax_only else gs_out  # an fp32 tensor for unused pointers
     _quantize_rows_kernel[grid](
         x3, hadamard if hadamard is not None else dummy, noise if noise is not None else dummy,
         amax if amax is not None else dummy, gs_out if gs_out is not None else dummy,
@@ -565,17 +567,20 @@ def _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, noise, 
     device = x3.device
     if global_amax is None:
         global_amax = _global_amax(x3, hadamard, had_dim, tiles)
-    amax = torch.as_tensor(global_amax, dtype=torch.float32, device=device).reshape(1)
+    if not (torch.is_tensor(global_amax) and global_amax.device == device and global_amax.dtype in AMAX_DTYPES):
+        global_amax = torch.as_tensor(global_amax, dtype=torch.float32, device=device)
+    amax = global_amax.reshape(1)
+    gs_out = torch.empty((), device=device, dtype=torch.float32)
     if noise is not None:
         if tuple(noise.shape) != tuple(shape):
             raise ValueError(f"{name}: noise must have x's shape {tuple(shape)}, got {tuple(noise.shape)}")
         noise = noise.to(device=device, dtype=torch.float32).contiguous()
     bm, bn = block
-    codes = torch.empty((B, M, N // 2), device=device, dtype=torch.uint8) if write_codes else None
-    scales = torch.empty((B, M // bm, N // bn), device=device, dtype=torch.uint8) if write_codes else None
-    values = torch.empty((B, M, N), device=device, dtype=torch.bfloat16) if write_values else None
-    dummy = amax  # an fp32 tensor for unused pointers
-    gs_out = torch.empty((), device=device, dtype=torch.float32)
+    lead = shape[:-2]  # outputs allocated in their final shapes (contiguous: the kernels see (B, M, .) rows)
+    codes = torch.empty((*lead, M, N // 2), device=device, dtype=torch.uint8) if write_codes else None
+    scales = torch.empty((*lead, M // bm, N // bn), device=device, dtype=torch.uint8) if write_codes else None
+    values = torch.empty(shape, device=device, dtype=torch.bfloat16) if write_values else None
+    dummy = gs_out  # an fp32 tensor for unused pointers
     if _use_rows(x3, block):
         _rows_launch(x3, amax, hadamard, noise, four_over_six, seed, x_is_fp32, rounding, codes, scales, values,
                      gs_out)
@@ -590,13 +595,7 @@ def _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, noise, 
             X_IS_FP32=x_is_fp32, WRITE_CODES=write_codes, WRITE_VALUES=write_values, EXACT_FMA=_exact_fma(),
             num_warps=warps, enable_fp_fusion=False)  # no FMA contraction: every rounding as in the reference
     s_g = gs_out  # amax / (bound * 6) by tl.div_rn (a true division, like nvfp4.global_scale on the CPU), or 1
-    t = None
-    if write_codes:
-        lead = shape[:-2]
-        t = nvfp4.NVFP4Tensor(codes.reshape(*lead, M, N // 2),
-                              scales.view(torch.float8_e4m3fn).reshape(*lead, M // bm, N // bn), s_g, shape, block)
-    if write_values:
-        values = values.reshape(shape)
+    t = nvfp4.NVFP4Tensor(codes, scales.view(torch.float8_e4m3fn), s_g, shape, block) if write_codes else None
     return t, values, s_g
 
 

@@ -38,7 +38,7 @@ def run_case(direction, cfg_index, T, d_in, d_out, r):
         dy = torch.randn(T, d_out, device=dev, dtype=torch.bfloat16)
         q_dy = nvfp4.quantize(dy, block=(1, 16))
         out = kg._gemm_triton(q_dy, qw, False, True, torch.bfloat16, config={**cfg.kwargs, "num_warps": cfg.num_warps})
-        ref = kg.grid_values_mm(kg.grid_values_bf16(q_dy), kg.grid_values_bf16(qw), q_dy.global_scale * qw.global_scale,
+        ref = kg.grid_values_mm(kg.grid_values_bf16(q_dy), kg.grid_values_bf16(qw), q_dy.global_scale, qw.global_scale,
                                 torch.bfloat16)
     elif direction == "fwd":
         x = torch.randn(T, d_in, device=dev, dtype=torch.bfloat16)

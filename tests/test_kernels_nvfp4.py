@@ -391,9 +391,9 @@ def test_scale_kernel_rounds_like_torch_mul(dtype):
     """The cuBLAS route's global-scale pass: x * s_g in fp32, rounded once to x's dtype (ties to even), in place."""
     g = torch.Generator().manual_seed(11)
     x = (torch.randn(5000, generator=g) * 100).to(dtype)  # not a multiple of the block: the masked tail
-    gs = torch.tensor(0.3333, dtype=torch.float32)
-    want = (x.float() * gs).to(dtype)
-    got = kg.scale_(x.clone(), gs)
+    gs_a, gs_b = torch.tensor(0.3333, dtype=torch.float32), torch.tensor(1.1e-3, dtype=torch.float32)
+    want = (x.float() * (gs_a * gs_b)).to(dtype)
+    got = kg.scale_(x.clone(), gs_a, gs_b)
     assert torch.equal(got, want)
 
 
