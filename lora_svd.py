@@ -306,18 +306,19 @@ _warned_householder = False
 
 
 def orthonormal_basis(A):
-    """Cholesky-QR (eq. 3, App. 8): R = chol(A^T A)^T, Q = A R^-1 for a tall-thin A (d, r).
+    """Cholesky-QR (eq. 3, App. 8): R = chol(A^T A)^T, Q = A R^-1 for a tall-thin A (d, r), or a batch of them
+    (..., d, r) (project_all stacks the layers that share a shape).
     The r x r Gram matrix and the solve run in fp64 (negligible cost at r << d): Cholesky-QR's loss of
     orthogonality grows like eps * cond(A)^2, which fp32 reaches for cond(A) ~ 3e3 but fp64 only at ~1e8.
-    Falls back to Householder QR (warning once) if the Gram matrix is not numerically positive definite or Q
+    Falls back to Householder QR (warning once) if a Gram matrix is not numerically positive definite or a Q
     comes out non-orthonormal."""
     global _warned_householder
     A64 = A.detach().double()
-    L, info = torch.linalg.cholesky_ex(A64.t() @ A64)  # A^T A = L L^T, R = L^T
-    Q = torch.linalg.solve_triangular(L.t(), A64, upper=True, left=False)  # (d, r) = A R^-1
-    eye = torch.eye(A.shape[1], dtype=torch.float64, device=A.device)
-    ok = (info == 0) & torch.isfinite(Q).all() & ((Q.t() @ Q - eye).abs().max() < 1e-6)
-    if ok:  # one device->host sync per call (a step calls this twice per LoRA-SVD layer)
+    L, info = torch.linalg.cholesky_ex(A64.mT @ A64)  # A^T A = L L^T, R = L^T
+    Q = torch.linalg.solve_triangular(L.mT, A64, upper=True, left=False)  # (..., d, r) = A R^-1
+    eye = torch.eye(A.shape[-1], dtype=torch.float64, device=A.device)
+    ok = (info == 0).all() & torch.isfinite(Q).all() & ((Q.mT @ Q - eye).abs().max() < 1e-6)
+    if ok:  # one device->host sync per call (per group of same-shaped layers in project_all)
         return Q.float()
     if not _warned_householder:
         warnings.warn("lora_svd: Cholesky-QR failed (L1 or L2 is rank deficient or ill conditioned); "
@@ -338,13 +339,21 @@ def project_gradients(layer):
     FSDP2 (DTensor parameters and grads, sharded): gathers dW, L1, L2 (every rank computes the same
     projection) and updates the local shards. Simple, at the cost of one all-gather of dW per layer per step;
     a sharded Cholesky-QR (all-reduce the r x r Gram matrices and Lambda) would avoid it."""
+    if _needs_projection(layer):
+        L1, L2 = full_tensor(layer.L1).float(), full_tensor(layer.L2).float()
+        _project(layer, L1, L2, orthonormal_basis(L1.t()), orthonormal_basis(L2))
+
+
+def _needs_projection(layer):
     g = layer.weight_res.grad
     done = getattr(layer, "_projected", None)  # (weakref to the grad tensor, its version) after the last call
-    if g is None or (done is not None and done[0]() is g and done[1] == g._version):
-        return
-    dW, L1, L2 = (full_tensor(t).float() for t in (g, layer.L1, layer.L2))
-    Q2 = orthonormal_basis(L2)  # (out, r)
-    Q1 = orthonormal_basis(L1.t())  # (in, r)
+    return g is not None and not (done is not None and done[0]() is g and done[1] == g._version)
+
+
+def _project(layer, L1, L2, Q1, Q2):
+    """eqs. 3-4 given the bases Q1 (in, r) of span(L1^T) and Q2 (out, r) of span(L2)."""
+    g = layer.weight_res.grad
+    dW = full_tensor(g).float()
     lam = (Q2.t() @ dW) @ Q1  # (r, r) Lambda
     core = lam @ Q1.t()  # (r, in): dW_LoRA = Q2 @ core, never formed for the small grads below
     dL1 = layer.beta * ((L2.t() @ Q2) @ core)  # (r, in)   = beta L2^T dW_LoRA
@@ -364,10 +373,22 @@ def lora_svd_layers(model):
     return [m for m in model.modules() if isinstance(m, LoRASVDLinear)]
 
 
+@torch.no_grad()
 def project_all(model):
-    """project_gradients on every LoRASVDLinear of `model` (call once per optimizer step)."""
+    """project_gradients on every LoRASVDLinear of `model` (call once per optimizer step). Layers whose L1, L2
+    share shapes get their bases from one batched Cholesky-QR: a 28-layer model has ~7 shapes, so ~14 small fp64
+    factorizations (and host syncs) per step instead of two per layer. Same numbers per layer (batched LAPACK /
+    cuSOLVER factorizations of the same matrices)."""
+    groups = {}
     for layer in lora_svd_layers(model):
-        project_gradients(layer)
+        if _needs_projection(layer):
+            L1, L2 = full_tensor(layer.L1).float(), full_tensor(layer.L2).float()
+            groups.setdefault((L1.shape, L2.shape, L1.device), []).append((layer, L1, L2))
+    for group in groups.values():
+        Q1s = orthonormal_basis(torch.stack([L1.t() for _, L1, _ in group]))  # (n, in, r)
+        Q2s = orthonormal_basis(torch.stack([L2 for _, _, L2 in group]))      # (n, out, r)
+        for (layer, L1, L2), Q1, Q2 in zip(group, Q1s, Q2s):
+            _project(layer, L1, L2, Q1, Q2)
 
 
 # -----------------------------------------------------------------------------

@@ -166,6 +166,24 @@ def test_projection_is_idempotent_and_commutes_with_accumulation():
         assert_close64(a.grad, f64(b.grad), rel=1e-5)
 
 
+def test_project_all_batches_same_shaped_layers_with_per_layer_results():
+    """project_all factors the bases of same-shaped layers in one batched Cholesky-QR: every layer's grads must
+    equal what project_gradients alone gives it (same factorizations, bit for bit on the CPU)."""
+    layers = [make_layer(seed=20 + i) for i in range(3)] + [lora_svd.LoRASVDLinear(IN, 32, 4)]
+    singles = [copy.deepcopy(l) for l in layers]
+    for i, (a, b) in enumerate(zip(layers, singles)):
+        torch.manual_seed(30 + i)
+        a(torch.randn(T, IN)).square().mean().backward()
+        torch.manual_seed(30 + i)
+        b(torch.randn(T, IN)).square().mean().backward()
+        lora_svd.project_gradients(b)
+    lora_svd.project_all(nn.Sequential(*layers))
+    for a, b in zip(layers, singles):
+        for p, q in zip((a.weight_res, a.L1, a.L2), (b.weight_res, b.L1, b.L2)):
+            assert torch.equal(p.grad, q.grad)
+    assert layers[0].L1.grad.abs().max() > 0
+
+
 def test_orthonormal_basis_is_cholesky_qr():
     A = torch.randn(96, 8, dtype=torch.float32)
     with warnings.catch_warnings():
