@@ -157,6 +157,19 @@ def main():
         t_host = (time.perf_counter() - t0) / 20 * 1e3
         torch.cuda.synchronize()
         row("linear", "NVFP4Linear fwd+bwd host enqueue time", t_host, "ms", t_host, t_host / t_q)
+
+        def back_to_back(fn, n=30):  # steady state: no L2 flush between calls, the launch queue kept full
+            fn()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(n):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end) / n
+        t_lin_b2b, t_q_b2b = back_to_back(step(lin)), back_to_back(step(q_lin))
+        row("linear", "nn.Linear fwd+bwd, 30 back-to-back calls", t_lin_b2b, "ms", t_lin_b2b, 1.0)
+        row("linear", "NVFP4Linear fwd+bwd, 30 back-to-back calls", t_q_b2b, "ms", t_q_b2b, t_q_b2b / t_lin_b2b)
     if not args.dry:  # where NVFP4Linear's fwd+bwd time goes: GPU time per kernel, per call
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -8,6 +8,7 @@
 #   smoke       toy fullstack (AdamW and Root), 30 steps each: the main recipe trains on this GPU
 #   bench       bench_{optim,lora_svd,nvfp4,attention}.py (JSON into bench_json.tgz; BENCHES: a subset)
 #   profile     scripts/profile_step.py for toy fullstack (AdamW, Root) and bf16: where a step's time goes
+#               (PROFILE_RUNS: recipe:optimizer items; PROFILE_ARGS: e.g. "--config 1b --batch_size 8 --seq_len 2048")
 #   hostprof    scripts/host_profile.py: cProfile of the host enqueueing NVFP4Linear fwd+bwd (launch overhead)
 #   perf        toy fullstack/adamw 60 steps of 16 x 1024 without and with --compile (tokens/s, MFU, memory)
 #   fsdp3b      3b fullstack/root, 4 steps with FSDP2 over every visible GPU (torchrun; the paper's main config)
@@ -53,9 +54,10 @@ for stage in $stages; do
              timeout "$(left 240)" python $b.py --out bench_json/$b.json 2>&1 | tail -60 >> "$log"
            done
            tar czf "$OUT/${STREAM}_bench_json.tgz" bench_json ;;
-    profile) for ro in "fullstack adamw" "fullstack root" "bf16 adamw"; do
-               set -- $ro
-               timeout "$(left 200)" python scripts/profile_step.py --recipe $1 --optimizer $2 >> "$log" 2>&1
+    profile) for ro in ${PROFILE_RUNS:-fullstack:adamw fullstack:root bf16:adamw}; do
+               IFS=: read -r recipe opt <<< "$ro"
+               timeout "$(left 200)" python scripts/profile_step.py --recipe $recipe --optimizer $opt \
+                 ${PROFILE_ARGS:-} >> "$log" 2>&1
              done ;;
     hostprof) timeout "$(left 120)" python scripts/host_profile.py >> "$log" 2>&1 ;;
     perf) for c in "" "--compile"; do
