@@ -208,8 +208,21 @@ def _quantize_qkv(x, name):
 
 
 def _scales(*sg, device):
-    """The kernels' 6 global scales [Q, K, V, P, dO (dO V^T), dO (P^T dO)], 1 where unused."""
-    return torch.stack([torch.as_tensor(s, dtype=torch.float32, device=device).reshape(()) for s in sg])
+    """The kernels' 6 global scales [Q, K, V, P, dO (dO V^T), dO (P^T dO)], 1 where unused. Python numbers come
+    from a per-device cache: torch.as_tensor(1.0, device="cuda") is a host-to-device copy from pageable memory,
+    which synchronizes the stream (six such copies per layer and micro-batch drained the GPU's queue)."""
+    return torch.stack([s.float().reshape(()) if torch.is_tensor(s) else _device_constant(float(s), device)
+                        for s in sg])
+
+
+_CONSTANTS = {}
+
+
+def _device_constant(value, device):
+    key = (value, str(device))
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = torch.tensor(value, dtype=torch.float32, device=device)
+    return _CONSTANTS[key]
 
 
 class _Attention(torch.autograd.Function):

@@ -280,6 +280,8 @@ def compute_gradients(model, raw_model, loader, args, autocast, device, distribu
     loss_sum = torch.zeros((), device=device)
     for micro in range(args.grad_accum):
         x, y = loader.next_batch()
+        if torch.device(device).type == "cuda":  # pinned: the copies are truly asynchronous (from pageable memory
+            x, y = x.pin_memory(), y.pin_memory()  # a host-to-device copy synchronizes the stream)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         last = micro == args.grad_accum - 1
         if args.fsdp:

@@ -159,3 +159,28 @@ def test_compile_with_fp4_layers_cpu():  # ~20 s: inductor compiles the non-FP4 
 @pytest.mark.gpu
 def test_gpu_compile_with_fp4_layers():
     _compiled_vs_eager("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("linear_policy", ["nvfp4", "lora_svd"])
+def test_gpu_fp4_forward_backward_never_waits_for_the_gpu(linear_policy):
+    """A training micro-batch with FP4 linears and FP4 attention (the fullstack recipe's model) must not
+    synchronize the host with the GPU: every sync drains the launch queue, and the GPU then idles while Python
+    launches the next kernels (six Python-number -> CUDA copies per layer once did that). torch's sync debug
+    mode raises on any synchronizing torch call; a first micro-batch (route picking, autotuning) runs before."""
+    torch.manual_seed(0)
+    cfg = small_config(n_embd=256, n_head=4, n_kv_head=2, ffn_hidden=512, block_size=256,
+                       linear_policy=linear_policy, attn_policy="fp4")
+    model = GPT(cfg).cuda()
+    idx = torch.randint(0, cfg.vocab_size, (4, 256), device="cuda")
+    for debug_mode in (0, "error"):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode(debug_mode)
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                _, loss = model(idx, idx)
+            loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert all(p.grad is not None for p in model.parameters())
