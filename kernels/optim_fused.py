@@ -93,8 +93,8 @@ def _decode(codes_ptr, scales_ptr, gs, blk, rmask, BM: tl.constexpr, BN: tl.cons
 
 
 @triton.jit
-def _decode_update(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, old_gs_ptr, offs, blk, mu_offs, mask_r,
-                   wd_factor, beta1, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, step_size,
+def _decode_update(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, gs_m_ptr, gs_v_ptr, offs, blk,
+                   mu_offs, mask_r, wd_factor, beta1, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, step_size,
                    FLOOR: tl.constexpr, EXACT_FMA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                    LOG2_BN: tl.constexpr):
     """Decode m, v; AdamW update (optim.adamw_update_math). Returns new p, m, sqrt(v) - mu_new (not yet rotated:
@@ -102,9 +102,9 @@ def _decode_update(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, old_gs_
     int32 offsets from them (one int64 address per pointer and program, not per element)."""
     rmask = mask_r[:, None]
     g = tl.load(g_ptr + offs, mask=rmask, other=0.0).to(tl.float32)          # rows past R: zeros, not stored
-    m = _fwht16(_decode(mc_ptr, ms_ptr, tl.load(old_gs_ptr), blk, rmask, BM, BN), BM, BN)
+    m = _fwht16(_decode(mc_ptr, ms_ptr, tl.load(gs_m_ptr), blk, rmask, BM, BN), BM, BN)
     mu = tl.load(mu_ptr + mu_offs, mask=mask_r, other=0.0)                   # (BM,)
-    r = _fwht16(_decode(vc_ptr, vs_ptr, tl.load(old_gs_ptr + 1), blk, rmask, BM, BN), BM, BN) + mu[:, None]
+    r = _fwht16(_decode(vc_ptr, vs_ptr, tl.load(gs_v_ptr), blk, rmask, BM, BN), BM, BN) + mu[:, None]
     r = tl.maximum(r, mu[:, None] * FLOOR)
     v = r * r
     # AdamW, one rounding per op in the reference's order
@@ -136,13 +136,14 @@ def _tile_setup(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, R, C, BM: 
 
 
 @triton.jit
-def _amax_pass(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, old_gs_ptr, part_ptr, R, C,
+def _amax_pass(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, gs_m_ptr, gs_v_ptr, part_ptr, R, C,
                wd_factor, beta1, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, step_size,
                FLOOR: tl.constexpr, EXACT_FMA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                LOG2_BN: tl.constexpr):
     p_t, g_t, mc_t, ms_t, vc_t, vs_t, mu_t, offs, blk, mu_offs, mask_r, _, _ = _tile_setup(
         p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, R, C, BM, BN)
-    _, m, r, _ = _decode_update(p_t, g_t, mc_t, ms_t, vc_t, vs_t, mu_t, old_gs_ptr, offs, blk, mu_offs, mask_r,
+    _, m, r, _ = _decode_update(p_t, g_t, mc_t, ms_t, vc_t, vs_t, mu_t, gs_m_ptr, gs_v_ptr, offs, blk,
+                                mu_offs, mask_r,
                                 wd_factor, beta1, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps,
                                 step_size, FLOOR, EXACT_FMA, BM, BN, LOG2_BN)
     # max |y * 1/4| = (max |y|) * 1/4 exactly (rounding is monotone): the 1/4 once per program, not per element
@@ -190,13 +191,15 @@ def _encode(x, s_g, rand, codes_ptr, scales_ptr, blk, rmask, SR: tl.constexpr, E
 
 
 @triton.jit(do_not_specialize=["seed"])  # a fresh SR seed per step must not recompile
-def _update_pass(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, old_gs_ptr, amax_ptr, new_gs_ptr, R, C, seed,
+def _update_pass(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, gs_m_ptr, gs_v_ptr, amax_ptr, new_gs_ptr,
+                 R, C, seed,
                  wd_factor, beta1, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, step_size,
                  FLOOR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LOG2_BN: tl.constexpr,
                  EXACT_FMA: tl.constexpr):
     p_t, g_t, mc_t, ms_t, vc_t, vs_t, mu_t, offs, blk, mu_offs, mask_r, rows, cols = _tile_setup(
         p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, R, C, BM, BN)
-    p, m, r, mu = _decode_update(p_t, g_t, mc_t, ms_t, vc_t, vs_t, mu_t, old_gs_ptr, offs, blk, mu_offs, mask_r,
+    p, m, r, mu = _decode_update(p_t, g_t, mc_t, ms_t, vc_t, vs_t, mu_t, gs_m_ptr, gs_v_ptr, offs, blk,
+                                 mu_offs, mask_r,
                                  wd_factor, beta1, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps,
                                  step_size, FLOOR, EXACT_FMA, BM, BN, LOG2_BN)
     tl.store(p_t + offs, p, mask=mask_r[:, None])
@@ -232,12 +235,12 @@ def fused_adamw_step(p, g, state, lr, beta1, beta2, eps, weight_decay, step, see
     T = C // state["v.tile_mean"].shape[-1]
     BM = _rows_per_program(R, T, elements_per_program)
     floor = optim.FLOOR_FRACTION if floor is None else floor
-    old_gs = torch.stack((state["m.global_scale"], state["v.global_scale"])).float()
     scalars = (1 - lr * weight_decay, beta1, 1 - beta1, beta2, 1 - beta2, (1 - beta2 ** step) ** 0.5, eps,
                lr / (1 - beta1 ** step))
     ms, vs = state["m.scales"].view(torch.uint8), state["v.scales"].view(torch.uint8)
     grid = (triton.cdiv(R, BM), C // T)
-    tensors = (p, g, state["m.codes"], ms, state["v.codes"], vs, state["v.tile_mean"], old_gs)
+    tensors = (p, g, state["m.codes"], ms, state["v.codes"], vs, state["v.tile_mean"], state["m.global_scale"],
+               state["v.global_scale"])
     partial = torch.empty(2 * grid[0] * grid[1], device=p.device, dtype=torch.float32)
     _amax_pass[grid](*tensors, partial, R, C, *scalars, FLOOR=floor, EXACT_FMA=_exact_fma(), BM=BM, BN=T,
                      LOG2_BN=T.bit_length() - 1, num_warps=num_warps, enable_fp_fusion=False)
@@ -245,4 +248,4 @@ def fused_adamw_step(p, g, state, lr, beta1, beta2, eps, weight_decay, step, see
     new_gs = torch.empty(2, device=p.device, dtype=torch.float32)
     _update_pass[grid](*tensors, amax, new_gs, R, C, int(seed), *scalars, FLOOR=floor, BM=BM, BN=T,
                        LOG2_BN=T.bit_length() - 1, EXACT_FMA=_exact_fma(), num_warps=num_warps, enable_fp_fusion=False)
-    state["m.global_scale"], state["v.global_scale"] = new_gs[0].clone(), new_gs[1].clone()
+    state["m.global_scale"], state["v.global_scale"] = new_gs[0], new_gs[1]  # views: no copy kernels
