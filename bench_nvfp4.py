@@ -170,6 +170,25 @@ def main():
         t_lin_b2b, t_q_b2b = back_to_back(step(lin)), back_to_back(step(q_lin))
         row("linear", "nn.Linear fwd+bwd, 30 back-to-back calls", t_lin_b2b, "ms", t_lin_b2b, 1.0)
         row("linear", "NVFP4Linear fwd+bwd, 30 back-to-back calls", t_q_b2b, "ms", t_q_b2b, t_q_b2b / t_lin_b2b)
+
+        def graphed(layer):  # the GPU's share alone: fwd+bwd captured once, replayed (no Python per call). Timing
+            run = step(layer)  # only: a replay reuses the captured SR seeds and Hadamard, training must not
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    run()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                run()
+            return bench(graph.replay, False)
+        try:
+            t_lin_g, t_q_g = graphed(lin), graphed(q_lin)
+            row("linear", "nn.Linear fwd+bwd, CUDA graph replay", t_lin_g, "ms", t_lin_g, 1.0)
+            row("linear", "NVFP4Linear fwd+bwd, CUDA graph replay", t_q_g, "ms", t_q_g, t_q_g / t_lin_g)
+        except RuntimeError as e:  # a capture failure is a finding, not a crash of the benchmark
+            print(f"CUDA graph capture failed: {e}")
     if not args.dry:  # where NVFP4Linear's fwd+bwd time goes: GPU time per kernel, per call
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
