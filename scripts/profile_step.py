@@ -73,8 +73,9 @@ def main():
     gpu_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") / a.steps
     launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
                                                         "cudaLaunchKernelExC")) / a.steps
-    print(f"{a.config} {a.recipe}/{a.optimizer}, {a.batch_size} x {a.seq_len} tokens: {wall * 1e3:.1f} ms a step, "
-          f"{a.batch_size * a.seq_len / wall:,.0f} tokens/s; GPU kernels {gpu_us / 1e3:.1f} ms a step "
+    tokens = a.batch_size * a.seq_len * args.grad_accum  # the config's micro-batches per step
+    print(f"{a.config} {a.recipe}/{a.optimizer}, {args.grad_accum} x {a.batch_size} x {a.seq_len} tokens: "
+          f"{wall * 1e3:.1f} ms a step, {tokens / wall:,.0f} tokens/s; GPU kernels {gpu_us / 1e3:.1f} ms a step "
           f"({gpu_us / 1e6 / wall:.0%} busy); {launches:.0f} kernel launches a step")
     if cuda:
         print(events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
