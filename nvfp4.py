@@ -362,7 +362,7 @@ class _NVFP4LinearFn(torch.autograd.Function):
             # here (the CUDA RNG: the SR seeds below come from the CPU's, so their order does not change)
             from kernels.nvfp4_quant import global_amax_pair
             H = random_hadamard(device=dy.device)
-            amax_dy, amax_dyh = global_amax_pair(dy2, H)
+            amax_dy, amax_dyh = global_amax_pair(dy2, H, name="gradient dY")
         if ctx.needs_input_grad[0]:
             if _grid_value_route(dy2):
                 from kernels.nvfp4_quant import grid_values_bf16, quantize_dequant

@@ -520,11 +520,11 @@ def _global_amax(x3, hadamard, had_dim, tiles):
     return partial.amax()
 
 
-def global_amax_pair(x, hadamard):
+def global_amax_pair(x, hadamard, name="x"):
     """(max |x|, max |H^T x| over groups of 16 rows) of a 2-D x in one read: the global amaxes of Q1x16(dY) (dX)
     and of eq. 2's Q16x1(H^T dY) (dW), which NVFP4Linear's backward would otherwise read dY twice for. Each
     equals what quantize(x, ...) computes itself (the rotated values do not depend on the tiles)."""
-    x3, _, _, hadamard = _prepare(x, (16, 1), "sr", hadamard, "x")
+    x3, _, _, hadamard = _prepare(x, (16, 1), "sr", hadamard, name)
     B, M, N = x3.shape
     BM, BN, warps = (16, 256, 4) if x3.stride(-1) == 1 else (64, 64, 4)
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN), B)
