@@ -166,12 +166,23 @@ class LoRASVDFunction(torch.autograd.Function):
         dy = dy.reshape(-1, dy.shape[-1])  # (T, out)
         bdt = branch_dtype(dy)
         dx = dw = None
+        fused = use_fused_kernels(dy, ctx.fused)
+        seed = H = amax_dy = amax_dyh = None
+        if fused and all(ctx.needs_input_grad[:2]):
+            # one read of dY for both of its global amaxes: max |dY| (dX's Q1x16) and max |H^T dY| (eq. 2's
+            # Q16x1), as in NVFP4Linear. dX's SR seed is drawn first: the RNG order stays dY's seed, then eq. 2's H
+            # and seeds (on the CPU they share one generator; the tests replay it)
+            from kernels.nvfp4_quant import global_amax_pair
+            seed = nvfp4.sr_seed()
+            H = nvfp4.random_hadamard(device=dy.device)
+            amax_dy, amax_dyh = global_amax_pair(dy, H, name="gradient dY")
         if ctx.needs_input_grad[0]:
             # eq. 1's dX, with the forward's Q16x16(W_res) reused (read transposed, not requantized).
             # RNG order: dY's SR draw comes before eq. 2's draws (as in NVFP4Linear).
-            if use_fused_kernels(dy, ctx.fused):
+            if fused:
                 from kernels import lora_fused
-                dx = lora_fused.lora_dx(dy, qw, L1.to(bdt), L2.to(bdt), beta, fos, dy.dtype)
+                dx = lora_fused.lora_dx(dy, qw, L1.to(bdt), L2.to(bdt), beta, fos, dy.dtype, seed=seed,
+                                        global_amax=amax_dy)
             else:
                 q_dy = nvfp4.quantize(dy, (1, 16), "sr", fos, name="gradient dY")  # Q1x16(dY), SR
                 dyl2 = dy.to(bdt) @ L2.to(bdt)  # (T, r)
@@ -179,7 +190,7 @@ class LoRASVDFunction(torch.autograd.Function):
                 dx = dx.add_((dyl2 @ L1.to(bdt)).to(dy.dtype), alpha=beta)
             dx = dx.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            dw = nvfp4.wgrad(dy, qx, fos)  # eq. 2, (out, in) fp32
+            dw = nvfp4.wgrad(dy, qx, fos, hadamard=H, dy_global_amax=amax_dyh)  # eq. 2, (out, in) fp32
         ctx.qx = ctx.qw = None
         zero = lambda L, i: torch.zeros_like(L) if ctx.needs_input_grad[i] else None
         return dx, dw, zero(L1, 2), zero(L2, 3), None, None, None

@@ -120,10 +120,10 @@ def _rank_block(r):
     return max(16, triton.next_power_of_2(r))
 
 
-def quantize_down_proj(x, L, beta=1.0, rounding="rtn", four_over_six=False, seed=None, name="x"):
+def quantize_down_proj(x, L, beta=1.0, rounding="rtn", four_over_six=False, seed=None, global_amax=None, name="x"):
     """x (T, K) -> (Q1x16(x) as nvfp4.NVFP4Tensor, beta * x L^T (T, r) in L's dtype) in one pass over x.
     L (r, K): L1 for the forward, L2^T for dX. rounding "rtn" | "sr"; for SR the seed is nvfp4.sr_seed() (torch's
-    global CPU RNG) when not given, as nvfp4.quantize draws it."""
+    global CPU RNG) when not given, as nvfp4.quantize draws it. global_amax: max |x| if the caller has it."""
     import nvfp4
     if rounding not in ("rtn", "sr"):
         raise ValueError(f"{name}: rounding must be 'rtn' or 'sr', got {rounding!r}")
@@ -135,7 +135,7 @@ def quantize_down_proj(x, L, beta=1.0, rounding="rtn", four_over_six=False, seed
         seed = nvfp4.sr_seed()
     M, N = x.shape
     R = L.shape[0]
-    amax = torch.linalg.vector_norm(x, ord=float("inf")).float().reshape(1)
+    amax = (torch.linalg.vector_norm(x, ord=float("inf")) if global_amax is None else global_amax).float().reshape(1)
     codes = torch.empty((M, N // 2), device=x.device, dtype=torch.uint8)
     scales = torch.empty((M, N // 16), device=x.device, dtype=torch.uint8)
     xl = torch.empty((M, R), device=x.device, dtype=L.dtype)
@@ -236,7 +236,8 @@ def nvfp4_matmul_up_proj(a, b, xl, L, out_dtype=torch.float32, trans_b=False, co
 # FLOPs. dX likewise with [dY_hat | beta dY L2 / s_g] [W_hat ; L1]. nvfp4_gemm picks cuBLAS over its Triton
 # kernel when that is faster; this route is the fused counterpart.
 
-def _cublas_operand(x, L, beta, rounding, four_over_six, seed, s_g_other, name, return_tensor=False):
+def _cublas_operand(x, L, beta, rounding, four_over_six, seed, s_g_other, name, return_tensor=False,
+                    global_amax=None):
     """The cuBLAS route's left operand [X_hat | beta X L^T / (s_g s_g_other)] (T, K + r) in bf16, X's s_g and, with
     return_tensor, the packed Q1x16(X) written by the same pass. X_hat comes from quantize_dequant (the rows
     kernel: the same codes and, for SR, the same Philox draws as every nvfp4 quantization of X given the seed);
@@ -249,7 +250,7 @@ def _cublas_operand(x, L, beta, rounding, four_over_six, seed, s_g_other, name, 
         raise ValueError(f"{name}: need (T, K) and L (r, K), got {tuple(x.shape)} and {tuple(L.shape)}")
     if rounding == "sr" and seed is None:
         seed = nvfp4.sr_seed()
-    xv, s_g, *t = quantize_dequant(x, (1, 16), rounding, four_over_six, seed=seed or 0,
+    xv, s_g, *t = quantize_dequant(x, (1, 16), rounding, four_over_six, seed=seed or 0, global_amax=global_amax,
                                    return_tensor=return_tensor, name=name)
     a, b = x.to(L.dtype), L.t()
     xl = mm_fp32(a, b) if a.is_cuda and a.dtype == torch.bfloat16 else None
@@ -265,9 +266,9 @@ def _forward_cublas(x, qw, L1, L2, beta, four_over_six, out_dtype):
     return qx, grid_values_mm(abuf, wbuf.t(), s_gx, qw.global_scale, out_dtype)
 
 
-def _dx_cublas(dy, qw, L1, L2, beta, four_over_six, out_dtype, seed):
-    _, abuf, s_g = _cublas_operand(dy, L2.t(), beta, "sr", four_over_six, seed, qw.global_scale,
-                                   "gradient dY")                         # [dY_hat | beta dY L2 / s_g]
+def _dx_cublas(dy, qw, L1, L2, beta, four_over_six, out_dtype, seed, global_amax=None):
+    _, abuf, s_g = _cublas_operand(dy, L2.t(), beta, "sr", four_over_six, seed, qw.global_scale, "gradient dY",
+                                   global_amax=global_amax)               # [dY_hat | beta dY L2 / s_g]
     wbuf = torch.cat((grid_values_bf16(qw), L1.to(torch.bfloat16)), dim=0)  # (out + r, in) = [W_hat ; L1]
     return grid_values_mm(abuf, wbuf, s_g, qw.global_scale, out_dtype)
 
@@ -310,19 +311,21 @@ def lora_forward(x, qw, L1, L2, beta, four_over_six, out_dtype, route=None):
     return run_triton() if route == "triton" else run_cublas()
 
 
-def lora_dx(dy, qw, L1, L2, beta, four_over_six, out_dtype, route=None, seed=None):
+def lora_dx(dy, qw, L1, L2, beta, four_over_six, out_dtype, route=None, seed=None, global_amax=None):
     """eq. 1's dX = Q1x16(dY, SR) Q16x16(W_res) + (beta dY L2) L1, fused, reusing the forward's packed qw (no
-    requantization). The SR seed is nvfp4.sr_seed() when not given, as nvfp4.quantize draws it."""
+    requantization). The SR seed is nvfp4.sr_seed() when not given, as nvfp4.quantize draws it; global_amax:
+    max |dY| if the caller has it."""
     if seed is None:
         import nvfp4
         seed = nvfp4.sr_seed()
 
     def run_triton():
-        q_dy, dyl2 = quantize_down_proj(dy, L2.t(), beta, "sr", four_over_six, seed=seed, name="gradient dY")
+        q_dy, dyl2 = quantize_down_proj(dy, L2.t(), beta, "sr", four_over_six, seed=seed, global_amax=global_amax,
+                                        name="gradient dY")
         return nvfp4_matmul_up_proj(q_dy, qw, dyl2, L1.t(), out_dtype=out_dtype, trans_b=True)
 
     def run_cublas():
-        return _dx_cublas(dy, qw, L1, L2, beta, four_over_six, out_dtype, seed)
+        return _dx_cublas(dy, qw, L1, L2, beta, four_over_six, out_dtype, seed, global_amax)
 
     key = ("dx", *dy.shape, qw.shape[1], L1.shape[0], dy.dtype, out_dtype, dy.device.index)
     route = route or _pick_route(key, run_triton, run_cublas, dy.device)
