@@ -243,8 +243,8 @@ def _cublas_operand(x, L, beta, rounding, four_over_six, seed, s_g_other, name, 
     kernel: the same codes and, for SR, the same Philox draws as every nvfp4 quantization of X given the seed);
     the branch columns from one cuBLAS GEMM with an fp32 result, scaled and rounded to bf16 once. (The fused
     quantize + down-projection kernel wrote both in one pass, reading X once, but took 0.66 ms at 16384 x 4096 with
-    4/6 on the H200, against 0.24 ms for nvfp4.quantize of X and 0.05 ms for a torch down-projection, 2026-11-29;
-    this route itself is not yet timed.)"""
+    4/6 on the H200, against 0.24 ms for nvfp4.quantize of X and 0.05 ms for a torch down-projection; this
+    operand takes 0.40-0.43 ms with its small GEMM and cat, results/h200_run6/.) global_amax: max |x| if known."""
     import nvfp4
     if x.dim() != 2 or L.dim() != 2 or L.shape[1] != x.shape[1]:
         raise ValueError(f"{name}: need (T, K) and L (r, K), got {tuple(x.shape)} and {tuple(L.shape)}")
