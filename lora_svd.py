@@ -177,8 +177,8 @@ class LoRASVDFunction(torch.autograd.Function):
             H = nvfp4.random_hadamard(device=dy.device)
             amax_dy, amax_dyh = global_amax_pair(dy, H, name="gradient dY")
         if ctx.needs_input_grad[0]:
-            # eq. 1's dX, with the forward's Q16x16(W_res) reused (read transposed, not requantized).
-            # RNG order: dY's SR draw comes before eq. 2's draws (as in NVFP4Linear).
+            # eq. 1's dX, with the forward's Q16x16(W_res) reused (read transposed, not requantized); dY's SR
+            # draw comes before eq. 2's draws, as in NVFP4Linear
             if fused:
                 from kernels import lora_fused
                 dx = lora_fused.lora_dx(dy, qw, L1.to(bdt), L2.to(bdt), beta, fos, dy.dtype, seed=seed,
