@@ -9,20 +9,31 @@ Benchmarks of optim.py on the GPU (paper §3.3-3.4). Prints a table and writes J
   2. Root: NS time per matrix shape of the toy and 1b configs, NVFP4 (§3.4, Triton GEMM) vs bf16 NS, and a
      full quantized Root.step().
 Run: python bench_optim.py --out bench_optim.json   (needs CUDA)
+     python bench_optim.py --dry --out /tmp/x.json  (CPU smoke run: interpreter, 64 x 64 and the tiny config's
+                                                     shapes, no timing, no CUDA graph; tests run it)
 """
 import argparse
 import json
+import os
+import sys
 
 import torch
 import torch.nn as nn
-from triton.testing import do_bench
 
-import nvfp4
-import optim
+DRY = "--dry" in sys.argv
+if DRY and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton and kernels/ are imported
+from triton.testing import do_bench as _do_bench  # noqa: E402
+
+import nvfp4  # noqa: E402
+import optim  # noqa: E402
+
+DEV = "cpu" if DRY else "cuda"
+do_bench = (lambda fn, **kw: (fn(), 1.0)[1]) if DRY else _do_bench  # dry: every call once, "1 ms"
 
 
 def bench_adamw(R, C):
-    dev = "cuda"
+    dev = DEV
     rows = {}
     x = torch.randn(R, C, device=dev)
     y = torch.empty_like(x)
@@ -59,7 +70,7 @@ def bench_adamw(R, C):
                                     "state_bytes_per_param": opt.state_nbytes() / n}
     q = nn.Parameter(torch.randn(R, C, device=dev) * 0.02)
     q.grad = p.grad.clone()
-    ref = torch.optim.AdamW([q], lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    ref = torch.optim.AdamW([q], lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=not DRY)
     ref.step()
     t = do_bench(ref.step) * 1e-3
     rows["torch_adamw_fused"] = {"ms": t * 1e3, "GBps": 28 * n / t / 1e9, "vs_copy": 28 * n / t / copy_bw,
@@ -70,17 +81,16 @@ def bench_adamw(R, C):
 def bench_root(configs):
     rows = []
     for m, n in optim.config_shapes(configs):
-        G = torch.randn(m, n, device="cuda")
-        gen = torch.Generator("cuda").manual_seed(0)
+        G = torch.randn(m, n, device=DEV)
+        gen = torch.Generator(DEV).manual_seed(0)
         t_q = do_bench(lambda: optim.newton_schulz(G, quantized=True, generator=gen))
         Gb = G.bfloat16()
         t_b = do_bench(lambda: optim.newton_schulz(Gb, coefficients=optim.MUON_COEFFICIENTS, quantized=False))
         hs = [nvfp4.random_hadamard(gen) for _ in range(5)]
         t_eager = do_bench(lambda: optim.root_direction(G, hadamards=hs))
-        captured = optim._CapturedDirection(G, 0.9, 5)
-        t_graph = do_bench(lambda: captured(G, hs))
-        p = nn.Parameter(torch.randn(m, n, device="cuda") * 0.02)
-        p.grad = torch.randn(m, n, device="cuda") * 1e-3
+        t_graph = None if DRY else do_bench(lambda c=optim._CapturedDirection(G, 0.9, 5): c(G, hs))
+        p = nn.Parameter(torch.randn(m, n, device=DEV) * 0.02)
+        p.grad = torch.randn(m, n, device=DEV) * 1e-3
         root = optim.Root([p], lr=1e-4)
         root.step()
         t_step = do_bench(root.step)
@@ -92,12 +102,14 @@ def bench_root(configs):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="bench_optim.json")
-    parser.add_argument("--size", type=int, default=4096)
-    parser.add_argument("--configs", default="toy,1b")
+    parser.add_argument("--size", type=int, default=64 if DRY else 4096)
+    parser.add_argument("--configs", default="tiny" if DRY else "toy,1b")
+    parser.add_argument("--dry", action="store_true", help="CPU smoke run (the interpreter, tiny shapes)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_optim.py needs a CUDA GPU")
-    result = {"device": torch.cuda.get_device_name(), "adamw": bench_adamw(args.size, args.size),
+    if not DRY and not torch.cuda.is_available():
+        raise SystemExit("bench_optim.py needs a CUDA GPU (or --dry)")
+    result = {"device": "cpu (dry run)" if DRY else torch.cuda.get_device_name(),
+              "adamw": bench_adamw(args.size, args.size),
               "root": bench_root(args.configs.split(","))}
     print(f"AdamW step on {args.size}x{args.size} fp32 ({result['device']})")
     for name, row in result["adamw"].items():
@@ -109,9 +121,9 @@ def main():
     print(f"  {'shape':>12s} {'NS nvfp4':>9s} {'NS bf16':>9s} {'ratio':>6s} {'dir eager':>9s} {'dir graph':>9s}"
           f" {'Root step':>9s}")
     for r in result["root"]:
+        graph_ms = r["direction_graph_ms"] or float("nan")  # None in a dry run (no CUDA graph on the CPU)
         print(f"  {r['shape'][0]:>5d}x{r['shape'][1]:<6d} {r['ns_nvfp4_ms']:9.3f} {r['ns_bf16_ms']:9.3f} "
-              f"{r['nvfp4_vs_bf16']:6.2f} {r['direction_eager_ms']:9.3f} {r['direction_graph_ms']:9.3f} "
-              f"{r['root_step_nvfp4_ms']:9.3f}")
+              f"{r['nvfp4_vs_bf16']:6.2f} {r['direction_eager_ms']:9.3f} {graph_ms:9.3f} {r['root_step_nvfp4_ms']:9.3f}")
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {args.out}")

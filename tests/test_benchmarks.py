@@ -1,4 +1,4 @@
-"""The benchmark scripts of the GPU check run end to end: `--dry` runs every code path once on the CPU (Triton's
+"""The four benchmark scripts of the GPU check run end to end: `--dry` runs every code path once on the CPU (Triton's
 interpreter, tiny shapes, no timing) and writes the JSON the README's tables come from. A script broken here
 would waste a GPU call (device time is scarce), so CI runs them."""
 
@@ -36,3 +36,10 @@ def test_bench_attention_dry_run(tmp_path):
     names = {r["name"] for r in result["rows"]}
     assert {"ours bf16", "ours fp4", "ours fp4_all"} <= names and any(n.startswith("sdpa") for n in names)
     assert result["bf16_max_abs_err_vs_sdpa"] < 0.05  # our bf16 kernel (interpreted) against SDPA on the CPU
+
+
+def test_bench_optim_dry_run(tmp_path):
+    result = run_dry("bench_optim", tmp_path)
+    assert {"copy", "fused_quantized_adamw_kernel", "quantized_adamw_step", "torch_adamw_fused"} <= set(result["adamw"])
+    assert 1.0 < result["adamw"]["quantized_adamw_step"]["state_bytes_per_param"] < 1.3  # packed NVFP4 states
+    assert [tuple(r["shape"]) for r in result["root"]] == [(64, 128), (128, 128), (128, 384)]  # the tiny config
