@@ -296,12 +296,9 @@ def fsdp2_worker(rank, world, port):
         lora_svd.realign_model(model)
         for m, w in zip((model[0], model[2]), W):
             assert_close64(m.effective_weight(), w, rel=4 * torch.finfo(torch.float32).eps)
-        # both ranks done before either tears gloo down: destroying the group while the other rank's last
-        # collective was still in flight aborted a rank now and then ("terminate called without an active
-        # exception", SIGABRT)
-        dist.barrier()
     finally:
         dist.destroy_process_group()
+    os._exit(0)  # success: skip the interpreter's teardown (why: test_optim.py's FSDP2 worker)
 
 
 def test_fsdp2_two_ranks_match_a_single_process():
