@@ -271,13 +271,13 @@ def test_realign_model_resets_optimizer_state(opt_kind):
     assert all(torch.isfinite(p).all() for p in params)
 
 
-def fsdp2_worker(rank, world, port):
-    """One rank of test_fsdp2_two_ranks_match_a_single_process (module level: spawn pickles it by name)."""
+def fsdp2_worker(rank, world, store):
+    """One rank of test_fsdp2_two_ranks_match_a_single_process (module level: spawn pickles it by name). The
+    ranks meet through a file (no TCP port to collide, no store server thread)."""
     import os
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         torch.manual_seed(0)
         model = nn.Sequential(lora_svd.LoRASVDLinear(IN, OUT, R), nn.ReLU(), lora_svd.LoRASVDLinear(OUT, 32, 4))
@@ -301,17 +301,13 @@ def fsdp2_worker(rank, world, port):
     os._exit(0)  # success: skip the interpreter's teardown (why: test_optim.py's FSDP2 worker)
 
 
-def test_fsdp2_two_ranks_match_a_single_process():
+def test_fsdp2_two_ranks_match_a_single_process(tmp_path):
     """FSDP2 shards parameters and grads as DTensors: projection and realignment gather them and write back the
     local shards; two gloo ranks on CPU must give the single-process gradients and effective weights."""
-    import socket
     dist = pytest.importorskip("torch.distributed")
     if not dist.is_available():
         pytest.skip("torch.distributed unavailable")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    torch.multiprocessing.spawn(fsdp2_worker, args=(2, port), nprocs=2)
+    torch.multiprocessing.spawn(fsdp2_worker, args=(2, str(tmp_path / "store")), nprocs=2)
 
 
 # ---------------------------------------------------------------------------------------------------- naive LoRA

@@ -486,13 +486,12 @@ def test_gpu_root_cuda_graph_equals_eager():
 # ---------------------------------------------------------------------------------------------------------
 # FSDP2 (2 CPU processes, gloo): QuantizedAdamW on local shards, Root gathers the full matrix
 
-def _fsdp_worker(rank, world, port, out):
+def _fsdp_worker(rank, world, store, out):
     import os
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)  # no TCP port
     results = {}
     for state_quant, steps in (("none", 2), ("pipeline", 1)):
         model = fsdp_model()
@@ -536,7 +535,7 @@ def test_fsdp2_sharded_states_and_gathered_root(tmp_path):
     Hadamard draws on every rank), and each rank keeps packed states of its own (half-row) shard."""
     import torch.multiprocessing as mp
     out = str(tmp_path / "fsdp.pt")
-    mp.spawn(_fsdp_worker, args=(2, 29500 + torch.randint(0, 400, ()).item(), out), nprocs=2)
+    mp.spawn(_fsdp_worker, args=(2, str(tmp_path / "store"), out), nprocs=2)
     sharded = torch.load(out)
     for state_quant, steps in (("none", 2), ("pipeline", 1)):
         model = fsdp_model()
