@@ -501,39 +501,38 @@ def _dot_in_fp32(x):
 def _global_amax(x3, hadamard, had_dim, tiles):
     """max |x| (of x·H when rotating): one read of x, per-program partial maxima, then a tiny torch max. Without
     a rotation in x's dtype (exact: a maximum of x's values; the kernels read either dtype)."""
-    B, M, N = x3.shape
     if had_dim == 0:  # max |x| without an |x| temporary
         return torch.linalg.vector_norm(x3, ord=float("inf"))
-    x_is_fp32 = _dot_in_fp32(x3)
     if _use_rows(x3, (1, 16) if had_dim == 1 else (16, 1)):  # the rows kernel's own rotation: same bits
-        return _rows_launch(x3, None, hadamard, None, False, 0, x_is_fp32, amax_only=True)
+        return _rows_launch(x3, None, hadamard, None, False, 0, _dot_in_fp32(x3), amax_only=True)
+    return _amax_launch(x3, hadamard, had_dim, tiles, plain_too=False)[0]
+
+
+def _amax_launch(x3, hadamard, had_dim, tiles, plain_too):
+    """_amax_kernel over x3 -> (max |x H|,) or with plain_too (max |x H|, max |x|). The tiles do not change the
+    rotated values, so any tiling gives the quantize pass's maximum."""
+    B, M, N = x3.shape
     BM, BN, warps = tiles
     if had_dim == 2 and x3.stride(-1) == 1 and TILE_OVERRIDE is None:
-        # the 16x1 rotation of a row-major x on 16 x 256 tiles (the same maximum: tiles do not change the rotated
-        # values). H200, 16384 x 4096 bf16: 52.6 vs 65.1 us for 16 x 128 in a tile sweep; NVFP4Linear's two such
-        # passes 105 -> 85 us in its profile (2026-11-29)
+        # the 16x1 rotation of a row-major x on 16 x 256 tiles. H200, 16384 x 4096 bf16: 52.6 vs 65.1 us for
+        # 16 x 128 in a tile sweep; NVFP4Linear's two such passes 105 -> 85 us in its profile (2026-11-29)
         BM, BN, warps = 16, 256, 4
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN), B)
-    partial = torch.empty(grid[0] * grid[1] * grid[2], device=x3.device, dtype=torch.float32)
+    n = grid[0] * grid[1] * grid[2]
+    partial = torch.empty((2 if plain_too else 1) * n, device=x3.device, dtype=torch.float32)
     _amax_kernel[grid](x3, hadamard, partial, M, N, x3.stride(0), x3.stride(1), x3.stride(2),
-                       BM=BM, BN=BN, HAD_DIM=had_dim, X_IS_FP32=x_is_fp32, PLAIN_TOO=False, num_warps=warps)
-    return partial.amax()
+                       BM=BM, BN=BN, HAD_DIM=had_dim, X_IS_FP32=_dot_in_fp32(x3), PLAIN_TOO=plain_too,
+                       num_warps=warps)
+    return partial.view(-1, n).amax(1).unbind()
 
 
 def global_amax_pair(x, hadamard, name="x"):
     """(max |x|, max |H^T x| over groups of 16 rows) of a 2-D x in one read: the global amaxes of Q1x16(dY) (dX)
-    and of eq. 2's Q16x1(H^T dY) (dW), which NVFP4Linear's backward would otherwise read dY twice for. Each
-    equals what quantize(x, ...) computes itself (the rotated values do not depend on the tiles)."""
-    x3, _, _, hadamard = _prepare(x, (16, 1), "sr", hadamard, name)
-    B, M, N = x3.shape
-    BM, BN, warps = (16, 256, 4) if x3.stride(-1) == 1 else (64, 64, 4)
-    grid = (triton.cdiv(M, BM), triton.cdiv(N, BN), B)
-    n = grid[0] * grid[1] * grid[2]
-    partial = torch.empty(2 * n, device=x3.device, dtype=torch.float32)
-    _amax_kernel[grid](x3, hadamard, partial, M, N, x3.stride(0), x3.stride(1), x3.stride(2),
-                       BM=BM, BN=BN, HAD_DIM=2, X_IS_FP32=_dot_in_fp32(x3), PLAIN_TOO=True, num_warps=warps)
-    amax = partial.view(2, n).amax(1)
-    return amax[1], amax[0]
+    and of eq. 2's Q16x1(H^T dY) (dW), which the backward would otherwise read dY twice for. Each equals what
+    quantize(x, ...) computes itself."""
+    x3, block, had_dim, hadamard = _prepare(x, (16, 1), "sr", hadamard, name)
+    rotated, plain = _amax_launch(x3, hadamard, had_dim, _tiles(block, x3), plain_too=True)
+    return plain, rotated
 
 
 def _rows_launch(x3, amax, hadamard, noise, four_over_six, seed, x_is_fp32, rounding="rtn", codes=None,
