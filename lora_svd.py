@@ -350,9 +350,7 @@ def project_gradients(layer):
     FSDP2 (DTensor parameters and grads, sharded): gathers dW, L1, L2 (every rank computes the same
     projection) and updates the local shards. Simple, at the cost of one all-gather of dW per layer per step;
     a sharded Cholesky-QR (all-reduce the r x r Gram matrices and Lambda) would avoid it."""
-    if _needs_projection(layer):
-        L1, L2 = full_tensor(layer.L1).float(), full_tensor(layer.L2).float()
-        _project(layer, L1, L2, orthonormal_basis(L1.t()), orthonormal_basis(L2))
+    _project_layers([layer])
 
 
 def _needs_projection(layer):
@@ -388,10 +386,16 @@ def lora_svd_layers(model):
 def project_all(model):
     """project_gradients on every LoRASVDLinear of `model` (call once per optimizer step). Layers whose L1, L2
     share shapes get their bases from one batched Cholesky-QR: a 28-layer model has ~7 shapes, so ~14 small fp64
-    factorizations (and host syncs) per step instead of two per layer. Same numbers per layer (batched LAPACK /
-    cuSOLVER factorizations of the same matrices)."""
+    factorizations (and host syncs) per step instead of two per layer. Each layer gets the numbers of
+    project_gradients alone (bit for bit on the CPU, tested; on CUDA the batched solver may differ in the last
+    fp64 bits)."""
+    _project_layers(lora_svd_layers(model))
+
+
+def _project_layers(layers):
+    """eqs. 3-4 on every layer that still needs it, the bases of same-shaped layers from one batched Cholesky-QR."""
     groups = {}
-    for layer in lora_svd_layers(model):
+    for layer in layers:
         if _needs_projection(layer):
             L1, L2 = full_tensor(layer.L1).float(), full_tensor(layer.L2).float()
             groups.setdefault((L1.shape, L2.shape, L1.device), []).append((layer, L1, L2))
