@@ -168,14 +168,8 @@ class LoRASVDFunction(torch.autograd.Function):
         dx = dw = None
         fused = use_fused_kernels(dy, ctx.fused)
         seed = H = amax_dy = amax_dyh = None
-        if fused and all(ctx.needs_input_grad[:2]):
-            # one read of dY for both of its global amaxes: max |dY| (dX's Q1x16) and max |H^T dY| (eq. 2's
-            # Q16x1), as in NVFP4Linear. dX's SR seed is drawn first: the RNG order stays dY's seed, then eq. 2's H
-            # and seeds (on the CPU they share one generator; the tests replay it)
-            from kernels.nvfp4_quant import global_amax_pair
-            seed = nvfp4.sr_seed()
-            H = nvfp4.random_hadamard(device=dy.device)
-            amax_dy, amax_dyh = global_amax_pair(dy, H, name="gradient dY")
+        if fused and all(ctx.needs_input_grad[:2]):  # one read of dY for both of its amaxes, as NVFP4Linear
+            seed, H, amax_dy, amax_dyh = nvfp4.backward_draws(dy)
         if ctx.needs_input_grad[0]:
             # eq. 1's dX, with the forward's Q16x16(W_res) reused (read transposed, not requantized); dY's SR
             # draw comes before eq. 2's draws, as in NVFP4Linear

@@ -356,19 +356,15 @@ class _NVFP4LinearFn(torch.autograd.Function):
         xq, wq, fos = ctx.xq, ctx.wq, ctx.four_over_six
         dy2 = dy.reshape(-1, dy.shape[-1])                                                 # (T, out)
         dx = dw = None
-        H = amax_dy = amax_dyh = None
+        seed = H = amax_dy = amax_dyh = None
         if _grid_value_route(dy2) and all(ctx.needs_input_grad[:2]):
-            # max |dY| (dX's Q1x16) and max |H^T dY| (eq. 2's Q16x1) in one read of dY, so eq. 2's H is drawn
-            # here (the CUDA RNG: the SR seeds below come from the CPU's, so their order does not change)
-            from kernels.nvfp4_quant import global_amax_pair
-            H = random_hadamard(device=dy.device)
-            amax_dy, amax_dyh = global_amax_pair(dy2, H, name="gradient dY")
+            seed, H, amax_dy, amax_dyh = backward_draws(dy2)
         if ctx.needs_input_grad[0]:
             if _grid_value_route(dy2):
                 from kernels.nvfp4_quant import grid_values_bf16, quantize_dequant
                 from kernels.nvfp4_gemm import grid_values_mm
-                dyv, s_g = quantize_dequant(dy2, (1, 16), "sr", fos, seed=sr_seed(), global_amax=amax_dy,
-                                            name="gradient dY")
+                dyv, s_g = quantize_dequant(dy2, (1, 16), "sr", fos, seed=sr_seed() if seed is None else seed,
+                                            global_amax=amax_dy, name="gradient dY")
                 dx = grid_values_mm(dyv, grid_values_bf16(wq), s_g, wq.global_scale, dy.dtype)
             else:
                 dyq = quantize(dy2, (1, 16), "sr", fos, name="gradient dY")             # Q1x16(dY), SR
@@ -380,6 +376,17 @@ class _NVFP4LinearFn(torch.autograd.Function):
         return dx, dw, None
 
 
+def backward_draws(dy):
+    """For the kernels' backward of a layer that needs dX and dW: dX's SR seed, eq. 2's fresh random Hadamard H,
+    and dY's two global amaxes, max |dY| (dX's Q1x16) and max |H^T dY| (eq. 2's Q16x1), from one read of dY.
+    The seed is drawn before H, the order in which the reference path draws them (so a shared CPU generator
+    replays the same numbers). Returns (seed, H, max |dY|, max |H^T dY|)."""
+    from kernels.nvfp4_quant import global_amax_pair
+    seed = sr_seed()
+    H = random_hadamard(device=dy.device)
+    return (seed, H, *global_amax_pair(dy, H, name="gradient dY"))
+
+
 def wgrad(dy, xq, four_over_six=False, hadamard=None, dy_global_amax=None, out_dtype=torch.float32):
     """Eq. 2: dW = Q1x16(dY^T H) . Q16x1(H^T Q1x16(X)), H a fresh random Hadamard, SR on both operands.
     dy (T, out); xq the forward's packed Q1x16(X) (T, in), dequantized in dy's dtype (bf16 in training: the
@@ -388,7 +395,7 @@ def wgrad(dy, xq, four_over_six=False, hadamard=None, dy_global_amax=None, out_d
     Both operands are quantized as stored, (T, out) and (T, in) with 16x1 blocks along T (Q16x1(H^T dY) is
     Q1x16(dY^T H) transposed), and the GEMM reads them transposed.
     hadamard: H if the caller drew it (default: a fresh random_hadamard); dy_global_amax: max |H^T dY| if the
-    caller has it (kernels.nvfp4_quant.global_amax_pair). Returns (out, in) in out_dtype."""
+    caller has it (backward_draws). Returns (out, in) in out_dtype."""
     T = dy.shape[0]
     if T % 16:
         raise ValueError(f"wgrad: the number of tokens ({T}) must be a multiple of 16 (the contraction dim of dW)")
