@@ -71,7 +71,7 @@ def _quantize_down_proj_kernel(x_ptr, l_ptr, amax_ptr, codes_ptr, scales_ptr, xl
     acc = tl.zeros((BM, BR), dtype=tl.float32)
     for n0 in tl.range(0, N, BN, num_stages=NUM_STAGES):
         x, offs_m, offs_n, mask = _load_tile(x_ptr, x_ptr, pid_b, m0, n0, M, N, 0, stride_xm, stride_xn,
-                                             BM, BN, 0, True)
+                                             BM, BN, 0)
         xb = tl.abs(x).reshape(BM, 1, BN // 16, 16)
         block_amax = tl.max(tl.max(xb, axis=3), axis=1)  # (BM, BN // 16)
         bits, a, idx, err6 = _scale_candidate(xb, block_amax, s_g, 6.0, BM, BN // 16, EXACT_FMA)

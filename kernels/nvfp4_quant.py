@@ -67,7 +67,7 @@ def _rtn_e2m1(a):
     tie and its neighbours)."""
     bits = a.to(tl.int32, bitcast=True)
     normal = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252
-    sub = (a * 2.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
+    sub = tl.fma(a, 2.0, 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000  # a * 2 is exact: one rounding either way
     return tl.where(a < 1.0, sub, normal)
 
 
@@ -147,6 +147,16 @@ def _uniforms(seed, rows, n0, N, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
+def _block_uniforms(seed, blocks, NB: tl.constexpr):
+    """_uniforms for whole 1x16 blocks of a flat tensor, as the rows kernel's (NB, 2, 8) tile: the same Philox
+    counters (element index // 4 = block * 4 + half * 2 + c) and the same assignment (element 4c + k gets r_k[c]),
+    generated in the tile's own arrangement (a reshape of _uniforms' (NB, 16) cost a layout shuffle)."""
+    offs4 = blocks[:, None, None] * 4 + tl.arange(0, 2)[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
+    r0, r1, r2, r3 = tl.rand4x(seed, offs4.to(tl.uint32))                      # (NB, 2, 2) each
+    return tl.join(tl.join(r0, r2), tl.join(r1, r3)).reshape(NB, 2, 8)
+
+
+@triton.jit
 def _pairwise_block_sum(e, GM: tl.constexpr, SBM: tl.constexpr, GN: tl.constexpr, SBN: tl.constexpr):
     """Per-block sum of e (GM, SBM, GN, SBN) -> (GM, GN) as a fixed binary tree: neighbours along the row are
     added pairwise (16 -> 8 -> 4 -> 2 -> 1), then along the column. Every step adds exactly two fp32 values
@@ -167,29 +177,42 @@ def _pairwise_block_sum(e, GM: tl.constexpr, SBM: tl.constexpr, GN: tl.constexpr
 
 
 @triton.jit
-def _rotate(x, h_ptr, BM: tl.constexpr, BN: tl.constexpr, HAD_DIM: tl.constexpr, X_IS_FP32: tl.constexpr):
-    """HAD_DIM 1: x·H on groups of 16 along the columns; 2: H^T·x on groups of 16 along the rows (the
-    reference's hadamard_transform with dim=-1 / -2); 0: x unchanged. Returns fp32."""
-    if HAD_DIM != 0:
-        h = tl.load(h_ptr + tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :])  # (16, 16) fp32
-        if HAD_DIM == 2:
-            x = tl.trans(x)                                                               # (BN, BM)
-        groups = x.reshape(BM * BN // 16, 16)
-        if X_IS_FP32:
-            y = tl.dot(groups.to(tl.float32), h, input_precision="ieee")
-        else:
-            # bf16 x and H = +-1/4 are exact in bf16: exact products, fp32 accumulation on the tensor cores
-            y = tl.dot(groups.to(tl.bfloat16), h.to(tl.bfloat16), out_dtype=tl.float32)
-        if HAD_DIM == 2:
-            x = tl.trans(y.reshape(BN, BM))
-        else:
-            x = y.reshape(BM, BN)
-    return x.to(tl.float32)
+def _butterfly_stage(y, P: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr, W: tl.constexpr):
+    """(P, 16, W): in each of the G groups of 2 * HALF along dim 1, (a, b) -> (a + b, a - b) across its halves."""
+    a, b = tl.split(tl.permute(y.reshape(P, G, 2, HALF, W), (0, 1, 3, 4, 2)))         # the pair dim last
+    return tl.permute(tl.join(a + b, a - b), (0, 1, 4, 2, 3)).reshape(P, 16, W)
+
+
+@triton.jit
+def _hadamard16(x, h_ptr, P: tl.constexpr, W: tl.constexpr):
+    """x (P, 16, W) fp32 -> x . H along dim 1, for H = diag(s) . H16 / 4 (nvfp4.random_hadamard's form: its
+    column 0 is s / 4). The products x_i * H_ij are exact (a sign and a power of two), so this is x * H[:, 0]
+    then the 4-stage butterfly of Sylvester's H16: 5 operations per element instead of a 16-term dot product.
+    One fixed order of additions in every kernel that rotates (quantize passes and amax pre-passes see the same
+    bits); the reference's matmul sums the same products in its own order: equal where the sums are exact, else
+    within an ulp of the rotated value."""
+    y = x * tl.load(h_ptr + tl.arange(0, 16) * 16)[None, :, None]
+    y = _butterfly_stage(y, P, 1, 8, W)
+    y = _butterfly_stage(y, P, 2, 4, W)
+    y = _butterfly_stage(y, P, 4, 2, W)
+    return _butterfly_stage(y, P, 8, 1, W)
+
+
+@triton.jit
+def _rotate(x, h_ptr, BM: tl.constexpr, BN: tl.constexpr, HAD_DIM: tl.constexpr):
+    """fp32 (BM, BN) tile. HAD_DIM 1: x·H on groups of 16 along the columns; 2: H^T·x on groups of 16 along the
+    rows (the reference's hadamard_transform with dim=-1 / -2; H^T x = x'H column-wise); 0: x unchanged."""
+    x = x.to(tl.float32)
+    if HAD_DIM == 1:
+        x = _hadamard16(x.reshape(BM * BN // 16, 16, 1), h_ptr, BM * BN // 16, 1).reshape(BM, BN)
+    elif HAD_DIM == 2:
+        x = _hadamard16(x.reshape(BM // 16, 16, BN), h_ptr, BM // 16, BN).reshape(BM, BN)
+    return x
 
 
 @triton.jit
 def _load_tile(x_ptr, h_ptr, pid_b, m0, n0, M, N, stride_xb, stride_xm, stride_xn,
-               BM: tl.constexpr, BN: tl.constexpr, HAD_DIM: tl.constexpr, X_IS_FP32: tl.constexpr):
+               BM: tl.constexpr, BN: tl.constexpr, HAD_DIM: tl.constexpr):
     """(BM, BN) fp32 tile of a dense (strided) x, zeros outside, optionally rotated (_rotate)."""
     offs_m = m0 + tl.arange(0, BM)
     offs_n = n0 + tl.arange(0, BN)
@@ -197,7 +220,7 @@ def _load_tile(x_ptr, h_ptr, pid_b, m0, n0, M, N, stride_xb, stride_xm, stride_x
     ptrs = x_ptr + pid_b.to(tl.int64) * stride_xb + offs_m[:, None].to(tl.int64) * stride_xm \
         + offs_n[None, :].to(tl.int64) * stride_xn
     x = tl.load(ptrs, mask=mask, other=0.0)
-    return _rotate(x, h_ptr, BM, BN, HAD_DIM, X_IS_FP32), offs_m, offs_n, mask
+    return _rotate(x, h_ptr, BM, BN, HAD_DIM), offs_m, offs_n, mask
 
 
 @triton.jit
@@ -211,19 +234,18 @@ def _round_to_bf16(v):
 
 @triton.jit
 def _amax_kernel(x_ptr, h_ptr, part_ptr, M, N, stride_xb, stride_xm, stride_xn,
-                 BM: tl.constexpr, BN: tl.constexpr, HAD_DIM: tl.constexpr, X_IS_FP32: tl.constexpr,
-                 PLAIN_TOO: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, HAD_DIM: tl.constexpr, PLAIN_TOO: tl.constexpr):
     """Per-program max |x| (of the rotated x if HAD_DIM): the global amax is the max of these partials.
     Same rotation code as the quantize pass, so both see bit-identical rotated values. PLAIN_TOO: also the
     unrotated max |x|, stored after the rotated partials (one read of x for both global amaxes)."""
     pid_m, pid_n, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # rows on axis 0: no 65535 cap
     x, _, _, _ = _load_tile(x_ptr, h_ptr, pid_b, pid_m * BM, pid_n * BN, M, N, stride_xb, stride_xm, stride_xn,
-                            BM, BN, 0, X_IS_FP32)                                # fp32, not rotated
+                            BM, BN, 0)                                           # fp32, not rotated
     n_programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
     pid = (pid_b * tl.num_programs(1) + pid_n) * tl.num_programs(0) + pid_m
     if PLAIN_TOO:
         tl.store(part_ptr + n_programs + pid, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
-    x = _rotate(x, h_ptr, BM, BN, HAD_DIM, X_IS_FP32)  # fp32 holding bf16 values: the bf16 dot sees the same bits
+    x = _rotate(x, h_ptr, BM, BN, HAD_DIM)
     tl.store(part_ptr + pid, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
 
 
@@ -235,14 +257,14 @@ def _quantize_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_ptr, s
                      values_ptr, M, N, stride_xb, stride_xm, stride_xn, seed,
                      BM: tl.constexpr, BN: tl.constexpr, SBM: tl.constexpr, SBN: tl.constexpr,
                      FP8_BOUND: tl.constexpr, FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr,
-                     USE_NOISE: tl.constexpr, HAD_DIM: tl.constexpr, X_IS_FP32: tl.constexpr,
+                     USE_NOISE: tl.constexpr, HAD_DIM: tl.constexpr,
                      WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr, EXACT_FMA: tl.constexpr):
     """One (BM, BN) tile: block amax -> E4M3 block scale -> E2M1 codes (packed 2/byte, even element low) and/or
     bf16 values q * s_b. Blocks are (SBM, SBN) = (1, 16), (16, 1) or (16, 16)."""
     pid_m, pid_n, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # rows on axis 0: no 65535 cap
     m0, n0 = pid_m * BM, pid_n * BN
     x, offs_m, offs_n, mask = _load_tile(x_ptr, h_ptr, pid_b, m0, n0, M, N, stride_xb, stride_xm, stride_xn,
-                                         BM, BN, HAD_DIM, X_IS_FP32)
+                                         BM, BN, HAD_DIM)
     # global scale s_g = amax / (bound * 6), 1 when amax == 0 (nvfp4.global_scale)
     amax = tl.load(amax_ptr).to(tl.float32)  # fp32, or bf16 straight from torch's amax of a bf16 x (exact)
     s_g = tl.where(amax > 0, tl.div_rn(amax, FP8_BOUND * 6.0), 1.0)
@@ -317,59 +339,58 @@ def _quantize_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_ptr, s
 def _quantize_rows_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, values_ptr, part_ptr,
                           n_blocks, seed, NB: tl.constexpr, FP8_BOUND: tl.constexpr, FOUR_OVER_SIX: tl.constexpr,
                           SR: tl.constexpr, USE_NOISE: tl.constexpr, HADAMARD: tl.constexpr,
-                          X_IS_FP32: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr,
+                          WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr,
                           EXACT_FMA: tl.constexpr, AMAX_ONLY: tl.constexpr):
-    """_quantize_kernel's arithmetic for the common case, 1x16 blocks of a contiguous x: NB consecutive blocks
-    as an (NB, 16) tile, so each block sits in one or two threads (no 4-D reshapes, whose layouts needed
-    shared-memory shuffles), codes stored as two int32 words per block (8 codes each, element 0 in the low
-    nibble: little-endian, the same bytes), int32 offsets from a per-program base. Same results bit for bit
-    (same operations per element; SR: the same Philox counters, element index // 4). AMAX_ONLY: the global-amax
-    pre-pass over the same (rotated) values."""
+    """_quantize_kernel's arithmetic for the common case, 1x16 blocks of a contiguous x: NB consecutive blocks,
+    held as an (NB, 2, 8) tile (the two 8-element halves of each block) so that the compiler puts one block on
+    each thread: both halves of a block in one thread's registers, its amax, scale and division constants
+    computed once (with the blocks as (NB, 16) rows a block spanned two threads, which both computed its scale),
+    its 16 codes stored as two int32 words (8 codes each, element 0 in the low nibble: little-endian, the same
+    bytes) without a shared-memory shuffle. Same results bit for bit (same operations per element; SR: the same
+    Philox counters, element index // 4). AMAX_ONLY: the global-amax pre-pass over the same (rotated) values."""
     pid = tl.program_id(0)
     base = pid.to(tl.int64) * NB                                                 # first block of this program
     blk = tl.arange(0, NB)
     bmask = blk < n_blocks - base
-    offs = blk[:, None] * 16 + tl.arange(0, 16)[None, :]                          # (NB, 16), int32
-    x = tl.load(x_ptr + base * 16 + offs, mask=bmask[:, None], other=0.0)
+    # (NB, 2, 8): the halves' dim after the blocks' dim, so Triton's coalescing (dims ordered by contiguity, ties by
+    # index) spreads the blocks over the threads and keeps both halves of a block in one thread
+    half = tl.arange(0, 2)[None, :, None]
+    offs = blk[:, None, None] * 16 + half * 8 + tl.arange(0, 8)[None, None, :]  # (NB, 2, 8) int32: element offsets
+    mask = bmask[:, None, None]
+    x = tl.load(x_ptr + base * 16 + offs, mask=mask, other=0.0).to(tl.float32)
     if HADAMARD:  # x . H on each block (the reference's hadamard_transform(x, H, dim=-1))
-        h = tl.load(h_ptr + tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :])
-        if X_IS_FP32:
-            x = tl.dot(x.to(tl.float32), h, input_precision="ieee")
-        else:
-            x = tl.dot(x.to(tl.bfloat16), h.to(tl.bfloat16), out_dtype=tl.float32)
-    x = x.to(tl.float32)
+        x = _hadamard16(x.reshape(NB, 16, 1), h_ptr, NB, 1).reshape(NB, 2, 8)
     ax = tl.abs(x)
     if AMAX_ONLY:  # (an else branch, not an early return: Triton would still compile the rest for this launch)
-        tl.store(part_ptr + pid, tl.max(tl.max(ax, axis=1), axis=0))
+        tl.store(part_ptr + pid, tl.max(tl.max(tl.max(ax, axis=2), axis=1), axis=0))
     else:
         amax = tl.load(amax_ptr).to(tl.float32)  # fp32, or bf16 from torch's amax of a bf16 x (exact)
         s_g = tl.where(amax > 0, tl.div_rn(amax, FP8_BOUND * 6.0), 1.0)
         if pid == 0:
             tl.store(gs_out_ptr, s_g)
-        block_amax = tl.max(ax, axis=1)                                               # (NB,)
+        block_amax = tl.max(tl.max(ax, axis=2), axis=1)                             # (NB,)
         s_b, bits = _round_to_e4m3(tl.minimum(tl.div_rn(tl.div_rn(block_amax, 6.0), s_g), 448.0))
         den = s_b * s_g
         inv = tl.where(den > 0, tl.div_rn(1.0, tl.where(den > 0, den, 1.0)), 0.0)
-        a = tl.minimum(_div_by(ax, den[:, None], inv[:, None], EXACT_FMA), 6.0)
+        a = tl.minimum(_div_by(ax, den[:, None, None], inv[:, None, None], EXACT_FMA), 6.0)
         if FOUR_OVER_SIX:  # as in _quantize_kernel: the "max -> 4" candidate wins on a lower RTN error, ties to 6
             s4, bits4 = _round_to_e4m3(tl.minimum(tl.div_rn(tl.div_rn(block_amax, 4.0), s_g), 448.0))
             den4 = s4 * s_g
             inv4 = tl.where(den4 > 0, tl.div_rn(1.0, tl.where(den4 > 0, den4, 1.0)), 0.0)
-            a4 = tl.minimum(_div_by(ax, den4[:, None], inv4[:, None], EXACT_FMA), 6.0)
+            a4 = tl.minimum(_div_by(ax, den4[:, None, None], inv4[:, None, None], EXACT_FMA), 6.0)
             i6, i4 = _rtn_e2m1(a), _rtn_e2m1(a4)
-            d6 = _e2m1_value(i6) * den[:, None] - ax
-            d4 = _e2m1_value(i4) * den4[:, None] - ax
-            use4 = _pairwise_block_sum((d4 * d4).reshape(NB, 1, 1, 16), NB, 1, 1, 16).reshape(NB) \
-                < _pairwise_block_sum((d6 * d6).reshape(NB, 1, 1, 16), NB, 1, 1, 16).reshape(NB)
+            d6 = _e2m1_value(i6) * den[:, None, None] - ax
+            d4 = _e2m1_value(i4) * den4[:, None, None] - ax
+            use4 = _half_pair_sum(d4 * d4, NB) < _half_pair_sum(d6 * d6, NB)
             s_b = tl.where(use4, s4, s_b)
             bits = tl.where(use4, bits4, bits)
-            a = tl.where(use4[:, None], a4, a)
-            rtn_idx = tl.where(use4[:, None], i4, i6)                            # = _rtn_e2m1(a), already computed
+            a = tl.where(use4[:, None, None], a4, a)
+            rtn_idx = tl.where(use4[:, None, None], i4, i6)                      # = _rtn_e2m1(a), already computed
         if SR:
             if USE_NOISE:
-                rand = tl.load(noise_ptr + base * 16 + offs, mask=bmask[:, None], other=0.0)
+                rand = tl.load(noise_ptr + base * 16 + offs, mask=mask, other=0.0)
             else:  # the flat tensor as rows of 16 elements: the same counters (element index // 4)
-                rand = _uniforms(seed, base + blk, 0, 16, NB, 16)
+                rand = _block_uniforms(seed, base + blk, NB)
             idx = _sr_e2m1(a, rand)
         elif FOUR_OVER_SIX:
             idx = rtn_idx
@@ -377,12 +398,110 @@ def _quantize_rows_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_p
             idx = _rtn_e2m1(a)
         if WRITE_CODES:
             code = idx | ((x < 0).to(tl.int32) << 3)
-            words = tl.sum(code.reshape(NB, 2, 8) << (tl.arange(0, 8) * 4)[None, None, :], axis=2)   # (NB, 2)
+            words = tl.sum(code << (tl.arange(0, 8) * 4)[None, None, :], axis=2)                  # (NB, 2)
             tl.store(codes_ptr + base * 2 + blk[:, None] * 2 + tl.arange(0, 2)[None, :], words, mask=bmask[:, None])
             tl.store(scales_ptr + base + blk, bits, mask=bmask)
         if WRITE_VALUES:
-            q = _with_sign(_e2m1_value(idx) * s_b[:, None], x)
-            tl.store(values_ptr + base * 16 + offs, q.to(tl.bfloat16), mask=bmask[:, None])
+            q = _with_sign(_e2m1_value(idx) * s_b[:, None, None], x)
+            tl.store(values_ptr + base * 16 + offs, q.to(tl.bfloat16), mask=mask)
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _quantize_cols_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, values_ptr, part_ptr,
+                          M, N, stride_xb, stride_xm, seed, C: tl.constexpr, FP8_BOUND: tl.constexpr,
+                          FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr, USE_NOISE: tl.constexpr,
+                          HADAMARD: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr,
+                          EXACT_FMA: tl.constexpr, AMAX_ONLY: tl.constexpr, PLAIN_TOO: tl.constexpr):
+    """_quantize_kernel's arithmetic for 16x1 blocks of a row-major x (eq. 2's wgrad operands, Q16x1(H^T dY) and
+    Q16x1(H^T X-hat)): a (16, 4C) tile held as (C, 16, 4), i.e. each thread holds four whole column blocks (16 rows
+    x 4 adjacent columns: 8-byte loads, 128 bytes per row and warp). So the rotation H^T x is a butterfly in
+    registers, a block's amax needs no shuffle and its scale is computed once; in the (16, BN) tile kernel a
+    column block spanned several threads, which each recomputed its scale. Same results bit for bit (same
+    operations per element; SR: Philox counter element index // 4, the four uniforms of a call on four adjacent
+    columns, as in _uniforms). AMAX_ONLY: the global-amax pre-pass over the same rotated values (and with
+    PLAIN_TOO also max |x|, stored after the rotated partials: dY's two global amaxes in one read)."""
+    pid_m, pid_n, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # rows on axis 0: no 65535 cap
+    m0, n0 = pid_m * 16, pid_n * (4 * C)
+    row = tl.arange(0, 16)[None, :, None]
+    col = n0 + tl.arange(0, C)[:, None, None] * 4 + tl.arange(0, 4)[None, None, :]         # (C, 1, 4)
+    mask = (col < N) & (row < 16)                                                      # (C, 16, 4)
+    rows = pid_b.to(tl.int64) * M + m0 + row                                           # row index in (B * M, N)
+    x = tl.load(x_ptr + pid_b.to(tl.int64) * stride_xb + (m0 + row).to(tl.int64) * stride_xm + col, mask=mask,
+                other=0.0).to(tl.float32)
+    xr = _hadamard16(x, h_ptr, C, 4) if HADAMARD else x                               # H^T x along the rows
+    ax = tl.abs(xr)
+    if AMAX_ONLY:
+        n_programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+        pid = (pid_b * tl.num_programs(1) + pid_n) * tl.num_programs(0) + pid_m
+        if PLAIN_TOO:
+            tl.store(part_ptr + n_programs + pid, tl.max(tl.max(tl.max(tl.abs(x), axis=2), axis=1), axis=0))
+        tl.store(part_ptr + pid, tl.max(tl.max(tl.max(ax, axis=2), axis=1), axis=0))
+    else:
+        amax = tl.load(amax_ptr).to(tl.float32)  # fp32, or bf16 from torch's amax of a bf16 x (exact)
+        s_g = tl.where(amax > 0, tl.div_rn(amax, FP8_BOUND * 6.0), 1.0)
+        if (pid_m == 0) & (pid_n == 0) & (pid_b == 0):
+            tl.store(gs_out_ptr, s_g)
+        block_amax = tl.max(ax, axis=1)                                                # (C, 4)
+        s_b, bits = _round_to_e4m3(tl.minimum(tl.div_rn(tl.div_rn(block_amax, 6.0), s_g), 448.0))
+        den = s_b * s_g
+        inv = tl.where(den > 0, tl.div_rn(1.0, tl.where(den > 0, den, 1.0)), 0.0)
+        a = tl.minimum(_div_by(ax, den[:, None, :], inv[:, None, :], EXACT_FMA), 6.0)
+        if FOUR_OVER_SIX:  # as in _quantize_kernel: the "max -> 4" candidate wins on a lower RTN error, ties to 6
+            s4, bits4 = _round_to_e4m3(tl.minimum(tl.div_rn(tl.div_rn(block_amax, 4.0), s_g), 448.0))
+            den4 = s4 * s_g
+            inv4 = tl.where(den4 > 0, tl.div_rn(1.0, tl.where(den4 > 0, den4, 1.0)), 0.0)
+            a4 = tl.minimum(_div_by(ax, den4[:, None, :], inv4[:, None, :], EXACT_FMA), 6.0)
+            i6, i4 = _rtn_e2m1(a), _rtn_e2m1(a4)
+            d6 = _e2m1_value(i6) * den[:, None, :] - ax
+            d4 = _e2m1_value(i4) * den4[:, None, :] - ax
+            use4 = _column_pair_sum(d4 * d4, C) < _column_pair_sum(d6 * d6, C)
+            s_b = tl.where(use4, s4, s_b)
+            bits = tl.where(use4, bits4, bits)
+            a = tl.where(use4[:, None, :], a4, a)
+            rtn_idx = tl.where(use4[:, None, :], i4, i6)                         # = _rtn_e2m1(a), already computed
+        if SR:
+            if USE_NOISE:  # the reference's uniforms (tests): x's logical shape, contiguous
+                rand = tl.load(noise_ptr + rows * N + col, mask=mask, other=0.0)
+            else:  # counter = element index // 4 = row * N / 4 + column / 4; element 4c + k gets r_k (_uniforms)
+                offs4 = rows.reshape(1, 16) * (N // 4) + (n0 // 4 + tl.arange(0, C))[:, None]     # (C, 16)
+                r0, r1, r2, r3 = tl.rand4x(seed, offs4.to(tl.uint32))
+                rand = tl.join(tl.join(r0, r2), tl.join(r1, r3)).reshape(C, 16, 4)
+            idx = _sr_e2m1(a, rand)
+        elif FOUR_OVER_SIX:
+            idx = rtn_idx
+        else:
+            idx = _rtn_e2m1(a)
+        if WRITE_CODES:
+            code = idx | ((xr < 0).to(tl.int32) << 3)
+            lo, hi = tl.split(code.reshape(C, 16, 2, 2))                              # even / odd columns
+            cols2 = n0 // 2 + tl.arange(0, C)[:, None, None] * 2 + tl.arange(0, 2)[None, None, :]   # (C, 1, 2)
+            tl.store(codes_ptr + rows * (N // 2) + cols2, (lo | (hi << 4)).to(tl.uint8),
+                     mask=(cols2 < N // 2) & (row < 16))
+            scol = col.reshape(C, 4)
+            tl.store(scales_ptr + (pid_b.to(tl.int64) * (M // 16) + pid_m) * N + scol, bits, mask=scol < N)
+        if WRITE_VALUES:  # q * s_b, exact in bf16
+            q = _with_sign(_e2m1_value(idx) * s_b[:, None, :], xr)
+            tl.store(values_ptr + rows * N + col, q.to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def _column_pair_sum(e, C: tl.constexpr):
+    """(C, 16, 4) squared errors -> (C, 4) sums over each 16x1 block in _pairwise_block_sum's fixed tree for
+    SBM == 16: neighbouring rows added pairwise, 16 -> 8 -> 4 -> 2 -> 1."""
+    e = tl.sum(e.reshape(C, 8, 2, 4), axis=2)
+    e = tl.sum(e.reshape(C, 4, 2, 4), axis=2)
+    e = tl.sum(e.reshape(C, 2, 2, 4), axis=2)
+    return tl.sum(e.reshape(C, 1, 2, 4), axis=2).reshape(C, 4)
+
+
+@triton.jit
+def _half_pair_sum(e, NB: tl.constexpr):
+    """(NB, 2, 8) squared errors -> (NB,) block sums in _pairwise_block_sum's fixed tree: pairwise within each
+    half (8 -> 4 -> 2 -> 1), then the two halves (the tree's last step adds elements 0-7's sum to 8-15's)."""
+    e = tl.sum(e.reshape(NB, 2, 4, 2), axis=3)
+    e = tl.sum(e.reshape(NB, 2, 2, 2), axis=3)
+    e = tl.sum(e.reshape(NB, 2, 1, 2), axis=3).reshape(NB, 2)
+    return tl.sum(e, axis=1)
 
 
 @triton.jit
@@ -449,6 +568,37 @@ def _use_rows(x3, block):
     return tuple(block) == (1, 16) and x3.is_contiguous() and TILE_OVERRIDE is None
 
 
+COLS_WARPS = 4  # _quantize_cols_kernel: (16, 128 * warps) tiles, 4 column blocks per thread
+
+
+def _use_cols(x3, block):
+    # the cols kernel: 16x1 blocks of a row-major x whose rows hold whole groups of 4 (Philox counters)
+    return tuple(block) == (16, 1) and x3.stride(-1) == 1 and x3.shape[-1] % 4 == 0 and TILE_OVERRIDE is None
+
+
+def _cols_launch(x3, amax, hadamard, noise, four_over_six, seed, rounding="rtn", codes=None, scales=None,
+                 values=None, gs_out=None, amax_only=False, plain_too=False):
+    """Launch _quantize_cols_kernel over x3 (B, M, N); amax_only: returns (max |H^T x|,) or with plain_too
+    (max |H^T x|, max |x|)."""
+    B, M, N = x3.shape
+    C = 32 * COLS_WARPS
+    grid = (M // 16, triton.cdiv(N, 4 * C), B)
+    n = grid[0] * grid[1] * grid[2]
+    partial = torch.empty((2 if plain_too else 1) * n, device=x3.device, dtype=torch.float32) if amax_only else None
+    dummy = partial if amax_only else gs_out  # an fp32 tensor for unused pointers
+    _quantize_cols_kernel[grid](
+        x3, hadamard if hadamard is not None else dummy, noise if noise is not None else dummy,
+        amax if amax is not None else dummy, gs_out if gs_out is not None else dummy,
+        codes if codes is not None else dummy, scales if scales is not None else dummy,
+        values if values is not None else dummy, partial if partial is not None else dummy,
+        M, N, x3.stride(0), x3.stride(1), int(seed),
+        C=C, FP8_BOUND=256.0 if four_over_six else 448.0, FOUR_OVER_SIX=bool(four_over_six), SR=rounding == "sr",
+        USE_NOISE=noise is not None, HADAMARD=hadamard is not None, WRITE_CODES=codes is not None,
+        WRITE_VALUES=values is not None, EXACT_FMA=_exact_fma(), AMAX_ONLY=amax_only, PLAIN_TOO=plain_too,
+        num_warps=COLS_WARPS, enable_fp_fusion=False)
+    return partial.view(-1, n).amax(1).unbind() if amax_only else None
+
+
 def _tiles(block, x):
     """Tile shape: 16 rows keeps every block shape whole. From the H200 sweep of 13 tiles (scripts/gpu_diag.py,
     16384 x 4096 bf16, results/h200_run3/g0_diag.log): 16 x 128 on 4 warps is the fastest for 1-D blocks (RTN
@@ -493,35 +643,28 @@ def _exact_fma():
     return os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get("NANOFP4_DIV_RN", "0") != "1"
 
 
-def _dot_in_fp32(x):
-    # the interpreter's bf16 tl.dot is wrong (Triton 3.6): rotate in fp32 there, same exact products
-    return x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _global_amax(x3, hadamard, had_dim, tiles):
     """max |x| (of x·H when rotating): one read of x, per-program partial maxima, then a tiny torch max. Without
     a rotation in x's dtype (exact: a maximum of x's values; the kernels read either dtype)."""
     if had_dim == 0:  # max |x| without an |x| temporary
         return torch.linalg.vector_norm(x3, ord=float("inf"))
-    if _use_rows(x3, (1, 16) if had_dim == 1 else (16, 1)):  # the rows kernel's own rotation: same bits
-        return _rows_launch(x3, None, hadamard, None, False, 0, _dot_in_fp32(x3), amax_only=True)
+    if _use_rows(x3, (1, 16) if had_dim == 1 else (16, 1)):  # the quantize kernel's own pass over x
+        return _rows_launch(x3, None, hadamard, None, False, 0, amax_only=True)
+    if _use_cols(x3, (16, 1) if had_dim == 2 else (1, 16)):
+        return _cols_launch(x3, None, hadamard, None, False, 0, amax_only=True)[0]
     return _amax_launch(x3, hadamard, had_dim, tiles, plain_too=False)[0]
 
 
 def _amax_launch(x3, hadamard, had_dim, tiles, plain_too):
-    """_amax_kernel over x3 -> (max |x H|,) or with plain_too (max |x H|, max |x|). The tiles do not change the
-    rotated values, so any tiling gives the quantize pass's maximum."""
+    """_amax_kernel over x3 -> (max |x H|,) or with plain_too (max |x H|, max |x|). Every kernel rotates with
+    the same butterfly (_hadamard16), so any kernel and tiling gives the quantize pass's maximum."""
     B, M, N = x3.shape
     BM, BN, warps = tiles
-    if had_dim == 2 and x3.stride(-1) == 1 and TILE_OVERRIDE is None:
-        # the 16x1 rotation of a row-major x on 16 x 256 tiles. H200, 16384 x 4096 bf16: 52.6 vs 65.1 us for
-        # 16 x 128 in a tile sweep; NVFP4Linear's two such passes 105 -> 85 us in its profile (2026-11-29)
-        BM, BN, warps = 16, 256, 4
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN), B)
     n = grid[0] * grid[1] * grid[2]
     partial = torch.empty((2 if plain_too else 1) * n, device=x3.device, dtype=torch.float32)
     _amax_kernel[grid](x3, hadamard, partial, M, N, x3.stride(0), x3.stride(1), x3.stride(2),
-                       BM=BM, BN=BN, HAD_DIM=had_dim, X_IS_FP32=_dot_in_fp32(x3), PLAIN_TOO=plain_too,
+                       BM=BM, BN=BN, HAD_DIM=had_dim, PLAIN_TOO=plain_too,
                        num_warps=warps)
     return partial.view(-1, n).amax(1).unbind()
 
@@ -531,11 +674,14 @@ def global_amax_pair(x, hadamard, name="x"):
     and of eq. 2's Q16x1(H^T dY) (dW), which the backward would otherwise read dY twice for. Each equals what
     quantize(x, ...) computes itself."""
     x3, block, had_dim, hadamard = _prepare(x, (16, 1), "sr", hadamard, name)
-    rotated, plain = _amax_launch(x3, hadamard, had_dim, _tiles(block, x3), plain_too=True)
+    if _use_cols(x3, block):
+        rotated, plain = _cols_launch(x3, None, hadamard, None, False, 0, amax_only=True, plain_too=True)
+    else:
+        rotated, plain = _amax_launch(x3, hadamard, had_dim, _tiles(block, x3), plain_too=True)
     return plain, rotated
 
 
-def _rows_launch(x3, amax, hadamard, noise, four_over_six, seed, x_is_fp32, rounding="rtn", codes=None,
+def _rows_launch(x3, amax, hadamard, noise, four_over_six, seed, rounding="rtn", codes=None,
                  scales=None, values=None, gs_out=None, amax_only=False):
     """Launch _quantize_rows_kernel over x3's B*M*N/16 blocks (or its amax pre-pass: returns the global amax)."""
     NB, warps = ROWS_LAUNCH
@@ -549,7 +695,7 @@ def _rows_launch(x3, amax, hadamard, noise, four_over_six, seed, x_is_fp32, roun
         codes.view(torch.int32) if codes is not None else dummy, scales if scales is not None else dummy,
         values if values is not None else dummy, partial if partial is not None else dummy, n_blocks, int(seed),
         NB=NB, FP8_BOUND=256.0 if four_over_six else 448.0, FOUR_OVER_SIX=bool(four_over_six), SR=rounding == "sr",
-        USE_NOISE=noise is not None, HADAMARD=hadamard is not None, X_IS_FP32=x_is_fp32,
+        USE_NOISE=noise is not None, HADAMARD=hadamard is not None,
         WRITE_CODES=codes is not None, WRITE_VALUES=values is not None, EXACT_FMA=_exact_fma(),
         AMAX_ONLY=amax_only, num_warps=warps, enable_fp_fusion=False)  # no FMA contraction, as _quantize_kernel
     return partial.amax() if amax_only else None
@@ -561,7 +707,7 @@ def _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, noise, 
     shape = x.shape
     x3, block, had_dim, hadamard = _prepare(x, block, rounding, hadamard, name)
     B, M, N = x3.shape
-    tiles, x_is_fp32 = _tiles(block, x3), _dot_in_fp32(x3)
+    tiles = _tiles(block, x3)
     BM, BN, warps = tiles
     device = x3.device
     if global_amax is None:
@@ -581,8 +727,9 @@ def _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, noise, 
     values = torch.empty(shape, device=device, dtype=torch.bfloat16) if write_values else None
     dummy = gs_out  # an fp32 tensor for unused pointers
     if _use_rows(x3, block):
-        _rows_launch(x3, amax, hadamard, noise, four_over_six, seed, x_is_fp32, rounding, codes, scales, values,
-                     gs_out)
+        _rows_launch(x3, amax, hadamard, noise, four_over_six, seed, rounding, codes, scales, values, gs_out)
+    elif _use_cols(x3, block):
+        _cols_launch(x3, amax, hadamard, noise, four_over_six, seed, rounding, codes, scales, values, gs_out)
     else:
         _quantize_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN), B)](
             x3, hadamard if hadamard is not None else dummy, noise if noise is not None else dummy, amax, gs_out,
@@ -591,7 +738,7 @@ def _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, noise, 
             M, N, x3.stride(0), x3.stride(1), x3.stride(2), int(seed),
             BM=BM, BN=BN, SBM=bm, SBN=bn, FP8_BOUND=256.0 if four_over_six else 448.0,
             FOUR_OVER_SIX=bool(four_over_six), SR=rounding == "sr", USE_NOISE=noise is not None, HAD_DIM=had_dim,
-            X_IS_FP32=x_is_fp32, WRITE_CODES=write_codes, WRITE_VALUES=write_values, EXACT_FMA=_exact_fma(),
+            WRITE_CODES=write_codes, WRITE_VALUES=write_values, EXACT_FMA=_exact_fma(),
             num_warps=warps, enable_fp_fusion=False)  # no FMA contraction: every rounding as in the reference
     s_g = gs_out  # amax / (bound * 6) by tl.div_rn (a true division, like nvfp4.global_scale on the CPU), or 1
     t = nvfp4.NVFP4Tensor(codes, scales.view(torch.float8_e4m3fn), s_g, shape, block) if write_codes else None

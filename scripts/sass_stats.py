@@ -65,20 +65,28 @@ if __name__ == "__main__":
     types = dict(x_ptr="*bf16", h_ptr="*fp32", noise_ptr="*fp32",
                  amax_ptr="*fp32", gs_out_ptr="*fp32", codes_ptr="*u8", scales_ptr="*u8", values_ptr="*bf16")
     base = dict(BM=16, BN=128, SBM=1, SBN=16, FP8_BOUND=448.0, FOUR_OVER_SIX=False, SR=False, USE_NOISE=False,
-                HAD_DIM=0, X_IS_FP32=False, WRITE_CODES=True, WRITE_VALUES=False, EXACT_FMA=True, stride_xn=1)
+                HAD_DIM=0, WRITE_CODES=True, WRITE_VALUES=False, EXACT_FMA=True, stride_xn=1)
     for label, ce in [("tile kernel, RTN 1x16", {}), ("tile kernel, RTN 1x16 4/6", dict(FOUR_OVER_SIX=True)),
                       ("tile kernel, SR + Hadamard 1x16", dict(SR=True, HAD_DIM=1)),
                       ("tile kernel, SR + Hadamard 16x1 -> bf16 values", dict(SBM=16, SBN=1, SR=True, HAD_DIM=2,
                                                                         WRITE_CODES=False, WRITE_VALUES=True))]:
         k = compile_sm90(nq._quantize_kernel, types, dict(base, **ce), ("M", "N", "stride_xb", "stride_xm"))
         sass_stats(k, base["BM"] * base["BN"], 4, label)
-    amax = {k: base[k] for k in ("BM", "BN", "X_IS_FP32", "stride_xn")}
+    amax = {k: base[k] for k in ("BM", "BN", "stride_xn")}
     k = compile_sm90(nq._amax_kernel, dict(types, part_ptr="*fp32"), dict(amax, HAD_DIM=2, PLAIN_TOO=False),
                      ("M", "N", "stride_xb", "stride_xm"))
     sass_stats(k, base["BM"] * base["BN"], 4, "amax pre-pass with Hadamard 16x1")
-    k = compile_sm90(nq._amax_kernel, dict(types, part_ptr="*fp32"), dict(amax, HAD_DIM=2, PLAIN_TOO=True, BN=256),
-                     ("M", "N", "stride_xb", "stride_xm"))
-    sass_stats(k, base["BM"] * 256, 4, "amax pair (plain + Hadamard 16x1), dY")
+    # 16x1 blocks of a row-major x (eq. 2's wgrad operands) go to the cols kernel
+    C, warps = 32 * nq.COLS_WARPS, nq.COLS_WARPS
+    cols = dict(C=C, FP8_BOUND=448.0, FOUR_OVER_SIX=False, SR=True, USE_NOISE=False, HADAMARD=True,
+                WRITE_CODES=False, WRITE_VALUES=True, EXACT_FMA=True, AMAX_ONLY=False, PLAIN_TOO=False)
+    cols_types = dict(types, part_ptr="*fp32")
+    for label, ce in [("cols kernel, SR + Hadamard 16x1 -> bf16 values", {}),
+                      ("cols kernel, SR + Hadamard 16x1 -> codes", dict(WRITE_CODES=True, WRITE_VALUES=False)),
+                      ("cols kernel, amax pair (plain + Hadamard 16x1), dY", dict(AMAX_ONLY=True, PLAIN_TOO=True))]:
+        k = compile_sm90(nq._quantize_cols_kernel, cols_types, dict(cols, **ce), ("M", "N", "stride_xb", "stride_xm"),
+                         warps)
+        sass_stats(k, 16 * 4 * C, warps, label)
     # the types nvfp4_quant._rows_launch passes (unused pointers get an fp32 dummy; tests compile these)
     rows_types = dict(x_ptr="*bf16", h_ptr="*fp32", noise_ptr="*fp32", amax_ptr="*fp32", gs_out_ptr="*fp32",
                       codes_ptr="*i32", scales_ptr="*u8", values_ptr="*bf16", part_ptr="*fp32", n_blocks="i64")
@@ -86,7 +94,7 @@ if __name__ == "__main__":
                       gs_out_ptr="*fp32")
     NB, warps = nq.ROWS_LAUNCH
     rows = dict(NB=NB, FP8_BOUND=448.0, FOUR_OVER_SIX=False, SR=False, USE_NOISE=False, HADAMARD=False,
-                X_IS_FP32=False, WRITE_CODES=True, WRITE_VALUES=False, EXACT_FMA=True, AMAX_ONLY=False)
+                WRITE_CODES=True, WRITE_VALUES=False, EXACT_FMA=True, AMAX_ONLY=False)
     for label, ce in [("rows kernel, RTN 1x16", {}),
                       ("rows kernel, RTN 1x16 codes + bf16 values", dict(WRITE_VALUES=True)),
                       ("rows kernel, RTN 1x16 4/6", dict(FOUR_OVER_SIX=True)),

@@ -269,25 +269,30 @@ def test_sr_draws_independent_across_neighbours(block):
         assert abs(corr.item()) < 0.03, lag
 
 
+@pytest.mark.parametrize("block", [(1, 16), (16, 1)])
 @pytest.mark.parametrize("options", [dict(rounding="rtn"), dict(rounding="rtn", four_over_six=True),
-                                     dict(rounding="sr", seed=5), dict(rounding="sr", seed=5, hadamard=True)])
-def test_rows_kernel_equals_the_tile_kernel(options, monkeypatch):
-    """1x16 blocks of a contiguous x take _quantize_rows_kernel; the general tile kernel must give the same bits
-    (codes, scales, bf16 values, global scale; SR: the same Philox counters), on a block count that is not a
-    multiple of the rows kernel's program size (the masked tail)."""
+                                     dict(rounding="sr", seed=5), dict(rounding="sr", seed=5, hadamard=True),
+                                     dict(rounding="sr", seed=5, hadamard=True, four_over_six=True)])
+def test_rows_and_cols_kernels_equal_the_tile_kernel(block, options, monkeypatch):
+    """1x16 blocks of a contiguous x take _quantize_rows_kernel, 16x1 blocks of a row-major x
+    _quantize_cols_kernel; the general tile kernel must give the same bits (codes, scales, bf16 values, global
+    scale, the global amax of the rotated x; SR: the same Philox counters; the rotation: the same butterfly), on
+    shapes with masked tails (a block count that is not a multiple of the rows kernel's program size, a width
+    that is not a multiple of the cols kernel's)."""
     g = torch.Generator().manual_seed(3)
-    x = _heavy_tailed((2, 40, 48), g)                                   # 240 blocks, 16 per program below
+    shape = (2, 40, 48) if block == (1, 16) else (2, 32, 600)           # 240 blocks, 16 per program below
+    x = _heavy_tailed(shape, g)
     opts = dict(options)
     if opts.pop("hadamard", False):
         opts["hadamard"] = nvfp4.random_hadamard(g)
-        x = x.to(torch.bfloat16).float()  # exact products: the two kernels' 16-term dots may differ in order only
     monkeypatch.setattr(kq, "ROWS_LAUNCH", (16, 1))
-    assert kq._use_rows(x.reshape(-1, 40, 48), (1, 16))
-    rows_values, _, rows_t = kq.quantize_dequant(x, (1, 16), return_tensor=True, **opts)
+    x3 = x.reshape(-1, *shape[1:])
+    assert kq._use_rows(x3, block) if block == (1, 16) else kq._use_cols(x3, block)
+    fast_values, _, fast_t = kq.quantize_dequant(x, block, return_tensor=True, **opts)
     monkeypatch.setattr(kq, "TILE_OVERRIDE", (16, 32, 4))
-    tile_values, _, tile_t = kq.quantize_dequant(x, (1, 16), return_tensor=True, **opts)
-    _same(rows_t, tile_t)
-    assert torch.equal(rows_values.view(torch.int16), tile_values.view(torch.int16))  # -0.0 included
+    tile_values, _, tile_t = kq.quantize_dequant(x, block, return_tensor=True, **opts)
+    _same(fast_t, tile_t)
+    assert torch.equal(fast_values.view(torch.int16), tile_values.view(torch.int16))  # -0.0 included
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -567,4 +572,4 @@ def test_quantize_kernels_compile_for_hopper_without_a_gpu():
     script = os.path.join(os.path.dirname(__file__), "..", "scripts", "sass_stats.py")
     out = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("SASS") == 14
+    assert out.stdout.count("SASS") == 16
