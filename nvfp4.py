@@ -400,17 +400,20 @@ def wgrad(dy, xq, four_over_six=False, hadamard=None, dy_global_amax=None, out_d
     if T % 16:
         raise ValueError(f"wgrad: the number of tokens ({T}) must be a multiple of 16 (the contraction dim of dW)")
     H = random_hadamard(device=dy.device) if hadamard is None else hadamard
-    xh = xq.dequantize(dy.dtype)                                                               # (T, in)
     if _grid_value_route(dy):  # bf16 grid values straight out of the quantize passes, then one cuBLAS GEMM
         from kernels.nvfp4_quant import quantize_dequant
         from kernels.nvfp4_gemm import grid_values_mm
         dyv, s_gdy = quantize_dequant(dy, (16, 1), "sr", four_over_six, seed=sr_seed(), hadamard=H,
                                       global_amax=dy_global_amax, name="gradient dY")        # (T, out)
-        xv, s_gx = quantize_dequant(xh, (16, 1), "sr", four_over_six, seed=sr_seed(), hadamard=H,
-                                    name="activation Q(X)")                                  # (T, in)
+        # X-hat = xq.dequantize(dy.dtype), decoded in the kernel's registers from the packed xq
+        xv, s_gx = quantize_dequant(xq, (16, 1), "sr", four_over_six, seed=sr_seed(), hadamard=H,
+                                    name="activation Q(X)", source_dtype=dy.dtype)           # (T, in)
         return grid_values_mm(dyv.t(), xv, s_gdy, s_gx, out_dtype)                          # (out, in)
+    from kernels.nvfp4_quant import quantize as quantize_kernel
     dyq = quantize(dy, (16, 1), "sr", four_over_six, hadamard=H, name="gradient dY")        # (T, out)
-    xhq = quantize(xh, (16, 1), "sr", four_over_six, hadamard=H, name="activation Q(X)")    # (T, in)
+    xhq = quantize_kernel(xq, (16, 1), "sr", four_over_six, seed=sr_seed(), hadamard=H, name="activation Q(X)",
+                          source_dtype=dy.dtype) if _use_kernels(dy) else \
+        quantize(xq.dequantize(dy.dtype), (16, 1), "sr", four_over_six, hadamard=H, name="activation Q(X)")
     return nvfp4_matmul(dyq, xhq, out_dtype, trans_a=True, trans_b=True)                   # (out, in)
 
 

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels.nvfp4_gemm import _CONFIGS, _dequant_tile, _operand, grid_values_mm, mm_fp32
-from kernels.nvfp4_quant import (_div_by, _e2m1_value, _exact_fma, _load_tile, _pairwise_block_sum, _round_to_e4m3,
+from kernels.nvfp4_quant import (_block_scale, _div_by, _e2m1_value, _exact_fma, _load_tile, _pairwise_block_sum,
                                  _rtn_e2m1, _sr_e2m1, _uniforms, grid_values_bf16, quantize_dequant)
 
 
@@ -44,9 +44,7 @@ def _scale_candidate(xb, block_amax, s_g, FP4_MAX: tl.constexpr, BM: tl.constexp
     candidate), the scaled magnitudes a = min(|x| / (s_b s_g), 6), their RTN indices and the blocks' RTN squared
     errors, rounded exactly as nvfp4_quant._quantize_kernel does (one reciprocal per block + Markstein's fma step
     per element: the correctly rounded quotient)."""
-    s, bits = _round_to_e4m3(tl.minimum(tl.div_rn(tl.div_rn(block_amax, FP4_MAX), s_g), 448.0))
-    den = s * s_g
-    inv = tl.where(den > 0, tl.div_rn(1.0, tl.where(den > 0, den, 1.0)), 0.0)
+    s, bits, den, inv = _block_scale(block_amax, s_g, FP4_MAX)
     den, inv = den[:, None, :, None], inv[:, None, :, None]
     a = tl.minimum(_div_by(xb, den, inv, EXACT_FMA), 6.0)
     idx = _rtn_e2m1(a)

@@ -13,8 +13,9 @@ It reproduces the reference `nvfp4._quantize_reference` (the spec) bit for bit:
   q   = RTN ties-to-even on the E2M1 grid, or SR: up with probability (a - lo) / (hi - lo)
   sign = x < 0                               (-0.0 gets a + code, as in the reference)
 Where it can differ from the reference:
-  * SR draws its uniforms from Philox (tl.rand4x(seed, element index // 4), 4 uniforms per call) instead of
-    torch's generator: same distribution, not the same numbers. Tests pass the reference's uniforms through
+  * SR draws its uniforms from Philox, 4 uniforms per tl.rand4x call (1x16 blocks: counter element index // 4,
+    4 neighbours in a row; 16x1 and 16x16 blocks: counter (row // 4) * N + column, 4 neighbours in a column),
+    instead of torch's generator: same distribution, not the same numbers. Tests pass the reference's uniforms through
     `noise=` to check the arithmetic bit for bit, and check the Philox path statistically.
   * 4/6 sums the 16 (or 256) squared errors of a block with a fixed pairwise tree (_pairwise_block_sum); it
     equals the reference bit for bit once the reference sums the same way (nvfp4._pairwise_block_sum). With a
@@ -88,6 +89,18 @@ def _div_by(x, den, inv, EXACT_FMA: tl.constexpr):
 
 
 @triton.jit
+def _block_scale(block_amax, s_g, MAX_Q: tl.constexpr):
+    """A block scale candidate with the block's max mapped to MAX_Q (6; 4 for 4/6's second candidate):
+    s_b = e4m3(min(amax_b / MAX_Q / s_g, 448)) (two correctly rounded divisions, RNE to E4M3), its uint8 bits,
+    den = s_b * s_g (the elements' divisor, rounded to fp32 first as in the reference) and inv = RN(1 / den) for
+    _div_by (0 where den == 0: an all-zero block gives zero codes)."""
+    s, bits = _round_to_e4m3(tl.minimum(tl.div_rn(tl.div_rn(block_amax, MAX_Q), s_g), 448.0))
+    den = s * s_g
+    inv = tl.where(den > 0, tl.div_rn(1.0, tl.where(den > 0, den, 1.0)), 0.0)
+    return s, bits, den, inv
+
+
+@triton.jit
 def _e2m1_bits(top):
     """fp32 q * 2^-126 for E2M1 codes held in bits 31..28 of an int32 (lower bits ignored): an arithmetic shift by
     6 and a mask leave sign, exponent (2 bits) and mantissa (1 bit) where fp32 keeps them (exponent 0 lands in
@@ -144,6 +157,17 @@ def _uniforms(seed, rows, n0, N, BM: tl.constexpr, BN: tl.constexpr):
     r0, r1, r2, r3 = tl.rand4x(seed, offs4.to(tl.uint32))
     # element 4c + k gets r_k[c]: join(join(r0, r2), join(r1, r3))[.., a, b] = r_(2a + b)
     return tl.join(tl.join(r0, r2), tl.join(r1, r3)).reshape(BM, BN)
+
+
+@triton.jit
+def _column_uniforms(seed, offs4):
+    """Uniforms for 16x1 blocks: one Philox call (tl.rand4x) per 4 rows of a column, counter = (row // 4) * N +
+    column, uniform k for row 4i + k (four rows of one column, not four columns of one row as _uniforms for 1x16
+    blocks: a kernel holding whole column blocks per thread then uses every uniform of a call). offs4: the
+    counters, any shape S; returns S + (2, 2) with [..., a, b] the uniform of row offset 2a + b; callers permute
+    it into their tiles. The draw depends on (seed, row, column) only, not on the tiling."""
+    r0, r1, r2, r3 = tl.rand4x(seed, offs4.to(tl.uint32))
+    return tl.join(tl.join(r0, r2), tl.join(r1, r3))
 
 
 @triton.jit
@@ -276,9 +300,7 @@ def _quantize_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_ptr, s
     block_amax = tl.max(tl.max(xb, axis=3), axis=1)                    # (BM // SBM, BN // SBN)
 
     # candidate "max -> 6": s_b = e4m3(min(amax_b / 6 / s_g, 448)); a = min(|x| / (s_b * s_g), 6)
-    s6, bits6 = _round_to_e4m3(tl.minimum(tl.div_rn(tl.div_rn(block_amax, 6.0), s_g), 448.0))
-    den6 = s6 * s_g
-    inv6 = tl.where(den6 > 0, tl.div_rn(1.0, tl.where(den6 > 0, den6, 1.0)), 0.0)
+    s6, bits6, den6, inv6 = _block_scale(block_amax, s_g, 6.0)
     den6, inv6 = den6[:, None, :, None], inv6[:, None, :, None]
     a6 = tl.minimum(_div_by(xb, den6, inv6, EXACT_FMA), 6.0)
     a = a6
@@ -287,9 +309,7 @@ def _quantize_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_ptr, s
     if FOUR_OVER_SIX:
         # 4/6 (paper §2, DESIGN.md): also try "max -> 4" (its own E4M3 rounding of amax_b / 4 / s_g) and keep
         # the candidate whose RTN reconstruction has the lower squared error, ties to 6.
-        s4, bits4 = _round_to_e4m3(tl.minimum(tl.div_rn(tl.div_rn(block_amax, 4.0), s_g), 448.0))
-        den4 = s4 * s_g
-        inv4 = tl.where(den4 > 0, tl.div_rn(1.0, tl.where(den4 > 0, den4, 1.0)), 0.0)
+        s4, bits4, den4, inv4 = _block_scale(block_amax, s_g, 4.0)
         den4, inv4 = den4[:, None, :, None], inv4[:, None, :, None]
         a4 = tl.minimum(_div_by(xb, den4, inv4, EXACT_FMA), 6.0)
         i6, i4 = _rtn_e2m1(a6), _rtn_e2m1(a4)
@@ -308,7 +328,12 @@ def _quantize_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_ptr, s
             nptrs = noise_ptr + (pid_b.to(tl.int64) * M + offs_m[:, None]) * N + offs_n[None, :]
             rand = tl.load(nptrs, mask=mask, other=0.0)
         else:
-            rand = _uniforms(seed, pid_b * M + offs_m, n0, N, BM, BN)  # counter-based: independent of the tiling
+            if SBM == 16:  # 16x1 and 16x16 blocks: four rows of a column per Philox call (_column_uniforms)
+                quad = (pid_b.to(tl.int64) * M + m0) // 4 + tl.arange(0, BM // 4)                 # BM % 16 == 0
+                rand = _column_uniforms(seed, quad[:, None] * N + offs_n[None, :])       # (BM / 4, BN, 2, 2)
+                rand = tl.permute(rand, (0, 2, 3, 1)).reshape(BM, BN)
+            else:  # counter-based: independent of the tiling
+                rand = _uniforms(seed, pid_b * M + offs_m, n0, N, BM, BN)
         idx = _sr_e2m1(a, rand.reshape(BM // SBM, SBM, BN // SBN, SBN))
     elif FOUR_OVER_SIX:
         idx = rtn_idx
@@ -369,14 +394,10 @@ def _quantize_rows_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_p
         if pid == 0:
             tl.store(gs_out_ptr, s_g)
         block_amax = tl.max(tl.max(ax, axis=2), axis=1)                             # (NB,)
-        s_b, bits = _round_to_e4m3(tl.minimum(tl.div_rn(tl.div_rn(block_amax, 6.0), s_g), 448.0))
-        den = s_b * s_g
-        inv = tl.where(den > 0, tl.div_rn(1.0, tl.where(den > 0, den, 1.0)), 0.0)
+        s_b, bits, den, inv = _block_scale(block_amax, s_g, 6.0)
         a = tl.minimum(_div_by(ax, den[:, None, None], inv[:, None, None], EXACT_FMA), 6.0)
         if FOUR_OVER_SIX:  # as in _quantize_kernel: the "max -> 4" candidate wins on a lower RTN error, ties to 6
-            s4, bits4 = _round_to_e4m3(tl.minimum(tl.div_rn(tl.div_rn(block_amax, 4.0), s_g), 448.0))
-            den4 = s4 * s_g
-            inv4 = tl.where(den4 > 0, tl.div_rn(1.0, tl.where(den4 > 0, den4, 1.0)), 0.0)
+            s4, bits4, den4, inv4 = _block_scale(block_amax, s_g, 4.0)
             a4 = tl.minimum(_div_by(ax, den4[:, None, None], inv4[:, None, None], EXACT_FMA), 6.0)
             i6, i4 = _rtn_e2m1(a), _rtn_e2m1(a4)
             d6 = _e2m1_value(i6) * den[:, None, None] - ax
@@ -407,28 +428,44 @@ def _quantize_rows_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_p
 
 
 @triton.jit(do_not_specialize=["seed"])
-def _quantize_cols_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, values_ptr, part_ptr,
-                          M, N, stride_xb, stride_xm, seed, C: tl.constexpr, FP8_BOUND: tl.constexpr,
-                          FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr, USE_NOISE: tl.constexpr,
-                          HADAMARD: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr,
-                          EXACT_FMA: tl.constexpr, AMAX_ONLY: tl.constexpr, PLAIN_TOO: tl.constexpr):
+def _quantize_cols_kernel(x_ptr, xs_ptr, xgs_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr,
+                          values_ptr, part_ptr, M, N, stride_xb, stride_xm, seed, C: tl.constexpr,
+                          FP8_BOUND: tl.constexpr, FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr,
+                          USE_NOISE: tl.constexpr, HADAMARD: tl.constexpr, WRITE_CODES: tl.constexpr,
+                          WRITE_VALUES: tl.constexpr, EXACT_FMA: tl.constexpr, AMAX_ONLY: tl.constexpr,
+                          PLAIN_TOO: tl.constexpr, PACKED_X: tl.constexpr, X_BF16: tl.constexpr):
     """_quantize_kernel's arithmetic for 16x1 blocks of a row-major x (eq. 2's wgrad operands, Q16x1(H^T dY) and
-    Q16x1(H^T X-hat)): a (16, 4C) tile held as (C, 16, 4), i.e. each thread holds four whole column blocks (16 rows
-    x 4 adjacent columns: 8-byte loads, 128 bytes per row and warp). So the rotation H^T x is a butterfly in
-    registers, a block's amax needs no shuffle and its scale is computed once; in the (16, BN) tile kernel a
-    column block spanned several threads, which each recomputed its scale. Same results bit for bit (same
-    operations per element; SR: Philox counter element index // 4, the four uniforms of a call on four adjacent
-    columns, as in _uniforms). AMAX_ONLY: the global-amax pre-pass over the same rotated values (and with
-    PLAIN_TOO also max |x|, stored after the rotated partials: dY's two global amaxes in one read)."""
+    Q16x1(H^T X-hat)): a (16, 2C) tile held as (C, 16, 2), i.e. each thread holds two whole column blocks (16 rows
+    x 2 adjacent columns: 4-byte loads, 128 bytes per row and warp, one code byte per row). So the rotation H^T x
+    is a butterfly in registers, a block's amax needs no shuffle and its scale is computed once; in the (16, BN)
+    tile kernel a column block spanned several threads, which each recomputed its scale. (Four columns per thread
+    needed 255 registers: 8 warps per SM, slower than the tile kernel.) Same results bit for bit as the tile
+    kernel (same operations per element, same Philox counters: _column_uniforms). AMAX_ONLY: the global-amax
+    pre-pass over the same rotated values (with PLAIN_TOO also max |x|, stored after the rotated partials: dY's
+    two global amaxes in one read).
+    PACKED_X: x is a packed 1x16 NVFP4 tensor (codes at x_ptr, E4M3 scales at xs_ptr, global scale at xgs_ptr),
+    decoded in registers to exactly the values its dequantize() gives (bf16-rounded with X_BF16): eq. 2's
+    Q16x1(H^T Q1x16(X)) straight from the forward's saved Q1x16(X), without writing and re-reading X-hat."""
     pid_m, pid_n, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # rows on axis 0: no 65535 cap
-    m0, n0 = pid_m * 16, pid_n * (4 * C)
+    m0, n0 = pid_m * 16, pid_n * (2 * C)
+    pair = tl.arange(0, C)[:, None, None]
     row = tl.arange(0, 16)[None, :, None]
-    col = n0 + tl.arange(0, C)[:, None, None] * 4 + tl.arange(0, 4)[None, None, :]         # (C, 1, 4)
-    mask = (col < N) & (row < 16)                                                      # (C, 16, 4)
+    col = n0 + pair * 2 + tl.arange(0, 2)[None, None, :]                               # (C, 1, 2)
+    mask = (col < N) & (row < 16)                                                      # (C, 16, 2)
     rows = pid_b.to(tl.int64) * M + m0 + row                                           # row index in (B * M, N)
-    x = tl.load(x_ptr + pid_b.to(tl.int64) * stride_xb + (m0 + row).to(tl.int64) * stride_xm + col, mask=mask,
-                other=0.0).to(tl.float32)
-    xr = _hadamard16(x, h_ptr, C, 4) if HADAMARD else x                               # H^T x along the rows
+    if PACKED_X:  # (q * s_b) * s_g rounded as NVFP4Tensor.dequantize / _dequantize_rows_kernel round it
+        byte = n0 // 2 + pair                                                          # (C, 1, 1): columns 2c, 2c+1
+        c8 = tl.load(x_ptr + rows * (N // 2) + byte, mask=(byte < N // 2) & (row < 16), other=0)   # (C, 16, 1)
+        code = tl.join(c8 & 0xF, c8 >> 4).reshape(C, 16, 2).to(tl.int32)                 # even column: low nibble
+        sblk = (n0 + pair * 2) // 16                                                   # (C, 1, 1)
+        s_x = tl.load(xs_ptr + rows * (N // 16) + sblk, mask=(sblk < N // 16) & (row < 16), other=0)
+        x = _decode_codes(code, s_x.to(tl.float8e4nv, bitcast=True).to(tl.float32)) * tl.load(xgs_ptr)
+        if X_BF16:
+            x = _round_to_bf16(x)
+    else:
+        x = tl.load(x_ptr + pid_b.to(tl.int64) * stride_xb + (m0 + row).to(tl.int64) * stride_xm + col, mask=mask,
+                    other=0.0).to(tl.float32)
+    xr = _hadamard16(x, h_ptr, C, 2) if HADAMARD else x                               # H^T x along the rows
     ax = tl.abs(xr)
     if AMAX_ONLY:
         n_programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
@@ -441,15 +478,11 @@ def _quantize_cols_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_p
         s_g = tl.where(amax > 0, tl.div_rn(amax, FP8_BOUND * 6.0), 1.0)
         if (pid_m == 0) & (pid_n == 0) & (pid_b == 0):
             tl.store(gs_out_ptr, s_g)
-        block_amax = tl.max(ax, axis=1)                                                # (C, 4)
-        s_b, bits = _round_to_e4m3(tl.minimum(tl.div_rn(tl.div_rn(block_amax, 6.0), s_g), 448.0))
-        den = s_b * s_g
-        inv = tl.where(den > 0, tl.div_rn(1.0, tl.where(den > 0, den, 1.0)), 0.0)
+        block_amax = tl.max(ax, axis=1)                                                # (C, 2)
+        s_b, bits, den, inv = _block_scale(block_amax, s_g, 6.0)
         a = tl.minimum(_div_by(ax, den[:, None, :], inv[:, None, :], EXACT_FMA), 6.0)
         if FOUR_OVER_SIX:  # as in _quantize_kernel: the "max -> 4" candidate wins on a lower RTN error, ties to 6
-            s4, bits4 = _round_to_e4m3(tl.minimum(tl.div_rn(tl.div_rn(block_amax, 4.0), s_g), 448.0))
-            den4 = s4 * s_g
-            inv4 = tl.where(den4 > 0, tl.div_rn(1.0, tl.where(den4 > 0, den4, 1.0)), 0.0)
+            s4, bits4, den4, inv4 = _block_scale(block_amax, s_g, 4.0)
             a4 = tl.minimum(_div_by(ax, den4[:, None, :], inv4[:, None, :], EXACT_FMA), 6.0)
             i6, i4 = _rtn_e2m1(a), _rtn_e2m1(a4)
             d6 = _e2m1_value(i6) * den[:, None, :] - ax
@@ -462,10 +495,10 @@ def _quantize_cols_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_p
         if SR:
             if USE_NOISE:  # the reference's uniforms (tests): x's logical shape, contiguous
                 rand = tl.load(noise_ptr + rows * N + col, mask=mask, other=0.0)
-            else:  # counter = element index // 4 = row * N / 4 + column / 4; element 4c + k gets r_k (_uniforms)
-                offs4 = rows.reshape(1, 16) * (N // 4) + (n0 // 4 + tl.arange(0, C))[:, None]     # (C, 16)
-                r0, r1, r2, r3 = tl.rand4x(seed, offs4.to(tl.uint32))
-                rand = tl.join(tl.join(r0, r2), tl.join(r1, r3)).reshape(C, 16, 4)
+            else:
+                quad = (pid_b.to(tl.int64) * M + m0) // 4 + tl.arange(0, 4)[None, :, None]      # (1, 4, 1)
+                rand = _column_uniforms(seed, quad * N + col)                            # (C, 4, 2, 2, 2)
+                rand = tl.permute(rand, (0, 1, 3, 4, 2)).reshape(C, 16, 2)              # row 4i + 2a + b
             idx = _sr_e2m1(a, rand)
         elif FOUR_OVER_SIX:
             idx = rtn_idx
@@ -473,11 +506,10 @@ def _quantize_cols_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_p
             idx = _rtn_e2m1(a)
         if WRITE_CODES:
             code = idx | ((xr < 0).to(tl.int32) << 3)
-            lo, hi = tl.split(code.reshape(C, 16, 2, 2))                              # even / odd columns
-            cols2 = n0 // 2 + tl.arange(0, C)[:, None, None] * 2 + tl.arange(0, 2)[None, None, :]   # (C, 1, 2)
-            tl.store(codes_ptr + rows * (N // 2) + cols2, (lo | (hi << 4)).to(tl.uint8),
-                     mask=(cols2 < N // 2) & (row < 16))
-            scol = col.reshape(C, 4)
+            lo, hi = tl.split(code)                                                    # even / odd column: (C, 16)
+            tl.store(codes_ptr + rows.reshape(1, 16) * (N // 2) + (n0 // 2 + pair.reshape(C, 1)),
+                     (lo | (hi << 4)).to(tl.uint8), mask=(n0 // 2 + pair.reshape(C, 1)) < N // 2)
+            scol = col.reshape(C, 2)
             tl.store(scales_ptr + (pid_b.to(tl.int64) * (M // 16) + pid_m) * N + scol, bits, mask=scol < N)
         if WRITE_VALUES:  # q * s_b, exact in bf16
             q = _with_sign(_e2m1_value(idx) * s_b[:, None, :], xr)
@@ -486,12 +518,12 @@ def _quantize_cols_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_p
 
 @triton.jit
 def _column_pair_sum(e, C: tl.constexpr):
-    """(C, 16, 4) squared errors -> (C, 4) sums over each 16x1 block in _pairwise_block_sum's fixed tree for
+    """(C, 16, 2) squared errors -> (C, 2) sums over each 16x1 block in _pairwise_block_sum's fixed tree for
     SBM == 16: neighbouring rows added pairwise, 16 -> 8 -> 4 -> 2 -> 1."""
-    e = tl.sum(e.reshape(C, 8, 2, 4), axis=2)
-    e = tl.sum(e.reshape(C, 4, 2, 4), axis=2)
-    e = tl.sum(e.reshape(C, 2, 2, 4), axis=2)
-    return tl.sum(e.reshape(C, 1, 2, 4), axis=2).reshape(C, 4)
+    e = tl.sum(e.reshape(C, 8, 2, 2), axis=2)
+    e = tl.sum(e.reshape(C, 4, 2, 2), axis=2)
+    e = tl.sum(e.reshape(C, 2, 2, 2), axis=2)
+    return tl.sum(e.reshape(C, 1, 2, 2), axis=2).reshape(C, 2)
 
 
 @triton.jit
@@ -568,34 +600,46 @@ def _use_rows(x3, block):
     return tuple(block) == (1, 16) and x3.is_contiguous() and TILE_OVERRIDE is None
 
 
-COLS_WARPS = 4  # _quantize_cols_kernel: (16, 128 * warps) tiles, 4 column blocks per thread
+COLS_WARPS = 4  # _quantize_cols_kernel: (16, 64 * warps) tiles, 2 column blocks per thread
+# Its register cap: uncapped, SR + Hadamard takes 189 registers (2 CTAs of 4 warps per SM); 168 fits 3 without
+# spilling (Triton's maxnreg; None: the compiler's choice)
+COLS_MAXNREG = 168
 
 
 def _use_cols(x3, block):
-    # the cols kernel: 16x1 blocks of a row-major x whose rows hold whole groups of 4 (Philox counters)
-    return tuple(block) == (16, 1) and x3.stride(-1) == 1 and x3.shape[-1] % 4 == 0 and TILE_OVERRIDE is None
+    # the cols kernel: 16x1 blocks of a row-major x
+    return tuple(block) == (16, 1) and x3.stride(-1) == 1 and TILE_OVERRIDE is None
 
 
 def _cols_launch(x3, amax, hadamard, noise, four_over_six, seed, rounding="rtn", codes=None, scales=None,
-                 values=None, gs_out=None, amax_only=False, plain_too=False):
-    """Launch _quantize_cols_kernel over x3 (B, M, N); amax_only: returns (max |H^T x|,) or with plain_too
-    (max |H^T x|, max |x|)."""
-    B, M, N = x3.shape
+                 values=None, gs_out=None, amax_only=False, plain_too=False, source_dtype=None):
+    """Launch _quantize_cols_kernel over x3: a (B, M, N) tensor, or a packed 1x16 nvfp4.NVFP4Tensor read as its
+    dequantize(source_dtype) values. amax_only: returns (max |H^T x|,) or with plain_too (max |H^T x|, max |x|)."""
+    packed = not torch.is_tensor(x3)
+    if packed:
+        M, N = x3.shape[-2:]
+        B = x3.codes.numel() // (M * N // 2)
+        x, xs, xgs = x3.codes.contiguous(), x3.scales.contiguous().view(torch.uint8), x3.global_scale.reshape(1)
+        stride_b, stride_m = 0, 0  # unused: packed rows are contiguous
+    else:
+        (B, M, N), x, xs, xgs = x3.shape, x3, None, None
+        stride_b, stride_m = x3.stride(0), x3.stride(1)
     C = 32 * COLS_WARPS
-    grid = (M // 16, triton.cdiv(N, 4 * C), B)
+    grid = (M // 16, triton.cdiv(N, 2 * C), B)
     n = grid[0] * grid[1] * grid[2]
-    partial = torch.empty((2 if plain_too else 1) * n, device=x3.device, dtype=torch.float32) if amax_only else None
+    partial = torch.empty((2 if plain_too else 1) * n, device=x.device, dtype=torch.float32) if amax_only else None
     dummy = partial if amax_only else gs_out  # an fp32 tensor for unused pointers
     _quantize_cols_kernel[grid](
-        x3, hadamard if hadamard is not None else dummy, noise if noise is not None else dummy,
-        amax if amax is not None else dummy, gs_out if gs_out is not None else dummy,
-        codes if codes is not None else dummy, scales if scales is not None else dummy,
-        values if values is not None else dummy, partial if partial is not None else dummy,
-        M, N, x3.stride(0), x3.stride(1), int(seed),
+        x, xs if packed else dummy, xgs if packed else dummy, hadamard if hadamard is not None else dummy,
+        noise if noise is not None else dummy, amax if amax is not None else dummy,
+        gs_out if gs_out is not None else dummy, codes if codes is not None else dummy,
+        scales if scales is not None else dummy, values if values is not None else dummy,
+        partial if partial is not None else dummy, M, N, stride_b, stride_m, int(seed),
         C=C, FP8_BOUND=256.0 if four_over_six else 448.0, FOUR_OVER_SIX=bool(four_over_six), SR=rounding == "sr",
         USE_NOISE=noise is not None, HADAMARD=hadamard is not None, WRITE_CODES=codes is not None,
         WRITE_VALUES=values is not None, EXACT_FMA=_exact_fma(), AMAX_ONLY=amax_only, PLAIN_TOO=plain_too,
-        num_warps=COLS_WARPS, enable_fp_fusion=False)
+        PACKED_X=packed, X_BF16=source_dtype == torch.bfloat16, num_warps=COLS_WARPS, maxnreg=COLS_MAXNREG,
+        enable_fp_fusion=False)
     return partial.view(-1, n).amax(1).unbind() if amax_only else None
 
 
@@ -612,10 +656,9 @@ def _tiles(block, x):
     return (16, 256, 4) if tuple(block) == (16, 16) else (16, 128, 4)
 
 
-def _prepare(x, block, rounding, hadamard, name):
-    """Checks (shared with the reference: same messages) -> x as (B, M, N), block, the Hadamard's dim (0: none,
-    1: along rows' 16-element blocks, 2: along columns') and the Hadamard as fp32."""
-    import nvfp4
+def _check_options(block, rounding, hadamard, device, name):
+    """-> block as a tuple, the Hadamard's dim (0: none, 1: along rows' 16-element blocks, 2: along columns') and
+    the Hadamard as contiguous fp32 on device."""
     block = tuple(block)
     if rounding not in ("rtn", "sr"):
         raise ValueError(f"{name}: rounding must be 'rtn' or 'sr', got {rounding!r}")
@@ -626,12 +669,19 @@ def _prepare(x, block, rounding, hadamard, name):
         if tuple(hadamard.shape) != (16, 16):
             raise ValueError(f"{name}: hadamard must be a (16, 16) matrix, got {tuple(hadamard.shape)}")
         had_dim = 1 if block == (1, 16) else 2
+        hadamard = hadamard.to(device=device, dtype=torch.float32).contiguous()
+    return block, had_dim, hadamard
+
+
+def _prepare(x, block, rounding, hadamard, name):
+    """Checks (shared with the reference: same messages) -> x as (B, M, N), block, the Hadamard's dim (0: none,
+    1: along rows' 16-element blocks, 2: along columns') and the Hadamard as fp32."""
+    import nvfp4
+    block, had_dim, hadamard = _check_options(block, rounding, hadamard, x.device, name)
     nvfp4._check(x, block, name)
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"{name}: expected an fp32/bf16/fp16 tensor, got {x.dtype}")
     M, N = x.shape[-2:]
-    if hadamard is not None:
-        hadamard = hadamard.to(device=x.device, dtype=torch.float32).contiguous()
     if x.dtype == torch.float16:
         x = x.float()
     x3 = x.reshape(-1, M, N)  # a view when the leading dims allow (keeps dY.t()'s strides), else a copy
@@ -701,17 +751,31 @@ def _rows_launch(x3, amax, hadamard, noise, four_over_six, seed, rounding="rtn",
     return partial.amax() if amax_only else None
 
 
-def _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, noise, write_codes, write_values, name):
+def _reads_packed(t, block, noise):
+    # the cols kernel decodes a packed 1x16 source in registers (eq. 2's Q16x1(H^T Q1x16(X))); else dequantize first
+    return tuple(t.block) == (1, 16) and tuple(block) == (16, 1) and noise is None and TILE_OVERRIDE is None \
+        and t.shape[-2] % 16 == 0
+
+
+def _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, noise, write_codes, write_values, name,
+         source_dtype=torch.bfloat16):
     """Shared host side of quantize / quantize_dequant."""
     import nvfp4  # the NVFP4Tensor container lives with the reference
+    packed = isinstance(x, nvfp4.NVFP4Tensor) and _reads_packed(x, block, noise)
+    if isinstance(x, nvfp4.NVFP4Tensor) and not packed:
+        x = x.dequantize(source_dtype)
     shape = x.shape
-    x3, block, had_dim, hadamard = _prepare(x, block, rounding, hadamard, name)
-    B, M, N = x3.shape
-    tiles = _tiles(block, x3)
-    BM, BN, warps = tiles
-    device = x3.device
-    if global_amax is None:
-        global_amax = _global_amax(x3, hadamard, had_dim, tiles)
+    if packed:  # the kernels read x's codes and scales (x3: the NVFP4Tensor itself)
+        x3, device = x, x.codes.device
+        block, had_dim, hadamard = _check_options(block, rounding, hadamard, device, name)
+    else:
+        x3, block, had_dim, hadamard = _prepare(x, block, rounding, hadamard, name)
+        device = x3.device
+    M, N = shape[-2:]
+    if global_amax is None and packed:
+        global_amax = _cols_launch(x3, None, hadamard, None, False, 0, amax_only=True, source_dtype=source_dtype)[0]
+    elif global_amax is None:
+        global_amax = _global_amax(x3, hadamard, had_dim, _tiles(block, x3))
     if not (torch.is_tensor(global_amax) and global_amax.device == device and global_amax.dtype in AMAX_DTYPES):
         global_amax = torch.as_tensor(global_amax, dtype=torch.float32, device=device)
     amax = global_amax.reshape(1)
@@ -726,12 +790,14 @@ def _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, noise, 
     scales = torch.empty((*lead, M // bm, N // bn), device=device, dtype=torch.uint8) if write_codes else None
     values = torch.empty(shape, device=device, dtype=torch.bfloat16) if write_values else None
     dummy = gs_out  # an fp32 tensor for unused pointers
-    if _use_rows(x3, block):
+    if packed or _use_cols(x3, block):
+        _cols_launch(x3, amax, hadamard, noise, four_over_six, seed, rounding, codes, scales, values, gs_out,
+                     source_dtype=source_dtype)
+    elif _use_rows(x3, block):
         _rows_launch(x3, amax, hadamard, noise, four_over_six, seed, rounding, codes, scales, values, gs_out)
-    elif _use_cols(x3, block):
-        _cols_launch(x3, amax, hadamard, noise, four_over_six, seed, rounding, codes, scales, values, gs_out)
     else:
-        _quantize_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN), B)](
+        BM, BN, warps = _tiles(block, x3)
+        _quantize_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN), x3.shape[0])](
             x3, hadamard if hadamard is not None else dummy, noise if noise is not None else dummy, amax, gs_out,
             codes if codes is not None else dummy, scales if scales is not None else dummy,
             values if values is not None else dummy,
@@ -746,24 +812,28 @@ def _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, noise, 
 
 
 def quantize(x, block=(1, 16), rounding="rtn", four_over_six=False, seed=0, hadamard=None, global_amax=None,
-             noise=None, name="x"):
+             noise=None, name="x", source_dtype=torch.bfloat16):
     """Fused NVFP4 quantization -> nvfp4.NVFP4Tensor (codes uint8 (*, M, N/2), scales float8_e4m3fn
     (*, M/bm, N/bn), global_scale fp32 0-d). block (1, 16) | (16, 1) | (16, 16) on the last two dims.
     rounding "rtn" | "sr" (Philox uniforms keyed by (seed, element index), or the uniforms in `noise`, x's shape,
     for tests).
-    hadamard: (16, 16) matrix applied first along the block's 16-long dim (x·H for 1x16, H^T·x for 16x1).
-    global_amax: max |x| (of x·H with hadamard) if the caller already has it; else one extra read pass."""
-    t, _, _ = _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, noise, True, False, name)
+    hadamard: (16, 16) matrix of nvfp4.random_hadamard's form (diag(+-1) H16 / 4) applied first along the
+    block's 16-long dim (x·H for 1x16, H^T·x for 16x1).
+    global_amax: max |x| (of x·H with hadamard) if the caller already has it; else one extra read pass.
+    x may also be a packed 1x16 nvfp4.NVFP4Tensor: its values x.dequantize(source_dtype) are quantized; with a
+    (16, 1) block the kernel decodes them in registers (eq. 2's Q16x1(H^T Q1x16(X)) reads the saved X packed)."""
+    t, _, _ = _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, noise, True, False, name,
+                   source_dtype)
     return t
 
 
 def quantize_dequant(x, block=(1, 16), rounding="rtn", four_over_six=False, seed=0, hadamard=None,
-                     global_amax=None, noise=None, return_tensor=False, name="x"):
+                     global_amax=None, noise=None, return_tensor=False, name="x", source_dtype=torch.bfloat16):
     """Same quantization, but writes the bf16 values q * s_b (exactly on the NVFP4 grid, without the global
     scale) for a bf16 GEMM: returns (values_bf16, global_scale), plus the packed NVFP4Tensor from the same pass
     when return_tensor=True (the forward keeps the packed X for the backward and multiplies the bf16 values)."""
     t, values, s_g = _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, noise,
-                          return_tensor, True, name)
+                          return_tensor, True, name, source_dtype)
     return (values, s_g, t) if return_tensor else (values, s_g)
 
 

@@ -33,7 +33,7 @@ SASS per element; H200 sm_90 at the default launch: amax pass 103.5 -> 79, updat
 import triton
 import triton.language as tl
 
-from kernels.nvfp4_quant import (_div_by, _e2m1_bits, _e2m1_value, _exact_fma, _pairwise_block_sum, _round_to_e4m3,
+from kernels.nvfp4_quant import (_block_scale, _div_by, _e2m1_bits, _e2m1_value, _exact_fma, _pairwise_block_sum,
                                  _rtn_e2m1, _sr_e2m1, _uniforms)
 
 
@@ -161,11 +161,8 @@ def _encode(x, s_g, rand, codes_ptr, scales_ptr, blk, rmask, SR: tl.constexpr, E
     ax = tl.abs(x)
     xb = ax.reshape(BM, BN // 16, 16)
     block_amax = tl.max(xb, axis=2)                                            # (BM, BN // 16)
-    s6, bits6 = _round_to_e4m3(tl.minimum(tl.div_rn(tl.div_rn(block_amax, 6.0), s_g), 448.0))
-    s4, bits4 = _round_to_e4m3(tl.minimum(tl.div_rn(tl.div_rn(block_amax, 4.0), s_g), 448.0))
-    den6, den4 = s6 * s_g, s4 * s_g
-    inv6 = tl.where(den6 > 0, tl.div_rn(1.0, tl.where(den6 > 0, den6, 1.0)), 0.0)
-    inv4 = tl.where(den4 > 0, tl.div_rn(1.0, tl.where(den4 > 0, den4, 1.0)), 0.0)
+    s6, bits6, den6, inv6 = _block_scale(block_amax, s_g, 6.0)
+    s4, bits4, den4, inv4 = _block_scale(block_amax, s_g, 4.0)
     a6 = tl.minimum(_div_by(xb, den6[:, :, None], inv6[:, :, None], EXACT_FMA), 6.0)
     a4 = tl.minimum(_div_by(xb, den4[:, :, None], inv4[:, :, None], EXACT_FMA), 6.0)
     i6, i4 = _rtn_e2m1(a6), _rtn_e2m1(a4)

@@ -10,6 +10,7 @@
 #   profile     scripts/profile_step.py for toy fullstack (AdamW, Root) and bf16: where a step's time goes
 #               (PROFILE_RUNS: recipe:optimizer items; PROFILE_ARGS: e.g. "--config 1b --batch_size 8 --seq_len 2048")
 #   hostprof    scripts/host_profile.py: cProfile of the host enqueueing NVFP4Linear fwd+bwd (launch overhead)
+#   sweep       scripts/sweep_cols.py: the 16x1 quantize kernel's (warps, register cap) against time
 #   perf        toy fullstack/adamw 60 steps of 16 x 1024 without and with --compile (tokens/s, MFU, memory)
 #   fsdp3b      3b fullstack/root, 4 steps with FSDP2 over every visible GPU (torchrun; the paper's main config)
 #   onebee      the 1b config on one GPU, 10 steps of 8 x 2048 tokens per run in ONEBEE_RUNS (default: every recipe
@@ -60,6 +61,7 @@ for stage in $stages; do
                  ${PROFILE_ARGS:-} >> "$log" 2>&1
              done ;;
     hostprof) timeout "$(left 120)" python scripts/host_profile.py >> "$log" 2>&1 ;;
+    sweep) timeout "$(left 150)" python scripts/sweep_cols.py >> "$log" 2>&1 ;;
     perf) for c in "" "--compile"; do
             d=runs/perf_toy_fullstack${c:+_compile}; mkdir -p $d
             cmd="python train.py --config toy --recipe fullstack --optimizer adamw --max_steps 60 --batch_size 16 \

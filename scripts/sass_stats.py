@@ -79,14 +79,16 @@ if __name__ == "__main__":
     # 16x1 blocks of a row-major x (eq. 2's wgrad operands) go to the cols kernel
     C, warps = 32 * nq.COLS_WARPS, nq.COLS_WARPS
     cols = dict(C=C, FP8_BOUND=448.0, FOUR_OVER_SIX=False, SR=True, USE_NOISE=False, HADAMARD=True,
-                WRITE_CODES=False, WRITE_VALUES=True, EXACT_FMA=True, AMAX_ONLY=False, PLAIN_TOO=False)
-    cols_types = dict(types, part_ptr="*fp32")
+                WRITE_CODES=False, WRITE_VALUES=True, EXACT_FMA=True, AMAX_ONLY=False, PLAIN_TOO=False,
+                PACKED_X=False, X_BF16=True)
+    cols_types = dict(types, part_ptr="*fp32", xs_ptr="*u8", xgs_ptr="*fp32")
     for label, ce in [("cols kernel, SR + Hadamard 16x1 -> bf16 values", {}),
                       ("cols kernel, SR + Hadamard 16x1 -> codes", dict(WRITE_CODES=True, WRITE_VALUES=False)),
-                      ("cols kernel, amax pair (plain + Hadamard 16x1), dY", dict(AMAX_ONLY=True, PLAIN_TOO=True))]:
-        k = compile_sm90(nq._quantize_cols_kernel, cols_types, dict(cols, **ce), ("M", "N", "stride_xb", "stride_xm"),
-                         warps)
-        sass_stats(k, 16 * 4 * C, warps, label)
+                      ("cols kernel, amax pair (plain + Hadamard 16x1), dY", dict(AMAX_ONLY=True, PLAIN_TOO=True)),
+                      ("cols kernel, packed 1x16 X -> SR + Hadamard 16x1 bf16 values", dict(PACKED_X=True))]:
+        k = compile_sm90(nq._quantize_cols_kernel, dict(cols_types, x_ptr="*u8") if ce.get("PACKED_X") else cols_types,
+                         dict(cols, **ce), ("M", "N", "stride_xb", "stride_xm"), warps)
+        sass_stats(k, 16 * 2 * C, warps, label)
     # the types nvfp4_quant._rows_launch passes (unused pointers get an fp32 dummy; tests compile these)
     rows_types = dict(x_ptr="*bf16", h_ptr="*fp32", noise_ptr="*fp32", amax_ptr="*fp32", gs_out_ptr="*fp32",
                       codes_ptr="*i32", scales_ptr="*u8", values_ptr="*bf16", part_ptr="*fp32", n_blocks="i64")
