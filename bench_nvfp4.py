@@ -92,6 +92,8 @@ def main():
     xq = kq.quantize(x, (1, 16))
     ms = bench(lambda: kq.quantize_dequant(kq.dequantize(xq, torch.bfloat16), (16, 1), "sr", hadamard=H), args.dry)
     row("quantize", "wgrad X: dequantize + SR+RHT 16x1 -> bf16 values (+amax)", ms, "ms", ms)
+    ms = bench(lambda: kq.quantize_dequant(xq, (16, 1), "sr", hadamard=H), args.dry)  # what nvfp4.wgrad runs
+    row("quantize", "wgrad X: SR+RHT 16x1 from the packed X -> bf16 values (+amax)", ms, "ms", ms)
     ms = bench(lambda: kq.quantize_dequant(x, (1, 16), global_amax=amax), args.dry)
     row("quantize", "RTN 1x16 -> bf16 grid values kernel", ms, "GB/s", 2 * x.nbytes / ms / 1e6,
         2 * x.nbytes / ms / 1e6 / bw_copy)

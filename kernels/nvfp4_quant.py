@@ -13,7 +13,7 @@ It reproduces the reference `nvfp4._quantize_reference` (the spec) bit for bit:
   q   = RTN ties-to-even on the E2M1 grid, or SR: up with probability (a - lo) / (hi - lo)
   sign = x < 0                               (-0.0 gets a + code, as in the reference)
 Where it can differ from the reference:
-  * SR draws its uniforms from Philox, 4 uniforms per tl.rand4x call (1x16 blocks: counter element index // 4,
+  * SR draws its uniforms from Philox, 4 words per tl.randint4x call (1x16 blocks: counter element index // 4,
     4 neighbours in a row; 16x1 and 16x16 blocks: counter (row // 4) * N + column, 4 neighbours in a column),
     instead of torch's generator: same distribution, not the same numbers. Tests pass the reference's uniforms through
     `noise=` to check the arithmetic bit for bit, and check the Philox path statistically.
@@ -132,51 +132,61 @@ def _with_sign(q, x):
 
 
 @triton.jit
-def _sr_e2m1(a, rand):
-    """Stochastic rounding of a in [0, 6] (nvfp4.sr_e2m1: up to the next grid value iff rand < (a - lo) / gap),
-    from a's fp32 bits. For a >= 1, lo is a with its mantissa cut to one bit and (a - lo) / gap = m / 2^22 for
-    the 22 bits m cut off, so rand < m / 2^22 <=> floor(rand * 2^22) < m: an exact integer compare (rand * 2^22
-    is exact). At a = 6, m = 0: never up. Below 1 the gap is 0.5: lo = floor(2a) / 2, fraction 2a - floor(2a)
-    (exact). Same decisions as the reference for every rand, so the tests' given uniforms reproduce it bit for bit."""
+def _sr_e2m1(a, r):
+    """Stochastic rounding of a in [0, 6] (nvfp4.sr_e2m1: up to the next grid value iff u < (a - lo) / gap), from
+    a's fp32 bits, for the uniform u = (r >> 8) * 2^-24 of 32 random bits r (uint32): torch.rand's fp32 grid, so
+    the tests' torch uniforms pass through exactly (_noise_bits). For a >= 1, lo is a with its mantissa cut to
+    one bit and (a - lo) / gap = m / 2^22 for the 22 bits m cut off, so u < m / 2^22 <=> (r >> 10) < m: one
+    integer compare. At a = 6, m = 0: never up. Below 1 the gap is 0.5: lo = floor(2a) / 2, fraction
+    f = 2a - floor(2a) (exact), and u < f <=> float(r >> 8) < f * 2^24 (both sides exact). Same decisions as the
+    reference for every torch uniform, so the tests' given uniforms reproduce it bit for bit."""
     bits = a.to(tl.int32, bitcast=True)
-    up = (rand * 4194304.0).to(tl.int32) < (bits & 0x3FFFFF)
+    up = (r >> 10).to(tl.int32) < (bits & 0x3FFFFF)
     normal = (bits >> 22) - 252 + up.to(tl.int32)
     t = a * 2.0
     fl = tl.floor(t)
-    sub = fl.to(tl.int32) + (rand < t - fl).to(tl.int32)
+    sub = fl.to(tl.int32) + ((r >> 8).to(tl.float32) < (t - fl) * 16777216.0).to(tl.int32)
     return tl.where(a < 1.0, sub, normal)
 
 
 @triton.jit
+def _noise_bits(u):
+    """Given uniforms u = k * 2^-24 (torch.rand's fp32 grid, k < 2^24) -> the 32 random bits _sr_e2m1 reads:
+    k << 8, exactly."""
+    return (u * 16777216.0).to(tl.uint32) << 8
+
+
+@triton.jit
 def _uniforms(seed, rows, n0, N, BM: tl.constexpr, BN: tl.constexpr):
-    """(BM, BN) uniforms in [0, 1) for the elements (rows[i], n0 + j) of a row-major tensor with N columns: one
-    Philox call (tl.rand4x) per 4 consecutive elements, counter = element index // 4, so a quarter of tl.rand's
-    Philox work (10 rounds of 32-bit multiplies per call: the bulk of an SR quantization's arithmetic) and a draw
-    that does not depend on the tiling. n0 and N are multiples of 4 (of 16, in fact)."""
+    """(BM, BN) random uint32 words (for _sr_e2m1) for the elements (rows[i], n0 + j) of a row-major tensor with N
+    columns: one Philox call (tl.randint4x, 10 rounds) per 4 consecutive elements, counter = element index // 4,
+    so a quarter of tl.rand's Philox work (the bulk of an SR quantization's arithmetic) and a draw that does not
+    depend on the tiling. Raw bits, not tl.rand's floats: _sr_e2m1 compares integers (no conversion per element).
+    n0 and N are multiples of 4 (of 16, in fact)."""
     offs4 = rows[:, None] * (N // 4) + (n0 // 4 + tl.arange(0, BN // 4))[None, :]
-    r0, r1, r2, r3 = tl.rand4x(seed, offs4.to(tl.uint32))
+    r0, r1, r2, r3 = tl.randint4x(seed, offs4.to(tl.uint32))
     # element 4c + k gets r_k[c]: join(join(r0, r2), join(r1, r3))[.., a, b] = r_(2a + b)
     return tl.join(tl.join(r0, r2), tl.join(r1, r3)).reshape(BM, BN)
 
 
 @triton.jit
 def _column_uniforms(seed, offs4):
-    """Uniforms for 16x1 blocks: one Philox call (tl.rand4x) per 4 rows of a column, counter = (row // 4) * N +
+    """Random words for 16x1 blocks (as _uniforms): one Philox call per 4 rows of a column, counter = (row // 4) * N +
     column, uniform k for row 4i + k (four rows of one column, not four columns of one row as _uniforms for 1x16
     blocks: a kernel holding whole column blocks per thread then uses every uniform of a call). offs4: the
     counters, any shape S; returns S + (2, 2) with [..., a, b] the uniform of row offset 2a + b; callers permute
     it into their tiles. The draw depends on (seed, row, column) only, not on the tiling."""
-    r0, r1, r2, r3 = tl.rand4x(seed, offs4.to(tl.uint32))
+    r0, r1, r2, r3 = tl.randint4x(seed, offs4.to(tl.uint32))
     return tl.join(tl.join(r0, r2), tl.join(r1, r3))
 
 
 @triton.jit
 def _block_uniforms(seed, blocks, NB: tl.constexpr):
-    """_uniforms for whole 1x16 blocks of a flat tensor, as the rows kernel's (NB, 2, 8) tile: the same Philox
+    """_uniforms' words for whole 1x16 blocks of a flat tensor, as the rows kernel's (NB, 2, 8) tile: the same Philox
     counters (element index // 4 = block * 4 + half * 2 + c) and the same assignment (element 4c + k gets r_k[c]),
     generated in the tile's own arrangement (a reshape of _uniforms' (NB, 16) cost a layout shuffle)."""
     offs4 = blocks[:, None, None] * 4 + tl.arange(0, 2)[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
-    r0, r1, r2, r3 = tl.rand4x(seed, offs4.to(tl.uint32))                      # (NB, 2, 2) each
+    r0, r1, r2, r3 = tl.randint4x(seed, offs4.to(tl.uint32))                   # (NB, 2, 2) each
     return tl.join(tl.join(r0, r2), tl.join(r1, r3)).reshape(NB, 2, 8)
 
 
@@ -326,7 +336,7 @@ def _quantize_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_ptr, s
     if SR:
         if USE_NOISE:  # the reference's uniforms (tests): noise has x's logical shape, contiguous
             nptrs = noise_ptr + (pid_b.to(tl.int64) * M + offs_m[:, None]) * N + offs_n[None, :]
-            rand = tl.load(nptrs, mask=mask, other=0.0)
+            rand = _noise_bits(tl.load(nptrs, mask=mask, other=0.0))
         else:
             if SBM == 16:  # 16x1 and 16x16 blocks: four rows of a column per Philox call (_column_uniforms)
                 quad = (pid_b.to(tl.int64) * M + m0) // 4 + tl.arange(0, BM // 4)                 # BM % 16 == 0
@@ -409,7 +419,7 @@ def _quantize_rows_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_p
             rtn_idx = tl.where(use4[:, None, None], i4, i6)                      # = _rtn_e2m1(a), already computed
         if SR:
             if USE_NOISE:
-                rand = tl.load(noise_ptr + base * 16 + offs, mask=mask, other=0.0)
+                rand = _noise_bits(tl.load(noise_ptr + base * 16 + offs, mask=mask, other=0.0))
             else:  # the flat tensor as rows of 16 elements: the same counters (element index // 4)
                 rand = _block_uniforms(seed, base + blk, NB)
             idx = _sr_e2m1(a, rand)
@@ -494,7 +504,7 @@ def _quantize_cols_kernel(x_ptr, xs_ptr, xgs_ptr, h_ptr, noise_ptr, amax_ptr, gs
             rtn_idx = tl.where(use4[:, None, :], i4, i6)                         # = _rtn_e2m1(a), already computed
         if SR:
             if USE_NOISE:  # the reference's uniforms (tests): x's logical shape, contiguous
-                rand = tl.load(noise_ptr + rows * N + col, mask=mask, other=0.0)
+                rand = _noise_bits(tl.load(noise_ptr + rows * N + col, mask=mask, other=0.0))
             else:
                 quad = (pid_b.to(tl.int64) * M + m0) // 4 + tl.arange(0, 4)[None, :, None]      # (1, 4, 1)
                 rand = _column_uniforms(seed, quad * N + col)                            # (C, 4, 2, 2, 2)
