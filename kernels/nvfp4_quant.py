@@ -20,9 +20,9 @@ Where it can differ from the reference:
   * 4/6 sums the 16 (or 256) squared errors of a block with a fixed pairwise tree (_pairwise_block_sum); it
     equals the reference bit for bit once the reference sums the same way (nvfp4._pairwise_block_sum). With a
     plain torch .sum() the two orders differ in the last bit and ~1e-5 of the blocks pick the other candidate.
-  * With `hadamard`, x·H is a 16-term dot product; its fp32 rounding depends on summation order (torch's
-    matmul vs tl.dot), so it is bit-exact only where the rotation is exact (tests use such inputs) and
-    otherwise equal up to an ulp of the rotated value.
+  * With `hadamard`, x·H sums 16 exact products; the kernels add them in one fixed butterfly order (_hadamard16,
+    the same in every kernel), the reference's torch matmul in its own, so the rotation is bit-exact where it is
+    exact (tests use such inputs) and otherwise equal up to an ulp of the rotated value.
 Note: torch on CUDA divides by a Python scalar as a multiply by the fp32 reciprocal, so the reference run on a
 CUDA tensor can differ from the reference on CPU in the last bit of `amax_b / 6`; this kernel follows the
 CPU reference (true division) everywhere, and the GPU tests compare against the reference on CPU.
