@@ -31,7 +31,7 @@ import triton.language as tl
 
 from kernels.nvfp4_gemm import _CONFIGS, _dequant_tile, _operand, grid_values_mm, mm_fp32
 from kernels.nvfp4_quant import (_block_scale, _div_by, _e2m1_value, _exact_fma, _load_tile, _pairwise_block_sum,
-                                 _rtn_e2m1, _sr_e2m1, _uniforms, grid_values_bf16, quantize_dequant)
+                                 _rtn_e2m1, _sr_e2m1, _random_words, grid_values_bf16, quantize_dequant)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -79,8 +79,8 @@ def _quantize_down_proj_kernel(x_ptr, l_ptr, amax_ptr, codes_ptr, scales_ptr, xl
             bits = tl.where(use4, bits4, bits)
             a = tl.where(use4[:, None, :, None], a4, a)
             idx = tl.where(use4[:, None, :, None], idx4, idx)  # the RTN indices, already computed
-        if SR:  # the same counter-based draws as nvfp4_quant (its _uniforms: Philox keyed by element index)
-            rand = _uniforms(seed, offs_m, n0, N, BM, BN)
+        if SR:  # the same counter-based draws as nvfp4_quant (its _random_words: Philox keyed by element index)
+            rand = _random_words(seed, offs_m, n0, N, BM, BN)
             idx = _sr_e2m1(a, rand.reshape(BM, 1, BN // 16, 16))
         code = (idx.reshape(BM, BN) | ((x < 0).to(tl.int32) << 3)).to(tl.uint8)
         lo, hi = tl.split(code.reshape(BM, BN // 2, 2))  # even element in the low nibble

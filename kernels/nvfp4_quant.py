@@ -157,7 +157,7 @@ def _noise_bits(u):
 
 
 @triton.jit
-def _uniforms(seed, rows, n0, N, BM: tl.constexpr, BN: tl.constexpr):
+def _random_words(seed, rows, n0, N, BM: tl.constexpr, BN: tl.constexpr):
     """(BM, BN) random uint32 words (for _sr_e2m1) for the elements (rows[i], n0 + j) of a row-major tensor with N
     columns: one Philox call (tl.randint4x, 10 rounds) per 4 consecutive elements, counter = element index // 4,
     so a quarter of tl.rand's Philox work (the bulk of an SR quantization's arithmetic) and a draw that does not
@@ -170,21 +170,21 @@ def _uniforms(seed, rows, n0, N, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def _column_uniforms(seed, offs4):
-    """Random words for 16x1 blocks (as _uniforms): one Philox call per 4 rows of a column, counter = (row // 4) * N +
-    column, uniform k for row 4i + k (four rows of one column, not four columns of one row as _uniforms for 1x16
-    blocks: a kernel holding whole column blocks per thread then uses every uniform of a call). offs4: the
-    counters, any shape S; returns S + (2, 2) with [..., a, b] the uniform of row offset 2a + b; callers permute
-    it into their tiles. The draw depends on (seed, row, column) only, not on the tiling."""
+def _column_random_words(seed, offs4):
+    """Random words for 16x1 blocks (as _random_words): one Philox call per 4 rows of a column, counter =
+    (row // 4) * N + column, word k for row 4i + k (four rows of one column, not four columns of one row as
+    _random_words for 1x16 blocks: a kernel holding whole column blocks per thread then uses every word of a call).
+    offs4: the counters, any shape S; returns S + (2, 2) with [..., a, b] the word of row offset 2a + b; callers
+    permute it into their tiles. The draw depends on (seed, row, column) only, not on the tiling."""
     r0, r1, r2, r3 = tl.randint4x(seed, offs4.to(tl.uint32))
     return tl.join(tl.join(r0, r2), tl.join(r1, r3))
 
 
 @triton.jit
-def _block_uniforms(seed, blocks, NB: tl.constexpr):
-    """_uniforms' words for whole 1x16 blocks of a flat tensor, as the rows kernel's (NB, 2, 8) tile: the same Philox
+def _block_random_words(seed, blocks, NB: tl.constexpr):
+    """_random_words for whole 1x16 blocks of a flat tensor, as the rows kernel's (NB, 2, 8) tile: the same Philox
     counters (element index // 4 = block * 4 + half * 2 + c) and the same assignment (element 4c + k gets r_k[c]),
-    generated in the tile's own arrangement (a reshape of _uniforms' (NB, 16) cost a layout shuffle)."""
+    generated in the tile's own arrangement (a reshape of _random_words' (NB, 16) cost a layout shuffle)."""
     offs4 = blocks[:, None, None] * 4 + tl.arange(0, 2)[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
     r0, r1, r2, r3 = tl.randint4x(seed, offs4.to(tl.uint32))                   # (NB, 2, 2) each
     return tl.join(tl.join(r0, r2), tl.join(r1, r3)).reshape(NB, 2, 8)
@@ -338,12 +338,12 @@ def _quantize_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_ptr, s
             nptrs = noise_ptr + (pid_b.to(tl.int64) * M + offs_m[:, None]) * N + offs_n[None, :]
             rand = _noise_bits(tl.load(nptrs, mask=mask, other=0.0))
         else:
-            if SBM == 16:  # 16x1 and 16x16 blocks: four rows of a column per Philox call (_column_uniforms)
+            if SBM == 16:  # 16x1 and 16x16 blocks: four rows of a column per Philox call (_column_random_words)
                 quad = (pid_b.to(tl.int64) * M + m0) // 4 + tl.arange(0, BM // 4)                 # BM % 16 == 0
-                rand = _column_uniforms(seed, quad[:, None] * N + offs_n[None, :])       # (BM / 4, BN, 2, 2)
+                rand = _column_random_words(seed, quad[:, None] * N + offs_n[None, :])       # (BM / 4, BN, 2, 2)
                 rand = tl.permute(rand, (0, 2, 3, 1)).reshape(BM, BN)
             else:  # counter-based: independent of the tiling
-                rand = _uniforms(seed, pid_b * M + offs_m, n0, N, BM, BN)
+                rand = _random_words(seed, pid_b * M + offs_m, n0, N, BM, BN)
         idx = _sr_e2m1(a, rand.reshape(BM // SBM, SBM, BN // SBN, SBN))
     elif FOUR_OVER_SIX:
         idx = rtn_idx
@@ -421,7 +421,7 @@ def _quantize_rows_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_p
             if USE_NOISE:
                 rand = _noise_bits(tl.load(noise_ptr + base * 16 + offs, mask=mask, other=0.0))
             else:  # the flat tensor as rows of 16 elements: the same counters (element index // 4)
-                rand = _block_uniforms(seed, base + blk, NB)
+                rand = _block_random_words(seed, base + blk, NB)
             idx = _sr_e2m1(a, rand)
         elif FOUR_OVER_SIX:
             idx = rtn_idx
@@ -450,7 +450,7 @@ def _quantize_cols_kernel(x_ptr, xs_ptr, xgs_ptr, h_ptr, noise_ptr, amax_ptr, gs
     is a butterfly in registers, a block's amax needs no shuffle and its scale is computed once; in the (16, BN)
     tile kernel a column block spanned several threads, which each recomputed its scale. (Four columns per thread
     needed 255 registers: 8 warps per SM, slower than the tile kernel.) Same results bit for bit as the tile
-    kernel (same operations per element, same Philox counters: _column_uniforms). AMAX_ONLY: the global-amax
+    kernel (same operations per element, same Philox counters: _column_random_words). AMAX_ONLY: the global-amax
     pre-pass over the same rotated values (with PLAIN_TOO also max |x|, stored after the rotated partials: dY's
     two global amaxes in one read).
     PACKED_X: x is a packed 1x16 NVFP4 tensor (codes at x_ptr, E4M3 scales at xs_ptr, global scale at xgs_ptr),
@@ -507,7 +507,7 @@ def _quantize_cols_kernel(x_ptr, xs_ptr, xgs_ptr, h_ptr, noise_ptr, amax_ptr, gs
                 rand = _noise_bits(tl.load(noise_ptr + rows * N + col, mask=mask, other=0.0))
             else:
                 quad = (pid_b.to(tl.int64) * M + m0) // 4 + tl.arange(0, 4)[None, :, None]      # (1, 4, 1)
-                rand = _column_uniforms(seed, quad * N + col)                            # (C, 4, 2, 2, 2)
+                rand = _column_random_words(seed, quad * N + col)                            # (C, 4, 2, 2, 2)
                 rand = tl.permute(rand, (0, 1, 3, 4, 2)).reshape(C, 16, 2)              # row 4i + 2a + b
             idx = _sr_e2m1(a, rand)
         elif FOUR_OVER_SIX:

@@ -21,7 +21,7 @@ encode_first_moment / encode_second_moment), op for op, compiled with enable_fp_
     correctly rounded bits);
   - 4/6's block errors are summed with the same fixed pairwise tree as nvfp4._pairwise_block_sum.
 So with the same inputs the RTN parts (v's codes, scales, tile means; p) equal the CPU reference bit for bit.
-m's stochastic rounding draws Philox uniforms keyed by (seed, element index) (nvfp4_quant._uniforms), not torch's
+m's stochastic rounding draws Philox words keyed by (seed, element index) (nvfp4_quant._random_words), not torch's
 generator: equal in distribution only (its block scales, chosen by RTN error, match).
 
 The kernel is instruction-bound, so the layout keeps each 16-element block in one thread (codes in and out as one
@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from kernels.nvfp4_quant import (_block_scale, _div_by, _e2m1_bits, _e2m1_value, _exact_fma, _pairwise_block_sum,
-                                 _rtn_e2m1, _sr_e2m1, _uniforms)
+                                 _rtn_e2m1, _sr_e2m1, _random_words)
 
 
 _TWO_118 = tl.constexpr(2.0 ** 118)  # _decode: s_b * 2^118 (and s_g * 2^8) cannot overflow
@@ -204,7 +204,7 @@ def _update_pass(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, gs_m_ptr,
     amax_m, amax_v = tl.load(amax_ptr), tl.load(amax_ptr + 1)
     gs_m = tl.where(amax_m > 0, tl.div_rn(amax_m, 1536.0), 1.0)
     gs_v = tl.where(amax_v > 0, tl.div_rn(amax_v, 1536.0), 1.0)
-    rand = _uniforms(seed, rows, cols, C, BM, BN)  # Philox keyed by element index (a uint32: int32 rows suffice)
+    rand = _random_words(seed, rows, cols, C, BM, BN)  # Philox keyed by element index (a uint32: int32 rows suffice)
     _encode(_fwht16(m, BM, BN), gs_m, rand, mc_t, ms_t, blk, mask_r[:, None], True, EXACT_FMA, BM, BN)
     _encode(_fwht16(r, BM, BN), gs_v, rand, vc_t, vs_t, blk, mask_r[:, None], False, EXACT_FMA, BM, BN)
     tl.store(mu_t + mu_offs, mu, mask=mask_r)

@@ -251,7 +251,7 @@ def test_sr_trand_unbiased_reproducible_and_distributed_like_the_reference():
 @pytest.mark.parametrize("block", [(1, 16), (16, 1)])
 def test_sr_draws_independent_across_neighbours(block):
     """Every element sits halfway between two grid points (a = 1.25: up with probability 1/2). One Philox call
-    feeds 4 neighbouring elements (kernels.nvfp4_quant._uniforms): a reused or correlated draw would still be
+    feeds 4 neighbouring elements (kernels.nvfp4_quant._random_words): a reused or correlated draw would still be
     unbiased, so check the pair correlations of the up/down decisions too, within and across the groups of 4."""
     x = torch.full((128, 256), 1.25)
     firsts = torch.zeros(128, 256, dtype=torch.bool)  # the first element of each block is 6: s_b * s_g = 1, a = 1.25
