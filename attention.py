@@ -27,7 +27,8 @@ Choices (the paper does not spell them out):
   registers. Stochastic rounding: dS is a gradient (DESIGN: backward SR); it keeps dQ and dK unbiased, and RTN
   would deterministically flush the many small tail entries (P ~ 0) whose sum balances the peaks (each row of
   dS sums to 0). Uniforms come from a counter hash of (seed, head, query, key, pass), so the reference and the
-  kernel draw the same bits for any tiling.
+  kernel draw the same bits for any tiling; 16 bits each (one 32-bit hash serves two neighbours: the hashing
+  was a quarter of the in-kernel quantization's instructions), which biases a decision by < 2^-16 of a step.
 - dS global scale: a tiled kernel cannot know amax(dS) before it is done, so s_g(dS) per (batch, head) comes
   from a bound that holds by construction: |dS_ij| = P_ij |dP_ij - D_i| <= max_i ||dO_i|| max_j ||V_j|| +
   max_i |D_i| (P <= 1, Cauchy-Schwarz), with max_j ||V_j|| <= sqrt(D) amax(V) read off V's global scale. No
@@ -100,12 +101,16 @@ def sr_keys(seed, n_heads, device=None):
     return _fmix32((seed * 0x9E3779B9 + i) & M32).reshape(n_heads, 2)
 
 
-def sr_uniforms(keys, rows, cols, T):
-    """U[0, 1) (24 bits) for dS elements (query rows, key cols) of each head: keys (B, H) -> (B, H, R, C).
-    The kernels' `_uniform`: fmix32((i * T + j) * golden + key)."""
-    counter = (rows[:, None].long() * T + cols[None, :].long()) & M32
+def sr_uniforms(keys, rows, cols, T, query_pairs=False):
+    """U[0, 1) on a 2^-16 grid for dS elements (query rows, key cols) of each head: keys (B, H) -> (B, H, R, C).
+    The kernels' `_random_words`: one fmix32((i * T + j) * golden + key) per pair of neighbours along the keys
+    (j even; the dQ pass) or along the queries (i even; the dK pass, query_pairs=True), the even element taking
+    the low 16 bits and the odd one the high 16."""
+    rows, cols = rows[:, None].long(), cols[None, :].long()
+    odd = (rows if query_pairs else cols) & 1
+    counter = ((rows - odd if query_pairs else rows) * T + (cols if query_pairs else cols - odd)) & M32
     x = _fmix32((counter * 0x9E3779B1 + keys[..., None, None]) & M32)
-    return (x >> 8).float() * 2.0 ** -24
+    return torch.where(odd.bool(), x >> 16, x & 0xFFFF).float() * 2.0 ** -16
 
 
 def ds_global_scale(do_eff_norm, v_amax, delta, D, G):
@@ -187,7 +192,7 @@ def reference_backward(q, k, v, o, lse, do, causal, sm_scale, dtype, do_dov=None
             # dQ = dS K: 1x16 along the keys; dK = dS^T Q: 1x16 along the queries. SR, the kernels' uniforms.
             u = sr_uniforms(keys[..., 0], rows, cols, T)
             ds_q = fake_quantize_rows16(ds, sg, "sr", u) * sg
-            u = sr_uniforms(keys[..., 1], rows, cols, T).transpose(-1, -2)
+            u = sr_uniforms(keys[..., 1], rows, cols, T, query_pairs=True).transpose(-1, -2)
             ds_kT = fake_quantize_rows16(ds.transpose(-1, -2), sg, "sr", u) * sg
         else:
             ds_q = ds.to(dtype).float()
@@ -205,6 +210,23 @@ def reference_backward(q, k, v, o, lse, do, causal, sm_scale, dtype, do_dov=None
 def _quantize_qkv(x, name):
     # forward tensor: 1x16 along D (the contraction dim of Q K^T), RTN
     return nvfp4.quantize(x.detach(), (1, 16), "rtn", name=name)
+
+
+# How the flash kernels read the NVFP4 Q, K, V. "packed": 4-bit codes + E4M3 scales, decoded to q * s_b in
+# registers by every pass (a quarter of BF16's bytes: the paper's IO saving, which pays where tensor cores take
+# FP4 operands). "values": the quantize pass also writes q * s_b in bf16 (exact: <= 6 significant bits), and the
+# kernels read those like the bf16 policy's operands; the packed tensors stay the saved activations and the
+# backward re-expands them. Same products, same results. On the H200 attention is compute-bound and the decode
+# competes with the matmuls for issue slots, so "values" is the default there (bench_attention.py measures both).
+QKV_OPERANDS = "values"
+
+
+def _kernel_operands(ts):
+    """The flash kernels' Q, K, V arguments from the packed NVFP4 tensors (see QKV_OPERANDS)."""
+    if QKV_OPERANDS == "packed":
+        return [(t.codes, t.scales) for t in ts]
+    from kernels.nvfp4_quant import grid_values_bf16
+    return [grid_values_bf16(t) for t in ts]
 
 
 def _scales(*sg, device):
@@ -233,13 +255,24 @@ class _Attention(torch.autograd.Function):
         Hkv = k.shape[1]
         sm_scale = 1.0 / math.sqrt(D)
         dtype = q.dtype
-        if pol["qkv"]:
-            # quantized ONCE: the forward and the backward read these very codes (forward-backward consistency)
+        if pol["qkv"] and impl == "triton" and QKV_OPERANDS == "values":
+            # quantized ONCE: the forward and the backward read these very codes (forward-backward consistency);
+            # one pass per tensor writes the packed codes (saved) and the bf16 grid values (this forward's)
+            from kernels.nvfp4_quant import quantize_dequant
+            outs = [quantize_dequant(x.detach(), (1, 16), "rtn", return_tensor=True, name=f"attention {n}")
+                    for x, n in ((q, "Q"), (k, "K"), (v, "V"))]
+            ops = [values for values, _, _ in outs]
+            qq, kq, vq = [t for _, _, t in outs]
+        elif pol["qkv"]:
             qq, kq, vq = _quantize_qkv(q, "attention Q"), _quantize_qkv(k, "attention K"), _quantize_qkv(v, "attention V")
+            if impl == "triton":
+                ops = _kernel_operands((qq, kq, vq))
+        else:
+            ops = [q, k, v]
+        if pol["qkv"]:
             ctx.fp4 = (qq, kq, vq)   # the saved activations are 4-bit: codes + scales
         if impl == "triton":
             from kernels.flash_attention import flash_forward
-            ops = [(x.codes, x.scales) for x in (qq, kq, vq)] if pol["qkv"] else [q, k, v]
             sg = [qq.global_scale, kq.global_scale, vq.global_scale] if pol["qkv"] else [1.0, 1.0, 1.0]
             scales = _scales(*sg, P_GLOBAL_SCALE if pol["p"] else 1.0, 1.0, 1.0, device=q.device)
             o, lse = flash_forward(*ops, scales, (B, H, Hkv, T, D), causal, sm_scale, pol["p"], dtype)
@@ -285,7 +318,7 @@ class _Attention(torch.autograd.Function):
             ds_scale = ds_global_scale(do_eff_norm, v_amax, delta, D, G)
         if ctx.impl == "triton":
             from kernels.flash_attention import flash_backward
-            ops = [(x.codes, x.scales) for x in (qq, kq, vq)] if pol["qkv"] else [q, k, v]
+            ops = _kernel_operands((qq, kq, vq)) if pol["qkv"] else [q, k, v]
             one = 1.0
             scales = _scales(qq.global_scale if pol["qkv"] else one, kq.global_scale if pol["qkv"] else one,
                              vq.global_scale if pol["qkv"] else one, P_GLOBAL_SCALE if pol["pdo"] else one,

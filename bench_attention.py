@@ -57,7 +57,7 @@ def main():
               "flop_formula": "fwd = 2*2*B*H*T^2*D/2 (causal), bwd = 2.5*fwd, fwd+bwd = 3.5*fwd",
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "configs": {"fwd": fa.FWD_CONFIG, "fwd_packed": fa.FWD_CONFIG_PACKED, "dkdv": fa.DKDV_CONFIG,
-                          "dkdv_packed": fa.DKDV_CONFIG_PACKED, "dq": fa.DQ_CONFIG}, "rows": []}
+                          "dkdv_quant_ds": fa.DKDV_CONFIG_QUANT_DS, "dq": fa.DQ_CONFIG}, "rows": []}
 
     def save():
         if args.out:
@@ -131,10 +131,45 @@ def main():
             f"ours {policy} (dQ {fa.DQ_MODE})",
             lambda p=policy: attention.attention(q, k, v, causal=causal, policy=p, impl="triton"), passes=("fwd+bwd",))
     fa.DQ_MODE = default_mode
+    # the other way the kernels read the NVFP4 Q, K, V (attention.QKV_OPERANDS: packed codes or bf16 grid values)
+    default_operands = attention.QKV_OPERANDS
+    attention.QKV_OPERANDS = "packed" if default_operands == "values" else "values"
+    rows["fp4_" + attention.QKV_OPERANDS] = timed(
+        f"ours fp4 ({attention.QKV_OPERANDS} Q/K/V)",
+        lambda: attention.attention(q, k, v, causal=causal, policy="fp4", impl="triton"))
+    attention.QKV_OPERANDS = default_operands
+
+    # --- where the GPU time of one fp4 / bf16 fwd+bwd goes (kernel times summed by name) and the GPU-busy share
+    if not args.dry:
+        from torch.profiler import ProfilerActivity, profile
+        for policy in ("bf16", "fp4"):
+            def step(p=policy):
+                attention.attention(q, k, v, causal=causal, policy=p, impl="triton").backward(do)
+            step()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                t0 = time.perf_counter()
+                for _ in range(5):
+                    step()
+                torch.cuda.synchronize()
+                wall_ms = (time.perf_counter() - t0) / 5 * 1e3
+            kernels = {}
+            for e in prof.key_averages():
+                if e.device_type.name == "CUDA" and e.self_device_time_total > 0:
+                    kernels[e.key[:60]] = e.self_device_time_total / 5 / 1e3
+            gpu_ms = sum(kernels.values())
+            result.setdefault("profile", {})[policy] = {"wall_ms": wall_ms, "gpu_ms": gpu_ms, "kernels_ms": kernels}
+            print(f"profile {policy} fwd+bwd: {wall_ms:.3f} ms wall (profiled), GPU kernels {gpu_ms:.3f} ms")
+            for name, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:12]:
+                print(f"   {ms:7.3f} ms  {name}")
+            q.grad = k.grad = v.grad = None
+        save()
 
     # --- fp4: the kernels alone (Q, K, V quantized beforehand) and the quantization alone
     qq, kq, vq = (nvfp4.quantize(x.detach(), (1, 16), "rtn") for x in (q, k, v))
     ops = [(x.codes, x.scales) for x in (qq, kq, vq)]
+    from kernels.nvfp4_quant import grid_values_bf16
+    values = [grid_values_bf16(x) for x in (qq, kq, vq)]
     scales = attention._scales(qq.global_scale, kq.global_scale, vq.global_scale, 1.0, 1.0, 1.0, device=dev)
     shape = (B, H, Hkv, T, D)
     sm = 1.0 / math.sqrt(D)
@@ -156,6 +191,12 @@ def main():
         return row
 
     bench_kernel("fp4 kernels only: fwd", lambda: fa.flash_forward(*ops, scales, shape, causal, sm, False, dt), "fwd")
+    bench_kernel("fp4 values kernels: fwd", lambda: fa.flash_forward(*values, scales, shape, causal, sm, False, dt),
+                 "fwd")
+    bench_kernel("fp4 values kernels: bwd", lambda: fa.flash_backward(
+        *values, scales, shape, do, lse, delta, None, None, ds_scale, keys, causal, sm, dt), "bwd")
+    bench_kernel("fp4 values, dS in bf16: bwd", lambda: fa.flash_backward(
+        *values, scales, shape, do, lse, delta, None, None, None, None, causal, sm, dt), "bwd")
     plain = [x.detach() for x in (q, k, v)]
     ones = attention._scales(1.0, 1.0, 1.0, 1.0, 1.0, 1.0, device=dev)
     o_b, lse_b = fa.flash_forward(*plain, ones, shape, causal, sm, False, dt)
@@ -169,6 +210,11 @@ def main():
     ms = triton.testing.do_bench(lambda: [nvfp4.quantize(x.detach(), (1, 16), "rtn") for x in (q, k, v)])
     result["quantize_qkv_ms"] = ms
     print(f"quantize Q, K, V: {ms:.3f} ms")
+    from kernels.nvfp4_quant import quantize_dequant
+    ms = triton.testing.do_bench(lambda: [quantize_dequant(x.detach(), (1, 16), "rtn", return_tensor=True)
+                                          for x in (q, k, v)])
+    result["quantize_qkv_values_ms"] = ms
+    print(f"quantize Q, K, V (codes + bf16 values): {ms:.3f} ms")
 
     # --- summary against the targets
     summary = {"default_dq_mode": fa.DQ_MODE}

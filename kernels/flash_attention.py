@@ -13,10 +13,11 @@ this is the same arithmetic a native NVFP4 tensor-core GEMM does, up to summatio
 Blackwell, `tl.dot_scaled` with e2m1 operands and e4m3 scales would be the native path; untested here.
 
 In-register quantization (`_fake_quant_rows16`): tiles of P (fp4_pv / fp4_all) and dS are quantized in 1x16
-blocks along the tile's last dim, with the same formulas as nvfp4.quantize (divisions with tl.div_rn, E4M3
-rounding done with integer arithmetic because the interpreter's fp32->fp8 cast is wrong on ties), so the torch
-mirror in attention.py gives the same bits. SR draws its uniform from a counter hash of the element's
-(head, query, key) position (`_uniform`), so it does not depend on tile sizes and the reference reproduces it.
+blocks along the tile's last dim with nvfp4_quant's block scale and correctly rounded divisions (nvfp4.quantize's
+formulas), so the torch mirror in attention.py gives the same bits. SR draws 16 random bits per element from a
+counter hash of its (head, query, key) position (`_random_words`), so it does not depend on tile sizes and the
+reference reproduces it. In the MMA tiles a thread holds 4 elements of each 16-element block, so the per-block
+work (amax, E4M3 scale, reciprocal) counts as much as the per-element work.
 
 Scores live in the log2 domain (S * sm_scale * log2 e), as in Triton's fused-attention tutorial; the forward
 saves lse2 = m + log2(l) per row, the backward recomputes P = exp2(S2 - lse2).
@@ -112,22 +113,6 @@ def _op(x, DTYPE: tl.constexpr, EMULATE_BF16: tl.constexpr):
 
 
 @triton.jit
-def _rint(x):
-    # round half to even for |x| < 2^22 (adding 1.5 * 2^23 leaves no fraction bits)
-    return (x + 12582912.0) - 12582912.0
-
-
-@triton.jit
-def _to_e4m3(s):
-    """Round s in [0, 448] to the nearest E4M3 value, ties to even, subnormals kept (= torch's cast)."""
-    e = ((s.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127   # floor(log2 s) for normal s
-    e = tl.maximum(e, -6)                                       # below 2^-6 the quantum is fixed: 2^-9
-    quantum = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)   # 2^(e-3): 3 mantissa bits
-    inv_quantum = ((3 - e + 127) << 23).to(tl.float32, bitcast=True)
-    return _rint(s * inv_quantum) * quantum
-
-
-@triton.jit
 def _fmix32(x):
     # MurmurHash3's finalizer: a bijection of uint32 with full avalanche
     x = x ^ (x >> 16)
@@ -138,34 +123,42 @@ def _fmix32(x):
 
 
 @triton.jit
-def _uniform(key, offs_q, offs_k, T):
-    """U[0, 1) with 24 bits for element (query, key) of the head whose stream key is `key` (uint32)."""
-    counter = (offs_q * T + offs_k).to(tl.uint32)
-    x = _fmix32(counter * 0x9E3779B1 + key)
-    return (x >> 8).to(tl.float32) * 5.960464477539063e-08  # 2^-24
+def _random_words(key, rows, c0, T, R: tl.constexpr, C: tl.constexpr, QUERY_PAIRS: tl.constexpr):
+    """(R, C) random words for SR (nvfp4_quant's convention: the uniform is (word >> 8) * 2^-24) for a dS tile
+    whose rows are `rows` and whose last dim runs over c0 + arange(C) (c0 even), of the head whose stream key is
+    `key` (uint32). 16 random bits per element: the elements 2j and 2j + 1 along the last dim share one hash of
+    the pair's (query, key) counter, the even one taking its low half and the odd one its high half (half the
+    hashing of a word per element; u is then a multiple of 2^-16, which biases a rounding decision by < 2^-16 of
+    an E2M1 step). The tile is (queries, keys), or (keys, queries) when QUERY_PAIRS (dS^T in the dK/dV pass).
+    attention.sr_uniforms draws the same u."""
+    cols = c0 + 2 * tl.arange(0, C // 2)
+    if QUERY_PAIRS:
+        counter = cols[None, :] * T + rows[:, None]
+    else:
+        counter = rows[:, None] * T + cols[None, :]
+    w = _fmix32(counter.to(tl.uint32) * 0x9E3779B1 + key)                          # (R, C / 2)
+    return tl.reshape(tl.join(w << 16, w & 0xFFFF0000), (R, C))
 
 
 @triton.jit
-def _fake_quant_rows16(x, s_g, u, R: tl.constexpr, C: tl.constexpr, SR: tl.constexpr):
+def _fake_quant_rows16(x, s_g, r, R: tl.constexpr, C: tl.constexpr, SR: tl.constexpr):
     """NVFP4 quantize-dequantize of an (R, C) fp32 tile in 1x16 blocks along its last dim, with global scale
-    s_g: returns q * s_b (the caller applies s_g). Same formulas as nvfp4.quantize: s_b = e4m3(min(amax/6/s_g,
-    448)), a = |x| / (s_b s_g) clamped to 6, RTN ties-to-even or SR (up iff u < fractional distance)."""
+    s_g: returns q * s_b (the caller applies s_g). nvfp4_quant's own block scale, division and E2M1 rounding
+    (so the formulas are nvfp4.quantize's): s_b = e4m3(min(amax/6/s_g, 448)), a = |x| / (s_b s_g) clamped to 6,
+    RTN ties-to-even or SR from the random words r (R, C) (up iff (r >> 8) * 2^-24 < the fractional distance)."""
     xb = tl.reshape(x, (R, C // 16, 16))
-    amax = tl.max(tl.abs(xb), axis=2)
-    s_b = _to_e4m3(tl.minimum(tl.div_rn(tl.div_rn(amax, 6.0), s_g), 448.0))
-    denom = s_b * s_g
-    inv = tl.where(denom > 0, tl.div_rn(tl.full((R, C // 16), 1.0, tl.float32), tl.where(denom > 0, denom, 1.0)), 0.0)
-    # |x| / denom correctly rounded, with one reciprocal per block (0 for an all-zero block)
-    a = tl.minimum(nvfp4_quant._div_by(tl.abs(xb), denom[:, :, None], inv[:, :, None], EXACT_FMA), 6.0)
-    # E2M1's grid has step 0.5 on [0, 2), 1 on [2, 4), 2 on [4, 6]: step = p / 2 with p = 2^floor(log2 max(a, 1)),
-    # read off the exponent bits (no compares)
+    s_b, _, den, inv = nvfp4_quant._block_scale(tl.max(tl.abs(xb), axis=2), s_g, 6.0, EXACT_FMA)
+    a = tl.minimum(nvfp4_quant._div_by(tl.abs(xb), den[:, :, None], inv[:, :, None], EXACT_FMA), 6.0)
+    # Rounded in the value domain (nvfp4_quant's _sr_e2m1 / _rtn_e2m1 make code indices, which a tile that is
+    # multiplied right away would have to decode again). E2M1's grid has step p / 2 with p = 2^floor(log2 max(a, 1)),
+    # read off the exponent bits: 0.5 on [0, 2), 1 on [2, 4), 2 on [4, 6].
     pbits = tl.maximum(a, 1.0).to(tl.int32, bitcast=True) & 0x7F800000
-    if SR:   # up iff u < the fractional distance; y = a / step is exact (step is a power of two)
+    if SR:   # up iff u = (r >> 8) * 2^-24 < y - floor(y) for y = a / step (exact: step is a power of two)
         y = a * ((255 << 23) - pbits).to(tl.float32, bitcast=True)                # 2 / p
         fl = tl.floor(y)
-        q = fl + (tl.reshape(u, (R, C // 16, 16)) < (y - fl)).to(tl.float32)
-        v = q * (pbits - (1 << 23)).to(tl.float32, bitcast=True)                  # * p / 2
-    else:    # RTN ties-to-even: adding C = 2^22 p leaves exactly the grid's bits (ulp(C) = step), as _rint
+        up = (tl.reshape(r, (R, C // 16, 16)) >> 8).to(tl.float32) < (y - fl) * 16777216.0   # both sides exact
+        v = (fl + up.to(tl.float32)) * (pbits - (1 << 23)).to(tl.float32, bitcast=True)   # * p / 2
+    else:    # RTN ties-to-even: adding c = 2^22 p leaves exactly the grid's bits (ulp(c) = step)
         c = (pbits + (22 << 23)).to(tl.float32, bitcast=True)
         v = (a + c) - c
     v = v * s_b[:, :, None]
@@ -284,16 +277,16 @@ def _dkdv_inner(dk, dv, k, v, Q, Qs, DO, DOQ, DOT, LSE, DELTA, DQ, key, key_dq, 
         dsT = pT * (dpT - delta[None, :])                                            # dS = P (dP - D)
         if ATOMIC_DQ:  # dQ += dS K here (fp32 atomics) instead of recomputing S, P, dP in a dQ pass
             if QUANT_DS:   # dQ = dS K contracts over keys: 1x16 blocks of dS along the keys, SR
-                ds = _fake_quant_rows16(tl.trans(dsT), sg_ds, _uniform(key_dq, offs_m[:, None], offs_n[None, :], T),
-                                        BLOCK_M, BLOCK_N, True)                      # (M, N)
+                r = _random_words(key_dq, offs_m, tl.program_id(0) * BLOCK_N, T, BLOCK_M, BLOCK_N, False)  # n0
+                ds = _fake_quant_rows16(tl.trans(dsT), sg_ds, r, BLOCK_M, BLOCK_N, True)   # (M, N)
                 ds = _op(ds, QK_DTYPE, EMU)
             else:
                 ds = tl.trans(_op(dsT, QK_DTYPE, EMU))   # transpose the 16-bit operand, not the fp32 tile
             dq = tl.dot(ds, k, input_precision=PREC) * dq_scale
             tl.atomic_add(DQ + offs_m[:, None] * D + cols[None, :], dq, mask=rmask[:, None], sem="relaxed")
         if QUANT_DS:   # dK = dS^T Q contracts over queries: 1x16 blocks of dS^T along the queries, SR
-            u = _uniform(key, offs_m[None, :], offs_n[:, None], T)
-            dsT = _fake_quant_rows16(dsT, sg_ds, u, BLOCK_N, BLOCK_M, True)
+            r = _random_words(key, offs_n, start_m, T, BLOCK_N, BLOCK_M, True)
+            dsT = _fake_quant_rows16(dsT, sg_ds, r, BLOCK_N, BLOCK_M, True)
         dk = tl.dot(_op(dsT, QK_DTYPE, EMU), q, dk, input_precision=PREC)
     return dk, dv
 
@@ -393,8 +386,8 @@ def _dq_inner(dq, q, do, lse, delta, K, Ks, V, Vs, key, start, end, offs_m, T, s
         dp = tl.dot(do, tl.trans(v), input_precision=PREC) * sg_dp                   # dP = dO V^T
         ds = p * (dp - delta[:, None])
         if QUANT_DS:   # dQ = dS K contracts over keys: 1x16 blocks of dS along the keys, SR
-            u = _uniform(key, offs_m[:, None], offs_n[None, :], T)
-            ds = _fake_quant_rows16(ds, sg_ds, u, BLOCK_M, BLOCK_N, True)
+            r = _random_words(key, offs_m, start_n, T, BLOCK_M, BLOCK_N, False)
+            ds = _fake_quant_rows16(ds, sg_ds, r, BLOCK_M, BLOCK_N, True)
         dq = tl.dot(_op(ds, QK_DTYPE, EMU), k, dq, input_precision=PREC)
     return dq
 
@@ -460,7 +453,7 @@ FWD_CONFIG_PACKED = dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
 DKDV_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2)
 # packed with dS quantized: 32-query tiles. The dS quantization's temporaries on (128, 64) tiles spill (sm_90
 # compile: 373 spill stores at 64 x 128, 116 at 32 x 128); H200 fp4 backward 4.33 vs 4.44 ms (2026-11-29)
-DKDV_CONFIG_PACKED = dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=2)
+DKDV_CONFIG_QUANT_DS = dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=2)
 DQ_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
 P_BLOCK_N = FWD_CONFIG["BLOCK_N"]
 # "separate": the fp4 backward kernels 4.33 vs 5.26 ms with atomic dQ on the H200 (bf16 1.26 vs 1.31), deterministic
@@ -537,7 +530,7 @@ def flash_backward(q, k, v, scales, shape, do, lse, delta, do_dov, do_pdo, ds_sc
     dk = torch.empty(B, Hkv, T, D, device=dev, dtype=dtype)
     dv = torch.empty(B, Hkv, T, D, device=dev, dtype=dtype)
     flags = dict(CAUSAL=causal, QUANT_DS=quant_ds, QUANT_DOV=quant_dov)
-    meta = _meta(dtype, "dkdv", dkdv_config or (DKDV_CONFIG_PACKED if packed and quant_ds else DKDV_CONFIG), D,
+    meta = _meta(dtype, "dkdv", dkdv_config or (DKDV_CONFIG_QUANT_DS if quant_ds else DKDV_CONFIG), D,
                  packed, quant_ds)
     grid = (triton.cdiv(T, meta["BLOCK_N"]), B * Hkv)
     atomic = (dq_mode or DQ_MODE) == "atomic"

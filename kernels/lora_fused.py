@@ -44,7 +44,7 @@ def _scale_candidate(xb, block_amax, s_g, FP4_MAX: tl.constexpr, BM: tl.constexp
     candidate), the scaled magnitudes a = min(|x| / (s_b s_g), 6), their RTN indices and the blocks' RTN squared
     errors, rounded exactly as nvfp4_quant._quantize_kernel does (one reciprocal per block + Markstein's fma step
     per element: the correctly rounded quotient)."""
-    s, bits, den, inv = _block_scale(block_amax, s_g, FP4_MAX)
+    s, bits, den, inv = _block_scale(block_amax, s_g, FP4_MAX, EXACT_FMA)
     den, inv = den[:, None, :, None], inv[:, None, :, None]
     a = tl.minimum(_div_by(xb, den, inv, EXACT_FMA), 6.0)
     idx = _rtn_e2m1(a)

@@ -89,12 +89,17 @@ def _div_by(x, den, inv, EXACT_FMA: tl.constexpr):
 
 
 @triton.jit
-def _block_scale(block_amax, s_g, MAX_Q: tl.constexpr):
+def _block_scale(block_amax, s_g, MAX_Q: tl.constexpr, EXACT_FMA: tl.constexpr):
     """A block scale candidate with the block's max mapped to MAX_Q (6; 4 for 4/6's second candidate):
     s_b = e4m3(min(amax_b / MAX_Q / s_g, 448)) (two correctly rounded divisions, RNE to E4M3), its uint8 bits,
     den = s_b * s_g (the elements' divisor, rounded to fp32 first as in the reference) and inv = RN(1 / den) for
-    _div_by (0 where den == 0: an all-zero block gives zero codes)."""
-    s, bits = _round_to_e4m3(tl.minimum(tl.div_rn(tl.div_rn(block_amax, MAX_Q), s_g), 448.0))
+    _div_by (0 where den == 0: an all-zero block gives zero codes). The divisors MAX_Q and s_g are the same for
+    every block, so both divisions are _div_by's Markstein step on one reciprocal (a division per block costs
+    ~4x more: where a thread holds 4 elements of a block, as in the attention kernels' MMA tiles, that mattered).
+    s_g > 0 (nvfp4.global_scale gives 1 for an all-zero tensor)."""
+    t = _div_by(block_amax, MAX_Q, 1.0 / MAX_Q, EXACT_FMA)   # 1 / MAX_Q: RN(1/6) = 0x3E2AAAAB, 1/4 exact
+    t = _div_by(t, s_g, tl.div_rn(1.0, s_g), EXACT_FMA)
+    s, bits = _round_to_e4m3(tl.minimum(t, 448.0))
     den = s * s_g
     inv = tl.where(den > 0, tl.div_rn(1.0, tl.where(den > 0, den, 1.0)), 0.0)
     return s, bits, den, inv
@@ -310,7 +315,7 @@ def _quantize_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_ptr, s
     block_amax = tl.max(tl.max(xb, axis=3), axis=1)                    # (BM // SBM, BN // SBN)
 
     # candidate "max -> 6": s_b = e4m3(min(amax_b / 6 / s_g, 448)); a = min(|x| / (s_b * s_g), 6)
-    s6, bits6, den6, inv6 = _block_scale(block_amax, s_g, 6.0)
+    s6, bits6, den6, inv6 = _block_scale(block_amax, s_g, 6.0, EXACT_FMA)
     den6, inv6 = den6[:, None, :, None], inv6[:, None, :, None]
     a6 = tl.minimum(_div_by(xb, den6, inv6, EXACT_FMA), 6.0)
     a = a6
@@ -319,7 +324,7 @@ def _quantize_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_ptr, s
     if FOUR_OVER_SIX:
         # 4/6 (paper §2, DESIGN.md): also try "max -> 4" (its own E4M3 rounding of amax_b / 4 / s_g) and keep
         # the candidate whose RTN reconstruction has the lower squared error, ties to 6.
-        s4, bits4, den4, inv4 = _block_scale(block_amax, s_g, 4.0)
+        s4, bits4, den4, inv4 = _block_scale(block_amax, s_g, 4.0, EXACT_FMA)
         den4, inv4 = den4[:, None, :, None], inv4[:, None, :, None]
         a4 = tl.minimum(_div_by(xb, den4, inv4, EXACT_FMA), 6.0)
         i6, i4 = _rtn_e2m1(a6), _rtn_e2m1(a4)
@@ -404,10 +409,10 @@ def _quantize_rows_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_p
         if pid == 0:
             tl.store(gs_out_ptr, s_g)
         block_amax = tl.max(tl.max(ax, axis=2), axis=1)                             # (NB,)
-        s_b, bits, den, inv = _block_scale(block_amax, s_g, 6.0)
+        s_b, bits, den, inv = _block_scale(block_amax, s_g, 6.0, EXACT_FMA)
         a = tl.minimum(_div_by(ax, den[:, None, None], inv[:, None, None], EXACT_FMA), 6.0)
         if FOUR_OVER_SIX:  # as in _quantize_kernel: the "max -> 4" candidate wins on a lower RTN error, ties to 6
-            s4, bits4, den4, inv4 = _block_scale(block_amax, s_g, 4.0)
+            s4, bits4, den4, inv4 = _block_scale(block_amax, s_g, 4.0, EXACT_FMA)
             a4 = tl.minimum(_div_by(ax, den4[:, None, None], inv4[:, None, None], EXACT_FMA), 6.0)
             i6, i4 = _rtn_e2m1(a), _rtn_e2m1(a4)
             d6 = _e2m1_value(i6) * den[:, None, None] - ax
@@ -489,10 +494,10 @@ def _quantize_cols_kernel(x_ptr, xs_ptr, xgs_ptr, h_ptr, noise_ptr, amax_ptr, gs
         if (pid_m == 0) & (pid_n == 0) & (pid_b == 0):
             tl.store(gs_out_ptr, s_g)
         block_amax = tl.max(ax, axis=1)                                                # (C, 2)
-        s_b, bits, den, inv = _block_scale(block_amax, s_g, 6.0)
+        s_b, bits, den, inv = _block_scale(block_amax, s_g, 6.0, EXACT_FMA)
         a = tl.minimum(_div_by(ax, den[:, None, :], inv[:, None, :], EXACT_FMA), 6.0)
         if FOUR_OVER_SIX:  # as in _quantize_kernel: the "max -> 4" candidate wins on a lower RTN error, ties to 6
-            s4, bits4, den4, inv4 = _block_scale(block_amax, s_g, 4.0)
+            s4, bits4, den4, inv4 = _block_scale(block_amax, s_g, 4.0, EXACT_FMA)
             a4 = tl.minimum(_div_by(ax, den4[:, None, :], inv4[:, None, :], EXACT_FMA), 6.0)
             i6, i4 = _rtn_e2m1(a), _rtn_e2m1(a4)
             d6 = _e2m1_value(i6) * den[:, None, :] - ax

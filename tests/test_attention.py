@@ -11,6 +11,7 @@ import triton.language as tl
 import attention
 import nvfp4
 from kernels import flash_attention as fa
+from kernels import nvfp4_quant as nq
 
 FP4_POLICIES = ["fp4", "fp4_pv", "fp4_dov", "fp4_all"]
 
@@ -65,7 +66,9 @@ def test_bf16_policy_bf16_inputs_triton_matches_reference():
 # quantized policies: kernel == reference
 
 @pytest.mark.parametrize("policy,causal", [(p, True) for p in FP4_POLICIES] + [("fp4", False)])
-def test_triton_equals_reference(policy, causal):
+@pytest.mark.parametrize("operands", ["values", "packed"])
+def test_triton_equals_reference(policy, causal, operands, monkeypatch):
+    monkeypatch.setattr(attention, "QKV_OPERANDS", operands)   # both ways the kernels read Q, K, V
     q, k, v, do = _inputs(B=1, H=2, Hkv=1, T=70, D=64, seed=11)
     v = v + 3.0   # |D_i| >> |dP - D|: a stray P on a padded key (non-causal tail) would own its dS block's amax
     res = {}
@@ -136,7 +139,7 @@ def test_fp4_gradients_vs_float64_fake_quantized(impl):
     keys = attention.sr_keys(seed, B * H).reshape(B, H, 2)
     rows = torch.arange(T)
     ds_q = attention.fake_quantize_rows16(ds64, sg, "sr", attention.sr_uniforms(keys[..., 0], rows, rows, T)) * sg
-    u_k = attention.sr_uniforms(keys[..., 1], rows, rows, T).transpose(-1, -2)
+    u_k = attention.sr_uniforms(keys[..., 1], rows, rows, T, query_pairs=True).transpose(-1, -2)
     ds_k = (attention.fake_quantize_rows16(ds64.transpose(-1, -2), sg, "sr", u_k) * sg).transpose(-1, -2)
     k64 = kh.detach().repeat_interleave(G, 1)
     dq64 = ds_q.double() @ k64 / math.sqrt(D)
@@ -173,16 +176,18 @@ def test_forward_backward_consistency():
 @triton.jit
 def _quant_tile_kernel(X, U, OUT, SG, R: tl.constexpr, C: tl.constexpr, SR: tl.constexpr):
     r = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
-    out = fa._fake_quant_rows16(tl.load(X + r), tl.load(SG), tl.load(U + r), R, C, SR)
+    # uniforms on torch.rand's 2^-24 grid -> the random words the kernels draw (exactly the same decisions)
+    out = fa._fake_quant_rows16(tl.load(X + r), tl.load(SG), nq._noise_bits(tl.load(U + r)), R, C, SR)
     tl.store(OUT + r, out)
 
 
 @triton.jit
-def _uniform_kernel(KEY, OUT, T, R: tl.constexpr, C: tl.constexpr):
+def _uniform_kernel(KEY, OUT, T, R: tl.constexpr, C: tl.constexpr, QUERY_PAIRS: tl.constexpr):
+    # the tile (R, C) is (queries, keys), or (keys, queries) with QUERY_PAIRS; u = (word >> 8) * 2^-24
+    word = fa._random_words(tl.load(KEY).to(tl.uint32, bitcast=True), tl.arange(0, R), 0, T, R, C, QUERY_PAIRS)
     i = tl.arange(0, R)
     j = tl.arange(0, C)
-    u = fa._uniform(tl.load(KEY).to(tl.uint32, bitcast=True), i[:, None], j[None, :], T)
-    tl.store(OUT + i[:, None] * C + j[None, :], u)
+    tl.store(OUT + i[:, None] * C + j[None, :], (word >> 8).to(tl.float32) * 5.960464477539063e-08)
 
 
 def _hard_tile(R=8, C=64, seed=0, device="cpu"):
@@ -225,9 +230,13 @@ def test_sr_uniforms_kernel_equals_torch_and_unbiased():
     keys = attention.sr_keys(123, 3)
     out = torch.empty(8, 32)
     key32 = attention._as_int32(keys[2:3, 1])
-    _uniform_kernel[(1,)](key32, out, 77, 8, 32)
+    _uniform_kernel[(1,)](key32, out, 77, 8, 32, False)
     mirror = attention.sr_uniforms(keys[2, 1], torch.arange(8), torch.arange(32), 77)
     assert torch.equal(out, mirror)
+    _uniform_kernel[(1,)](key32, out, 77, 8, 32, True)   # dS^T tile (keys, queries): pairs along the queries
+    mirror = attention.sr_uniforms(keys[2, 1], torch.arange(32), torch.arange(8), 77, query_pairs=True)
+    assert torch.equal(out, mirror.t())
+    assert len(torch.unique(mirror)) == mirror.numel()   # 16 bits each, no two alike here
     u = attention.sr_uniforms(keys[:, 0], torch.arange(256), torch.arange(256), 256)   # (3, 256, 256)
     assert abs(u.mean().item() - 0.5) < 3e-3 and u.min() >= 0 and u.max() < 1
     assert abs(torch.corrcoef(torch.stack([u[0].flatten(), u[1].flatten()]))[0, 1].item()) < 0.01
@@ -318,8 +327,10 @@ def test_gpu_bf16_equals_sdpa(T):
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", FP4_POLICIES)
 @pytest.mark.parametrize("dq_mode", ["atomic", "separate"])
-def test_gpu_triton_equals_reference(policy, dq_mode, monkeypatch):
+@pytest.mark.parametrize("operands", ["values", "packed"])
+def test_gpu_triton_equals_reference(policy, dq_mode, operands, monkeypatch):
     monkeypatch.setattr(fa, "DQ_MODE", dq_mode)  # both backward variants at full size (separate: 25% faster for fp4)
+    monkeypatch.setattr(attention, "QKV_OPERANDS", operands)
     q, k, v, do = _inputs(B=1, H=8, Hkv=4, T=1024, D=128, dtype=torch.bfloat16, device="cuda")
     res = {}
     for impl in ("reference", "triton"):
