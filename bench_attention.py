@@ -40,6 +40,9 @@ def main():
     ap.add_argument("--sweep", action="store_true", default=not dry)
     ap.add_argument("--no-sweep", dest="sweep", action="store_false")
     ap.add_argument("--budget", type=float, default=100.0, help="seconds for the config sweep")
+    ap.add_argument("--sweep_only", action="store_true", help="only the config sweep (no other timings)")
+    ap.add_argument("--sweep_variants", default="bf16,fp4,fp4_values",
+                    help="operands the sweep times: bf16, fp4 (packed Q/K/V), fp4_values (bf16 grid values)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--dry", action="store_true", help="CPU smoke run of this script (interpreter, tiny shapes)")
     args = ap.parse_args()
@@ -72,6 +75,8 @@ def main():
 
     def timed(name, fwd, passes=("fwd", "fwd+bwd")):
         row = {"name": name}
+        if args.sweep_only:
+            return row
         for kind in passes:
             try:
                 if kind == "fwd":
@@ -140,7 +145,7 @@ def main():
     attention.QKV_OPERANDS = default_operands
 
     # --- where the GPU time of one fp4 / bf16 fwd+bwd goes (kernel times summed by name) and the GPU-busy share
-    if not args.dry:
+    if not args.dry and not args.sweep_only:
         from torch.profiler import ProfilerActivity, profile
         for policy in ("bf16", "fp4"):
             def step(p=policy):
@@ -179,6 +184,8 @@ def main():
     ds_scale = attention.ds_global_scale(do_norm, vq.global_scale * 2688.0, delta, D, H // Hkv).reshape(-1)
 
     def bench_kernel(name, fn, kind):
+        if args.sweep_only:
+            return {}
         try:
             ms = triton.testing.do_bench(fn, warmup=25, rep=100)
             row = {"name": name, kind + "_ms": ms, kind + "_tflops": flops[kind] / ms / 1e9}
@@ -207,14 +214,15 @@ def main():
             *plain, ones, shape, do, lse_b, delta, None, None, None, None, causal, sm, dt, dq_mode=m), "bwd")
     bench_kernel("fp4 dS in bf16: bwd", lambda: fa.flash_backward(*ops, scales, shape, do, lse, delta, None, None,
                                                                    None, None, causal, sm, dt), "bwd")
-    ms = triton.testing.do_bench(lambda: [nvfp4.quantize(x.detach(), (1, 16), "rtn") for x in (q, k, v)])
-    result["quantize_qkv_ms"] = ms
-    print(f"quantize Q, K, V: {ms:.3f} ms")
-    from kernels.nvfp4_quant import quantize_dequant
-    ms = triton.testing.do_bench(lambda: [quantize_dequant(x.detach(), (1, 16), "rtn", return_tensor=True)
-                                          for x in (q, k, v)])
-    result["quantize_qkv_values_ms"] = ms
-    print(f"quantize Q, K, V (codes + bf16 values): {ms:.3f} ms")
+    if not args.sweep_only:
+        ms = triton.testing.do_bench(lambda: [nvfp4.quantize(x.detach(), (1, 16), "rtn") for x in (q, k, v)])
+        result["quantize_qkv_ms"] = ms
+        print(f"quantize Q, K, V: {ms:.3f} ms")
+        from kernels.nvfp4_quant import quantize_dequant
+        ms = triton.testing.do_bench(lambda: [quantize_dequant(x.detach(), (1, 16), "rtn", return_tensor=True)
+                                              for x in (q, k, v)])
+        result["quantize_qkv_values_ms"] = ms
+        print(f"quantize Q, K, V (codes + bf16 values): {ms:.3f} ms")
 
     # --- summary against the targets
     summary = {"default_dq_mode": fa.DQ_MODE}
@@ -238,14 +246,17 @@ def main():
             "fwd": [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3), dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
                     dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
                     dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4)],
-            "dkdv": [dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2), dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=3),
-                     dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3),
-                     dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=4)],
+            "dkdv": [dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2), dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=2),
+                     dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=4),
+                     dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2),
+                     dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=3)],
             "dq": [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2), dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=3),
                    dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
-                   dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=4)],
+                   dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=4), dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4)],
         }
-        variants = {"bf16": (plain, ones, lse_b, None, None), "fp4": (ops, scales, lse, ds_scale, keys)}
+        variants = {"bf16": (plain, ones, lse_b, None, None), "fp4": (ops, scales, lse, ds_scale, keys),
+                    "fp4_values": (values, scales, lse, ds_scale, keys)}
+        variants = {name: variants[name] for name in args.sweep_variants.split(",")}
         for kind, configs in cands.items():
             for cfg in configs:
                 for vname, (operands, sc, lse_v, dss, ks) in variants.items():
