@@ -60,7 +60,8 @@ def main():
               "flop_formula": "fwd = 2*2*B*H*T^2*D/2 (causal), bwd = 2.5*fwd, fwd+bwd = 3.5*fwd",
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "configs": {"fwd": fa.FWD_CONFIG, "fwd_packed": fa.FWD_CONFIG_PACKED, "dkdv": fa.DKDV_CONFIG,
-                          "dkdv_quant_ds": fa.DKDV_CONFIG_QUANT_DS, "dq": fa.DQ_CONFIG}, "rows": []}
+                          "dkdv_quant_ds": fa.DKDV_CONFIG_QUANT_DS, "dq": fa.DQ_CONFIG,
+                          "dq_quant_ds": fa.DQ_CONFIG_QUANT_DS}, "rows": []}
 
     def save():
         if args.out:
@@ -267,11 +268,11 @@ def main():
                         fl = flops["fwd"]
                     elif kind == "dkdv":
                         fn = lambda: fa.flash_backward(*operands, sc, shape, do, lse_v, delta, None, None, dss, ks,
-                                                       causal, sm, dt, dkdv_config=cfg, dq_config=fa.DQ_CONFIG)
+                                                       causal, sm, dt, dkdv_config=cfg)
                         fl = flops["bwd"]
                     else:
                         fn = lambda: fa.flash_backward(*operands, sc, shape, do, lse_v, delta, None, None, dss, ks,
-                                                       causal, sm, dt, dkdv_config=fa.DKDV_CONFIG, dq_config=cfg,
+                                                       causal, sm, dt, dq_config=cfg,
                                                        dq_mode="separate")
                         fl = flops["bwd"]
                     try:

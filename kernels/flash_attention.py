@@ -447,14 +447,19 @@ def _attn_bwd_dq(Q, Qs, K, Ks, V, Vs, SG, DO, DOQ, LSE, DELTA, SGDS, KEYS, DQ, T
 # bands need the larger of the two to be a multiple of the smaller. The forward's BLOCK_N is also the tile
 # the reference uses for quantized P (fp4_pv, fp4_all), where it changes the numbers (P~ is relative to the
 # running max); every other policy gives the same numbers for any tiles (up to summation order).
-FWD_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+# bf16 operands (the bf16 policy, and fp4's grid values): 0.343 vs 0.376 ms at 128 x 64 / 8 warps (H200 sweep,
+# results/h200_run8/call2); dQ pass with 3 stages 1.18 vs 1.27 ms with 2 (whole bf16 backward, h200_run6/call1)
+FWD_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
 # packed (NVFP4) Q, K, V: 4 warps, 0.755 vs 0.861 ms at the benchmark shape on the H200 (config sweep, 2026-11-29)
 FWD_CONFIG_PACKED = dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
 DKDV_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2)
-# packed with dS quantized: 32-query tiles. The dS quantization's temporaries on (128, 64) tiles spill (sm_90
-# compile: 373 spill stores at 64 x 128, 116 at 32 x 128); H200 fp4 backward 4.33 vs 4.44 ms (2026-11-29)
-DKDV_CONFIG_QUANT_DS = dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=2)
-DQ_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
+DQ_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+# dS quantized in registers: smaller tiles, 4 warps. The quantization's temporaries next to a 128-key tile's dK
+# and dV accumulators spill, and each thread holds 4 elements of every 16-element block whatever the tile, so
+# small tiles lose nothing (H200 sweep, bench_attention.py, results/h200_run8/call2: whole fp4 backward with
+# grid-value operands 2.64 ms at 32 x 64 vs 2.92 at 32 x 128 / 8 warps; dQ pass 64 x 32 2.67 vs 2.89 at 128 x 64)
+DKDV_CONFIG_QUANT_DS = dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3)
+DQ_CONFIG_QUANT_DS = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=4)
 P_BLOCK_N = FWD_CONFIG["BLOCK_N"]
 # "separate": the fp4 backward kernels 4.33 vs 5.26 ms with atomic dQ on the H200 (bf16 1.26 vs 1.31), deterministic
 DQ_MODE = "separate"
@@ -540,7 +545,7 @@ def flash_backward(q, k, v, scales, shape, do, lse, delta, do_dov, do_pdo, ds_sc
                          **flags, **meta)
     if atomic:
         return dq_acc.to(dtype), dk, dv
-    meta = _meta(dtype, "dq", dq_config or DQ_CONFIG, D, packed, quant_ds)
+    meta = _meta(dtype, "dq", dq_config or (DQ_CONFIG_QUANT_DS if quant_ds else DQ_CONFIG), D, packed, quant_ds)
     grid = (triton.cdiv(T, meta["BLOCK_M"]), B * H)
     _attn_bwd_dq[grid](qc, qs, kc, ks, vc, vs, scales, do, do_dov, lse, delta, ds_scale, keys, dq,
                        T, H, H // Hkv, sm_scale * LOG2E, sm_scale, **flags, **meta)

@@ -6,7 +6,8 @@
 #   diag        scripts/gpu_diag.py: every NVFP4 primitive vs the CPU reference + timings + quantize tile sweep
 #   lora_debug  scripts/debug_lora_fused.py: the Triton LoRA epilogue route per config at the toy shapes
 #   smoke       toy fullstack (AdamW and Root), 30 steps each: the main recipe trains on this GPU
-#   bench       bench_{optim,lora_svd,nvfp4,attention}.py (JSON into bench_json.tgz; BENCHES: a subset)
+#   bench       bench_{optim,lora_svd,nvfp4,attention}.py (JSON into bench_json.tgz; BENCHES: a subset;
+#               ATTN_BENCH_ARGS: extra flags for bench_attention.py, e.g. --no-sweep)
 #   profile     scripts/profile_step.py for toy fullstack (AdamW, Root) and bf16: where a step's time goes
 #               (PROFILE_RUNS: recipe:optimizer items; PROFILE_ARGS: e.g. "--config 1b --batch_size 8 --seq_len 2048")
 #   hostprof    scripts/host_profile.py: cProfile of the host enqueueing NVFP4Linear fwd+bwd (launch overhead)
@@ -52,7 +53,8 @@ for stage in $stages; do
     bench) mkdir -p bench_json
            for b in ${BENCHES:-bench_optim bench_lora_svd bench_nvfp4 bench_attention}; do
              echo "== $b ($(date +%T))" >> "$log"
-             timeout "$(left 240)" python $b.py --out bench_json/$b.json 2>&1 | tail -60 >> "$log"
+             extra=""; [ "$b" = bench_attention ] && extra=${ATTN_BENCH_ARGS:-}
+             timeout "$(left 240)" python $b.py --out bench_json/$b.json $extra 2>&1 | tail -60 >> "$log"
            done
            tar czf "$OUT/${STREAM}_bench_json.tgz" bench_json ;;
     profile) for ro in ${PROFILE_RUNS:-fullstack:adamw fullstack:root bf16:adamw}; do
