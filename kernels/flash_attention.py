@@ -11,6 +11,9 @@ one of the 3 passes that reads Q, K and V) and dequantizes in registers to q * s
 (at most 6 significant bits); the per-tensor global scales multiply the fp32 accumulators afterwards. On Hopper
 this is the same arithmetic a native NVFP4 tensor-core GEMM does, up to summation order (DESIGN.md). On
 Blackwell, `tl.dot_scaled` with e2m1 operands and e4m3 scales would be the native path; untested here.
+attention.QKV_OPERANDS chooses between these packed operands and bf16 grid values q * s_b written by the quantize
+pass (PACKED=False: the bf16 kernels with the global scales applied): the default on Hopper, where the decode
+competes with the matmuls for issue slots (H200 fp4 fwd+bwd 3.1 vs 5.0 ms).
 
 In-register quantization (`_fake_quant_rows16`): tiles of P (fp4_pv / fp4_all) and dS are quantized in 1x16
 blocks along the tile's last dim with nvfp4_quant's block scale and correctly rounded divisions (nvfp4.quantize's

@@ -120,3 +120,17 @@ if __name__ == "__main__":
     k = compile_sm90(nq._dequantize_kernel, dict(dq_types, codes_ptr="*u8"),
                      dict(BN=256, SBN=1, APPLY_GLOBAL=False, ROUND_BF16=True), ("M", "N"), 4)
     sass_stats(k, 16 * 256, 4, "dequantize 16x1 -> bf16 grid values")
+    # the flash attention dQ pass (bf16 / grid-value operands) with and without dS quantized in registers: the
+    # difference is the in-register quantization's cost (two unrolled copies of the loop body: masked, unmasked)
+    import triton.language as tl
+    from kernels import flash_attention as fa
+    fa_types = {n: "*bf16" for n in ("Q", "K", "V", "DO", "DOQ", "DQ")}
+    fa_types.update(Qs="*u8", Ks="*u8", Vs="*u8", SG="*fp32", LSE="*fp32", DELTA="*fp32", SGDS="*fp32",
+                    KEYS="*i32", qk_scale="fp32", sm_scale="fp32")
+    cfg = fa.DQ_CONFIG  # one tile for both (the dS-quantizing default is smaller: fa.DQ_CONFIG_QUANT_DS)
+    for quant_ds in (False, True):
+        ce = dict(D=128, QD=128, CAUSAL=True, PACKED=False, QUANT_DS=quant_ds, QUANT_DOV=False, DTYPE=tl.bfloat16,
+                  QK_DTYPE=tl.bfloat16, PREC="tf32", EMU=False, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
+        k = compile_sm90(fa._attn_bwd_dq, fa_types, ce, ("T",), cfg["num_warps"])
+        sass_stats(k, cfg["BLOCK_M"] * cfg["BLOCK_N"], cfg["num_warps"],
+                   f"attention dQ pass {cfg['BLOCK_M']}x{cfg['BLOCK_N']}" + (", dS quantized (SR)" if quant_ds else ""))
