@@ -336,43 +336,46 @@ class _NVFP4LinearFn(torch.autograd.Function):
         if _grid_value_route(x2):
             from kernels.nvfp4_quant import quantize_dequant
             from kernels.nvfp4_gemm import grid_values_mm
-            # one pass each writes the packed tensor (kept) and the bf16 grid values (multiplied)
+            # one pass writes the packed X (kept) and its bf16 grid values (multiplied). W's grid values are
+            # kept for dX, which reuses this quantization (2 bytes/param until the backward, like autocast's
+            # cached bf16 weight copies): no packed W and no second decoding pass.
             xv, s_gx, xq = quantize_dequant(x2, (1, 16), "rtn", four_over_six, return_tensor=True,
                                            name="activation X")
-            wv, s_gw, wq = quantize_dequant(w, (16, 16), "rtn", four_over_six, return_tensor=True,
-                                           name="weight W")
+            wv, s_gw = quantize_dequant(w, (16, 16), "rtn", four_over_six, name="weight W")
             y = grid_values_mm(xv, wv.t(), s_gx, s_gw, x.dtype)                       # (T, out)
+            ctx.w_used = (wv, s_gw)
         else:
             xq = quantize(x2, (1, 16), "rtn", four_over_six, name="activation X")       # Q1x16(X), RTN
             wq = quantize(w, (16, 16), "rtn", four_over_six, name="weight W")          # Q16x16(W), RTN
             y = nvfp4_matmul(xq, wq, out_dtype=x.dtype)                                 # (T, out)
+            ctx.w_used = wq
         # Save the packed 4-bit X (not X): that is where FP4 training saves activation memory.
-        ctx.xq, ctx.wq, ctx.four_over_six, ctx.x_shape = xq, wq, four_over_six, x.shape
+        ctx.xq, ctx.four_over_six, ctx.x_shape = xq, four_over_six, x.shape
         ctx.weight_dtype = weight.dtype
         return y.reshape(*x.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx, dy):
-        xq, wq, fos = ctx.xq, ctx.wq, ctx.four_over_six
+        xq, w_used, fos = ctx.xq, ctx.w_used, ctx.four_over_six
         dy2 = dy.reshape(-1, dy.shape[-1])                                                 # (T, out)
         dx = dw = None
         seed = H = amax_dy = amax_dyh = None
         if _grid_value_route(dy2) and all(ctx.needs_input_grad[:2]):
             seed, H, amax_dy, amax_dyh = backward_draws(dy2)
         if ctx.needs_input_grad[0]:
-            if _grid_value_route(dy2):
-                from kernels.nvfp4_quant import grid_values_bf16, quantize_dequant
+            if isinstance(w_used, tuple):   # the grid-value route: W's forward values, bf16
+                from kernels.nvfp4_quant import quantize_dequant
                 from kernels.nvfp4_gemm import grid_values_mm
                 dyv, s_g = quantize_dequant(dy2, (1, 16), "sr", fos, seed=sr_seed() if seed is None else seed,
                                             global_amax=amax_dy, name="gradient dY")
-                dx = grid_values_mm(dyv, grid_values_bf16(wq), s_g, wq.global_scale, dy.dtype)
+                dx = grid_values_mm(dyv, w_used[0], s_g, w_used[1], dy.dtype)          # Q16x16(W) reused
             else:
                 dyq = quantize(dy2, (1, 16), "sr", fos, name="gradient dY")             # Q1x16(dY), SR
-                dx = nvfp4_matmul(dyq, wq, dy.dtype, trans_b=True)                      # Q16x16(W) reused
+                dx = nvfp4_matmul(dyq, w_used, dy.dtype, trans_b=True)                  # Q16x16(W) reused
             dx = dx.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             dw = wgrad(dy2, xq, fos, hadamard=H, dy_global_amax=amax_dyh, out_dtype=ctx.weight_dtype)
-        ctx.xq = ctx.wq = None
+        ctx.xq = ctx.w_used = None
         return dx, dw, None
 
 

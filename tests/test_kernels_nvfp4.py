@@ -560,6 +560,8 @@ def test_gpu_linear_grid_value_route_matches_the_reference():
     xq_ref = nvfp4._quantize_reference(x.detach().cpu(), (1, 16), "rtn", False, None)
     wq_ref = nvfp4._quantize_reference(layer.weight.detach().cpu(), (16, 16), "rtn", False, None)
     _same(y.grad_fn.xq, xq_ref)
+    wv, s_gw = y.grad_fn.w_used   # W's forward grid values, kept for dX (Q16x16(W) reused, not re-decoded)
+    assert torch.equal(wv.cpu(), wq_ref.grid_values().bfloat16()) and torch.equal(s_gw.cpu(), wq_ref.global_scale)
     ref = xq_ref.dequantize().double() @ wq_ref.dequantize().double().t()
     err = (y.detach().cpu().double() - ref).abs()
     assert (err <= 2 ** -7 * ref.abs() + 1e-6 * ref.abs().max()).all(), err.max()
