@@ -355,6 +355,8 @@ def attention(q, k, v, causal=True, policy="fp4", impl="auto"):
         raise ValueError(f"attention: policy must be one of {list(POLICIES)}, got {policy!r}")
     if impl not in ("auto", "reference", "triton"):
         raise ValueError(f"attention: impl must be 'auto', 'reference' or 'triton', got {impl!r}")
+    if QKV_OPERANDS not in ("values", "packed"):
+        raise ValueError(f"attention: QKV_OPERANDS must be 'values' or 'packed', got {QKV_OPERANDS!r}")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != 4 or not x.is_floating_point():
             raise ValueError(f"attention: {name} must be a 4-D float tensor (B, heads, T, D), got "

@@ -286,6 +286,13 @@ def test_bad_flags_raise():
         attention.attention(q * float("nan"), k, v, policy="fp4")
 
 
+def test_unknown_operand_form_raises(monkeypatch):
+    q = torch.randn(1, 2, 16, 64)
+    monkeypatch.setattr(attention, "QKV_OPERANDS", "fp8")
+    with pytest.raises(ValueError, match="QKV_OPERANDS"):
+        attention.attention(q, q[:, :1], q[:, :1])
+
+
 # ----------------------------------------------------------------------------------------------------------
 # App. 10 and Fig. 5 as numbers
 
