@@ -90,9 +90,12 @@ def main():
     # the wgrad operand Q16x1(H^T Q1x16(X)) as NVFP4Linear makes it: dequantize the saved X to bf16, then the
     # SR + Hadamard 16x1 quantization writing the cuBLAS operand (bf16 grid values)
     xq = kq.quantize(x, (1, 16))
+    # eq. 2's X operand from the saved packed X, both ways (kq.READ_PACKED_X picks what nvfp4.wgrad runs)
     ms = bench(lambda: kq.quantize_dequant(kq.dequantize(xq, torch.bfloat16), (16, 1), "sr", hadamard=H), args.dry)
     row("quantize", "wgrad X: dequantize + SR+RHT 16x1 -> bf16 values (+amax)", ms, "ms", ms)
-    ms = bench(lambda: kq.quantize_dequant(xq, (16, 1), "sr", hadamard=H), args.dry)  # what nvfp4.wgrad runs
+    read_packed, kq.READ_PACKED_X = kq.READ_PACKED_X, True
+    ms = bench(lambda: kq.quantize_dequant(xq, (16, 1), "sr", hadamard=H), args.dry)
+    kq.READ_PACKED_X = read_packed
     row("quantize", "wgrad X: SR+RHT 16x1 from the packed X -> bf16 values (+amax)", ms, "ms", ms)
     ms = bench(lambda: kq.quantize_dequant(x, (1, 16), global_amax=amax), args.dry)
     row("quantize", "RTN 1x16 -> bf16 grid values kernel", ms, "GB/s", 2 * x.nbytes / ms / 1e6,

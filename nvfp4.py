@@ -408,7 +408,8 @@ def wgrad(dy, xq, four_over_six=False, hadamard=None, dy_global_amax=None, out_d
         from kernels.nvfp4_gemm import grid_values_mm
         dyv, s_gdy = quantize_dequant(dy, (16, 1), "sr", four_over_six, seed=sr_seed(), hadamard=H,
                                       global_amax=dy_global_amax, name="gradient dY")        # (T, out)
-        # X-hat = xq.dequantize(dy.dtype), decoded in the kernel's registers from the packed xq
+        # X-hat = xq.dequantize(dy.dtype): a dequantize pass, then the 16x1 kernel (kernels.nvfp4_quant.READ_PACKED_X
+        # decodes the packed xq inside that kernel instead: less memory, slower on the H200)
         xv, s_gx = quantize_dequant(xq, (16, 1), "sr", four_over_six, seed=sr_seed(), hadamard=H,
                                     name="activation Q(X)", source_dtype=dy.dtype)           # (T, in)
         return grid_values_mm(dyv.t(), xv, s_gdy, s_gx, out_dtype)                          # (out, in)

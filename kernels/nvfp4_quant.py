@@ -766,10 +766,17 @@ def _rows_launch(x3, amax, hadamard, noise, four_over_six, seed, rounding="rtn",
     return partial.amax() if amax_only else None
 
 
+# Eq. 2's Q16x1(H^T Q1x16(X)) from the saved packed X: True decodes it inside the cols kernel (no bf16 X-hat
+# temporary in the backward: 2 bytes/element less transient memory), False dequantizes it first (one more pass).
+# The H200 timed the separate pass faster, 0.302-0.305 vs 0.340-0.342 ms at 8192^2 (bench_nvfp4.py,
+# results/h200_run8/call1 and call6: the cols kernel is instruction-bound and the decode adds to it).
+READ_PACKED_X = False
+
+
 def _reads_packed(t, block, noise):
     # the cols kernel decodes a packed 1x16 source in registers (eq. 2's Q16x1(H^T Q1x16(X))); else dequantize first
-    return tuple(t.block) == (1, 16) and tuple(block) == (16, 1) and noise is None and TILE_OVERRIDE is None \
-        and t.shape[-2] % 16 == 0
+    return READ_PACKED_X and tuple(t.block) == (1, 16) and tuple(block) == (16, 1) and noise is None \
+        and TILE_OVERRIDE is None and t.shape[-2] % 16 == 0
 
 
 def _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, noise, write_codes, write_values, name,
@@ -836,7 +843,7 @@ def quantize(x, block=(1, 16), rounding="rtn", four_over_six=False, seed=0, hada
     block's 16-long dim (x·H for 1x16, H^T·x for 16x1).
     global_amax: max |x| (of x·H with hadamard) if the caller already has it; else one extra read pass.
     x may also be a packed 1x16 nvfp4.NVFP4Tensor: its values x.dequantize(source_dtype) are quantized; with a
-    (16, 1) block the kernel decodes them in registers (eq. 2's Q16x1(H^T Q1x16(X)) reads the saved X packed)."""
+    (16, 1) block and READ_PACKED_X the kernel decodes them in registers (eq. 2's Q16x1(H^T Q1x16(X)))."""
     t, _, _ = _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, noise, True, False, name,
                    source_dtype)
     return t
