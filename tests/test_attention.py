@@ -82,6 +82,23 @@ def test_triton_equals_reference(policy, causal, operands, monkeypatch):
     assert all(_rel(a, b) > 1e-2 for a, b in zip(res["reference"], exact))
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_triton_on_the_gpu_tiles_equals_reference(causal, monkeypatch):
+    # the interpreter normally runs small tiles; here the GPU's own tile shapes for the fp4 policy (forward 64 x 64,
+    # dK/dV 32 x 64, dQ 64 x 32: causal bands where the query and key tiles differ) on a T that none divides
+    monkeypatch.setattr(fa, "INTERPRET_CONFIGS", {
+        "fwd": {k: fa.FWD_CONFIG[k] for k in ("BLOCK_M", "BLOCK_N")},
+        "dkdv": {k: fa.DKDV_CONFIG_QUANT_DS[k] for k in ("BLOCK_M", "BLOCK_N")},
+        "dq": {k: fa.DQ_CONFIG_QUANT_DS[k] for k in ("BLOCK_M", "BLOCK_N")}})
+    q, k, v, do = _inputs(B=1, H=2, Hkv=1, T=100, D=64, seed=17)
+    res = {}
+    for impl in ("reference", "triton"):
+        torch.manual_seed(3)
+        res[impl] = _run(lambda *x: attention.attention(*x, causal=causal, policy="fp4", impl=impl), q, k, v, do)
+    for name, a, b in zip("o dq dk dv".split(), res["triton"], res["reference"]):
+        assert _rel(a, b) < 1e-5, (name, _rel(a, b))
+
+
 @pytest.mark.parametrize("policy,causal", [("fp4", True), ("fp4_dov", False)])
 def test_triton_atomic_dq_equals_reference(policy, causal, monkeypatch):
     # the other backward (the default is a separate dQ pass that recomputes S, P, dP): dQ added with atomics

@@ -154,10 +154,12 @@ def test_four_over_six_error_sum_is_the_fixed_pairwise_tree(block):
 
 def test_markstein_division_step_is_correctly_rounded():
     """The GPU path of kq._div_by (the interpreter cannot run it: its fma rounds twice): q = RN(x / den)
-    from inv = RN(1 / den) with one fma correction (emulated in float64: exact products), equals true division."""
+    from inv = RN(1 / den) with one fma correction (emulated in float64: exact products), equals true division.
+    Per-block divisors, and the block scale's constant ones (kq._block_scale: amax / 6, then / s_g)."""
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(2_000_000, generator=g) * torch.exp(3 * torch.randn(2_000_000, generator=g))).abs()
     den = (torch.rand(2_000_000, generator=g) + 0.5) * torch.exp2(torch.randint(-40, 20, (2_000_000,), generator=g).float())
+    den[:300_000], den[300_000:400_000] = 6.0, 4.0
     inv = 1.0 / den                                                            # RN(1 / den), fp32
     q = x * inv
     r = (x.double() - q.double() * den.double()).float()                      # exact (fma): representable
