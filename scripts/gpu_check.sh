@@ -9,7 +9,8 @@
 #   bench       bench_{optim,lora_svd,nvfp4,attention}.py (JSON into bench_json.tgz; BENCHES: a subset;
 #               ATTN_BENCH_ARGS: extra flags for bench_attention.py, e.g. --no-sweep)
 #   profile     scripts/profile_step.py for toy fullstack (AdamW, Root) and bf16: where a step's time goes
-#               (PROFILE_RUNS: recipe:optimizer items; PROFILE_ARGS: e.g. "--config 1b --batch_size 8 --seq_len 2048")
+#               (PROFILE_RUNS: recipe:optimizer items; PROFILE_ARGS: e.g. "--config 1b --batch_size 8 --seq_len 2048";
+#               PROFILE_CAP: seconds per run, default 200: a 1b fullstack profile needs more)
 #   hostprof    scripts/host_profile.py: cProfile of the host enqueueing NVFP4Linear fwd+bwd (launch overhead)
 #   sweep       scripts/sweep_cols.py: the 16x1 quantize kernel's (warps, register cap) against time
 #   perf        toy fullstack/adamw 60 steps of 16 x 1024 without and with --compile (tokens/s, MFU, memory)
@@ -59,7 +60,7 @@ for stage in $stages; do
            tar czf "$OUT/${STREAM}_bench_json.tgz" bench_json ;;
     profile) for ro in ${PROFILE_RUNS:-fullstack:adamw fullstack:root bf16:adamw}; do
                IFS=: read -r recipe opt <<< "$ro"
-               timeout "$(left 200)" python scripts/profile_step.py --recipe $recipe --optimizer $opt \
+               timeout "$(left ${PROFILE_CAP:-200})" python scripts/profile_step.py --recipe $recipe --optimizer $opt \
                  ${PROFILE_ARGS:-} >> "$log" 2>&1
              done ;;
     hostprof) timeout "$(left 120)" python scripts/host_profile.py >> "$log" 2>&1 ;;
