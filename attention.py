@@ -103,7 +103,7 @@ def sr_keys(seed, n_heads, device=None):
 
 def sr_uniforms(keys, rows, cols, T, query_pairs=False):
     """U[0, 1) on a 2^-16 grid for dS elements (query rows, key cols) of each head: keys (B, H) -> (B, H, R, C).
-    The kernels' `_random_words`: one fmix32((i * T + j) * golden + key) per pair of neighbours along the keys
+    The kernels' `_ds_random_words`: one fmix32((i * T + j) * golden + key) per pair of neighbours along the keys
     (j even; the dQ pass) or along the queries (i even; the dK pass, query_pairs=True), the even element taking
     the low 16 bits and the odd one the high 16."""
     rows, cols = rows[:, None].long(), cols[None, :].long()

@@ -18,7 +18,7 @@ competes with the matmuls for issue slots (H200 fp4 fwd+bwd 3.1 vs 5.0 ms).
 In-register quantization (`_fake_quant_rows16`): tiles of P (fp4_pv / fp4_all) and dS are quantized in 1x16
 blocks along the tile's last dim with nvfp4_quant's block scale and correctly rounded divisions (nvfp4.quantize's
 formulas), so the torch mirror in attention.py gives the same bits. SR draws 16 random bits per element from a
-counter hash of its (head, query, key) position (`_random_words`), so it does not depend on tile sizes and the
+counter hash of its (head, query, key) position (`_ds_random_words`), so it does not depend on tile sizes and the
 reference reproduces it. In the MMA tiles a thread holds 4 elements of each 16-element block, so the per-block
 work (amax, E4M3 scale, reciprocal) counts as much as the per-element work.
 
@@ -126,7 +126,7 @@ def _fmix32(x):
 
 
 @triton.jit
-def _random_words(key, rows, c0, T, R: tl.constexpr, C: tl.constexpr, QUERY_PAIRS: tl.constexpr):
+def _ds_random_words(key, rows, c0, T, R: tl.constexpr, C: tl.constexpr, QUERY_PAIRS: tl.constexpr):
     """(R, C) random words for SR (nvfp4_quant's convention: the uniform is (word >> 8) * 2^-24) for a dS tile
     whose rows are `rows` and whose last dim runs over c0 + arange(C) (c0 even), of the head whose stream key is
     `key` (uint32). 16 random bits per element: the elements 2j and 2j + 1 along the last dim share one hash of
@@ -280,7 +280,7 @@ def _dkdv_inner(dk, dv, k, v, Q, Qs, DO, DOQ, DOT, LSE, DELTA, DQ, key, key_dq, 
         dsT = pT * (dpT - delta[None, :])                                            # dS = P (dP - D)
         if ATOMIC_DQ:  # dQ += dS K here (fp32 atomics) instead of recomputing S, P, dP in a dQ pass
             if QUANT_DS:   # dQ = dS K contracts over keys: 1x16 blocks of dS along the keys, SR
-                r = _random_words(key_dq, offs_m, tl.program_id(0) * BLOCK_N, T, BLOCK_M, BLOCK_N, False)  # n0
+                r = _ds_random_words(key_dq, offs_m, tl.program_id(0) * BLOCK_N, T, BLOCK_M, BLOCK_N, False)  # n0
                 ds = _fake_quant_rows16(tl.trans(dsT), sg_ds, r, BLOCK_M, BLOCK_N, True)   # (M, N)
                 ds = _op(ds, QK_DTYPE, EMU)
             else:
@@ -288,7 +288,7 @@ def _dkdv_inner(dk, dv, k, v, Q, Qs, DO, DOQ, DOT, LSE, DELTA, DQ, key, key_dq, 
             dq = tl.dot(ds, k, input_precision=PREC) * dq_scale
             tl.atomic_add(DQ + offs_m[:, None] * D + cols[None, :], dq, mask=rmask[:, None], sem="relaxed")
         if QUANT_DS:   # dK = dS^T Q contracts over queries: 1x16 blocks of dS^T along the queries, SR
-            r = _random_words(key, offs_n, start_m, T, BLOCK_N, BLOCK_M, True)
+            r = _ds_random_words(key, offs_n, start_m, T, BLOCK_N, BLOCK_M, True)
             dsT = _fake_quant_rows16(dsT, sg_ds, r, BLOCK_N, BLOCK_M, True)
         dk = tl.dot(_op(dsT, QK_DTYPE, EMU), q, dk, input_precision=PREC)
     return dk, dv
@@ -389,7 +389,7 @@ def _dq_inner(dq, q, do, lse, delta, K, Ks, V, Vs, key, start, end, offs_m, T, s
         dp = tl.dot(do, tl.trans(v), input_precision=PREC) * sg_dp                   # dP = dO V^T
         ds = p * (dp - delta[:, None])
         if QUANT_DS:   # dQ = dS K contracts over keys: 1x16 blocks of dS along the keys, SR
-            r = _random_words(key, offs_m, start_n, T, BLOCK_M, BLOCK_N, False)
+            r = _ds_random_words(key, offs_m, start_n, T, BLOCK_M, BLOCK_N, False)
             ds = _fake_quant_rows16(ds, sg_ds, r, BLOCK_M, BLOCK_N, True)
         dq = tl.dot(_op(ds, QK_DTYPE, EMU), k, dq, input_precision=PREC)
     return dq

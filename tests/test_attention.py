@@ -201,7 +201,7 @@ def _quant_tile_kernel(X, U, OUT, SG, R: tl.constexpr, C: tl.constexpr, SR: tl.c
 @triton.jit
 def _uniform_kernel(KEY, OUT, T, R: tl.constexpr, C: tl.constexpr, QUERY_PAIRS: tl.constexpr):
     # the tile (R, C) is (queries, keys), or (keys, queries) with QUERY_PAIRS; u = (word >> 8) * 2^-24
-    word = fa._random_words(tl.load(KEY).to(tl.uint32, bitcast=True), tl.arange(0, R), 0, T, R, C, QUERY_PAIRS)
+    word = fa._ds_random_words(tl.load(KEY).to(tl.uint32, bitcast=True), tl.arange(0, R), 0, T, R, C, QUERY_PAIRS)
     i = tl.arange(0, R)
     j = tl.arange(0, C)
     tl.store(OUT + i[:, None] * C + j[None, :], (word >> 8).to(tl.float32) * 5.960464477539063e-08)
