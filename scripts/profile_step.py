@@ -32,6 +32,7 @@ def main():
     p.add_argument("--optimizer", default="adamw")
     p.add_argument("--batch_size", type=int, default=16)
     p.add_argument("--seq_len", type=int, default=512)
+    p.add_argument("--grad_accum", type=int, default=1, help="micro-batches a step (the 1b config's own is 64)")
     p.add_argument("--warmup_steps", type=int, default=3)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--trace", default=None, help="write a Chrome trace here")
@@ -42,7 +43,7 @@ def main():
     cuda = a.device == "cuda"
     args = train.parse_args(["--config", a.config, "--recipe", a.recipe, "--optimizer", a.optimizer, "--device",
                              a.device, "--batch_size", str(a.batch_size), "--seq_len", str(a.seq_len),
-                             "--max_steps", "10"])
+                             "--grad_accum", str(a.grad_accum), "--max_steps", "10"])
     train.resolve_args(args, 1)
     linear_policy, attn_policy, state_quant = RECIPES[a.recipe]
     torch.manual_seed(0)
