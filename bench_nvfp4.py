@@ -42,11 +42,26 @@ def bench(fn, dry):
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
+def report(rows, res, out):
+    print(f"{'section':9s} {'case':58s} {'ms':>9s} {'value':>10s} {'ratio':>7s} target")
+    for r in rows:
+        ratio = "" if r["ratio"] is None else f"{r['ratio']:.3f}"
+        tgt = "" if r["target"] is None else f"{'>=' if r['name'].find('NVFP4Linear') < 0 else '<='}{r['target']}" \
+            + (" PASS" if r["passed"] else " FAIL")
+        print(f"{r['section']:9s} {r['name']:58s} {r['ms']:9.3f} {r['value']:8.1f} {r['metric']:7s} {ratio:>7s} {tgt}")
+    res["rows"] = rows
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"wrote {out}")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench_nvfp4.json")
     p.add_argument("--dry", action="store_true", help="tiny shapes on CPU through the interpreter (smoke test)")
     p.add_argument("--model-shapes", action="store_true", help="also the 3B model's FFN GEMMs (more compiles)")
+    p.add_argument("--rows_sweep", action="store_true",
+                   help="only time the 1x16 rows kernel's launch settings (kq.ROWS_LAUNCH) for RTN and SR+RHT")
     args = p.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev == "cpu" and not args.dry:
@@ -79,6 +94,17 @@ def main():
         ("SR+RHT 1x16", dict(block=(1, 16), rounding="sr", hadamard=H), amax_h, 0.65),
         ("SR+RHT 16x1", dict(block=(16, 1), rounding="sr", hadamard=H), None, None),
     ]
+    if args.rows_sweep:  # (blocks per chunk, warps, chunks per program) of _quantize_rows_kernel
+        default = kq.ROWS_LAUNCH
+        for launch in [(256, 8, 1), (128, 4, 1), (256, 8, 2), (256, 8, 4), (128, 4, 4), (256, 8, 8), (128, 4, 8),
+                       (512, 8, 2), (64, 2, 8)]:
+            kq.ROWS_LAUNCH = launch
+            for name, kw, ga, target in cases[:1] + cases[3:4]:
+                ms = bench(lambda: kq.quantize(x, **kw, global_amax=ga), args.dry)
+                bw = (x.nbytes + out_bytes_packed) / ms / 1e6
+                row("rows sweep", f"{name} kernel, ROWS_LAUNCH={launch}", ms, "GB/s", bw, bw / bw_copy, target)
+        kq.ROWS_LAUNCH = default
+        return report(rows, res, args.out)
     for name, kw, ga, target in cases:
         if ga is not None:
             ms = bench(lambda: kq.quantize(x, **kw, global_amax=ga), args.dry)
@@ -207,17 +233,7 @@ def main():
         for k, us, n in kernels[:20]:
             print(f"  {us:8.1f} us  x{n:<3d} {k[:110]}")
 
-    # report ---------------------------------------------------------------------------------------------------
-    print(f"{'section':9s} {'case':58s} {'ms':>9s} {'value':>10s} {'ratio':>7s} target")
-    for r in rows:
-        ratio = "" if r["ratio"] is None else f"{r['ratio']:.3f}"
-        tgt = "" if r["target"] is None else f"{'>=' if r['name'].find('NVFP4Linear') < 0 else '<='}{r['target']}" \
-            + (" PASS" if r["passed"] else " FAIL")
-        print(f"{r['section']:9s} {r['name']:58s} {r['ms']:9.3f} {r['value']:8.1f} {r['metric']:7s} {ratio:>7s} {tgt}")
-    res["rows"] = rows
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
-    print(f"wrote {args.out}")
+    report(rows, res, args.out)
 
 
 if __name__ == "__main__":

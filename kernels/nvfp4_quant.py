@@ -89,16 +89,18 @@ def _div_by(x, den, inv, EXACT_FMA: tl.constexpr):
 
 
 @triton.jit
-def _block_scale(block_amax, s_g, MAX_Q: tl.constexpr, EXACT_FMA: tl.constexpr):
+def _block_scale(block_amax, s_g, MAX_Q: tl.constexpr, EXACT_FMA: tl.constexpr, inv_g=None):
     """A block scale candidate with the block's max mapped to MAX_Q (6; 4 for 4/6's second candidate):
     s_b = e4m3(min(amax_b / MAX_Q / s_g, 448)) (two correctly rounded divisions, RNE to E4M3), its uint8 bits,
     den = s_b * s_g (the elements' divisor, rounded to fp32 first as in the reference) and inv = RN(1 / den) for
     _div_by (0 where den == 0: an all-zero block gives zero codes). The divisors MAX_Q and s_g are the same for
     every block, so both divisions are _div_by's Markstein step on one reciprocal (a division per block costs
     ~4x more: where a thread holds 4 elements of a block, as in the attention kernels' MMA tiles, that mattered).
-    s_g > 0 (nvfp4.global_scale gives 1 for an all-zero tensor)."""
+    s_g > 0 (nvfp4.global_scale gives 1 for an all-zero tensor); inv_g: RN(1 / s_g) if the caller has it."""
+    if inv_g is None:
+        inv_g = tl.div_rn(1.0, s_g)
     t = _div_by(block_amax, MAX_Q, 1.0 / MAX_Q, EXACT_FMA)   # 1 / MAX_Q: RN(1/6) = 0x3E2AAAAB, 1/4 exact
-    t = _div_by(t, s_g, tl.div_rn(1.0, s_g), EXACT_FMA)
+    t = _div_by(t, s_g, inv_g, EXACT_FMA)
     s, bits = _round_to_e4m3(tl.minimum(t, 448.0))
     den = s * s_g
     inv = tl.where(den > 0, tl.div_rn(1.0, tl.where(den > 0, den, 1.0)), 0.0)
@@ -377,69 +379,85 @@ def _quantize_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_ptr, s
 
 @triton.jit(do_not_specialize=["seed"])
 def _quantize_rows_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, values_ptr, part_ptr,
-                          n_blocks, seed, NB: tl.constexpr, FP8_BOUND: tl.constexpr, FOUR_OVER_SIX: tl.constexpr,
-                          SR: tl.constexpr, USE_NOISE: tl.constexpr, HADAMARD: tl.constexpr,
-                          WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr,
+                          n_blocks, seed, NB: tl.constexpr, CHUNKS: tl.constexpr, FP8_BOUND: tl.constexpr,
+                          FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr, USE_NOISE: tl.constexpr,
+                          HADAMARD: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr,
                           EXACT_FMA: tl.constexpr, AMAX_ONLY: tl.constexpr):
-    """_quantize_kernel's arithmetic for the common case, 1x16 blocks of a contiguous x: NB consecutive blocks,
-    held as an (NB, 2, 8) tile (the two 8-element halves of each block) so that the compiler puts one block on
-    each thread: both halves of a block in one thread's registers, its amax, scale and division constants
-    computed once (with the blocks as (NB, 16) rows a block spanned two threads, which both computed its scale),
-    its 16 codes stored as two int32 words (8 codes each, element 0 in the low nibble: little-endian, the same
-    bytes) without a shared-memory shuffle. Same results bit for bit (same operations per element; SR: the same
-    Philox counters, element index // 4). AMAX_ONLY: the global-amax pre-pass over the same (rotated) values."""
+    """_quantize_kernel's arithmetic for the common case, 1x16 blocks of a contiguous x: CHUNKS chunks of NB
+    consecutive blocks per program, each held as an (NB, 2, 8) tile (the two 8-element halves of each block) so that
+    the compiler puts one block on each thread: both halves of a block in one thread's registers, its amax, scale
+    and division constants computed once (with the blocks as (NB, 16) rows a block spanned two threads, which both
+    computed its scale), its 16 codes stored as two int32 words (8 codes each, element 0 in the low nibble:
+    little-endian, the same bytes) without a shared-memory shuffle. The chunk loop is unrolled with the next chunk's
+    load issued before this chunk's arithmetic (the kernel is instruction-bound: the loads' latency hides behind
+    it), and the global scale's two divisions are done once per program, not once per chunk. Same results bit for
+    bit (same operations per element; SR: the same Philox counters, element index // 4). AMAX_ONLY: the
+    global-amax pre-pass over the same (rotated) values."""
     pid = tl.program_id(0)
-    base = pid.to(tl.int64) * NB                                                 # first block of this program
     blk = tl.arange(0, NB)
-    bmask = blk < n_blocks - base
     # (NB, 2, 8): the halves' dim after the blocks' dim, so Triton's coalescing (dims ordered by contiguity, ties by
     # index) spreads the blocks over the threads and keeps both halves of a block in one thread
     half = tl.arange(0, 2)[None, :, None]
     offs = blk[:, None, None] * 16 + half * 8 + tl.arange(0, 8)[None, None, :]  # (NB, 2, 8) int32: element offsets
-    mask = bmask[:, None, None]
-    x = tl.load(x_ptr + base * 16 + offs, mask=mask, other=0.0).to(tl.float32)
-    if HADAMARD:  # x . H on each block (the reference's hadamard_transform(x, H, dim=-1))
-        x = _hadamard16(x.reshape(NB, 16, 1), h_ptr, NB, 1).reshape(NB, 2, 8)
-    ax = tl.abs(x)
-    if AMAX_ONLY:  # (an else branch, not an early return: Triton would still compile the rest for this launch)
-        tl.store(part_ptr + pid, tl.max(tl.max(tl.max(ax, axis=2), axis=1), axis=0))
-    else:
+    first = pid.to(tl.int64) * (NB * CHUNKS)                                     # first block of this program
+    if not AMAX_ONLY:
         amax = tl.load(amax_ptr).to(tl.float32)  # fp32, or bf16 from torch's amax of a bf16 x (exact)
         s_g = tl.where(amax > 0, tl.div_rn(amax, FP8_BOUND * 6.0), 1.0)
+        inv_g = tl.div_rn(1.0, s_g)
         if pid == 0:
             tl.store(gs_out_ptr, s_g)
+    else:
+        run_max = tl.zeros((NB,), dtype=tl.float32)
+    x_next = tl.load(x_ptr + first * 16 + offs, mask=(blk < n_blocks - first)[:, None, None], other=0.0)
+    for c in tl.static_range(CHUNKS):
+        base = first + c * NB
+        bmask = blk < n_blocks - base
+        mask = bmask[:, None, None]
+        x = x_next.to(tl.float32)
+        if c + 1 < CHUNKS:  # prefetch the next chunk (compile-time condition: the loop is unrolled)
+            x_next = tl.load(x_ptr + (base + NB) * 16 + offs, mask=(blk < n_blocks - base - NB)[:, None, None],
+                             other=0.0)
+        if HADAMARD:  # x . H on each block (the reference's hadamard_transform(x, H, dim=-1))
+            x = _hadamard16(x.reshape(NB, 16, 1), h_ptr, NB, 1).reshape(NB, 2, 8)
+        ax = tl.abs(x)
         block_amax = tl.max(tl.max(ax, axis=2), axis=1)                             # (NB,)
-        s_b, bits, den, inv = _block_scale(block_amax, s_g, 6.0, EXACT_FMA)
-        a = tl.minimum(_div_by(ax, den[:, None, None], inv[:, None, None], EXACT_FMA), 6.0)
-        if FOUR_OVER_SIX:  # as in _quantize_kernel: the "max -> 4" candidate wins on a lower RTN error, ties to 6
-            s4, bits4, den4, inv4 = _block_scale(block_amax, s_g, 4.0, EXACT_FMA)
-            a4 = tl.minimum(_div_by(ax, den4[:, None, None], inv4[:, None, None], EXACT_FMA), 6.0)
-            i6, i4 = _rtn_e2m1(a), _rtn_e2m1(a4)
-            d6 = _e2m1_value(i6) * den[:, None, None] - ax
-            d4 = _e2m1_value(i4) * den4[:, None, None] - ax
-            use4 = _half_pair_sum(d4 * d4, NB) < _half_pair_sum(d6 * d6, NB)
-            s_b = tl.where(use4, s4, s_b)
-            bits = tl.where(use4, bits4, bits)
-            a = tl.where(use4[:, None, None], a4, a)
-            rtn_idx = tl.where(use4[:, None, None], i4, i6)                      # = _rtn_e2m1(a), already computed
-        if SR:
-            if USE_NOISE:
-                rand = _noise_bits(tl.load(noise_ptr + base * 16 + offs, mask=mask, other=0.0))
-            else:  # the flat tensor as rows of 16 elements: the same counters (element index // 4)
-                rand = _block_random_words(seed, base + blk, NB)
-            idx = _sr_e2m1(a, rand)
-        elif FOUR_OVER_SIX:
-            idx = rtn_idx
+        if AMAX_ONLY:  # (an else branch, not an early return: Triton would still compile the rest for this launch)
+            run_max = tl.maximum(run_max, block_amax)
         else:
-            idx = _rtn_e2m1(a)
-        if WRITE_CODES:
-            code = idx | ((x < 0).to(tl.int32) << 3)
-            words = tl.sum(code << (tl.arange(0, 8) * 4)[None, None, :], axis=2)                  # (NB, 2)
-            tl.store(codes_ptr + base * 2 + blk[:, None] * 2 + tl.arange(0, 2)[None, :], words, mask=bmask[:, None])
-            tl.store(scales_ptr + base + blk, bits, mask=bmask)
-        if WRITE_VALUES:
-            q = _with_sign(_e2m1_value(idx) * s_b[:, None, None], x)
-            tl.store(values_ptr + base * 16 + offs, q.to(tl.bfloat16), mask=mask)
+            s_b, bits, den, inv = _block_scale(block_amax, s_g, 6.0, EXACT_FMA, inv_g)
+            a = tl.minimum(_div_by(ax, den[:, None, None], inv[:, None, None], EXACT_FMA), 6.0)
+            if FOUR_OVER_SIX:  # as in _quantize_kernel: the "max -> 4" candidate wins on a lower RTN error, ties to 6
+                s4, bits4, den4, inv4 = _block_scale(block_amax, s_g, 4.0, EXACT_FMA, inv_g)
+                a4 = tl.minimum(_div_by(ax, den4[:, None, None], inv4[:, None, None], EXACT_FMA), 6.0)
+                i6, i4 = _rtn_e2m1(a), _rtn_e2m1(a4)
+                d6 = _e2m1_value(i6) * den[:, None, None] - ax
+                d4 = _e2m1_value(i4) * den4[:, None, None] - ax
+                use4 = _half_pair_sum(d4 * d4, NB) < _half_pair_sum(d6 * d6, NB)
+                s_b = tl.where(use4, s4, s_b)
+                bits = tl.where(use4, bits4, bits)
+                a = tl.where(use4[:, None, None], a4, a)
+                rtn_idx = tl.where(use4[:, None, None], i4, i6)                      # = _rtn_e2m1(a), already computed
+            if SR:
+                if USE_NOISE:
+                    rand = _noise_bits(tl.load(noise_ptr + base * 16 + offs, mask=mask, other=0.0))
+                else:  # the flat tensor as rows of 16 elements: the same counters (element index // 4)
+                    rand = _block_random_words(seed, base + blk, NB)
+                idx = _sr_e2m1(a, rand)
+            elif FOUR_OVER_SIX:
+                idx = rtn_idx
+            else:
+                idx = _rtn_e2m1(a)
+            if WRITE_CODES:
+                code = idx | ((x < 0).to(tl.int32) << 3)
+                words = tl.sum(code << (tl.arange(0, 8) * 4)[None, None, :], axis=2)                  # (NB, 2)
+                tl.store(codes_ptr + base * 2 + blk[:, None] * 2 + tl.arange(0, 2)[None, :], words,
+                         mask=bmask[:, None])
+                tl.store(scales_ptr + base + blk, bits, mask=bmask)
+            if WRITE_VALUES:
+                q = _with_sign(_e2m1_value(idx) * s_b[:, None, None], x)
+                tl.store(values_ptr + base * 16 + offs, q.to(tl.bfloat16), mask=mask)
+    if AMAX_ONLY:
+        tl.store(part_ptr + pid, tl.max(run_max, axis=0))
 
 
 @triton.jit(do_not_specialize=["seed"])
@@ -607,7 +625,7 @@ TILE_OVERRIDE = None  # (BM, BN, num_warps) for every dense quantize launch; scr
 # (blocks per program, num_warps) of _quantize_rows_kernel (1x16 blocks, contiguous x). H200 sweep, RTN 1x16 of
 # 16384 x 4096 bf16 (results/h200_run4/g1_diag.log): 256 blocks on 8 warps 89 us (0.49x copy bandwidth), the other
 # five launches 116-145 us; the best tile-kernel launch 115 us (was 142 us before the E2M1 bit tricks).
-ROWS_LAUNCH = (256, 8)
+ROWS_LAUNCH = (256, 8, 1)
 
 
 def _use_rows(x3, block):
@@ -749,9 +767,9 @@ def global_amax_pair(x, hadamard, name="x"):
 def _rows_launch(x3, amax, hadamard, noise, four_over_six, seed, rounding="rtn", codes=None,
                  scales=None, values=None, gs_out=None, amax_only=False):
     """Launch _quantize_rows_kernel over x3's B*M*N/16 blocks (or its amax pre-pass: returns the global amax)."""
-    NB, warps = ROWS_LAUNCH
+    NB, warps, chunks = ROWS_LAUNCH
     n_blocks = x3.numel() // 16
-    grid = (triton.cdiv(n_blocks, NB),)
+    grid = (triton.cdiv(n_blocks, NB * chunks),)
     partial = torch.empty(grid[0], device=x3.device, dtype=torch.float32) if amax_only else None
     dummy = partial if amax_only else gs_out  # an fp32 tensor for unused pointers
     _quantize_rows_kernel[grid](
@@ -759,7 +777,7 @@ def _rows_launch(x3, amax, hadamard, noise, four_over_six, seed, rounding="rtn",
         amax if amax is not None else dummy, gs_out if gs_out is not None else dummy,
         codes.view(torch.int32) if codes is not None else dummy, scales if scales is not None else dummy,
         values if values is not None else dummy, partial if partial is not None else dummy, n_blocks, int(seed),
-        NB=NB, FP8_BOUND=256.0 if four_over_six else 448.0, FOUR_OVER_SIX=bool(four_over_six), SR=rounding == "sr",
+        NB=NB, CHUNKS=chunks, FP8_BOUND=256.0 if four_over_six else 448.0, FOUR_OVER_SIX=bool(four_over_six), SR=rounding == "sr",
         USE_NOISE=noise is not None, HADAMARD=hadamard is not None,
         WRITE_CODES=codes is not None, WRITE_VALUES=values is not None, EXACT_FMA=_exact_fma(),
         AMAX_ONLY=amax_only, num_warps=warps, enable_fp_fusion=False)  # no FMA contraction, as _quantize_kernel
@@ -871,7 +889,7 @@ def dequantize(t, dtype=torch.float32, apply_global_scale=True):
     gs = t.global_scale.float().reshape(1)
     flags = dict(APPLY_GLOBAL=apply_global_scale, ROUND_BF16=dtype == torch.bfloat16)
     if bm == 1:  # 1x16
-        NB, warps = ROWS_LAUNCH
+        NB, warps, _ = ROWS_LAUNCH
         codes = codes if codes.storage_offset() % 4 == 0 else codes.clone()  # an int32 view needs 4-byte alignment
         n_blocks = out.numel() // 16
         _dequantize_rows_kernel[(triton.cdiv(n_blocks, NB),)](codes.view(torch.int32), scales, gs, out, n_blocks,

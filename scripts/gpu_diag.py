@@ -215,7 +215,8 @@ SWEEP_CASES = [("RTN 1x16", (1, 16), "rtn", False, False), ("RTN 1x16 4/6", (1, 
                ("RTN 16x16", (16, 16), "rtn", False, False), ("SR+RHT 1x16", (1, 16), "sr", False, True),
                ("SR+RHT 16x1 4/6", (16, 1), "sr", True, True)]
 SWEEP_SHAPE = (16384, 4096)
-SWEEP_ROWS = [(128, 4), (256, 4), (512, 4), (256, 8), (512, 8), (1024, 8)]  # rows kernel (1x16): (blocks, warps)
+# rows kernel (1x16): (blocks per chunk, warps, chunks per program)
+SWEEP_ROWS = [(128, 4, 1), (256, 8, 1), (512, 8, 1), (256, 8, 2), (256, 8, 4), (128, 4, 4), (256, 8, 8)]
 
 
 def _sweep_call(x, H, case, amax):
@@ -299,7 +300,7 @@ def speed(log):
         amax = xs.abs().amax().float() if not case[4] else None
         row = [timed(case, amax, f"{t[0]}x{t[1]}w{t[2]}", "TILE_OVERRIDE", t) for t in SWEEP_TILES]
         if case[1] == (1, 16):  # the rows kernel (the default for 1x16 blocks of a contiguous x)
-            row += [timed(case, amax, f"rows{r[0]}w{r[1]}", "ROWS_LAUNCH", r) for r in SWEEP_ROWS]
+            row += [timed(case, amax, f"rows{r[0]}w{r[1]}c{r[2]}", "ROWS_LAUNCH", r) for r in SWEEP_ROWS]
         log(f"INFO sweep {case[0]:16s} (kernel only, ratio vs copy): " + " ".join(row))
 
 

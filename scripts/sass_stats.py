@@ -94,8 +94,8 @@ if __name__ == "__main__":
                       codes_ptr="*i32", scales_ptr="*u8", values_ptr="*bf16", part_ptr="*fp32", n_blocks="i64")
     amax_types = dict(rows_types, codes_ptr="*fp32", scales_ptr="*fp32", values_ptr="*fp32", amax_ptr="*fp32",
                       gs_out_ptr="*fp32")
-    NB, warps = nq.ROWS_LAUNCH
-    rows = dict(NB=NB, FP8_BOUND=448.0, FOUR_OVER_SIX=False, SR=False, USE_NOISE=False, HADAMARD=False,
+    NB, warps, chunks = nq.ROWS_LAUNCH
+    rows = dict(NB=NB, CHUNKS=chunks, FP8_BOUND=448.0, FOUR_OVER_SIX=False, SR=False, USE_NOISE=False, HADAMARD=False,
                 WRITE_CODES=True, WRITE_VALUES=False, EXACT_FMA=True, AMAX_ONLY=False)
     for label, ce in [("rows kernel, RTN 1x16", {}),
                       ("rows kernel, RTN 1x16 codes + bf16 values", dict(WRITE_VALUES=True)),
@@ -105,7 +105,7 @@ if __name__ == "__main__":
                                                                         WRITE_CODES=False))]:
         k = compile_sm90(nq._quantize_rows_kernel, amax_types if ce.get("AMAX_ONLY") else rows_types,
                          dict(rows, **ce), ("n_blocks",), warps)
-        sass_stats(k, NB * 16, warps, label)
+        sass_stats(k, NB * chunks * 16, warps, label)
     from kernels import lora_fused as lf  # App. 9's quantize + down-projection (the Triton route's LoRA kernel)
     lf_types = dict(x_ptr="*bf16", l_ptr="*bf16", amax_ptr="*fp32", codes_ptr="*u8", scales_ptr="*u8",
                     xl_ptr="*bf16", beta="fp32")
