@@ -61,7 +61,7 @@ def main():
     p.add_argument("--dry", action="store_true", help="tiny shapes on CPU through the interpreter (smoke test)")
     p.add_argument("--model-shapes", action="store_true", help="also the 3B model's FFN GEMMs (more compiles)")
     p.add_argument("--rows_sweep", action="store_true",
-                   help="only time the 1x16 rows kernel's launch settings (kq.ROWS_LAUNCH) for RTN and SR+RHT")
+                   help="only time the 1x16 rows kernel's launch settings (kq.ROWS_LAUNCH, _SR) for RTN and SR+RHT")
     args = p.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev == "cpu" and not args.dry:
@@ -95,15 +95,15 @@ def main():
         ("SR+RHT 16x1", dict(block=(16, 1), rounding="sr", hadamard=H), None, None),
     ]
     if args.rows_sweep:  # (blocks per chunk, warps, chunks per program) of _quantize_rows_kernel
-        default = kq.ROWS_LAUNCH
+        default = kq.ROWS_LAUNCH, kq.ROWS_LAUNCH_SR
         for launch in [(256, 8, 1), (128, 4, 1), (256, 8, 2), (256, 8, 4), (128, 4, 4), (256, 8, 8), (128, 4, 8),
                        (512, 8, 2), (64, 2, 8)]:
-            kq.ROWS_LAUNCH = launch
-            for name, kw, ga, target in cases[:1] + cases[3:4]:
+            kq.ROWS_LAUNCH = kq.ROWS_LAUNCH_SR = launch
+            for name, kw, ga, target in cases[:2] + cases[3:4]:  # RTN, RTN 4/6, SR + Hadamard
                 ms = bench(lambda: kq.quantize(x, **kw, global_amax=ga), args.dry)
                 bw = (x.nbytes + out_bytes_packed) / ms / 1e6
                 row("rows sweep", f"{name} kernel, ROWS_LAUNCH={launch}", ms, "GB/s", bw, bw / bw_copy, target)
-        kq.ROWS_LAUNCH = default
+        kq.ROWS_LAUNCH, kq.ROWS_LAUNCH_SR = default
         return report(rows, res, args.out)
     for name, kw, ga, target in cases:
         if ga is not None:

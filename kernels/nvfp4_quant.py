@@ -622,10 +622,14 @@ def _dequantize_kernel(codes_ptr, scales_ptr, gs_ptr, out_ptr, M, N, BN: tl.cons
 
 AMAX_DTYPES = (torch.float32, torch.bfloat16)  # global amaxes the kernels read as they are (no conversion op)
 TILE_OVERRIDE = None  # (BM, BN, num_warps) for every dense quantize launch; scripts/gpu_diag.py's tile sweep
-# (blocks per program, num_warps) of _quantize_rows_kernel (1x16 blocks, contiguous x). H200 sweep, RTN 1x16 of
-# 16384 x 4096 bf16 (results/h200_run4/g1_diag.log): 256 blocks on 8 warps 89 us (0.49x copy bandwidth), the other
-# five launches 116-145 us; the best tile-kernel launch 115 us (was 142 us before the E2M1 bit tricks).
-ROWS_LAUNCH = (256, 8, 1)
+# (blocks per chunk, num_warps, chunks per program) of _quantize_rows_kernel (1x16 blocks, contiguous x), RTN and
+# SR launches apart. H200 sweep of 9 settings, 8192^2 bf16 (`python bench_nvfp4.py --rows_sweep`,
+# results/h200_run9/call2): RTN 66 us at (128, 4, 4) against 72 us at the single-chunk (256, 8, 1), the earlier
+# default (8 chunks 68 us; (256, 8, 2) and (256, 8, 4) 87 us); SR + Hadamard 162-165 us with one chunk, 178-191 us
+# with more (Philox and the butterfly hold more registers: 80 with one chunk, 128 and a stack with four).
+ROWS_LAUNCH = (128, 4, 4)
+ROWS_LAUNCH_SR = (128, 4, 1)
+DEQUANT_ROWS_LAUNCH = (256, 8)  # (blocks per program, num_warps) of _dequantize_rows_kernel
 
 
 def _use_rows(x3, block):
@@ -767,7 +771,7 @@ def global_amax_pair(x, hadamard, name="x"):
 def _rows_launch(x3, amax, hadamard, noise, four_over_six, seed, rounding="rtn", codes=None,
                  scales=None, values=None, gs_out=None, amax_only=False):
     """Launch _quantize_rows_kernel over x3's B*M*N/16 blocks (or its amax pre-pass: returns the global amax)."""
-    NB, warps, chunks = ROWS_LAUNCH
+    NB, warps, chunks = ROWS_LAUNCH_SR if rounding == "sr" else ROWS_LAUNCH
     n_blocks = x3.numel() // 16
     grid = (triton.cdiv(n_blocks, NB * chunks),)
     partial = torch.empty(grid[0], device=x3.device, dtype=torch.float32) if amax_only else None
@@ -889,7 +893,7 @@ def dequantize(t, dtype=torch.float32, apply_global_scale=True):
     gs = t.global_scale.float().reshape(1)
     flags = dict(APPLY_GLOBAL=apply_global_scale, ROUND_BF16=dtype == torch.bfloat16)
     if bm == 1:  # 1x16
-        NB, warps, _ = ROWS_LAUNCH
+        NB, warps = DEQUANT_ROWS_LAUNCH
         codes = codes if codes.storage_offset() % 4 == 0 else codes.clone()  # an int32 view needs 4-byte alignment
         n_blocks = out.numel() // 16
         _dequantize_rows_kernel[(triton.cdiv(n_blocks, NB),)](codes.view(torch.int32), scales, gs, out, n_blocks,

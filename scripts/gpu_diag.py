@@ -300,7 +300,8 @@ def speed(log):
         amax = xs.abs().amax().float() if not case[4] else None
         row = [timed(case, amax, f"{t[0]}x{t[1]}w{t[2]}", "TILE_OVERRIDE", t) for t in SWEEP_TILES]
         if case[1] == (1, 16):  # the rows kernel (the default for 1x16 blocks of a contiguous x)
-            row += [timed(case, amax, f"rows{r[0]}w{r[1]}c{r[2]}", "ROWS_LAUNCH", r) for r in SWEEP_ROWS]
+            setting = "ROWS_LAUNCH_SR" if case[2] == "sr" else "ROWS_LAUNCH"
+            row += [timed(case, amax, f"rows{r[0]}w{r[1]}c{r[2]}", setting, r) for r in SWEEP_ROWS]
         log(f"INFO sweep {case[0]:16s} (kernel only, ratio vs copy): " + " ".join(row))
 
 

@@ -94,8 +94,7 @@ if __name__ == "__main__":
                       codes_ptr="*i32", scales_ptr="*u8", values_ptr="*bf16", part_ptr="*fp32", n_blocks="i64")
     amax_types = dict(rows_types, codes_ptr="*fp32", scales_ptr="*fp32", values_ptr="*fp32", amax_ptr="*fp32",
                       gs_out_ptr="*fp32")
-    NB, warps, chunks = nq.ROWS_LAUNCH
-    rows = dict(NB=NB, CHUNKS=chunks, FP8_BOUND=448.0, FOUR_OVER_SIX=False, SR=False, USE_NOISE=False, HADAMARD=False,
+    rows = dict(FP8_BOUND=448.0, FOUR_OVER_SIX=False, SR=False, USE_NOISE=False, HADAMARD=False,
                 WRITE_CODES=True, WRITE_VALUES=False, EXACT_FMA=True, AMAX_ONLY=False)
     for label, ce in [("rows kernel, RTN 1x16", {}),
                       ("rows kernel, RTN 1x16 codes + bf16 values", dict(WRITE_VALUES=True)),
@@ -103,8 +102,9 @@ if __name__ == "__main__":
                       ("rows kernel, SR + Hadamard 1x16", dict(SR=True, HADAMARD=True)),
                       ("rows kernel, amax pre-pass with Hadamard", dict(HADAMARD=True, AMAX_ONLY=True,
                                                                         WRITE_CODES=False))]:
+        NB, warps, chunks = nq.ROWS_LAUNCH_SR if ce.get("SR") else nq.ROWS_LAUNCH  # as _rows_launch picks
         k = compile_sm90(nq._quantize_rows_kernel, amax_types if ce.get("AMAX_ONLY") else rows_types,
-                         dict(rows, **ce), ("n_blocks",), warps)
+                         dict(rows, NB=NB, CHUNKS=chunks, **ce), ("n_blocks",), warps)
         sass_stats(k, NB * chunks * 16, warps, label)
     from kernels import lora_fused as lf  # App. 9's quantize + down-projection (the Triton route's LoRA kernel)
     lf_types = dict(x_ptr="*bf16", l_ptr="*bf16", amax_ptr="*fp32", codes_ptr="*u8", scales_ptr="*u8",
@@ -114,6 +114,7 @@ if __name__ == "__main__":
                           EXACT_FMA=True, NUM_STAGES=2, stride_xn=1), ("M", "stride_xm", "stride_xlm", "stride_lr"))
     sass_stats(k, 32 * 128, 4, "LoRA quantize + down-projection, RTN 4/6")
     dq_types = dict(codes_ptr="*i32", scales_ptr="*u8", gs_ptr="*fp32", out_ptr="*bf16", n_blocks="i64")
+    NB, warps = nq.DEQUANT_ROWS_LAUNCH
     k = compile_sm90(nq._dequantize_rows_kernel, dq_types, dict(NB=NB, APPLY_GLOBAL=False, ROUND_BF16=True),
                      ("n_blocks",), warps)
     sass_stats(k, NB * 16, warps, "dequantize 1x16 -> bf16 grid values")

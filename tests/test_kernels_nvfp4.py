@@ -280,15 +280,17 @@ def test_rows_and_cols_kernels_equal_the_tile_kernel(block, options, monkeypatch
     _quantize_cols_kernel; the general tile kernel must give the same bits (codes, scales, bf16 values, global
     scale, the global amax of the rotated x; SR: the same Philox counters; the rotation: the same butterfly), on
     shapes with masked tails (a block count that is not a multiple of the rows kernel's program size, a width
-    that is not a multiple of the cols kernel's). The SR cases run the rows kernel with 4 chunks a program."""
+    that is not a multiple of the cols kernel's). """
     g = torch.Generator().manual_seed(3)
     shape = (2, 40, 48) if block == (1, 16) else (2, 32, 600)           # 240 blocks, 16 per program below
     x = _heavy_tailed(shape, g)
     opts = dict(options)
     if opts.pop("hadamard", False):
         opts["hadamard"] = nvfp4.random_hadamard(g)
-    # 16 blocks a chunk; 4 chunks a program (the unrolled loop with its prefetch; the tail program is partly masked)
-    monkeypatch.setattr(kq, "ROWS_LAUNCH", (16, 1, 4) if "seed" in options else (16, 1, 1))
+    # 16 blocks a chunk, 4 (RTN) or 2 (SR) chunks a program: the unrolled loop with its prefetch, and a tail program
+    # partly masked
+    monkeypatch.setattr(kq, "ROWS_LAUNCH", (16, 1, 4))
+    monkeypatch.setattr(kq, "ROWS_LAUNCH_SR", (16, 1, 2))
     x3 = x.reshape(-1, *shape[1:])
     assert kq._use_rows(x3, block) if block == (1, 16) else kq._use_cols(x3, block)
     fast_values, _, fast_t = kq.quantize_dequant(x, block, return_tensor=True, **opts)
