@@ -94,16 +94,19 @@ def main():
         ("SR+RHT 1x16", dict(block=(1, 16), rounding="sr", hadamard=H), amax_h, 0.65),
         ("SR+RHT 16x1", dict(block=(16, 1), rounding="sr", hadamard=H), None, None),
     ]
-    if args.rows_sweep:  # (blocks per chunk, warps, chunks per program) of _quantize_rows_kernel
-        default = kq.ROWS_LAUNCH, kq.ROWS_LAUNCH_SR
-        for launch in [(256, 8, 1), (128, 4, 1), (256, 8, 2), (256, 8, 4), (128, 4, 4), (256, 8, 8), (128, 4, 8),
-                       (512, 8, 2), (64, 2, 8)]:
-            kq.ROWS_LAUNCH = kq.ROWS_LAUNCH_SR = launch
+    if args.rows_sweep:  # (blocks per chunk, warps, chunks per program), unrolled? of _quantize_rows_kernel
+        default = kq.ROWS_LAUNCH, kq.ROWS_LAUNCH_SR, kq.ROWS_UNROLL
+        for *launch, unroll in [(128, 4, 4, True), (128, 4, 4, False), (128, 4, 8, False), (128, 4, 16, False),
+                                (256, 8, 8, False), (64, 2, 8, False), (128, 4, 2, True), (128, 4, 1, True),
+                                (256, 8, 1, True)]:
+            kq.ROWS_LAUNCH = kq.ROWS_LAUNCH_SR = tuple(launch)
+            kq.ROWS_UNROLL = unroll
             for name, kw, ga, target in cases[:2] + cases[3:4]:  # RTN, RTN 4/6, SR + Hadamard
                 ms = bench(lambda: kq.quantize(x, **kw, global_amax=ga), args.dry)
                 bw = (x.nbytes + out_bytes_packed) / ms / 1e6
-                row("rows sweep", f"{name} kernel, ROWS_LAUNCH={launch}", ms, "GB/s", bw, bw / bw_copy, target)
-        kq.ROWS_LAUNCH, kq.ROWS_LAUNCH_SR = default
+                row("rows sweep", f"{name} kernel, {tuple(launch)}{'' if unroll else ' loop'}", ms, "GB/s", bw,
+                    bw / bw_copy, target)
+        kq.ROWS_LAUNCH, kq.ROWS_LAUNCH_SR, kq.ROWS_UNROLL = default
         return report(rows, res, args.out)
     for name, kw, ga, target in cases:
         if ga is not None:

@@ -379,7 +379,8 @@ def _quantize_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_ptr, s
 
 @triton.jit(do_not_specialize=["seed"])
 def _quantize_rows_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, values_ptr, part_ptr,
-                          n_blocks, seed, NB: tl.constexpr, CHUNKS: tl.constexpr, FP8_BOUND: tl.constexpr,
+                          n_blocks, seed, NB: tl.constexpr, CHUNKS: tl.constexpr, UNROLL: tl.constexpr,
+                          FP8_BOUND: tl.constexpr,
                           FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr, USE_NOISE: tl.constexpr,
                           HADAMARD: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr,
                           EXACT_FMA: tl.constexpr, AMAX_ONLY: tl.constexpr):
@@ -409,14 +410,14 @@ def _quantize_rows_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_p
     else:
         run_max = tl.zeros((NB,), dtype=tl.float32)
     x_next = tl.load(x_ptr + first * 16 + offs, mask=(blk < n_blocks - first)[:, None, None], other=0.0)
-    for c in tl.static_range(CHUNKS):
+    for c in tl.range(0, CHUNKS, loop_unroll_factor=UNROLL):
         base = first + c * NB
         bmask = blk < n_blocks - base
         mask = bmask[:, None, None]
         x = x_next.to(tl.float32)
-        if c + 1 < CHUNKS:  # prefetch the next chunk (compile-time condition: the loop is unrolled)
-            x_next = tl.load(x_ptr + (base + NB) * 16 + offs, mask=(blk < n_blocks - base - NB)[:, None, None],
-                             other=0.0)
+        # prefetch the next chunk (none after the last: an all-false mask moves no data)
+        x_next = tl.load(x_ptr + (base + NB) * 16 + offs, other=0.0,
+                         mask=((blk < n_blocks - base - NB) & (c + 1 < CHUNKS))[:, None, None])
         if HADAMARD:  # x . H on each block (the reference's hadamard_transform(x, H, dim=-1))
             x = _hadamard16(x.reshape(NB, 16, 1), h_ptr, NB, 1).reshape(NB, 2, 8)
         ax = tl.abs(x)
@@ -622,13 +623,15 @@ def _dequantize_kernel(codes_ptr, scales_ptr, gs_ptr, out_ptr, M, N, BN: tl.cons
 
 AMAX_DTYPES = (torch.float32, torch.bfloat16)  # global amaxes the kernels read as they are (no conversion op)
 TILE_OVERRIDE = None  # (BM, BN, num_warps) for every dense quantize launch; scripts/gpu_diag.py's tile sweep
-# (blocks per chunk, num_warps, chunks per program) of _quantize_rows_kernel (1x16 blocks, contiguous x), RTN and
-# SR launches apart. H200 sweep of 9 settings, 8192^2 bf16 (`python bench_nvfp4.py --rows_sweep`,
-# results/h200_run9/call2): RTN 66 us at (128, 4, 4) against 72 us at the single-chunk (256, 8, 1), the earlier
-# default (8 chunks 68 us; (256, 8, 2) and (256, 8, 4) 87 us); SR + Hadamard 162-165 us with one chunk, 178-191 us
-# with more (Philox and the butterfly hold more registers: 80 with one chunk, 128 and a stack with four).
+# (blocks per chunk, num_warps, chunks per program) of _quantize_rows_kernel (1x16 blocks, contiguous x): plain RTN,
+# and SR or 4/6 (longer code per element, more registers). H200 sweeps, 8192^2 bf16 (`python bench_nvfp4.py
+# --rows_sweep`, results/h200_run9/call2 and call3): RTN 66 us at (128, 4, 4) and (256, 8, 2) against 72-73 us with
+# one chunk ((256, 8, 1) was the default; other settings 68-87 us, unsteady between the two runs); SR + Hadamard
+# 162-166 us with one chunk, 170-192 us with more (80 registers with one chunk, 128 and a stack with four);
+# RTN 4/6 134-137 us with one chunk, 138-173 us with more.
 ROWS_LAUNCH = (128, 4, 4)
-ROWS_LAUNCH_SR = (128, 4, 1)
+ROWS_LAUNCH_SR = (128, 4, 1)  # SR or 4/6
+ROWS_UNROLL = True  # the chunk loop unrolled (False: a runtime loop, the same prefetch)
 DEQUANT_ROWS_LAUNCH = (256, 8)  # (blocks per program, num_warps) of _dequantize_rows_kernel
 
 
@@ -771,7 +774,8 @@ def global_amax_pair(x, hadamard, name="x"):
 def _rows_launch(x3, amax, hadamard, noise, four_over_six, seed, rounding="rtn", codes=None,
                  scales=None, values=None, gs_out=None, amax_only=False):
     """Launch _quantize_rows_kernel over x3's B*M*N/16 blocks (or its amax pre-pass: returns the global amax)."""
-    NB, warps, chunks = ROWS_LAUNCH_SR if rounding == "sr" else ROWS_LAUNCH
+    NB, warps, chunks = ROWS_LAUNCH_SR if rounding == "sr" or four_over_six else ROWS_LAUNCH
+    unroll = chunks if ROWS_UNROLL else 1
     n_blocks = x3.numel() // 16
     grid = (triton.cdiv(n_blocks, NB * chunks),)
     partial = torch.empty(grid[0], device=x3.device, dtype=torch.float32) if amax_only else None
@@ -781,7 +785,7 @@ def _rows_launch(x3, amax, hadamard, noise, four_over_six, seed, rounding="rtn",
         amax if amax is not None else dummy, gs_out if gs_out is not None else dummy,
         codes.view(torch.int32) if codes is not None else dummy, scales if scales is not None else dummy,
         values if values is not None else dummy, partial if partial is not None else dummy, n_blocks, int(seed),
-        NB=NB, CHUNKS=chunks, FP8_BOUND=256.0 if four_over_six else 448.0, FOUR_OVER_SIX=bool(four_over_six), SR=rounding == "sr",
+        NB=NB, CHUNKS=chunks, UNROLL=unroll, FP8_BOUND=256.0 if four_over_six else 448.0, FOUR_OVER_SIX=bool(four_over_six), SR=rounding == "sr",
         USE_NOISE=noise is not None, HADAMARD=hadamard is not None,
         WRITE_CODES=codes is not None, WRITE_VALUES=values is not None, EXACT_FMA=_exact_fma(),
         AMAX_ONLY=amax_only, num_warps=warps, enable_fp_fusion=False)  # no FMA contraction, as _quantize_kernel

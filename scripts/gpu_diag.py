@@ -300,7 +300,7 @@ def speed(log):
         amax = xs.abs().amax().float() if not case[4] else None
         row = [timed(case, amax, f"{t[0]}x{t[1]}w{t[2]}", "TILE_OVERRIDE", t) for t in SWEEP_TILES]
         if case[1] == (1, 16):  # the rows kernel (the default for 1x16 blocks of a contiguous x)
-            setting = "ROWS_LAUNCH_SR" if case[2] == "sr" else "ROWS_LAUNCH"
+            setting = "ROWS_LAUNCH_SR" if case[2] == "sr" or case[3] else "ROWS_LAUNCH"  # SR or 4/6
             row += [timed(case, amax, f"rows{r[0]}w{r[1]}c{r[2]}", setting, r) for r in SWEEP_ROWS]
         log(f"INFO sweep {case[0]:16s} (kernel only, ratio vs copy): " + " ".join(row))
 

@@ -102,9 +102,9 @@ if __name__ == "__main__":
                       ("rows kernel, SR + Hadamard 1x16", dict(SR=True, HADAMARD=True)),
                       ("rows kernel, amax pre-pass with Hadamard", dict(HADAMARD=True, AMAX_ONLY=True,
                                                                         WRITE_CODES=False))]:
-        NB, warps, chunks = nq.ROWS_LAUNCH_SR if ce.get("SR") else nq.ROWS_LAUNCH  # as _rows_launch picks
+        NB, warps, chunks = nq.ROWS_LAUNCH_SR if ce.get("SR") or ce.get("FOUR_OVER_SIX") else nq.ROWS_LAUNCH
         k = compile_sm90(nq._quantize_rows_kernel, amax_types if ce.get("AMAX_ONLY") else rows_types,
-                         dict(rows, NB=NB, CHUNKS=chunks, **ce), ("n_blocks",), warps)
+                         dict(rows, NB=NB, CHUNKS=chunks, UNROLL=chunks, **ce), ("n_blocks",), warps)
         sass_stats(k, NB * chunks * 16, warps, label)
     from kernels import lora_fused as lf  # App. 9's quantize + down-projection (the Triton route's LoRA kernel)
     lf_types = dict(x_ptr="*bf16", l_ptr="*bf16", amax_ptr="*fp32", codes_ptr="*u8", scales_ptr="*u8",

@@ -287,10 +287,11 @@ def test_rows_and_cols_kernels_equal_the_tile_kernel(block, options, monkeypatch
     opts = dict(options)
     if opts.pop("hadamard", False):
         opts["hadamard"] = nvfp4.random_hadamard(g)
-    # 16 blocks a chunk, 4 (RTN) or 2 (SR) chunks a program: the unrolled loop with its prefetch, and a tail program
-    # partly masked
+    # 16 blocks a chunk, 4 (RTN) or 2 (SR, 4/6) chunks a program: the chunk loop with its prefetch (unrolled for
+    # RTN, a runtime loop for SR), and a tail program partly masked
     monkeypatch.setattr(kq, "ROWS_LAUNCH", (16, 1, 4))
     monkeypatch.setattr(kq, "ROWS_LAUNCH_SR", (16, 1, 2))
+    monkeypatch.setattr(kq, "ROWS_UNROLL", options.get("seed") is None)
     x3 = x.reshape(-1, *shape[1:])
     assert kq._use_rows(x3, block) if block == (1, 16) else kq._use_cols(x3, block)
     fast_values, _, fast_t = kq.quantize_dequant(x, block, return_tensor=True, **opts)
