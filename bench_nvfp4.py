@@ -6,6 +6,7 @@ Benchmark the NVFP4 Triton kernels against torch in the same run (issue 3's perf
 
     python bench_nvfp4.py --out results.json          # H200 (~2-4 min incl. compiles; --model-shapes adds more)
     python bench_nvfp4.py --dry --out /tmp/dry.json    # CPU smoke test of the script (interpreter, tiny shapes)
+    python bench_nvfp4.py --rows_sweep                 # only the 1x16 rows kernel's launch settings (~1.5 min)
 
 Bandwidth of a quantize = (bytes read + bytes written by the quantized result) / time; the copy moves 2x the
 tensor. "kernel" rows give the global amax (one fused pass); "e2e" rows include the amax pass (a second read
