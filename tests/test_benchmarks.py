@@ -10,9 +10,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_dry(script, tmp_path):
+def run_dry(script, tmp_path, *flags):
     out = tmp_path / f"{script}.json"
-    proc = subprocess.run([sys.executable, f"{script}.py", "--dry", "--out", str(out)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, f"{script}.py", "--dry", "--out", str(out), *flags], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
@@ -22,6 +22,12 @@ def test_bench_nvfp4_dry_run(tmp_path):
     result = run_dry("bench_nvfp4", tmp_path)
     assert result["dry"] and {r["section"] for r in result["rows"]} == {"quantize", "gemm", "linear"}
     assert all(r["ms"] > 0 for r in result["rows"])
+
+
+def test_bench_nvfp4_rows_sweep_dry_run(tmp_path):
+    result = run_dry("bench_nvfp4", tmp_path, "--rows_sweep")
+    sweep = [r["name"] for r in result["rows"] if r["section"] == "rows sweep"]
+    assert len(sweep) == 27 and any(n.endswith("loop") for n in sweep)  # 9 launch settings x RTN, 4/6, SR+RHT
 
 
 def test_bench_lora_svd_dry_run(tmp_path):
