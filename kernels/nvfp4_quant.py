@@ -389,9 +389,9 @@ def _quantize_rows_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_p
     the compiler puts one block on each thread: both halves of a block in one thread's registers, its amax, scale
     and division constants computed once (with the blocks as (NB, 16) rows a block spanned two threads, which both
     computed its scale), its 16 codes stored as two int32 words (8 codes each, element 0 in the low nibble:
-    little-endian, the same bytes) without a shared-memory shuffle. The chunk loop is unrolled with the next chunk's
-    load issued before this chunk's arithmetic (the kernel is instruction-bound: the loads' latency hides behind
-    it), and the global scale's two divisions are done once per program, not once per chunk. Same results bit for
+    little-endian, the same bytes) without a shared-memory shuffle. The chunk loop (unrolled UNROLL times) issues the
+    next chunk's load before this chunk's arithmetic (the kernel is instruction-bound: the loads' latency hides
+    behind it), and the global scale's two divisions are done once per program, not once per chunk. Same results bit for
     bit (same operations per element; SR: the same Philox counters, element index // 4). AMAX_ONLY: the
     global-amax pre-pass over the same (rotated) values."""
     pid = tl.program_id(0)
@@ -785,7 +785,8 @@ def _rows_launch(x3, amax, hadamard, noise, four_over_six, seed, rounding="rtn",
         amax if amax is not None else dummy, gs_out if gs_out is not None else dummy,
         codes.view(torch.int32) if codes is not None else dummy, scales if scales is not None else dummy,
         values if values is not None else dummy, partial if partial is not None else dummy, n_blocks, int(seed),
-        NB=NB, CHUNKS=chunks, UNROLL=unroll, FP8_BOUND=256.0 if four_over_six else 448.0, FOUR_OVER_SIX=bool(four_over_six), SR=rounding == "sr",
+        NB=NB, CHUNKS=chunks, UNROLL=unroll, FP8_BOUND=256.0 if four_over_six else 448.0,
+        FOUR_OVER_SIX=bool(four_over_six), SR=rounding == "sr",
         USE_NOISE=noise is not None, HADAMARD=hadamard is not None,
         WRITE_CODES=codes is not None, WRITE_VALUES=values is not None, EXACT_FMA=_exact_fma(),
         AMAX_ONLY=amax_only, num_warps=warps, enable_fp_fusion=False)  # no FMA contraction, as _quantize_kernel
