@@ -204,7 +204,9 @@ def _quantize_reference(x, block, rounding, four_over_six, generator):
         a, idx = torch.where(use4, a4, a), torch.where(use4, idx4, idx)
     if rounding == "sr":
         idx = sr_e2m1(a, rand)
-    codes = idx | ((xb < 0).to(torch.uint8) << 3)                       # sign bit as the hardware writes it: -0 kept
+    # sign bit = x < 0: a negative x that rounds to 0 keeps its sign (code 8, -0), an input of exactly -0.0 gets code
+    # 0 (+0); both decode to zero. The kernels decide the sign the same way.
+    codes = idx | ((xb < 0).to(torch.uint8) << 3)
     codes = codes.reshape(shape)
     scales = s_b.reshape(*lead, M // bm, N // bn)
     return NVFP4Tensor(_pack(codes), scales, s_g, shape, block)
