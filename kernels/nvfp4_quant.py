@@ -625,7 +625,7 @@ AMAX_DTYPES = (torch.float32, torch.bfloat16)  # global amaxes the kernels read 
 TILE_OVERRIDE = None  # (BM, BN, num_warps) for every dense quantize launch; scripts/gpu_diag.py's tile sweep
 # (blocks per chunk, num_warps, chunks per program) of _quantize_rows_kernel (1x16 blocks, contiguous x): plain RTN,
 # and SR or 4/6 (longer code per element, more registers). H200 sweeps, 8192^2 bf16 (`python bench_nvfp4.py
-# --rows_sweep`, results/h200_run9/call2 and call3): RTN 66 us at (128, 4, 4) and (256, 8, 2) against 72-73 us with
+# --rows_sweep`, results/h200_run9/call2, call3 and call4): RTN 66 us at (128, 4, 4) and (256, 8, 2) against 72-73 us with
 # one chunk ((256, 8, 1) was the default; other settings 68-87 us, unsteady between the two runs); SR + Hadamard
 # 162-166 us with one chunk, 170-192 us with more (80 registers with one chunk, 128 and a stack with four);
 # RTN 4/6 134-137 us with one chunk, 138-173 us with more.
