@@ -1,4 +1,4 @@
-"""report.py on synthetic runs (numbers against hand computation, a diverged run marked), figures.py's figures at
+"""tools/report.py on synthetic runs (numbers against hand computation, a diverged run marked), tools/figures.py's figures at
 --size small (the paper's trends where they are robust), the checkpoint -> dense-weights conversion and the
 ablation script's command list."""
 import json
@@ -14,6 +14,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 import figures  # noqa: E402
 import report  # noqa: E402

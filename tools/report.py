@@ -1,7 +1,7 @@
 """
 The ablation table and loss curves (paper Table 3, Fig. 6 / App. 13 style) from a directory of train.py runs.
 
-    python report.py runs/ --out README_results.md --plot loss_curves.png
+    python tools/report.py runs/ --out README_results.md --plot loss_curves.png
 
 Each run is a sub-directory written by `train.py --out_dir runs/<name>` (scripts/ablation.sh names them
 toy_<recipe>_<optimizer>): metrics.jsonl (train rows {step, loss, ...}, eval rows {step, val_loss}) and, when

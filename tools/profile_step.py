@@ -3,8 +3,8 @@ Where a training step's time goes, for one recipe on one GPU: torch.profiler ove
 Prints the step time, the GPU-busy fraction (sum of kernel times / wall time: far below 1 means the step is
 host-bound, i.e. Python and launch overhead), kernel launches per step, and the top GPU kernels and CPU ops.
 
-    python scripts/profile_step.py --recipe fullstack --optimizer adamw          # toy, 16 x 512 tokens a step
-    python scripts/profile_step.py --recipe bf16 --config toy --trace /tmp/t.json  # + a Chrome trace
+    python tools/profile_step.py --recipe fullstack --optimizer adamw          # toy, 16 x 512 tokens a step
+    python tools/profile_step.py --recipe bf16 --config toy --trace /tmp/t.json  # + a Chrome trace
 
 It builds the model, optimizer and data and runs the step with train.py's functions, without checkpoints or evals.
 """

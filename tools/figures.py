@@ -1,8 +1,8 @@
 """
 Regenerate the paper's analysis figures from the modules: PNGs plus one figures.json of every number.
 
-    python figures.py                                   # all figures, --size small, CPU: minutes
-    python figures.py --fig 3 7 --size full --device cuda --checkpoint runs/toy_bf16_adamw/ckpt.pt
+    python tools/figures.py                             # all figures, --size small, CPU: minutes
+    python tools/figures.py --fig 3 7 --size full --device cuda --checkpoint runs/toy_bf16_adamw/ckpt.pt
 
   Fig. 3   rel. MSE of a layer's output, LoRA-SVD vs direct NVFP4 (§3.2): random-init weights per shape and
            rank; with --checkpoint also the trained weights on real activations (lora_svd.lora_svd_error)
@@ -23,13 +23,15 @@ import contextlib
 import json
 import math
 import os
+import sys
 import time
 import traceback
 
 import torch
 import torch.nn as nn
 
-import nvfp4
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: the modules
+import nvfp4  # noqa: E402
 
 FIGS = ("3", "4a", "4b", "5", "7")
 
@@ -477,7 +479,7 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu | cuda")
     p.add_argument("--size", default="small", help="small (CPU minutes) | full (paper scale, GPU)")
     p.add_argument("--checkpoint", default=None, help="a train.py ckpt.pt (toy): Fig. 3 on its trained weights")
-    p.add_argument("--out_dir", default="figs")
+    p.add_argument("--out_dir", default="results/figures")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     figs = list(FIGS) if "all" in args.fig else args.fig
