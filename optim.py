@@ -1,7 +1,7 @@
 """
 Optimizers in NVFP4 (paper §3.3-3.4): quantized-state AdamW and the NVFP4 Root (Muon) optimizer.
 
-§3.3, states. AdamW keeps two moments per weight; here both live in real 4-bit storage
+§3.3, states. AdamW keeps two moments per weight; with states="nvfp4" both live in real 4-bit storage
 (uint8 codes + E4M3 block scales + an fp32 global scale, nvfp4.NVFP4Tensor's layout):
     m (first moment)   m H16 -> NVFP4, stochastic rounding, 4/6 scaling              (unbiased, signed)
     v (second moment)  sqrt -> minus tile mean -> H16 -> NVFP4 (RTN, 4/6), decoded as ((s q) H16 + mu)^2
@@ -10,32 +10,42 @@ residual is centred, so a block's 4-bit grid spends its levels on the variation,
 Hadamard rotation spreads outliers over the 16 elements of a block. Squaring the decoded root keeps v >= 0,
 and a floor on the decoded root (FLOOR_FRACTION of the tile mean) keeps every positive v away from 0, so
 1/sqrt(v) never blows up (the failure of direct 4-bit v that 4-bit Adam work reported).
-"direct" is App. 13's naive baseline: plain NVFP4 (RTN) of m and v, no rotation, no transform.
+states="direct" is App. 13's naive baseline: plain NVFP4 (RTN) of m and v, no rotation, no transform.
+states="fp32" keeps full-precision states (the paper's high-precision baseline).
+The paper fixes neither v's rounding, nor its tile, nor a floor: docs/optim.md has the measurements behind ours.
 
 §3.4, Root. Momentum (stored like AdamW's m), Nesterov, soft-thresholding of outliers, then Newton-Schulz
 orthogonalization whose matmuls run in NVFP4 exactly as the paper's three equations (RTN + 4/6, a fresh
-random Hadamard each step), with (a, b, c) coefficients specialised to the matrix shape.
+random Hadamard each step), with (a, b, c) coefficients specialised to the matrix shape, read from
+root_coefficients.json (written by tools/fit_root_coefficients.py).
 
-build_optimizer(model, ...) routes every parameter (Root for 2-D hidden weights, AdamW for the rest) and
-returns ONE object that train.py steps. `python optim.py --fit-coefficients ...` fits the shape
-coefficients into root_coefficients.json; `--fig4` prints the numbers behind Fig. 4a/4b.
+build_optimizer(model, optimizer="adamw"|"root", states="fp32"|"nvfp4"|"direct", ...) routes every parameter
+(Root for 2-D hidden weights, AdamW for the rest) and returns ONE object that train.py steps.
 """
 
-import argparse
 import json
 import math
 import os
-import time
 import warnings
 
 import torch
 import torch.nn as nn
 
-import lora_svd
 import nvfp4
+from kernels.optim_fused import fused_adamw_step
+
+STATES = ("fp32", "nvfp4", "direct")  # model.Recipe.optim_states
+OPTIMIZERS = ("adamw", "root")
+
+
+def use_kernels(p):
+    """The seam: the fused Triton AdamW step for a parameter on CUDA, this file's reference otherwise (and
+    everywhere when NANOFP4_REFERENCE=1, nvfp4.use_reference). Root's NS reaches the kernels through nvfp4."""
+    return p.is_cuda and not nvfp4.use_reference()
+
 
 # ----------------------------------------------------------------------------------------------------------
-# Defaults (the paper does not give these; our choices, see .readme_parts/optim.md)
+# Defaults (the paper does not give these; our choices, measured in docs/optim.md)
 
 V_TILE = 128           # elements per tile mean of sqrt(v) along the last dim: 4 bytes / 128 = 0.03 byte/param
 FLOOR_FRACTION = 1 / 4  # decoded sqrt(v) >= FLOOR_FRACTION * tile mean (power of two: exact in the kernel too)
@@ -132,9 +142,9 @@ def encode_second_moment(v, tile=V_TILE, rounding=V_ROUNDING):
     per-entry error of sqrt(v), not its mean; RTN's error is at most half a grid step, SR's up to a full step
     with twice RTN's mean-squared error. The usual case for SR, an EMA whose small increments RTN would round
     away, is weak here: beta2 = 0.95 moves v by 5% of g^2 - v each step, and the decoded sqrt(v) is
-    re-centred on the exact tile mean, which is stored in fp32. `python optim.py --fig4` measures both, once
-    (fig4a_numbers) and re-encoded every step of a 200-step EMA (ema_requantization_error).
-    rounding="sr" is kept for that comparison."""
+    re-centred on the exact tile mean, which is stored in fp32. `python tools/fit_root_coefficients.py --fig4`
+    measures both, once and re-encoded every step of a 200-step EMA; tools/optim_states_study.py in training.
+    rounding="sr" is kept for those comparisons."""
     check_quantizable(v, "second moment v")
     if not (v >= 0).all():
         raise ValueError("second moment v: has negative entries (v is a running mean of g^2)")
@@ -146,8 +156,8 @@ def encode_second_moment(v, tile=V_TILE, rounding=V_ROUNDING):
     return {**_as_state(t), "tile_mean": mu}
 
 
-def decode_second_moment(state):
-    """v_hat = max((s q) H16 + mu, FLOOR_FRACTION * mu)^2.
+def decode_second_moment(state, floor=FLOOR_FRACTION):
+    """v_hat = max((s q) H16 + mu, floor * mu)^2.
 
     Squaring makes v_hat >= 0 whatever the rounding did. The floor: a positive v makes its tile mean mu > 0,
     so its decoded root is >= mu / 4 > 0 and v_hat > 0 (for v >= ~1e-36: below that fp32's square underflows;
@@ -155,12 +165,12 @@ def decode_second_moment(state):
     exactly 0. The floor only acts on entries far below their tile's typical size (where the 4-bit residual error
     exceeds 3/4 of the tile mean); raising their denominator shrinks their update (safe), while a denominator
     near 0 would multiply it without bound. 1/4 gave the lowest error of the Adam update m/sqrt(v) among
-    1/32, 1/8, 1/4, 1/2 on synthetic heavy-tailed v (row/column log-normal scales): see the README part."""
+    1/32, 1/8, 1/4, 1/2 on synthetic heavy-tailed v (row/column log-normal scales): see docs/optim.md."""
     mu = state["tile_mean"]                                           # (R, C // tile)
     shape = _shape(state)
     tile = shape[-1] // mu.shape[-1]
     r = fwht16(_packed(state, shape).dequantize()).reshape(*mu.shape, tile) + mu[..., None]
-    r = torch.maximum(r, mu[..., None] * FLOOR_FRACTION)
+    r = torch.maximum(r, mu[..., None] * floor)
     return (r * r).reshape(shape)
 
 
@@ -175,8 +185,8 @@ def decode_direct(state):
     return _packed(state, _shape(state)).dequantize()
 
 
-ENCODERS = {  # state_quant -> (encode m, decode m, encode v, decode v)
-    "pipeline": (encode_first_moment, decode_first_moment, encode_second_moment, decode_second_moment),
+ENCODERS = {  # states -> (encode m, decode m, encode v, decode v)
+    "nvfp4": (encode_first_moment, decode_first_moment, encode_second_moment, decode_second_moment),
     "direct": (lambda m, generator=None: encode_direct(m), decode_direct, encode_direct, decode_direct),
 }
 
@@ -284,8 +294,8 @@ def adamw_update_math(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step):
 class QuantizedAdamW(_StateMixin, torch.optim.Optimizer):
     """AdamW (decoupled weight decay) whose moments are stored in NVFP4 (§3.3).
 
-    state_quant: "pipeline" (the paper's: m rotated + SR + 4/6; v through sqrt/tile-mean/Hadamard, RTN + 4/6),
-    "direct" (App. 13's naive baseline: plain NVFP4 of m and v) or "none" (fp32 states; then the update is
+    states: "nvfp4" (§3.3: m rotated + SR + 4/6; v through sqrt/tile-mean/Hadamard, RTN + 4/6), "direct"
+    (App. 13's naive baseline: plain NVFP4 of m and v) or "fp32" (full-precision states; then the update is
     torch.optim.AdamW's, bit for bit).
 
     Which tensors get packed states: 2-D tensors with >= 4096 elements whose last dim is a multiple of 16 (under
@@ -294,30 +304,30 @@ class QuantizedAdamW(_StateMixin, torch.optim.Optimizer):
 
     Packed state per tensor (R, C): m and v codes (R, C/2) uint8 + E4M3 scales (R, C/16) + fp32 global scales,
     plus v's fp32 tile means (R, C/128): 1.16 bytes/param (torchao's AdamW4bit: ~1.06; fp32 AdamW: 8).
-    On CUDA the pipeline update runs in the fused Triton kernel (kernels/optim_fused.py): an amax pre-pass, then
+    On CUDA the "nvfp4" update runs in the fused Triton kernel (kernels/optim_fused.py): an amax pre-pass, then
     one pass that decodes, updates, writes the parameter and re-encodes.
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, state_quant="pipeline",
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, states="nvfp4",
                  v_tile=V_TILE, seed=0):
-        if state_quant not in ("pipeline", "direct", "none"):
-            raise ValueError(f"QuantizedAdamW: state_quant must be 'pipeline', 'direct' or 'none', got {state_quant!r}")
+        if states not in STATES:
+            raise ValueError(f"QuantizedAdamW: states must be one of {', '.join(STATES)}; got {states!r}")
         if v_tile < 16 or v_tile & (v_tile - 1):
             raise ValueError(f"QuantizedAdamW: v_tile must be a power of two >= 16, got {v_tile}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
-        self.state_quant, self.v_tile, self.seed = state_quant, v_tile, seed
+        self.states, self.v_tile, self.seed = states, v_tile, seed
         self._generators, self._warned = {}, set()
 
     def _quantized(self, p):
         local = _local(p)
         ok = local.dim() == 2 and local.numel() >= MIN_QUANT_NUMEL and local.shape[-1] % 16 == 0
-        if not ok and self.state_quant != "none" and local is not p and p.dim() == 2 and p.shape[-1] % 16 == 0 \
+        if not ok and self.states != "fp32" and local is not p and p.dim() == 2 and p.shape[-1] % 16 == 0 \
                 and p.numel() >= MIN_QUANT_NUMEL and id(p) not in self._warned:
             self._warned.add(id(p))
             warnings.warn(f"QuantizedAdamW: local shard {tuple(local.shape)} of a {tuple(p.shape)} parameter does "
                           "not fit 16-element blocks / the size threshold: fp32 states for it")
-        return ok and self.state_quant != "none"
+        return ok and self.states != "fp32"
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -342,27 +352,25 @@ class QuantizedAdamW(_StateMixin, torch.optim.Optimizer):
         return loss
 
     def _step_packed(self, p, g, state, lr, beta1, beta2, eps, wd):
-        enc_m, dec_m, enc_v, dec_v = ENCODERS[self.state_quant]
+        enc_m, dec_m, enc_v, dec_v = ENCODERS[self.states]
         gen = _generator(self._generators, p.device, self.seed)
         if "m.codes" not in state:  # zero moments, encoded (all-zero blocks: zero scales and codes)
             zeros = torch.zeros(p.shape, device=p.device)
             _store(state, "m", enc_m(zeros, generator=gen))
-            _store(state, "v", enc_v(zeros) if self.state_quant == "direct" else enc_v(zeros, tile=self.v_tile))
+            _store(state, "v", enc_v(zeros) if self.states == "direct" else enc_v(zeros, tile=self.v_tile))
         state["step"] += 1
         step = state["step"].item()
-        if (self.state_quant == "pipeline" and p.is_cuda and p.dtype == torch.float32 and p.is_contiguous()
-                and not nvfp4.use_reference()):
-            from kernels.optim_fused import fused_adamw_step
+        if self.states == "nvfp4" and use_kernels(p) and p.dtype == torch.float32 and p.is_contiguous():
             # the kernel's tl.rand seed, drawn on the CPU (no GPU sync), from a saved generator: resumable
             cpu_gen = _generator(self._generators, torch.device("cpu"), self.seed, "seed")
             seed = int(torch.randint(0, 2**31 - 1, (), generator=cpu_gen))
-            fused_adamw_step(p, g, state, lr, beta1, beta2, eps, wd, step, seed)
+            fused_adamw_step(p, g, state, lr, beta1, beta2, eps, wd, step, seed, FLOOR_FRACTION)
             return
         m, v = dec_m(_prefixed(state, "m")), dec_v(_prefixed(state, "v"))
         p_new, m, v = adamw_update_math(p.float(), g.float(), m, v, lr, beta1, beta2, eps, wd, step)
         p.copy_(p_new)
         _store(state, "m", enc_m(m, generator=gen))
-        _store(state, "v", enc_v(v) if self.state_quant == "direct" else enc_v(v, tile=self.v_tile))
+        _store(state, "v", enc_v(v) if self.states == "direct" else enc_v(v, tile=self.v_tile))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -530,19 +538,20 @@ class Root(_StateMixin, torch.optim.Optimizer):
         X = NS5(B)  (transposed if rows > cols, X0 = B / (||B||_F + 1e-7), shape-specific (a, b, c))
         p <- p (1 - lr wd) - lr * 0.2 sqrt(max(m, n)) X
 
-    quantized=True: buf stored like AdamW's m (Hadamard + SR + 4/6; state_quant="direct" for the naive
-    baseline) and NS in NVFP4; quantized=False: fp32 momentum and fp32 NS (the paper's high-precision baseline).
+    states="nvfp4": buf stored like AdamW's m (Hadamard + SR + 4/6) and NS in NVFP4; "direct": buf in plain
+    NVFP4 (App. 13's naive baseline), NS in NVFP4; "fp32": fp32 momentum and fp32 NS (the paper's
+    high-precision baseline).
     Under FSDP2 each rank keeps its shard's momentum, gathers the full M (full_tensor(): an all-gather of
     m*n fp32 per matrix per step) and every rank runs the same NS on it (compute repeated world-size times;
     the Hadamard generator is seeded identically everywhere), then keeps its own shard of X: simple, and the
     cost is small next to the forward/backward for our matrix sizes.
     """
 
-    def __init__(self, params, lr=1e-3, momentum=0.95, weight_decay=0.1, ns_steps=5, quantized=True,
-                 state_quant=None, threshold_quantile=0.9, seed=0, cuda_graphs=True):
-        state_quant = state_quant or ("pipeline" if quantized else "none")
-        if state_quant not in ("pipeline", "direct", "none"):
-            raise ValueError(f"Root: state_quant must be 'pipeline', 'direct' or 'none', got {state_quant!r}")
+    def __init__(self, params, lr=1e-3, momentum=0.95, weight_decay=0.1, states="nvfp4", ns_steps=5,
+                 threshold_quantile=0.9, seed=0, cuda_graphs=True):
+        if states not in STATES:
+            raise ValueError(f"Root: states must be one of {', '.join(STATES)}; got {states!r}")
+        quantized = states != "fp32"  # NVFP4 states come with the NVFP4 NS (§3.4)
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay)
         super().__init__(params, defaults)
         for group in self.param_groups:
@@ -551,21 +560,21 @@ class Root(_StateMixin, torch.optim.Optimizer):
                     raise ValueError(f"Root: parameters must be 2-D matrices, got shape {tuple(p.shape)}")
                 if quantized and (p.shape[0] % 16 or p.shape[1] % 16):
                     raise ValueError(f"Root: NVFP4 NS needs both dims multiples of 16, got {tuple(p.shape)}")
-        self.quantized, self.state_quant, self.ns_steps = quantized, state_quant, ns_steps
+        self.states, self.quantized, self.ns_steps = states, quantized, ns_steps
         self.threshold_quantile, self.seed = threshold_quantile, seed
         self.cuda_graphs = cuda_graphs  # NVFP4 NS on CUDA replayed from one captured graph per shape
         self._generators, self._graphs = {}, {}
 
     def _momentum(self, g, state, mu, gen):
         """buf <- mu buf + g (stored packed or fp32); returns the Nesterov M = g + mu buf."""
-        packed = self.state_quant != "none" and g.dim() == 2 and g.shape[-1] % 16 == 0 and g.numel() > 0
+        packed = self.quantized and g.dim() == 2 and g.shape[-1] % 16 == 0 and g.numel() > 0
         if not packed:
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(g, dtype=torch.float32)
             buf = state["momentum_buffer"]
             buf.mul_(mu).add_(g)
             return g.float().add(buf, alpha=mu)
-        enc, dec = ENCODERS[self.state_quant][:2]
+        enc, dec = ENCODERS[self.states][:2]
         buf = dec(_prefixed(state, "m")) if "m.codes" in state else torch.zeros(g.shape, device=g.device)
         buf = mu * buf + g.float()
         _store(state, "m", enc(buf, generator=gen))
@@ -619,6 +628,17 @@ class Root(_StateMixin, torch.optim.Optimizer):
 # ----------------------------------------------------------------------------------------------------------
 # build_optimizer: route every parameter, one object for train.py
 
+def lora_factors(model):
+    """The LoRA branch factors of every module that carries one: by duck typing, a module with L1 and L2
+    parameters (lora_svd.LoRASVDLinear's principal part, lora_svd.NaiveLoRALinear's branch)."""
+    ids = set()
+    for module in model.modules():
+        L1, L2 = getattr(module, "L1", None), getattr(module, "L2", None)
+        if isinstance(L1, nn.Parameter) and isinstance(L2, nn.Parameter):
+            ids |= {id(L1), id(L2)}
+    return ids
+
+
 def route_parameters(model, optimizer="root", max_aspect=MAX_ROOT_ASPECT):
     """{"root": [...], "adamw": [...], "adamw_no_decay": [...], "lora": [...]} lists of (name, param).
 
@@ -626,12 +646,8 @@ def route_parameters(model, optimizer="root", max_aspect=MAX_ROOT_ASPECT):
     whose aspect ratio is <= max_aspect and whose dims are multiples of 16; AdamW takes embeddings, lm_head
     (by type nn.Embedding / by the name "lm_head"), narrow matrices, and LoRA L1/L2 (group "lora", own lr);
     norms and biases (1-D) go to AdamW without weight decay. With optimizer="adamw" Root's share goes to AdamW."""
-    lora_ids, embedding_ids = set(), set()
-    for module in model.modules():
-        if isinstance(module, (lora_svd.LoRASVDLinear, lora_svd.NaiveLoRALinear)):
-            lora_ids |= {id(module.L1), id(module.L2)}
-        if isinstance(module, nn.Embedding):
-            embedding_ids.add(id(module.weight))
+    lora_ids = lora_factors(model)
+    embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     routes = {"root": [], "adamw": [], "adamw_no_decay": [], "lora": []}
     for name, p in model.named_parameters():  # tied weights are listed once
         if not p.requires_grad:
@@ -649,13 +665,22 @@ def route_parameters(model, optimizer="root", max_aspect=MAX_ROOT_ASPECT):
 
 
 class CombinedOptimizer:
-    """The one optimizer object train.py steps: a Root and/or an AdamW over disjoint parameters. step()
-    first runs LoRA-SVD's gradient projection (eqs. 3-4, deferred to the optimizer by §3.2; idempotent, so
-    train.py may also call it before clipping). param_groups lists every inner group (each with its base_lr),
-    so a schedule that writes group["lr"] reaches all of them."""
+    """The one optimizer object train.py steps: a Root and/or an AdamW over disjoint parameters. step() first
+    runs gradient_projection(model) if given: LoRA-SVD's eqs. 3-4 (lora_svd.project_all), which §3.2 defers to
+    the optimizer; it must be idempotent, so train.py may also call it before clipping. param_groups lists every
+    inner group (each with its base_lr), so a schedule that writes group["lr"] reaches all of them."""
 
-    def __init__(self, model, optimizers):
-        self.model, self.optimizers = model, optimizers
+    def __init__(self, model, optimizers, gradient_projection=None):
+        self.model, self.optimizers, self.gradient_projection = model, optimizers, gradient_projection
+
+    def __repr__(self):
+        def describe(opt):
+            n = sum(len(g["params"]) for g in opt.param_groups)
+            if isinstance(opt, Root):
+                return f"Root({opt.states} momentum, {'NVFP4' if opt.quantized else 'fp32'} NS) on {n} matrices"
+            states = opt.states if isinstance(opt, QuantizedAdamW) else "fp32"
+            return f"AdamW({states} states) on {n} tensors"
+        return " + ".join(describe(opt) for opt in self.optimizers)
 
     @property
     def param_groups(self):
@@ -667,7 +692,8 @@ class CombinedOptimizer:
 
     @torch.no_grad()
     def step(self):
-        lora_svd.project_all(self.model)
+        if self.gradient_projection is not None:
+            self.gradient_projection(self.model)
         for opt in self.optimizers:
             opt.step()
 
@@ -695,16 +721,18 @@ class CombinedOptimizer:
             opt.state.pop(param, None)
 
 
-def build_optimizer(model, optimizer="adamw", state_quant="none", lr=1e-3, lora_lr=None, weight_decay=0.1,
-                    betas=(0.9, 0.95), eps=1e-8, momentum=0.95):
+def build_optimizer(model, optimizer="adamw", states="fp32", lr=1e-3, lora_lr=None, weight_decay=0.1,
+                    betas=(0.9, 0.95), eps=1e-8, momentum=0.95, gradient_projection=None):
     """optimizer: "adamw" (AdamW for everything) or "root" (Root for 2-D hidden weights, AdamW for the rest).
-    state_quant: "none" (plain torch.optim.AdamW, fused on CUDA, and an fp32 Root: the BF16 recipes),
-    "pipeline" (§3.3 states + NVFP4 NS: fullstack) or "direct" (App. 13's naive_fp4 states).
-    lora_lr: LoRA L1/L2 learning rate (default lr). Every param group carries base_lr for the schedule."""
-    if optimizer not in ("adamw", "root"):
-        raise ValueError(f"build_optimizer: optimizer must be 'adamw' or 'root', got {optimizer!r}")
-    if state_quant not in ("none", "pipeline", "direct"):
-        raise ValueError(f"build_optimizer: state_quant must be 'none', 'pipeline' or 'direct', got {state_quant!r}")
+    states (model.Recipe.optim_states): "fp32" (plain torch.optim.AdamW, fused on CUDA, and an fp32 Root: the
+    paper's baseline), "nvfp4" (§3.3 states + §3.4's NVFP4 NS: fullstack) or "direct" (App. 13's naive_fp4).
+    lora_lr: LoRA L1/L2 learning rate (default lr). Every param group carries base_lr for the schedule.
+    gradient_projection: called with the model at the start of every step (pass lora_svd.project_all for
+    LoRA-SVD models: eqs. 3-4)."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"build_optimizer: optimizer must be one of {', '.join(OPTIMIZERS)}; got {optimizer!r}")
+    if states not in STATES:
+        raise ValueError(f"build_optimizer: states must be one of {', '.join(STATES)}; got {states!r}")
     routes = route_parameters(model, optimizer)
     lora_lr = lr if lora_lr is None else lora_lr
     groups = [dict(params=[p for _, p in routes[key]], lr=group_lr, base_lr=group_lr, weight_decay=group_wd)
@@ -712,254 +740,12 @@ def build_optimizer(model, optimizer="adamw", state_quant="none", lr=1e-3, lora_
                                               ("lora", lora_lr, weight_decay)) if routes[key]]
     optimizers = []
     if groups:
-        if state_quant == "none":
+        if states == "fp32":
             fused = all(p.is_cuda for g in groups for p in g["params"])
             optimizers.append(torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None))
         else:
-            optimizers.append(QuantizedAdamW(groups, lr=lr, betas=betas, eps=eps, state_quant=state_quant))
+            optimizers.append(QuantizedAdamW(groups, lr=lr, betas=betas, eps=eps, states=states))
     if routes["root"]:
         root_groups = [dict(params=[p for _, p in routes["root"]], lr=lr, base_lr=lr, weight_decay=weight_decay)]
-        optimizers.append(Root(root_groups, lr=lr, momentum=momentum, quantized=state_quant != "none",
-                               state_quant=state_quant))
-    return CombinedOptimizer(model, optimizers)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Fitting the NS coefficients per shape (the published table does not cover our configs' shapes)
-
-def polar_factor(G):
-    """U V^T of G = U S V^T (float64 SVD): the exact orthogonalization NS approximates."""
-    U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
-    return U @ Vh
-
-
-def polar_error(X, G, P=None):
-    """Orthogonality error ||X - U V^T||_F / ||U V^T||_F: the distance of NS's output to the exact
-    orthogonal polar factor of its input G (pass P = polar_factor(G) to reuse it)."""
-    P = polar_factor(G) if P is None else P
-    return ((X.double() - P).norm() / P.norm()).item()
-
-
-def representative_inputs(m, n, count=2, seed=0, device=None):
-    """Matrices like Root's NS input: half Gaussian, half momentum-like (a decaying low-rank part plus noise),
-    each soft-thresholded at its 0.9-quantile as Root does."""
-    g = torch.Generator(device=device or "cpu").manual_seed(seed)
-    inputs = []
-    for i in range(count):
-        G = torch.randn(m, n, generator=g, device=device)
-        if i % 2:
-            r = max(1, min(m, n) // 8)
-            U = torch.randn(m, r, generator=g, device=device)
-            V = torch.randn(r, n, generator=g, device=device)
-            decay = torch.logspace(0, -2, r, device=device)
-            G = 0.3 * G + (U * decay) @ V * (3.0 / math.sqrt(r))
-        eps = quantile(G.abs(), 0.9)
-        inputs.append(G.clamp(-eps, eps))
-    return inputs
-
-
-def ns_error(coefficients, inputs, quantized=True, seed=0, cap=10.0, polars=None):
-    """Mean polar_error of NS(input) over `inputs` (the same Hadamard draws for every coefficient set).
-    polars: the inputs' polar factors, if already computed (the fit evaluates the same inputs many times)."""
-    errors = []
-    for i, G in enumerate(inputs):
-        g = torch.Generator(device=G.device).manual_seed(seed + i)
-        X = newton_schulz(G, coefficients=coefficients, quantized=quantized, generator=g)
-        e = polar_error(X, G, None if polars is None else polars[i])
-        errors.append(e if math.isfinite(e) else cap)
-    return min(sum(errors) / len(errors), cap)
-
-
-def nelder_mead(f, x0, step=0.3, iters=40, tol=1e-4):
-    """Minimize f over R^d (derivative-free: the quantized NS is not differentiable)."""
-    d = len(x0)
-    simplex = [list(x0)] + [[x + (step if j == i else 0.0) for j, x in enumerate(x0)] for i in range(d)]
-    values = [f(x) for x in simplex]
-    for _ in range(iters):
-        order = sorted(range(d + 1), key=values.__getitem__)
-        simplex, values = [simplex[i] for i in order], [values[i] for i in order]
-        if values[-1] - values[0] < tol:
-            break
-        centroid = [sum(x[j] for x in simplex[:-1]) / d for j in range(d)]
-        towards = lambda t: [c + t * (w - c) for c, w in zip(centroid, simplex[-1])]
-        reflected = towards(-1.0)
-        fr = f(reflected)
-        if fr < values[0]:
-            expanded = towards(-2.0)
-            fe = f(expanded)
-            simplex[-1], values[-1] = (expanded, fe) if fe < fr else (reflected, fr)
-        elif fr < values[-2]:
-            simplex[-1], values[-1] = reflected, fr
-        else:
-            contracted = towards(0.5)
-            fc = f(contracted)
-            if fc < values[-1]:
-                simplex[-1], values[-1] = contracted, fc
-            else:  # shrink towards the best point
-                simplex = [simplex[0]] + [[b + 0.5 * (x - b) for x, b in zip(p, simplex[0])] for p in simplex[1:]]
-                values = [values[0]] + [f(p) for p in simplex[1:]]
-    best = min(range(d + 1), key=values.__getitem__)
-    return simplex[best], values[best]
-
-
-def reduced_shape(m, n, fit_min_dim):
-    """(m, n) scaled so that min(m, n) = fit_min_dim, aspect ratio kept, multiples of 16 (0: full size)."""
-    if not fit_min_dim or min(m, n) <= fit_min_dim:
-        return m, n
-    scale = fit_min_dim / min(m, n)
-    return tuple(max(16, 16 * round(d * scale / 16)) for d in (m, n))
-
-
-def fit_coefficients(m, n, fit_min_dim=64, inputs=2, iters=40, seed=0, device=None):
-    """Fit (a, b, c) for the quantized NS of an m x n matrix: minimize the mean orthogonality error after 5
-    NVFP4 steps over representative inputs, rejecting every set that fails coefficients_stable (objective +inf).
-    Started from a conservative stable set and from Muon's."""
-    fm, fn = reduced_shape(min(m, n), max(m, n), fit_min_dim)
-    data = representative_inputs(fm, fn, inputs, seed, device)
-    polars = [polar_factor(G) for G in data]
-
-    def objective(abc):
-        return ns_error(tuple(abc), data, seed=seed, polars=polars) if coefficients_stable(abc) else float("inf")
-
-    best, best_err = None, float("inf")
-    for start in ((2.0, -1.5, 0.5), MUON_COEFFICIENTS):
-        abc, err = nelder_mead(objective, start, iters=iters)
-        if err < best_err:
-            best, best_err = abc, err
-    return {"abc": [round(x, 4) for x in best], "fit_shape": [fm, fn], "fit_error": round(best_err, 4),
-            "muon_error": round(ns_error(MUON_COEFFICIENTS, data, seed=seed, polars=polars), 4)}
-
-
-def config_shapes(names):
-    """(min, max) shapes of the Root-routed matrices of model.py's configs (q/o, k/v, gate/up/down)."""
-    import model
-    shapes = set()
-    for name in names:
-        cfg = model.config_from_name(name)
-        kv = cfg.n_kv_head * cfg.head_dim
-        for a, b in ((cfg.n_embd, cfg.n_embd), (kv, cfg.n_embd), (cfg.ffn_hidden, cfg.n_embd)):
-            if max(a, b) <= MAX_ROOT_ASPECT * min(a, b):
-                shapes.add((min(a, b), max(a, b)))
-    return sorted(shapes)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Figure numbers
-
-@torch.no_grad()
-def fig4a_numbers(v, m=None):
-    """Fig. 4a: error of storing v directly in NVFP4 against the §3.3 pipeline (and the pipeline with SR).
-    Returns {method: {v_rel_err, sqrt_rel_err, zero_fraction, update_rel_err}}: relative Frobenius errors of v
-    and of sqrt(v) (Adam's denominator), the fraction of positive entries decoding to <= 0, and (given m) the
-    error of the Adam direction m / (sqrt(v) + 1e-8)."""
-    v = v.float()
-    rel = lambda a, b: ((a - b).norm() / b.norm()).item()
-    decoded = {"direct": decode_direct(encode_direct(v)),
-               "pipeline": decode_second_moment(encode_second_moment(v)),
-               "pipeline_sr": decode_second_moment(encode_second_moment(v, rounding="sr"))}
-    out = {}
-    for name, v_hat in decoded.items():
-        row = {"v_rel_err": rel(v_hat, v), "sqrt_rel_err": rel(v_hat.clamp(min=0).sqrt(), v.sqrt()),
-               "zero_fraction": (v_hat[v > 0] <= 0).float().mean().item()}
-        if m is not None:
-            u = m / (v.sqrt() + 1e-8)
-            row["update_rel_err"] = rel(m / (v_hat.clamp(min=0).sqrt() + 1e-8), u)
-        out[name] = row
-    for key in ("v_rel_err", "sqrt_rel_err"):
-        out[f"pipeline_reduction_{key}"] = 1 - out["pipeline"][key] / out["direct"][key]
-    return out
-
-
-@torch.no_grad()
-def ema_requantization_error(steps=200, R=64, C=512, seed=0):
-    """v re-encoded every step (as in training) against the exact fp32 EMA, for RTN and SR in the pipeline
-    and for the direct encoding: relative error of sqrt(v) after `steps` steps (the RTN-vs-SR question)."""
-    g0 = torch.Generator().manual_seed(seed)
-    rs = torch.exp(torch.randn(R, 1, generator=g0) * 1.5)
-    exact = torch.zeros(R, C)
-    stored = {"rtn": torch.zeros(R, C), "sr": torch.zeros(R, C), "direct": torch.zeros(R, C)}
-    for _ in range(steps):
-        g2 = (torch.randn(R, C, generator=g0) * rs) ** 2
-        exact = 0.95 * exact + 0.05 * g2
-        for name, v in stored.items():
-            v = 0.95 * v + 0.05 * g2
-            stored[name] = (decode_direct(encode_direct(v)) if name == "direct" else
-                            decode_second_moment(encode_second_moment(v, rounding=name)))
-    return {name: (v.clamp(min=0).sqrt() - exact.sqrt()).norm().item() / exact.sqrt().norm().item()
-            for name, v in stored.items()}
-
-
-def synthetic_moments(R=256, C=1024, row_sigma=1.5, col_sigma=1.0, steps=30, seed=0):
-    """Adam moments of a synthetic gradient stream: Gaussian with log-normal row and column scales (LLM weight
-    gradients have strongly varying row/column magnitudes) and 1% spikes. Returns bias-corrected (m, v)."""
-    g0 = torch.Generator().manual_seed(seed)
-    rs = torch.exp(torch.randn(R, 1, generator=g0) * row_sigma)
-    cs = torch.exp(torch.randn(1, C, generator=g0) * col_sigma)
-    m, v = torch.zeros(R, C), torch.zeros(R, C)
-    for _ in range(steps):
-        g = torch.randn(R, C, generator=g0) * rs * cs * (1 + 3 * (torch.rand(R, C, generator=g0) < 0.01))
-        m, v = 0.9 * m + 0.1 * g, 0.95 * v + 0.05 * g * g
-    return m / (1 - 0.9**steps), v / (1 - 0.95**steps)
-
-
-def fig4b_numbers(shapes, fit_min_dim=64, inputs=2, seed=1234, device=None):
-    """Fig. 4b: orthogonality error (polar_error) of the NVFP4 NS (5 steps) with the shape's Root coefficients
-    against Muon's and against ROOT's published set of the nearest aspect ratio, plus the fp32 NS with Muon's as
-    the unquantized reference. Fresh inputs (seed differs from the fit's). Errors are capped at 10 (exploded)."""
-    rows = []
-    for m, n in shapes:
-        fm, fn = reduced_shape(m, n, fit_min_dim)
-        data = representative_inputs(fm, fn, inputs, seed, device)
-        root = root_coefficients(m, n, quantized=True)
-        aspect = math.log(max(m, n) / min(m, n))
-        published = min(PUBLISHED_COEFFICIENTS, key=lambda k: abs(math.log(k[1] / k[0]) - aspect))
-        rows.append({"shape": [m, n], "eval_shape": [fm, fn], "root_abc": list(root),
-                     "nvfp4_root": ns_error(root, data, seed=seed),
-                     "nvfp4_muon": ns_error(MUON_COEFFICIENTS, data, seed=seed),
-                     "nvfp4_published_nearest": ns_error(PUBLISHED_COEFFICIENTS[published], data, seed=seed),
-                     "published_nearest": list(published),
-                     "fp32_muon": ns_error(MUON_COEFFICIENTS, data, quantized=False, seed=seed)})
-    return rows
-
-
-def main():
-    parser = argparse.ArgumentParser(description="optim.py: fit Root's NS coefficients, print Fig. 4 numbers")
-    parser.add_argument("--fit-coefficients", action="store_true")
-    parser.add_argument("--fig4", action="store_true")
-    parser.add_argument("--shapes", default="", help="comma-separated MxN, e.g. 1024x1024,1024x4096")
-    parser.add_argument("--configs", default="toy,1b,3b", help="model.py configs whose Root shapes to fit")
-    parser.add_argument("--fit-min-dim", type=int, default=64, help="fit at this min dim (aspect kept); 0 = full")
-    parser.add_argument("--inputs", type=int, default=2)
-    parser.add_argument("--iters", type=int, default=40)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--out", default=COEFFICIENTS_JSON)
-    args = parser.parse_args()
-    shapes = [tuple(sorted(int(d) for d in s.split("x"))) for s in args.shapes.split(",") if s]
-    if args.configs:
-        shapes = sorted(set(shapes) | set(config_shapes(args.configs.split(","))))
-    if args.fit_coefficients:
-        import sys
-        entries, by_reduced = {}, {}
-        for m, n in shapes:
-            reduced = reduced_shape(m, n, args.fit_min_dim)
-            t0 = time.time()
-            if reduced not in by_reduced:  # same reduced problem: same fit
-                by_reduced[reduced] = fit_coefficients(m, n, args.fit_min_dim, args.inputs, args.iters,
-                                                       device=args.device)
-            entries[f"{m}x{n}"] = by_reduced[reduced]
-            print(f"{m}x{n}: {entries[f'{m}x{n}']}  ({time.time() - t0:.0f} s)", flush=True)
-        result = {"command": "python " + " ".join(sys.argv),
-                  "note": "fitted on the NVFP4 NS (optim.fit_coefficients); shapes scaled to min dim fit_shape, "
-                          "aspect ratio kept; every set passes optim.coefficients_stable",
-                  "coefficients": entries}
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {args.out}")
-    if args.fig4:
-        m, v = synthetic_moments()
-        print(json.dumps({"fig4a": fig4a_numbers(v, m), "v_ema_200_steps_sqrt_rel_err": ema_requantization_error(),
-                          "fig4b": fig4b_numbers(shapes, args.fit_min_dim)}, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+        optimizers.append(Root(root_groups, lr=lr, momentum=momentum, states=states))
+    return CombinedOptimizer(model, optimizers, gradient_projection)

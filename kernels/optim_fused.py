@@ -9,7 +9,7 @@ any block can be encoded, and it depends on every element. So there are two laun
   2. `_update_pass`: decode, update, write p, encode with the new global scales, write codes, E4M3 scales
                      and tile means in place (each program reads its own tile before writing it).
 Bytes per parameter (fp32 p and g): pass 2 reads 4 + 4 + 2 x 0.5625 + 4/128 and writes 4 + 2 x 0.5625 +
-4/128 (~14.3 B, the useful traffic); pass 1 adds ~5.2 B of re-reads. bench_optim.py reports both.
+4/128 (~14.3 B, the useful traffic); pass 1 adds ~5.2 B of re-reads.
 
 Program tile: BM rows x T columns where T = gcd(C, 128) is the v tile (optim.V_TILE): one tile mean per row.
 Same arithmetic as optim.py's reference (decode_first_moment / decode_second_moment, adamw_update_math,
@@ -26,10 +26,10 @@ generator: equal in distribution only (its block scales, chosen by RTN error, ma
 
 The kernel is instruction-bound, so the layout keeps each 16-element block in one thread (codes in and out as one
 int64 per block, built by join / split, which stay in registers), E2M1 codes decode from their bits, the tile
-mean's cross-thread levels are shuffles, and addresses are int64 once per program (scripts/sass_stats.py counts
-SASS per element; H200 sm_90 at the default launch: amax pass 103.5 -> 79, update pass 322.5 -> 248).
+mean's cross-thread levels are shuffles, and addresses are int64 once per program (docs/optim.md has the history).
 """
 
+import torch
 import triton
 import triton.language as tl
 
@@ -218,20 +218,18 @@ def _rows_per_program(R, T, elements):
     return min(max(1, elements // T), triton.next_power_of_2(R))
 
 
-def fused_adamw_step(p, g, state, lr, beta1, beta2, eps, weight_decay, step, seed, floor=None,
+def fused_adamw_step(p, g, state, lr, beta1, beta2, eps, weight_decay, step, seed, floor,
                      elements_per_program=2048, num_warps=4):
-    """One QuantizedAdamW step on p (R, C) fp32 with optim.py's packed "pipeline" state (keys m.codes,
+    """One QuantizedAdamW step on p (R, C) fp32 with optim.py's packed "nvfp4" state (keys m.codes,
     m.scales, m.global_scale, v.codes, v.scales, v.global_scale, v.tile_mean), updated in place.
-    elements_per_program / num_warps: launch shape (bench_optim.py sweeps them; results do not depend on it)."""
-    import torch
-    import optim
+    floor: the decoded sqrt(v) is at least floor * its tile mean (optim.FLOOR_FRACTION; a power of two).
+    elements_per_program / num_warps: launch shape (the results do not depend on it)."""
     if p.dtype != torch.float32 or p.dim() != 2 or not p.is_contiguous():
         raise ValueError(f"fused_adamw_step: p must be a contiguous 2-D fp32 tensor, got {p.dtype} {tuple(p.shape)}")
     g = g.contiguous()
     R, C = p.shape
     T = C // state["v.tile_mean"].shape[-1]
     BM = _rows_per_program(R, T, elements_per_program)
-    floor = optim.FLOOR_FRACTION if floor is None else floor
     scalars = (1 - lr * weight_decay, beta1, 1 - beta1, beta2, 1 - beta2, (1 - beta2 ** step) ** 0.5, eps,
                lr / (1 - beta1 ** step))
     ms, vs = state["m.scales"].view(torch.uint8), state["v.scales"].view(torch.uint8)

@@ -9,6 +9,7 @@ import torch.nn as nn
 import lora_svd
 import nvfp4
 import optim
+from tools.fit_root_coefficients import ns_error, polar_error
 
 
 def gen(seed):
@@ -110,7 +111,7 @@ def set_grads(params, g0):
 
 def test_quantization_off_matches_torch_adamw_exactly():
     ours, ref = make_params(), make_params()
-    opt = optim.QuantizedAdamW(ours, lr=1e-2, weight_decay=0.1, state_quant="none")
+    opt = optim.QuantizedAdamW(ours, lr=1e-2, weight_decay=0.1, states="fp32")
     opt_ref = torch.optim.AdamW(ref, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
     g0, g1 = gen(7), gen(7)
     for step in range(6):
@@ -127,7 +128,7 @@ def test_quantization_off_matches_torch_adamw_exactly():
 
 def test_state_bytes_and_which_tensors_are_packed():
     params = make_params()
-    opt = optim.QuantizedAdamW(params, state_quant="pipeline")
+    opt = optim.QuantizedAdamW(params, states="nvfp4")
     set_grads(params, gen(8))
     opt.step()
     big, bias, small = (opt.state[p] for p in params)
@@ -144,10 +145,10 @@ def regression_problem(seed=0):
     return X, X @ W_true.t()
 
 
-def fit_regression(state_quant, steps=30):
+def fit_regression(states, steps=30):
     X, Y = regression_problem()
     W = nn.Parameter(torch.zeros(32, 128))  # 4096 elements: packed states
-    opt = optim.QuantizedAdamW([W], lr=3e-2, weight_decay=0.0, state_quant=state_quant)
+    opt = optim.QuantizedAdamW([W], lr=3e-2, weight_decay=0.0, states=states)
     loss0 = ((X @ W.t() - Y) ** 2).mean().item()
     for _ in range(steps):
         loss = ((X @ W.t() - Y) ** 2).mean()
@@ -157,7 +158,7 @@ def fit_regression(state_quant, steps=30):
 
 
 def test_quantized_adamw_converges_on_regression_and_direct_states_do_not():
-    pipeline, direct = fit_regression("pipeline"), fit_regression("direct")
+    pipeline, direct = fit_regression("nvfp4"), fit_regression("direct")
     assert pipeline < 0.05
     # App. 13's collapse in miniature: v entries decoding to 0 turn m / sqrt(v) into huge steps
     assert direct > 10 * pipeline
@@ -184,16 +185,16 @@ def test_newton_schulz_orthogonalizes(quantized, shape):
     lo, hi = (0.6, 1.25) if not quantized else (0.7, 1.3)
     assert s.min() > lo and s.max() < hi, (s.min(), s.max())
     assert singular_values(G / G.norm()).max() < 0.2  # it really moved them
-    assert optim.polar_error(X, G) < (0.25 if quantized else 0.3)
+    assert polar_error(X, G) < (0.25 if quantized else 0.3)
 
 
 def test_muon_coefficients_blow_up_in_nvfp4_and_fitted_ones_do_not():
     """Fig. 4b's point: NS's large coefficients amplify 4-bit rounding (X_next = a X + B X cancels ~70% of a X)."""
     G = torch.randn(64, 192, generator=gen(14))
-    muon = optim.ns_error(optim.MUON_COEFFICIENTS, [G], quantized=True)
-    safe = optim.ns_error(STABLE_NVFP4, [G], quantized=True)
+    muon = ns_error(optim.MUON_COEFFICIENTS, [G], quantized=True)
+    safe = ns_error(STABLE_NVFP4, [G], quantized=True)
     assert safe < 0.3 and muon > 3 * safe
-    assert optim.ns_error(optim.MUON_COEFFICIENTS, [G], quantized=False) < 0.3
+    assert ns_error(optim.MUON_COEFFICIENTS, [G], quantized=False) < 0.3
 
 
 def test_quantized_ns_step_is_the_papers_three_equations():
@@ -240,7 +241,7 @@ def test_root_converges_on_regression():
     X, Y = regression_problem(1)
     for quantized in (False, True):
         W = nn.Parameter(torch.zeros(32, 128))
-        opt = optim.Root([W], lr=2e-2, weight_decay=0.0, quantized=quantized)
+        opt = optim.Root([W], lr=2e-2, weight_decay=0.0, states="nvfp4" if quantized else "fp32")
         loss0 = ((X @ W.t() - Y) ** 2).mean().item()
         for i in range(40):
             opt.param_groups[0]["lr"] = 0.1 * (1 - i / 40)  # an orthogonalized step has a fixed size: decay it
@@ -254,7 +255,7 @@ def test_root_rejects_bad_shapes():
     with pytest.raises(ValueError, match="2-D"):
         optim.Root([nn.Parameter(torch.zeros(32))])
     with pytest.raises(ValueError, match="multiples of 16"):
-        optim.Root([nn.Parameter(torch.zeros(32, 40))], quantized=True)
+        optim.Root([nn.Parameter(torch.zeros(32, 40))], states="nvfp4")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -298,18 +299,45 @@ def test_routing():
     assert set(routes["adamw"]) == {"wte.weight", "narrow.weight", "lm_head.weight"}
     assert set(routes["adamw_no_decay"]) == {"norm.weight", "norm.bias"}
     assert optim.route_parameters(model, "adamw")["root"] == []
+    naive = nn.Sequential(lora_svd.NaiveLoRALinear(64, 128, rank=4))  # found by its L1, L2 (duck typing)
+    routes = {k: [n for n, _ in v] for k, v in optim.route_parameters(naive, "root").items()}
+    assert routes["root"] == ["0.weight"] and routes["lora"] == ["0.L1", "0.L2"]
 
 
-@pytest.mark.parametrize("optimizer,state_quant", [("root", "pipeline"), ("adamw", "none"), ("root", "direct")])
-def test_build_optimizer_steps_and_has_base_lr(optimizer, state_quant):
+def test_hallway_optim_imports_only_nvfp4_and_kernels():
+    """optim.py -> nvfp4.py -> kernels/ (no model, train or lora_svd, function-local imports included);
+    kernels/optim_fused.py imports no project module above kernels/."""
+    import ast
+    import pathlib
+    root = pathlib.Path(optim.__file__).parent
+    project = {p.stem for p in root.glob("*.py")} | {"kernels", "tools"}
+
+    def imported(path):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module.split(".")[0])
+        return names & project
+
+    assert imported(root / "optim.py") == {"nvfp4", "kernels"}
+    assert imported(root / "kernels" / "optim_fused.py") == {"kernels"}
+
+
+@pytest.mark.parametrize("optimizer,states", [("root", "nvfp4"), ("adamw", "fp32"), ("root", "direct")])
+def test_build_optimizer_steps_and_has_base_lr(optimizer, states):
     model = TinyModel(narrow=False)
-    opt = optim.build_optimizer(model, optimizer, state_quant, lr=1e-3, lora_lr=2e-3)
+    projected = []
+    project = lambda m: (projected.append(m), lora_svd.project_all(m))
+    opt = optim.build_optimizer(model, optimizer, states, lr=1e-3, lora_lr=2e-3, gradient_projection=project)
     assert all("base_lr" in g for g in opt.param_groups)
     assert sorted({g["base_lr"] for g in opt.param_groups}) == [1e-3, 2e-3]
     n_params = sum(len(g["params"]) for g in opt.param_groups)
     assert n_params == len(list(model.parameters()))
     before = [p.detach().clone() for p in model.parameters()]
     train_steps(model, opt, 1, seed=1)
+    assert projected == [model]  # eqs. 3-4 ran once, on the model, inside step()
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert opt.state_nbytes() > 0
     opt.reset_state(model.attn.weight)
@@ -318,7 +346,7 @@ def test_build_optimizer_steps_and_has_base_lr(optimizer, state_quant):
 
 def test_state_dict_round_trip_continues_bit_for_bit():
     model = TinyModel(lora=False, narrow=False)  # LoRA-SVD's backward draws from the global RNG
-    opt = optim.build_optimizer(model, "root", "pipeline", lr=1e-3)
+    opt = optim.build_optimizer(model, "root", "nvfp4", lr=1e-3)
     train_steps(model, opt, 1, seed=2)
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
@@ -327,7 +355,7 @@ def test_state_dict_round_trip_continues_bit_for_bit():
     ckpt = torch.load(buf, weights_only=False)
     resumed = TinyModel(lora=False, narrow=False)
     resumed.load_state_dict(ckpt["model"])
-    opt2 = optim.build_optimizer(resumed, "root", "pipeline", lr=1e-3)
+    opt2 = optim.build_optimizer(resumed, "root", "nvfp4", lr=1e-3)
     opt2.load_state_dict(ckpt["opt"])
     state = opt2.state[resumed.attn.weight]
     assert state["m.codes"].dtype == torch.uint8 and state["m.scales"].dtype == torch.float8_e4m3fn
@@ -379,7 +407,7 @@ def test_fused_kernel_equals_reference(shape):
     v_enc = optim.encode_second_moment(v_ref)
     m_enc = optim.encode_first_moment(m_ref, gen(23))
     p_k, st_k = p.to(DEV), {k: x.to(DEV) for k, x in st.items()}
-    fused_adamw_step(p_k, g.to(DEV), st_k, *HP, step=3, seed=123)
+    fused_adamw_step(p_k, g.to(DEV), st_k, *HP, step=3, seed=123, floor=optim.FLOOR_FRACTION)
     p_k, st_k = p_k.cpu(), {k: x.cpu() for k, x in st_k.items()}
     assert torch.equal(p_k, p_ref)                                      # RTN / exact parts: bit for bit
     for key in ("codes", "scales", "global_scale", "tile_mean"):
@@ -399,7 +427,7 @@ def test_fused_kernel_stochastic_rounding_of_m_is_unbiased():
     n, total = 12, 0
     for seed in range(n):
         st_k = {k: x.to(DEV, copy=True) for k, x in st.items()}  # copies: the kernel updates p and the state in
-        fused_adamw_step(p.to(DEV, copy=True), g.to(DEV), st_k, *HP, step=2, seed=seed)  # place (DEV may be cpu)
+        fused_adamw_step(p.to(DEV, copy=True), g.to(DEV), st_k, *HP, step=2, seed=seed, floor=optim.FLOOR_FRACTION)  # place (DEV may be cpu)
         st_k = {k: x.cpu() for k, x in st_k.items()}
         total = total + optim.decode_first_moment(optim._prefixed(st_k, "m"))
     single = (optim.decode_first_moment(optim._prefixed(st_k, "m")) - m_ref).norm()
@@ -415,7 +443,7 @@ def test_fused_kernel_on_gpu_matches_cpu_reference():
     v_enc = optim.encode_second_moment(v_ref)
     from kernels.optim_fused import fused_adamw_step
     p_k, st_k = p.cuda(), {k: x.cuda() for k, x in st.items()}
-    fused_adamw_step(p_k, g.cuda(), st_k, *HP, step=5, seed=7)
+    fused_adamw_step(p_k, g.cuda(), st_k, *HP, step=5, seed=7, floor=optim.FLOOR_FRACTION)
     assert torch.equal(p_k.cpu(), p_ref)
     assert torch.equal(st_k["v.codes"].cpu(), v_enc["codes"])
     assert torch.equal(st_k["v.tile_mean"].cpu(), v_enc["tile_mean"])
@@ -451,7 +479,7 @@ def test_nvfp4_newton_schulz_on_gpu():
     G = torch.randn(1024, 4096, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     X = optim.newton_schulz(G, generator=torch.Generator("cuda").manual_seed(1))
     s = torch.linalg.svdvals(X.double())
-    assert s.max() < 1.5 and optim.polar_error(X, G) < 0.3
+    assert s.max() < 1.5 and polar_error(X, G) < 0.3
 
 
 @pytest.mark.gpu
@@ -493,12 +521,12 @@ def _fsdp_worker(rank, world, store, out):
     from torch.distributed.fsdp import fully_shard
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)  # no TCP port
     results = {}
-    for state_quant, steps in (("none", 2), ("pipeline", 1)):
+    for states, steps in (("fp32", 2), ("nvfp4", 1)):
         model = fsdp_model()
         fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
-        opt = train_fsdp_model(model, state_quant, steps)
-        results[state_quant] = [p.full_tensor() for p in model.parameters()]
-        results[state_quant + "_packed"] = {tuple(p.shape): tuple(opt.state[p]["m.codes"].shape)
+        opt = train_fsdp_model(model, states, steps)
+        results[states] = [p.full_tensor() for p in model.parameters()]
+        results[states + "_packed"] = {tuple(p.shape): tuple(opt.state[p]["m.codes"].shape)
                                             for p in model.parameters() if "m.codes" in opt.state[p]}
     if rank == 0:
         torch.save(results, out)
@@ -517,9 +545,9 @@ def fsdp_model():
                          nn.Linear(64, 1152, bias=False))
 
 
-def train_fsdp_model(model, state_quant, steps):
+def train_fsdp_model(model, states, steps):
     x = torch.randn(256, 64, generator=gen(30))
-    opt = optim.build_optimizer(model, "root", state_quant, lr=1e-2)
+    opt = optim.build_optimizer(model, "root", states, lr=1e-2)
     for _ in range(steps):
         loss = model(x).pow(2).mean()
         opt.zero_grad()
@@ -537,10 +565,10 @@ def test_fsdp2_sharded_states_and_gathered_root(tmp_path):
     out = str(tmp_path / "fsdp.pt")
     mp.spawn(_fsdp_worker, args=(2, str(tmp_path / "store"), out), nprocs=2)
     sharded = torch.load(out)
-    for state_quant, steps in (("none", 2), ("pipeline", 1)):
+    for states, steps in (("fp32", 2), ("nvfp4", 1)):
         model = fsdp_model()
-        train_fsdp_model(model, state_quant, steps)
-        for a, b in zip(sharded[state_quant], model.parameters()):
+        train_fsdp_model(model, states, steps)
+        for a, b in zip(sharded[states], model.parameters()):
             torch.testing.assert_close(a, b.detach(), atol=1e-6, rtol=1e-5)
     # packed AdamW states / Root momentum of each rank's half-row shard (codes: 2 per byte)
-    assert sharded["pipeline_packed"] == {(1152, 64): (576, 32), (128, 64): (64, 32), (64, 128): (32, 64)}
+    assert sharded["nvfp4_packed"] == {(1152, 64): (576, 32), (128, 64): (64, 32), (64, 128): (32, 64)}
