@@ -1,0 +1,606 @@
+"""
+The seeded ablation: the paper's Table 3 rows (recipe x optimizer) at a small scale, three seeds each, one
+`train.py` run per (recipe, optimizer, seed), then one table, one plot and one verdict per paper claim.
+
+    python tools/ablation.py --config tiny --max_steps 30 --seeds 0              # a CPU smoke run of the grid
+    python tools/ablation.py --config toy --max_steps 300 --gpus 0,1 --jobs_per_gpu 2 --deadline 560
+    python tools/ablation.py --rows lora_naive_root --force ...                  # rerun one row (all its seeds)
+    python tools/ablation.py --aggregate_only                                    # table, plot, verdicts only
+
+The grid: bf16, nvfp4, nvfp4_46, lora_naive, lora_svd, fullstack with adamw and root, every seed; naive_fp4 (App.
+13's collapsing baseline) once per optimizer, with the first seed. Each run writes into <runs>/<name>/ (name =
+<recipe>_<optimizer>_s<seed>), its log into <runs>/<name>.log (the command on the first line) and the tool's
+record of it into <runs>/<name>.json. A run is finished when <runs>/<name>/summary.json exists, or when train.py
+stopped it for a non-finite loss (a diverged run is a result, not a failure); finished runs are skipped, the
+others start over. `--rows` picks rows by name: a recipe (`nvfp4`), a recipe and optimizer (`nvfp4_root`), a run
+(`nvfp4_root_s1`) or a glob (`lora_*`).
+
+Then it aggregates every finished run under <runs> (not only this call's) into <results>/summary.json (one row per
+run), <results>/table.md (mean +- std of the final val loss, % gap to bf16, verdicts) and <results>/loss_curves.png.
+The claims and the rules that decide them are in `verdicts` below.
+"""
+import argparse
+import fnmatch
+import glob
+import json
+import math
+import os
+import queue
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPES = ("bf16", "nvfp4", "nvfp4_46", "lora_naive", "lora_svd", "fullstack")  # every seed
+COLLAPSING = "naive_fp4"  # App. 13: collapses; one seed per optimizer shows it
+OPTIMIZERS = ("adamw", "root")
+# queue order within a seed: slowest recipes first, so parallel workers finish at about the same time
+SLOWEST_FIRST = ("fullstack", "lora_svd", "naive_fp4", "lora_naive", "nvfp4_46", "nvfp4", "bf16")
+TRAIN_FLAGS = ("config", "max_steps", "batch_size", "seq_len", "lr", "warmup", "eval_every", "eval_iters",
+               "log_every", "data")  # passed to train.py when given (else its per-config defaults)
+RUN_NAME = re.compile(r"^(?P<recipe>[a-z0-9_]+)_(?P<optimizer>adamw|root)_s(?P<seed>\d+)$")
+TAIL = 0.1  # train loss = mean over the last 10% of logged steps (one batch's loss is noisy)
+COLLAPSE_NATS = 1.0  # collapsed: non-finite, or this far above its own best / above bf16's final val loss
+CLOSE_POINTS = 1.0  # "fullstack close to lora_svd": their gaps to bf16 differ by at most this many % points
+RESOLVE_STDS = 3.0  # the issue's criterion: bf16-vs-nvfp4 gap >= 3x bf16's seed-to-seed std
+SIGNIFICANT_SES = 2.0  # an ordering is resolved when its mean difference exceeds 2 standard errors
+
+
+def die(msg):
+    print(f"ablation.py: error: {msg}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.error = lambda msg: die(msg)
+    p.add_argument("--config", default=None, help="train.py --config (tiny | toy | ...)")
+    p.add_argument("--max_steps", type=int, default=None)
+    p.add_argument("--batch_size", type=int, default=None)
+    p.add_argument("--seq_len", type=int, default=None)
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--eval_every", type=int, default=None)
+    p.add_argument("--eval_iters", type=int, default=None)
+    p.add_argument("--log_every", type=int, default=None)
+    p.add_argument("--data", default=None, help="train.py --data (default: the offline corpus)")
+    p.add_argument("--train_args", default="", help='more train.py flags for every run, e.g. "--lora_lr 1e-3"')
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
+    p.add_argument("--rows", default=None, help="comma-separated row names or globs (default: the whole grid)")
+    p.add_argument("--runs", default="runs/ablation", help="one directory per run in here")
+    p.add_argument("--results", default="results/ablation", help="summary.json, table.md, loss_curves.png")
+    p.add_argument("--gpus", default=None, help="GPU ids, e.g. 0,1 (default: every visible GPU; none: the CPU)")
+    p.add_argument("--jobs_per_gpu", type=int, default=1, help="runs side by side on one GPU")
+    p.add_argument("--cpu_jobs", type=int, default=1, help="runs side by side without a GPU")
+    p.add_argument("--shard", default=None, help="i/n: run only every n-th job from the i-th (0-based)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per run (killed runs start over later)")
+    p.add_argument("--deadline", type=float, default=None, help="seconds for the whole call: no run starts or "
+                   "runs past it (30 s are kept for the aggregation)")
+    p.add_argument("--force", action="store_true", help="rerun the selected rows even if finished")
+    p.add_argument("--dry_run", action="store_true", help="print the queue's commands, run nothing")
+    p.add_argument("--aggregate_only", action="store_true", help="run nothing; aggregate the finished runs")
+    args = p.parse_args(argv)
+    try:
+        args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        die(f"--seeds {args.seeds!r}: expected comma-separated integers, e.g. 0,1,2")
+    if not args.seeds:
+        die("--seeds: give at least one seed")
+    if args.shard is not None:
+        m = re.fullmatch(r"(\d+)/(\d+)", args.shard)
+        if not m or not int(m[1]) < int(m[2]):
+            die(f"--shard {args.shard!r}: expected i/n with 0 <= i < n, e.g. 0/2")
+        args.shard = (int(m[1]), int(m[2]))
+    if args.jobs_per_gpu < 1 or args.cpu_jobs < 1:
+        die("--jobs_per_gpu / --cpu_jobs: must be >= 1")
+    try:
+        args.train_args = shlex.split(args.train_args)
+    except ValueError as e:
+        die(f"--train_args: {e}")
+    args.runs, args.results = os.path.abspath(args.runs), os.path.abspath(args.results)
+    return args
+
+
+def shown(path):
+    """A path as the reader of the record wants it: relative to the repository root when inside it."""
+    rel = os.path.relpath(path, ROOT)
+    return path if rel.startswith("..") else rel
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The grid and its runs
+
+def grid(seeds):
+    """Every run of the ablation as (recipe, optimizer, seed), in queue order: seed by seed (a partial grid still
+    covers every row), slowest recipes first within a seed."""
+    jobs = []
+    for i, seed in enumerate(seeds):
+        for recipe in SLOWEST_FIRST:
+            if recipe in RECIPES or (recipe == COLLAPSING and i == 0):
+                jobs += [(recipe, optimizer, seed) for optimizer in OPTIMIZERS]
+    return jobs
+
+
+def run_name(recipe, optimizer, seed):
+    return f"{recipe}_{optimizer}_s{seed}"
+
+
+def selected(job, patterns):
+    """--rows: a pattern names a recipe, a recipe_optimizer, a whole run name, or is a glob over run names."""
+    recipe, optimizer, seed = job
+    names = (recipe, f"{recipe}_{optimizer}", run_name(*job))
+    return any(pat in names or fnmatch.fnmatchcase(names[-1], pat) for pat in patterns)
+
+
+def finished(runs, name):
+    if os.path.isfile(os.path.join(runs, name, "summary.json")):
+        return True
+    return read_json(os.path.join(runs, f"{name}.json"), {}).get("status") == "diverged"
+
+
+def read_json(path, default=None):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return default
+
+
+def train_command(args, recipe, optimizer, seed):
+    cmd = [sys.executable, "train.py", "--recipe", recipe, "--optimizer", optimizer, "--seed", str(seed),
+           "--out_dir", shown(os.path.join(args.runs, run_name(recipe, optimizer, seed))), "--no_progress",
+           "--save_every", "-1"]  # no checkpoints: an ablation run is short, and a killed one starts over
+    for flag in TRAIN_FLAGS:
+        if getattr(args, flag) is not None:
+            cmd += [f"--{flag}", str(getattr(args, flag))]
+    return cmd + args.train_args
+
+
+def device_slots(args):
+    """[(label, environment overrides)], one per parallel worker."""
+    gpus = args.gpus
+    if gpus is None:
+        try:
+            out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+            gpus = ",".join(str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU"))
+        except (OSError, subprocess.TimeoutExpired):
+            gpus = ""
+    ids = [g.strip() for g in gpus.split(",") if g.strip()]
+    if not ids:  # runs side by side share the cores (2 runs of 2 threads each on 2 cores were several times slower)
+        threads = os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.cpu_jobs)))
+        return [("cpu", {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": threads})] * args.cpu_jobs
+    return [(f"gpu {g}", {"CUDA_VISIBLE_DEVICES": g}) for g in ids for _ in range(args.jobs_per_gpu)]
+
+
+def hardware(env):
+    gpu = env.get("CUDA_VISIBLE_DEVICES", "")
+    if gpu:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", gpu],
+                                 capture_output=True, text=True, timeout=30).stdout.strip()
+            return out or f"GPU {gpu}"
+        except (OSError, subprocess.TimeoutExpired):
+            return f"GPU {gpu}"
+    return f"CPU ({os.cpu_count()} cores)"
+
+
+class Broken(Exception):
+    """train.py rejected the flags (exit 2), or several runs in a row failed: the rest would too."""
+
+
+def run_one(args, job, label, env, stop_at):
+    """One train.py run into a fresh <runs>/<name>/; returns its status (ok, diverged, timeout, failed)."""
+    name = run_name(*job)
+    out_dir, log_path, record_path = (os.path.join(args.runs, name), os.path.join(args.runs, f"{name}.log"),
+                                      os.path.join(args.runs, f"{name}.json"))
+    shutil.rmtree(out_dir, ignore_errors=True)  # unfinished or --force: start over
+    cmd = train_command(args, *job)
+    limit = args.timeout
+    if stop_at is not None:
+        limit = min(limit or math.inf, stop_at - time.time())
+    print(f"[{label}] {time.strftime('%H:%M:%S')} start {name}", flush=True)
+    start, status = time.time(), None
+    with open(log_path, "w") as log:
+        log.write(shlex.join(cmd[1:]) + "\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env, "PYTHONUNBUFFERED": "1"}, stdout=log,
+                                stderr=subprocess.STDOUT)
+        try:
+            rc = proc.wait(timeout=None if limit in (None, math.inf) else max(1.0, limit))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+            status = "timeout"
+    wall = time.time() - start
+    with open(log_path) as f:
+        tail = f.read()[-2000:]
+    if status is None:
+        if rc == 0 and os.path.isfile(os.path.join(out_dir, "summary.json")):
+            status = "ok"
+        elif "non-finite loss" in tail:
+            status = "diverged"  # train.py stops before a non-finite update: App. 13's collapse, a result
+        else:
+            status = "failed"
+    with open(record_path, "w") as f:
+        json.dump({"name": name, "status": status, "exit_code": rc, "wall_s": round(wall, 1),
+                   "hardware": hardware(env), "command": shlex.join(cmd[1:]),
+                   "date": time.strftime("%Y-%m-%d")}, f, indent=1)
+    last = tail.strip().splitlines()[-1] if tail.strip() else ""
+    print(f"[{label}] {time.strftime('%H:%M:%S')} {status} {name} ({wall:.0f} s): {last}", flush=True)
+    if status == "failed" and rc == 2:
+        raise Broken(f"{name}: train.py rejected its flags: {last}")
+    return status, last
+
+
+def run_grid(args, jobs):
+    """Run the jobs on parallel workers (one per device slot) until done, failed flags, or the deadline."""
+    start = time.time()
+    stop_at = None if args.deadline is None else start + args.deadline - 30
+    todo = queue.Queue()
+    for job in jobs:
+        todo.put(job)
+    errors, failures = [], []  # failures: the failed runs since the last success
+
+    def worker(label, env):
+        while not errors:
+            try:
+                job = todo.get_nowait()
+            except queue.Empty:
+                return
+            if stop_at is not None and stop_at - time.time() < 60:  # a run with under a minute says nothing
+                print(f"[{label}] deadline: not starting {run_name(*job)}", flush=True)
+                continue
+            try:
+                status, last = run_one(args, job, label, env, stop_at)
+            except Broken as e:
+                errors.append(str(e))
+                return
+            if status == "failed":
+                failures.append(f"{run_name(*job)}: {last}")
+                if len(failures) >= 3:
+                    errors.append(f"3 runs in a row failed (see {shown(args.runs)}/<name>.log); last: {failures[-1]}")
+            elif status in ("ok", "diverged"):
+                failures.clear()
+
+    threads = [threading.Thread(target=worker, args=slot) for slot in device_slots(args)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    print(f"ablation: {len(jobs)} runs queued, {time.time() - start:.0f} s", flush=True)
+    if errors:
+        die(errors[0])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Aggregation: rows, statistics, verdicts, table, plot
+
+def read_metrics(path):
+    try:
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except OSError:
+        return []
+
+
+def corpus_train_tokens(data_dir):
+    """Tokens in <data>/train.bin, from the shard header (data.py's format: int64 [magic, version, n_tokens])."""
+    path = os.path.join(ROOT, data_dir, "train.bin")
+    try:
+        with open(path, "rb") as f:
+            header = f.read(24)
+        return int.from_bytes(header[16:24], "little")
+    except OSError:
+        return None
+
+
+def tail_mean(values):
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    k = max(1, math.ceil(TAIL * len(values)))
+    return sum(values[-k:]) / k
+
+
+def collect_rows(runs, train_tokens):
+    """One row per finished run under `runs` (sorted by recipe, optimizer, seed)."""
+    rows = []
+    for path in sorted(glob.glob(os.path.join(runs, "*", ""))):
+        name = os.path.basename(os.path.dirname(path))
+        m = RUN_NAME.match(name)
+        if not m or not finished(runs, name):
+            continue
+        metrics = read_metrics(os.path.join(path, "metrics.jsonl"))
+        summary = read_json(os.path.join(path, "summary.json"), {})
+        record = read_json(os.path.join(runs, f"{name}.json"), {})
+        train = [r["loss"] for r in metrics if "loss" in r]
+        vals = [r["val_loss"] for r in metrics if "val_loss" in r]
+        steps = summary.get("steps", max((r["step"] for r in metrics), default=0))
+        tokens = summary.get("tokens", max((r.get("tokens", 0) for r in metrics), default=0))
+        diverged = not summary
+        val_loss = None if diverged else summary.get("final_val_loss", vals[-1] if vals else None)
+        params = summary.get("params")
+        rows.append({
+            "recipe": m["recipe"], "optimizer": m["optimizer"], "seed": int(m["seed"]),
+            "val_loss": val_loss, "train_loss": None if diverged else tail_mean(train),
+            "tokens": tokens, "params": params, "steps": steps,
+            "config": summary.get("config"), "status": "diverged" if diverged else "ok",
+            "best_train_loss": min(train) if train else None,
+            "tokens_per_param": tokens / params if params else None,
+            "epochs": tokens / train_tokens if train_tokens else None,
+            "wall_s": record.get("wall_s"), "hardware": record.get("hardware"),
+            "command": record.get("command"), "date": record.get("date"),
+        })
+    rows.sort(key=lambda r: (SLOWEST_FIRST[::-1].index(r["recipe"]) if r["recipe"] in SLOWEST_FIRST else 99,
+                             r["recipe"], r["optimizer"], r["seed"]))
+    return rows
+
+
+def finite(x):
+    return x is not None and math.isfinite(x)
+
+
+def stats(values):
+    """(mean, sample std, n) of the finite values; std is None below 2 values."""
+    values = [v for v in values if finite(v)]
+    if not values:
+        return None, None, 0
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None), len(values)
+
+
+def mark_collapsed(rows):
+    """A run collapsed if it stopped on a non-finite loss, its final train loss rose COLLAPSE_NATS above its own
+    best, or its final val loss is COLLAPSE_NATS above the mean of bf16's with the same optimizer."""
+    for row in rows:
+        base, _, _ = stats([r["val_loss"] for r in rows if r["recipe"] == "bf16" and r["optimizer"] == row["optimizer"]])
+        if row["status"] == "diverged" or not finite(row["val_loss"]):
+            row["status"] = "diverged" if row["status"] == "diverged" else "collapsed"
+        elif (finite(row["train_loss"]) and row["train_loss"] > row["best_train_loss"] + COLLAPSE_NATS) or \
+                (base is not None and row["val_loss"] > base + COLLAPSE_NATS):
+            row["status"] = "collapsed"
+    return rows
+
+
+def val_by_seed(rows, recipe, optimizer):
+    return {r["seed"]: r["val_loss"] for r in rows if r["recipe"] == recipe and r["optimizer"] == optimizer
+            and r["status"] == "ok"}
+
+
+def gaps(rows, recipe, optimizer):
+    """% gap to bf16 per seed, paired by seed (same seed = same init and batches in every recipe)."""
+    base, own = val_by_seed(rows, "bf16", optimizer), val_by_seed(rows, recipe, optimizer)
+    return {s: 100 * (own[s] - base[s]) / base[s] for s in sorted(own) if s in base}
+
+
+def difference(a, b):
+    """(mean, standard error, n) of a[s] - b[s] over the seeds both have; SE is None below 2 seeds."""
+    d = [a[s] - b[s] for s in a if s in b]
+    mean, std, n = stats(d)
+    return mean, (std / math.sqrt(n) if std is not None else None), n
+
+
+def ordering(a, b):
+    """Is a > b? confirmed / not confirmed (the reverse, resolved) / not resolvable: the paired mean difference
+    against SIGNIFICANT_SES standard errors."""
+    mean, se, n = difference(a, b)
+    if mean is None or se is None:
+        return "not resolvable at this scale", mean, se, n
+    if mean > SIGNIFICANT_SES * se:
+        return "confirmed", mean, se, n
+    if mean < -SIGNIFICANT_SES * se:
+        return "not confirmed", mean, se, n
+    return "not resolvable at this scale", mean, se, n
+
+
+def fmt(x, digits=3, sign=False, g=False):
+    """A number for the table: fixed digits (g: significant digits), 'n/a' when missing."""
+    if x is None:
+        return "n/a"
+    return f"{x:.{digits}g}" if g else f"{x:+.{digits}f}" if sign else f"{x:.{digits}f}"
+
+
+def verdicts(rows):
+    """[(claim, optimizer, verdict, numbers)] for the paper's claims, per optimizer, from the rows."""
+    out = []
+    for opt in OPTIMIZERS:
+        base = val_by_seed(rows, "bf16", opt)
+        b_mean, b_std, b_n = stats(base.values())
+        nv = val_by_seed(rows, "nvfp4", opt)
+        n_mean, _, _ = stats(nv.values())
+        # the issue's resolvability criterion: |bf16 - nvfp4| >= 3x bf16's seed std
+        if b_mean is None or n_mean is None or b_std is None:
+            verdict, numbers = "not resolvable at this scale", f"bf16 n={b_n}, nvfp4 n={len(nv)}: need >= 2 bf16 seeds"
+        else:
+            gap = n_mean - b_mean
+            verdict = "confirmed" if abs(gap) >= RESOLVE_STDS * b_std else "not confirmed"
+            numbers = (f"nvfp4 - bf16 = {gap:+.4f} nat, bf16 seed std {b_std:.4f} "
+                       f"(ratio {abs(gap) / b_std if b_std else math.inf:.1f}, need >= {RESOLVE_STDS:g})")
+        out.append(("gap resolvable: nvfp4 − bf16 ≥ 3x bf16 seed std", opt, verdict, numbers))
+
+        # nvfp4 gap > nvfp4_46 gap > lora_svd gap (Table 3's linear-only ordering), paired by seed
+        g = {r: gaps(rows, r, opt) for r in ("nvfp4", "nvfp4_46", "lora_svd", "fullstack")}
+        links = [ordering(g["nvfp4"], g["nvfp4_46"]), ordering(g["nvfp4_46"], g["lora_svd"])]
+        verdict = ("confirmed" if all(v == "confirmed" for v, *_ in links) else
+                   "not confirmed" if any(v == "not confirmed" for v, *_ in links) else "not resolvable at this scale")
+        numbers = "; ".join(f"{a} - {b} gap = {fmt(m, 2, True)} +- {fmt(se, 2)} pts (n={n})" for (a, b), (_, m, se, n)
+                            in zip((("nvfp4", "nvfp4_46"), ("nvfp4_46", "lora_svd")), links))
+        out.append(("nvfp4 gap > nvfp4_46 gap > lora_svd gap", opt, verdict, numbers))
+
+        # fullstack close to lora_svd: the gap difference within CLOSE_POINTS, measured that precisely
+        mean, se, n = difference(g["fullstack"], g["lora_svd"])
+        if mean is None or se is None:
+            verdict = "not resolvable at this scale"
+        elif abs(mean) + SIGNIFICANT_SES * se <= CLOSE_POINTS:
+            verdict = "confirmed"
+        elif abs(mean) - SIGNIFICANT_SES * se > CLOSE_POINTS:
+            verdict = "not confirmed"
+        else:
+            verdict = "not resolvable at this scale"
+        numbers = f"fullstack - lora_svd gap = {fmt(mean, 2, True)} +- {fmt(se, 2)} pts (n={n}), close = within {CLOSE_POINTS:g} pt"
+        out.append((f"fullstack close to lora_svd", opt, verdict, numbers))
+
+        # naive_fp4 collapses (App. 13)
+        naive = [r for r in rows if r["recipe"] == COLLAPSING and r["optimizer"] == opt]
+        if not naive:
+            verdict, numbers = "not resolvable at this scale", "no naive_fp4 run"
+        else:
+            collapsed = [r for r in naive if r["status"] in ("collapsed", "diverged")]
+            verdict = "confirmed" if len(collapsed) == len(naive) else "not confirmed"
+            numbers = ", ".join(f"s{r['seed']}: {r['status']}, val {fmt(r['val_loss'])}, best train "
+                                f"{fmt(r['best_train_loss'])}" for r in naive)
+        out.append(("naive_fp4 collapses", opt, verdict, numbers))
+    return out
+
+
+def table(rows):
+    """Markdown: one line per (recipe, optimizer)."""
+    lines = ["| recipe | optimizer | seeds | val loss (mean ± std) | gap to bf16 | per-seed gap ± std | "
+             "train loss | status |", "|---|---|---|---|---|---|---|---|"]
+    for opt in OPTIMIZERS:
+        b_mean, _, _ = stats(val_by_seed(rows, "bf16", opt).values())
+        for recipe in RECIPES + (COLLAPSING,):
+            mine = [r for r in rows if r["recipe"] == recipe and r["optimizer"] == opt]
+            if not mine:
+                continue
+            mean, std, n = stats(val_by_seed(rows, recipe, opt).values())
+            g_mean, g_std, _ = stats(gaps(rows, recipe, opt).values())
+            t_mean, _, _ = stats(r["train_loss"] for r in mine if r["status"] == "ok")
+            gap = None if mean is None or b_mean is None else 100 * (mean - b_mean) / b_mean
+            status = ", ".join(sorted({r["status"] for r in mine}))
+            lines.append(f"| `{recipe}` | {opt} | {len(mine)} | {fmt(mean, 4)} ± {fmt(std, 4)} | "
+                         f"{'–' if recipe == 'bf16' else fmt(gap, 2, True) + '%'} | "
+                         f"{'–' if recipe == 'bf16' else fmt(g_mean, 2, True) + ' ± ' + fmt(g_std, 2) + '%'} | "
+                         f"{fmt(t_mean, 4)} | {status} |")
+    return "\n".join(lines)
+
+
+def plot(rows, runs, path):
+    """Train loss against tokens, mean over seeds with a ±1 std band, one panel per optimizer; val loss dots."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(OPTIMIZERS), figsize=(13, 5), sharey=True)
+    colors = dict(zip(RECIPES + (COLLAPSING,), plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    top, bottom = -math.inf, math.inf
+    for ax, opt in zip(axes, OPTIMIZERS):
+        for recipe in RECIPES + (COLLAPSING,):
+            curves = []
+            for r in rows:
+                if r["recipe"] == recipe and r["optimizer"] == opt:
+                    m = read_metrics(os.path.join(runs, run_name(recipe, opt, r["seed"]), "metrics.jsonl"))
+                    curves.append(({x["step"]: x["loss"] for x in m if "loss" in x},
+                                   {x["step"]: x["val_loss"] for x in m if "val_loss" in x}))
+            if not curves:
+                continue
+            steps = sorted(set.intersection(*(set(c[0]) for c in curves)))
+            k = max(1, len(steps) // 40)  # a moving mean over 2.5% of the run: batch noise hides the bands
+            mean, std = [], []
+            for i in range(len(steps)):
+                window = steps[max(0, i - k + 1): i + 1]
+                per_seed = [statistics.fmean(c[0][s] for s in window) for c in curves]
+                mean.append(statistics.fmean(per_seed))
+                std.append(statistics.stdev(per_seed) if len(per_seed) > 1 else 0.0)
+            tokens_per_step = rows[0]["tokens"] / max(1, rows[0]["steps"])
+            x = [s * tokens_per_step / 1e6 for s in steps]
+            label = f"{recipe} (n={len(curves)})"
+            ax.plot(x, mean, color=colors[recipe], lw=1.2, label=label)
+            ax.fill_between(x, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
+                            color=colors[recipe], alpha=0.2, lw=0)
+            val_steps = sorted(set.intersection(*(set(c[1]) for c in curves)))
+            ax.plot([s * tokens_per_step / 1e6 for s in val_steps],
+                    [statistics.fmean(c[1][s] for c in curves) for s in val_steps], "o", color=colors[recipe], ms=3)
+            finite_mean = [m for m in mean if math.isfinite(m)]
+            if recipe != COLLAPSING and finite_mean:
+                bottom = min(bottom, min(finite_mean))
+                top = max(top, mean[min(len(mean) - 1, len(mean) // 5)])  # from 20% of the run on
+        ax.set_title(f"{opt}: train loss (lines, ±1 std over seeds), val loss (dots)")
+        ax.set_xlabel("tokens (M)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("loss")
+    if math.isfinite(top) and math.isfinite(bottom) and top > bottom:
+        axes[0].set_ylim(bottom - 0.05 * (top - bottom), top)  # collapsed runs leave the top of the frame
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def aggregate(args):
+    runs, results = args.runs, args.results
+    train_tokens = corpus_train_tokens(args.data or "data_cache/default")
+    rows = mark_collapsed(collect_rows(runs, train_tokens))
+    if not rows:
+        print(f"ablation: no finished runs in {shown(args.runs)}; nothing to aggregate", flush=True)
+        return None
+    setups = {(r["config"], r["steps"], r["tokens"]) for r in rows if r["status"] == "ok"}
+    if len(setups) > 1:
+        die(f"--runs {shown(args.runs)}: finished runs mix setups (config, steps, tokens) {sorted(setups, key=str)}; "
+            "use one --runs directory per setup")
+    os.makedirs(results, exist_ok=True)
+    keep = ("recipe", "optimizer", "seed", "val_loss", "train_loss", "tokens", "params", "steps", "status",
+            "tokens_per_param", "epochs", "config", "wall_s")
+    with open(os.path.join(results, "summary.json"), "w") as f:
+        json.dump([{k: r[k] for k in keep} for r in rows], f, indent=1)
+    ok = [r for r in rows if r["status"] == "ok"] or rows
+    first = ok[0]
+    hardware = ", ".join(sorted({r["hardware"] for r in rows if r["hardware"]})) or "unknown"
+    dates = sorted({r["date"] for r in rows if r["date"]})
+    gpu_s = sum(r["wall_s"] or 0 for r in rows)
+    lines = [
+        "# Seeded ablation (paper Table 3 rows, App. 13 collapse)", "",
+        f"Written by `python tools/ablation.py` from {len(rows)} runs in `{shown(args.runs)}/`. Config "
+        f"`{first['config']}`, {first['steps']} steps, {first['tokens']:,} tokens a run, "
+        f"{first['params'] / 1e6:.2f}M parameters: {fmt(first['tokens_per_param'], 3, g=True)} tokens per parameter, "
+        f"{fmt(first['epochs'], 3, g=True)} epochs of the {fmt(train_tokens and train_tokens / 1e6, 2)}M-token train split. "
+        f"Hardware: {hardware}. Dates: {', '.join(dates) or 'unknown'}. Run time, summed over runs: "
+        f"{gpu_s / 60:.1f} min.", "",
+        f"Val loss: the last evaluation of each run. Train loss: mean over the last {TAIL:.0%} of logged steps. "
+        "Gap: 100·(mean − mean bf16)/mean bf16 with the same optimizer; per-seed gap: the same per seed (a seed "
+        "fixes the init and the batches in every recipe), mean ± std over seeds. Status `diverged`: train.py "
+        f"stopped on a non-finite loss; `collapsed`: the loss rose {COLLAPSE_NATS:g} nat above its best or above bf16's.",
+        "", table(rows), "", "![loss curves](loss_curves.png)", "", "## Verdicts", "",
+        f"Orderings compare per-seed gaps paired by seed: resolved when the mean difference exceeds "
+        f"{SIGNIFICANT_SES:g} standard errors. \"Close\": the gap difference plus {SIGNIFICANT_SES:g} SE within "
+        f"{CLOSE_POINTS:g} point.", "",
+        "| claim | optimizer | verdict | numbers |", "|---|---|---|---|"]
+    lines += [f"| {claim} | {opt} | **{verdict}** | {numbers} |" for claim, opt, verdict, numbers in verdicts(rows)]
+    commands = sorted({r["command"] for r in rows if r["command"]})
+    lines += ["", "Commands (one per run):", "", "```"] + commands + ["```", ""]
+    with open(os.path.join(results, "table.md"), "w") as f:
+        f.write("\n".join(lines))
+    plot(rows, runs, os.path.join(results, "loss_curves.png"))
+    print(f"ablation: {len(rows)} runs -> {shown(args.results)}/summary.json, table.md, loss_curves.png", flush=True)
+    return rows
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not args.aggregate_only:
+        jobs = grid(args.seeds)
+        if args.rows:
+            patterns = [p.strip() for p in args.rows.split(",") if p.strip()]
+            jobs = [j for j in jobs if selected(j, patterns)]
+            if not jobs:
+                die(f"--rows {args.rows!r}: matches no run of the grid (names look like nvfp4_root_s1)")
+        if args.shard:
+            jobs = jobs[args.shard[0]::args.shard[1]]
+        runs = args.runs
+        todo = [j for j in jobs if args.force or not finished(runs, run_name(*j))]
+        print(f"ablation: {len(jobs)} runs selected, {len(jobs) - len(todo)} finished earlier (skipped)", flush=True)
+        if args.dry_run:
+            for job in todo:
+                print(shlex.join(train_command(args, *job)[1:]))
+            return
+        os.makedirs(runs, exist_ok=True)
+        if todo:
+            run_grid(args, todo)
+    aggregate(args)
+
+
+if __name__ == "__main__":
+    main()
