@@ -1,51 +1,58 @@
-"""The four benchmark scripts of the GPU check run end to end: `--dry` runs every code path once on the CPU (Triton's
-interpreter, tiny shapes, no timing) and writes the JSON the README's tables come from. A script broken here
-would waste a GPU call (device time is scarce), so CI runs them."""
+"""The speed table's one command runs end to end: `bench/run.py --dry_run` runs every section once on the CPU (tiny
+shapes, the tiny config through train.py) and writes the record, so a broken benchmark shows up in CI and not in
+a GPU run."""
 
 import json
 import os
 import subprocess
 import sys
 
+import numpy as np
+
+import data
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_dry(script, tmp_path, *flags):
-    out = tmp_path / f"{script}.json"
-    proc = subprocess.run([sys.executable, f"{script}.py", "--dry", "--out", str(out), *flags], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+def bench(*flags):
+    return subprocess.run([sys.executable, "bench/run.py", *flags], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
+
+
+def test_bench_dry_run_writes_every_row_with_its_baseline(tmp_path):
+    tokens = np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint16)  # a tiny corpus for train.py
+    data.write_shard(str(tmp_path / "train.bin"), tokens[:18_000])
+    data.write_shard(str(tmp_path / "val.bin"), tokens[18_000:])
+    out = tmp_path / "record"
+    proc = bench("--dry_run", "--out_dir", str(out), "--runs_dir", str(tmp_path / "runs"), "--data", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    rows = json.load(open(out / "speed.json"))["rows"]
+    assert {r["section"] for r in rows} == {"attention", "linear", "optim", "quantize", "train"}
+    for r in rows:
+        assert r["measured"]["commit"] and r["measured"]["device"] == "cpu"
+        if r["section"] != "train":
+            assert r["ms"] > 0 and r["baseline_ms"] > 0 and r["baseline"]
+            assert abs(r["speed_vs_baseline"] - r["baseline_ms"] / r["ms"]) < 1e-9
+    attention = [r for r in rows if r["section"] == "attention"]
+    assert {r["name"].split("'")[1] for r in attention} == {"bf16", "fp4", "fp4_all"}
+    assert all(r["sdpa_backend"] != "unknown" for r in attention)  # the profiler named SDPA's backend
+    train = {(r["recipe"], r["compile"]): r for r in rows if r["section"] == "train"}
+    assert set(train) == {("bf16", False), ("fullstack", False)}
+    for r in train.values():
+        assert "error" not in r, r["error"]
+        assert r["tokens_per_s"] > 0 and "--max_steps 2" in r["command"]
+    assert train[("bf16", False)]["vs_bf16"] == 1.0 and 0 < train[("fullstack", False)]["vs_bf16"]
+    assert "| tiny | `fullstack` | adamw |" in (out / "speed.md").read_text()
+
+    # a partial rerun replaces its own rows and keeps the others
+    before = {(r["section"], r["name"]): r for r in rows}
+    proc = bench("--dry_run", "--only", "quantize", "--out_dir", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    after = {(r["section"], r["name"]): r for r in json.load(open(out / "speed.json"))["rows"]}
+    assert after.keys() == before.keys()
+    assert all(after[k] == before[k] for k in after if k[0] != "quantize")
 
 
-def test_bench_nvfp4_dry_run(tmp_path):
-    result = run_dry("bench_nvfp4", tmp_path)
-    assert result["dry"] and {r["section"] for r in result["rows"]} == {"quantize", "gemm", "linear"}
-    assert all(r["ms"] > 0 for r in result["rows"])
-
-
-def test_bench_nvfp4_rows_sweep_dry_run(tmp_path):
-    result = run_dry("bench_nvfp4", tmp_path, "--rows_sweep")
-    sweep = [r["name"] for r in result["rows"] if r["section"] == "rows sweep"]
-    assert len(sweep) == 27 and any(n.endswith("loop") for n in sweep)  # 9 launch settings x RTN, 4/6, SR+RHT
-
-
-def test_bench_lora_svd_dry_run(tmp_path):
-    result = run_dry("bench_lora_svd", tmp_path)
-    names = [r["name"] for r in result["rows"]]
-    assert "nvfp4 (4/6)" in names and "lora_svd fused cublas" in names and "lora_svd fused triton" in names
-    assert result["pieces"] and not [p for p in result["pieces"] if "error" in p]
-
-
-def test_bench_attention_dry_run(tmp_path):
-    result = run_dry("bench_attention", tmp_path)
-    names = {r["name"] for r in result["rows"]}
-    assert {"ours bf16", "ours fp4", "ours fp4_all"} <= names and any(n.startswith("sdpa") for n in names)
-    assert result["bf16_max_abs_err_vs_sdpa"] < 0.05  # our bf16 kernel (interpreted) against SDPA on the CPU
-
-
-def test_bench_optim_dry_run(tmp_path):
-    result = run_dry("bench_optim", tmp_path)
-    assert {"copy", "fused_quantized_adamw_kernel", "quantized_adamw_step", "torch_adamw_fused"} <= set(result["adamw"])
-    assert 1.0 < result["adamw"]["quantized_adamw_step"]["state_bytes_per_param"] < 1.3  # packed NVFP4 states
-    assert [tuple(r["shape"]) for r in result["root"]] == [(64, 128), (128, 128), (128, 384)]  # the tiny config
+def test_bench_bad_flag_gives_one_line_and_exit_2():
+    proc = bench("--dry_run", "--only", "attention,warp_drive")
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "warp_drive" in proc.stderr
