@@ -1,6 +1,7 @@
 """optim.py: NVFP4 optimizer states (§3.3), NVFP4 Root / Newton-Schulz (§3.4), routing, fused kernel."""
 import copy
 import io
+import math
 
 import pytest
 import torch
@@ -164,6 +165,65 @@ def test_quantized_adamw_converges_on_regression_and_direct_states_do_not():
     assert direct > 10 * pipeline
 
 
+def constant_gradient_steps(step_fn, steps=4, R=32, C=128):
+    """p after each of `steps` AdamW steps from zero moments with one constant gradient (magnitude constant along
+    a row, 1e-3 .. 10 across rows, random signs), and the closed form: m_k = (1 - b1^k) g and v_k = (1 - b2^k) g^2,
+    so the bias-corrected mhat = g, vhat = g^2 and every step moves p by lr * g / (|g| + eps)."""
+    g0 = gen(41)
+    g = torch.logspace(-3, 1, R)[:, None] * torch.sign(torch.randn(R, C, generator=g0))
+    p = torch.randn(R, C, generator=g0)
+    lr, b1, b2, eps = 1e-2, 0.9, 0.95, 1e-8
+    expected_step = lr * g.double() / (g.double().abs() + eps)
+    out = []
+    for k in range(1, steps + 1):
+        before = p.clone()
+        p = step_fn(p, g, k, lr, b1, b2, eps)
+        out.append(((before.double() - p.double()) / expected_step))  # 1 where the closed form holds
+    return out
+
+
+def check_bias_correction(ratios):
+    for k, r in enumerate(ratios, 1):
+        # m is stored with stochastic rounding (unbiased, ~10% per element); v's roots are equal along a tile, so
+        # its pipeline is exact here. A slip in either correction is off by >= 2x at step 1.
+        assert abs(r.mean().item() - 1) < 0.02, (k, r.mean().item())
+        assert (r - 1).abs().max().item() < 0.5, (k, (r - 1).abs().max().item())
+
+
+def test_quantized_adamw_bias_correction_matches_the_closed_form_reference_path():
+    W, opt = None, None
+
+    def step(p, g, k, lr, b1, b2, eps):
+        nonlocal W, opt
+        if opt is None:
+            W = nn.Parameter(p.clone())
+            opt = optim.QuantizedAdamW([W], lr=lr, betas=(b1, b2), eps=eps, weight_decay=0.0, states="nvfp4")
+        W.grad = g.clone()
+        opt.step()
+        assert "m.codes" in opt.state[W]  # the packed path, not the fp32 one
+        return W.detach().clone()
+
+    check_bias_correction(constant_gradient_steps(step))
+
+
+def test_quantized_adamw_bias_correction_matches_the_closed_form_kernel_path():
+    from kernels.optim_fused import fused_adamw_step
+    state = {}
+
+    def step(p, g, k, lr, b1, b2, eps):
+        nonlocal state
+        if not state:
+            zeros = torch.zeros(p.shape)
+            optim._store(state, "m", optim.encode_first_moment(zeros))
+            optim._store(state, "v", optim.encode_second_moment(zeros))
+            state = {key: x.to(DEV) for key, x in state.items()}
+        p_k = p.to(DEV, copy=True)
+        fused_adamw_step(p_k, g.to(DEV), state, lr, b1, b2, eps, 0.0, k, seed=k, floor=optim.FLOOR_FRACTION)
+        return p_k.cpu()
+
+    check_bias_correction(constant_gradient_steps(step))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Newton-Schulz and Root
 
@@ -235,6 +295,38 @@ def test_coefficient_lookup_and_stability_check():
     assert optim.root_coefficients(9216, 3072) == fitted[(3072, 9216)]
     assert optim.root_coefficients(320, 960) == fitted[(2048, 6144)] or \
         optim.root_coefficients(320, 960) == fitted[(3072, 9216)]  # unknown shape: nearest aspect ratio (3)
+
+
+def test_root_steps_from_zero_state_are_roots_formula():
+    """Two fp32 Root steps against ROOT's update written out here: Nesterov momentum, clip at the 0.9-quantile
+    of |M|, NS5 on the wide orientation with Muon's set (no fitted or published set for 48x32 in fp32),
+    lr * 0.2 * sqrt(max(m, n)). Two steps, because from a zero state M = (1 + mu) g and NS is scale-invariant:
+    only the second step tells Nesterov from plain momentum."""
+    m, n, lr, wd, mu = 48, 32, 0.02, 0.1, 0.95                     # rows > cols: NS runs on the transpose
+    g0 = gen(40)
+    p0 = torch.randn(m, n, generator=g0, dtype=torch.float64)
+    grads = [torch.randn(m, n, generator=g0, dtype=torch.float64) * torch.exp(torch.randn(m, 1, generator=g0))
+             for _ in range(2)]
+    W = nn.Parameter(p0.float())
+    opt = optim.Root([W], lr=lr, momentum=mu, weight_decay=wd, states="fp32")
+    p, buf = p0.clone(), torch.zeros(m, n, dtype=torch.float64)
+    for g in grads:
+        W.grad = g.float()
+        opt.step()
+        buf = mu * buf + g
+        M = g + mu * buf                                           # Nesterov
+        ordered = M.abs().flatten().sort().values
+        pos = 0.9 * (ordered.numel() - 1)                          # torch.quantile's linear interpolation
+        lo = int(pos)
+        eps = ordered[lo] + (ordered[lo + 1] - ordered[lo]) * (pos - lo)
+        X = M.clamp(-eps, eps).t()                                 # (n, m): wide
+        X = X / (X.norm() + 1e-7)
+        a, b, c = 3.4445, -4.7750, 2.0315
+        for _ in range(5):
+            A = X @ X.t()
+            X = a * X + (b * A + c * A @ A) @ X
+        p = p * (1 - lr * wd) - lr * 0.2 * math.sqrt(max(m, n)) * X.t()
+        torch.testing.assert_close(W.detach().double(), p, atol=2e-6, rtol=0)
 
 
 def test_root_converges_on_regression():
