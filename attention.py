@@ -2,41 +2,39 @@
 Mixed-precision FP4 attention (paper §3.5, Table 2, App. 10-11).
 
 Attention has 7 matmuls: S = Q K^T and O = P V in the forward; the backward recomputes S = Q K^T, then
-dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q with dS = P o (dP - D), D = rowsum(dO o O).
-The paper's policy ("fp4"): Q, K, V are quantized to NVFP4 ONCE, and those same quantized values feed every
-forward and backward matmul (forward-backward consistency, §3.5); dS is quantized in the backward. So 4 of the
-7 matmuls take NVFP4 operands (both Q K^T, dS K, dS^T Q); PV, dO V^T and P^T dO stay BF16 (V enters PV and
-dO V^T at its dequantized NVFP4 value, which BF16 holds exactly). App. 10 explains why PV and dO V^T are the
-sensitive ones; `simplex_violation` and `ds_error` below measure it, `policy_errors` gives Fig. 5's numbers.
+dV = P^T dO, dP = dO V^T, dQ = dS K and dK = dS^T Q, with dS = P o (dP - D) and D = rowsum(dO o O).
 
-Policies (POLICIES):
-  bf16      exact attention in the input dtype (our own flash kernels on GPU)
-  fp4       the paper: NVFP4 Q, K, V (+ dS in the backward)
-  fp4_pv    + P quantized for PV                                  (Fig. 5 variant)
-  fp4_dov   + dO V^T in NVFP4                                     (Fig. 5 variant)
-  fp4_all   every matmul in NVFP4, also P^T dO (App. 13's naive baseline)
+The paper's policy ("fp4") quantizes what is IO- and compute-heavy and keeps the sensitive paths in BF16:
+- Q, K, V in NVFP4, quantized ONCE in the forward; the backward reads the same 4-bit values (forward-backward
+  consistency: a backward that re-quantized would differentiate a function the forward never computed). Blocks
+  1x16 along D, the contraction dim of Q K^T; RTN, as every forward tensor. The saved activations are 4-bit.
+- dS in NVFP4 in the backward, 1x16 blocks along each matmul's contraction dim: along the keys for dQ = dS K,
+  along the queries for dK = dS^T Q (two quantizations of one dS, each per tile in registers). Stochastic
+  rounding, as every gradient: dQ and dK stay unbiased, where RTN would deterministically flush the many small
+  tail entries (P ~ 0) whose sum balances the peaks (each row of dS sums to 0).
+- So 4 of the 7 matmuls take NVFP4 operands (Q K^T twice, dS K, dS^T Q). PV and dO V^T stay BF16 because App. 10
+  shows they are the sensitive ones: quantized P rows leave the probability simplex (10.1, `simplex_violation`),
+  and noise in dP = dO V^T lands on dS scaled by P, i.e. on the attention peaks (eq. 6, `ds_error`). P^T dO stays
+  BF16 too, so that dV sees the same P as the forward. V enters PV and dO V^T at its dequantized NVFP4 value,
+  which BF16 holds exactly.
 
-Choices (the paper does not spell them out):
-- Blocks. Q, K, V: 1x16 along D, RTN (forward tensors), per-tensor global scale. That is the contraction dim of
-  Q K^T, so this is a true NVFP4 GEMM. For PV, dS K and dS^T Q the contraction runs over T, where V, K, Q are
-  not blocked: on Hopper every NVFP4 operand is dequantized in registers, so the matmul is exact for any block
-  orientation; a native Blackwell GEMM would need 16x1 (or 16x16, shared by both orientations like the linear
-  layers' weights) copies. Reusing the one 1x16 quantization keeps the forward-backward consistency exact.
-- dS: 1x16 blocks along each matmul's contraction dim, i.e. along the keys for dQ = dS K (the dQ pass) and
-  along the queries for dK = dS^T Q (the dK/dV pass): two quantizations of the same dS, each done per tile in
-  registers. Stochastic rounding: dS is a gradient (DESIGN: backward SR); it keeps dQ and dK unbiased, and RTN
-  would deterministically flush the many small tail entries (P ~ 0) whose sum balances the peaks (each row of
-  dS sums to 0). Uniforms come from a counter hash of (seed, head, query, key, pass), so the reference and the
-  kernel draw the same bits for any tiling; 16 bits each (one 32-bit hash serves two neighbours: the hashing
-  was a quarter of the in-kernel quantization's instructions), which biases a decision by < 2^-16 of a step.
-- dS global scale: a tiled kernel cannot know amax(dS) before it is done, so s_g(dS) per (batch, head) comes
+The variants of Fig. 5 (`policy_errors` gives its numbers) quantize one more path each, see POLICIES.
+
+Choices the paper leaves open:
+- Blocks along T. PV, dS K and dS^T Q contract over T, where V, K, Q are blocked along D. Every NVFP4 operand here
+  is multiplied as its exact dequantized value (Hopper has no FP4 tensor cores), so any orientation is exact; a
+  native Blackwell GEMM would need 16x1 (or 16x16) copies. Reusing the one 1x16 quantization keeps consistency.
+- dS's SR uniforms come from a counter hash of (seed, head, query, key, pass), so the reference and the kernels
+  draw the same bits for any tiling; 16 bits each (one 32-bit hash serves two neighbours), which biases a
+  rounding decision by < 2^-16 of an E2M1 step.
+- dS's global scale: a tiled kernel cannot know amax(dS) before it is done, so s_g(dS) per (batch, head) comes
   from a bound that holds by construction: |dS_ij| = P_ij |dP_ij - D_i| <= max_i ||dO_i|| max_j ||V_j|| +
   max_i |D_i| (P <= 1, Cauchy-Schwarz), with max_j ||V_j|| <= sqrt(D) amax(V) read off V's global scale. No
   block scale ever saturates; the price is a few bits of E4M3 range (the bound is loose by ~10-100x).
-- P (fp4_pv, fp4_all): 1x16 along the keys for PV (along the queries for P^T dO), RTN, s_g = 1/(448*6)
-  since P <= 1. In the online-softmax forward P~ = exp(S - running max) is what gets quantized (as a fused
-  kernel must), so those two variants depend on the key tile (kernels.flash_attention.P_BLOCK_N, shared by
-  the reference). The softmax normalizer uses the exact P~: quantized rows then leave the simplex (App. 10.1).
+- P (fp4_pv, fp4_all): 1x16 along the keys for PV (along the queries for P^T dO), RTN, s_g = 1/(448*6) since
+  P <= 1. The online-softmax forward quantizes P~ = exp(S - running max), as a fused kernel must, so those two
+  variants depend on the key tile (kernels.flash_attention.P_BLOCK_N, shared by the reference). The softmax
+  normalizer uses the exact P~: the quantized rows leave the simplex (App. 10.1).
 - dO (fp4_dov, fp4_all): 1x16 along D for dO V^T, 16x1 along T for P^T dO; SR.
 """
 
@@ -45,19 +43,31 @@ import math
 import torch
 
 import nvfp4
+from kernels import flash_attention
+from kernels.nvfp4_quant import grid_values_bf16, quantize_dequant
 
+# policy -> which matmul operands are NVFP4 (every other operand is BF16, or the input dtype)
 POLICIES = {
-    #          Q,K,V in NVFP4  dS           P for PV    dO V^T       P^T dO
-    "bf16":    dict(qkv=False, ds=False, p=False, dov=False, pdo=False),
-    "fp4":     dict(qkv=True,  ds=True,  p=False, dov=False, pdo=False),
-    "fp4_pv":  dict(qkv=True,  ds=True,  p=True,  dov=False, pdo=False),
-    "fp4_dov": dict(qkv=True,  ds=True,  p=False, dov=True,  pdo=False),
-    "fp4_all": dict(qkv=True,  ds=True,  p=True,  dov=True,  pdo=True),
+    #          Q,K,V        dS         P for PV  dO for dO V^T  P and dO for P^T dO
+    "bf16":    dict(qkv=False, ds=False, p=False, dov=False, pdo=False),  # exact attention, our flash kernels
+    "fp4":     dict(qkv=True,  ds=True,  p=False, dov=False, pdo=False),  # the paper (§3.5, Table 2)
+    "fp4_pv":  dict(qkv=True,  ds=True,  p=True,  dov=False, pdo=False),  # Fig. 5 variant
+    "fp4_dov": dict(qkv=True,  ds=True,  p=False, dov=True,  pdo=False),  # Fig. 5 variant
+    "fp4_all": dict(qkv=True,  ds=True,  p=True,  dov=True,  pdo=True),   # every matmul (App. 13's naive baseline)
 }
 HEAD_DIMS = (64, 128)
 LOG2E = 1.4426950408889634
 P_GLOBAL_SCALE = 1.0 / (nvfp4.E4M3_MAX * nvfp4.FP4_MAX)   # s_g of P: amax(P) <= 1
 M32 = 0xFFFFFFFF
+
+
+def _use_kernels(x, impl):
+    """The seam: True runs the Triton kernels (kernels/flash_attention.py; CPU tensors run in the Triton
+    interpreter), False this file's tiled PyTorch reference. impl "auto" takes the kernels on CUDA unless
+    nvfp4.use_reference() (NANOFP4_REFERENCE=1, the project-wide switch)."""
+    if impl == "auto":
+        return x.is_cuda and not nvfp4.use_reference()
+    return impl == "triton"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -127,12 +137,12 @@ def ds_global_scale(do_eff_norm, v_amax, delta, D, G):
 # ----------------------------------------------------------------------------------------------------------
 # Reference: tiled FlashAttention in fp32 (App. 11, Algorithm 8), one key tile at a time
 
-def reference_forward(q, k, v, causal, quant_p, sm_scale, dtype, block_n=None):
+def reference_forward(q, k, v, causal, quant_p, sm_scale, dtype):
     """q (B, H, T, D), k, v (B, Hkv, T, D): operand values in fp32 (dequantized NVFP4 or the inputs).
     Online softmax over key tiles; returns o (B, H, T, D) fp32 and lse2 = m + log2(l) (B, H, T), log2 units.
-    Non-NVFP4 operands of the BF16 matmuls are rounded to `dtype` as a tensor core would see them."""
-    from kernels.flash_attention import P_BLOCK_N
-    block_n = block_n or P_BLOCK_N
+    Non-NVFP4 operands of the BF16 matmuls are rounded to `dtype` as a tensor core would see them. The key tile is
+    the kernels' forward tile: quantized P~ (fp4_pv, fp4_all) depends on it."""
+    block_n = flash_attention.P_BLOCK_N
     B, H, T, D = q.shape
     G = H // k.shape[1]
     k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)   # GQA (the kernels index kv head h // G)
@@ -159,11 +169,12 @@ def reference_forward(q, k, v, causal, quant_p, sm_scale, dtype, block_n=None):
 
 
 def reference_backward(q, k, v, o, lse, do, causal, sm_scale, dtype, do_dov=None, do_pdo=None, ds_scale=None,
-                       keys=None, block_n=64):
+                       keys=None):
     """App. 11's backward: recompute S and P = exp2(S2 - lse2) per key tile, D = rowsum(dO o O).
     q, k, v: fp32 operand values (the forward's); do: the incoming gradient (dtype); do_dov / do_pdo: the
     dequantized NVFP4 dO for dO V^T / P^T dO (or None: BF16); ds_scale (B, H) and keys (B, H, 2): dS in NVFP4
-    (or None: BF16). Returns dq (B, H, T, D), dk, dv (B, Hkv, T, D), fp32."""
+    (or None: BF16). Returns dq (B, H, T, D), dk, dv (B, Hkv, T, D), fp32. Any key tile gives the same numbers."""
+    block_n = 64
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     G = H // Hkv
@@ -204,134 +215,102 @@ def reference_backward(q, k, v, o, lse, do, causal, sm_scale, dtype, do_dov=None
     return dq * sm_scale, dk * sm_scale, dv
 
 
+
 # ----------------------------------------------------------------------------------------------------------
-# The autograd function
+# The autograd function: forward and backward of one policy, on the kernels or the reference
 
-def _quantize_qkv(x, name):
-    # forward tensor: 1x16 along D (the contraction dim of Q K^T), RTN
-    return nvfp4.quantize(x.detach(), (1, 16), "rtn", name=name)
-
-
-# How the flash kernels read the NVFP4 Q, K, V. "packed": 4-bit codes + E4M3 scales, decoded to q * s_b in
-# registers by every pass (a quarter of BF16's bytes: the paper's IO saving, which pays where tensor cores take
-# FP4 operands). "values": the quantize pass also writes q * s_b in bf16 (exact: <= 6 significant bits), and the
-# kernels read those like the bf16 policy's operands; the packed tensors stay the saved activations and the
-# backward re-expands them. Same products, same results. On the H200 attention is compute-bound and the decode
-# competes with the matmuls for issue slots, so "values" is the default there (bench_attention.py measures both).
-QKV_OPERANDS = "values"
-
-
-def _kernel_operands(ts):
-    """The flash kernels' Q, K, V arguments from the packed NVFP4 tensors (see QKV_OPERANDS)."""
-    if QKV_OPERANDS == "packed":
-        return [(t.codes, t.scales) for t in ts]
-    from kernels.nvfp4_quant import grid_values_bf16
-    return [grid_values_bf16(t) for t in ts]
-
-
-def _scales(*sg, device):
-    """The kernels' 6 global scales [Q, K, V, P, dO (dO V^T), dO (P^T dO)], 1 where unused. Python numbers come
-    from a per-device cache: torch.as_tensor(1.0, device="cuda") is a host-to-device copy from pageable memory,
-    which synchronizes the stream (six such copies per layer and micro-batch drained the GPU's queue)."""
-    return torch.stack([s.float().reshape(()) if torch.is_tensor(s) else _device_constant(float(s), device)
-                        for s in sg])
+def _quantize_qkv(x, name, kernels):
+    """Q, K or V in NVFP4: 1x16 blocks along D, RTN. Returns the packed tensor (what the backward reads) and this
+    forward's matmul operand: the bf16 grid values q * s_b written by the same pass for the kernels (which apply
+    s_g to their fp32 accumulators), the dequantized fp32 values for the reference."""
+    if kernels:
+        values, _, t = quantize_dequant(x.detach(), (1, 16), "rtn", return_tensor=True, name=f"attention {name}")
+        return t, values
+    t = nvfp4.quantize(x.detach(), (1, 16), "rtn", name=f"attention {name}")
+    return t, t.dequantize()
 
 
 _CONSTANTS = {}
 
 
-def _device_constant(value, device):
-    key = (value, str(device))
-    if key not in _CONSTANTS:
-        _CONSTANTS[key] = torch.tensor(value, dtype=torch.float32, device=device)
-    return _CONSTANTS[key]
+def _global_scales(*sg, device):
+    """The kernels' fp32 vector of 6 global scales [Q, K, V, P, dO (dO V^T), dO (P^T dO)], 1 where unused. Python
+    numbers come from a per-device cache: torch.as_tensor(1.0, device="cuda") copies from pageable host memory,
+    which synchronizes the stream."""
+    def constant(value):
+        key = (value, str(device))
+        if key not in _CONSTANTS:
+            _CONSTANTS[key] = torch.tensor(value, dtype=torch.float32, device=device)
+        return _CONSTANTS[key]
+    return torch.stack([s.float().reshape(()) if torch.is_tensor(s) else constant(float(s)) for s in sg])
 
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, policy, impl):
+    def forward(ctx, q, k, v, causal, policy, kernels):
         pol = POLICIES[policy]
-        B, H, T, D = q.shape
-        Hkv = k.shape[1]
-        sm_scale = 1.0 / math.sqrt(D)
+        sm_scale = 1.0 / math.sqrt(q.shape[-1])
         dtype = q.dtype
-        if pol["qkv"] and impl == "triton" and QKV_OPERANDS == "values":
-            # quantized ONCE: the forward and the backward read these very codes (forward-backward consistency);
-            # one pass per tensor writes the packed codes (saved) and the bf16 grid values (this forward's)
-            from kernels.nvfp4_quant import quantize_dequant
-            outs = [quantize_dequant(x.detach(), (1, 16), "rtn", return_tensor=True, name=f"attention {n}")
-                    for x, n in ((q, "Q"), (k, "K"), (v, "V"))]
-            ops = [values for values, _, _ in outs]
-            qq, kq, vq = [t for _, _, t in outs]
-        elif pol["qkv"]:
-            qq, kq, vq = _quantize_qkv(q, "attention Q"), _quantize_qkv(k, "attention K"), _quantize_qkv(v, "attention V")
-            if impl == "triton":
-                ops = _kernel_operands((qq, kq, vq))
-        else:
-            ops = [q, k, v]
-        if pol["qkv"]:
+        if pol["qkv"]:   # quantized ONCE: the backward reads these very codes (forward-backward consistency)
+            (qq, qv), (kq, kv), (vq, vv) = [_quantize_qkv(x, n, kernels) for x, n in ((q, "Q"), (k, "K"), (v, "V"))]
+            ops, sg = (qv, kv, vv), [qq.global_scale, kq.global_scale, vq.global_scale]
             ctx.fp4 = (qq, kq, vq)   # the saved activations are 4-bit: codes + scales
-        if impl == "triton":
-            from kernels.flash_attention import flash_forward
-            sg = [qq.global_scale, kq.global_scale, vq.global_scale] if pol["qkv"] else [1.0, 1.0, 1.0]
-            scales = _scales(*sg, P_GLOBAL_SCALE if pol["p"] else 1.0, 1.0, 1.0, device=q.device)
-            o, lse = flash_forward(*ops, scales, (B, H, Hkv, T, D), causal, sm_scale, pol["p"], dtype)
         else:
-            ops = [x.dequantize() for x in (qq, kq, vq)] if pol["qkv"] else [x.float() for x in (q, k, v)]
+            ops, sg = (q, k, v) if kernels else (q.float(), k.float(), v.float()), [1.0, 1.0, 1.0]
+        if kernels:
+            scales = _global_scales(*sg, P_GLOBAL_SCALE if pol["p"] else 1.0, 1.0, 1.0, device=q.device)
+            o, lse = flash_attention.flash_forward(*ops, scales, causal, sm_scale, pol["p"], dtype)
+        else:
             o, lse = reference_forward(*ops, causal, pol["p"], sm_scale, dtype)
             o = o.to(dtype)
         ctx.save_for_backward(o, lse, *(() if pol["qkv"] else (q, k, v)))
-        ctx.causal, ctx.policy, ctx.impl, ctx.shape = causal, policy, impl, (B, H, Hkv, T, D)
+        ctx.causal, ctx.policy, ctx.kernels = causal, policy, kernels
         return o
 
     @staticmethod
     def backward(ctx, do):
         pol = POLICIES[ctx.policy]
-        B, H, Hkv, T, D = ctx.shape
-        G = H // Hkv
-        sm_scale = 1.0 / math.sqrt(D)
         o, lse, *qkv = ctx.saved_tensors
-        dtype = o.dtype
+        B, H, T, D = o.shape
+        kernels, dtype = ctx.kernels, o.dtype
+        sm_scale = 1.0 / math.sqrt(D)
         do = do.to(dtype).contiguous()
-        if pol["qkv"]:
-            qq, kq, vq = ctx.fp4
-        else:
-            q, k, v = qkv
         do_dov = do_pdo = None
         if pol["dov"]:   # dO V^T in NVFP4: dO in 1x16 blocks along D (the contraction), SR
             do_dov = nvfp4.quantize(do, (1, 16), "sr", name="attention dO")
         if pol["pdo"]:   # P^T dO in NVFP4: dO in 16x1 blocks along T (the contraction), SR; T zero-padded
             pad = -T % 16
             do_pdo = nvfp4.quantize(torch.nn.functional.pad(do, (0, 0, 0, pad)), (16, 1), "sr", name="attention dO")
-        if ctx.impl == "triton":
-            from kernels.flash_attention import bwd_preprocess
-            delta, do_norm = bwd_preprocess(o, do)
+        if kernels:
+            delta, do_norm = flash_attention.bwd_preprocess(o, do)
         else:
             delta = (o.float() * do.float()).sum(-1)
             do_norm = do.float().norm(dim=-1)
         ds_scale = keys = None
         if pol["ds"]:
+            vq = ctx.fp4[2]
             seed = int(torch.randint(0, 2**31 - 1, ()))
             keys = sr_keys(seed, B * H, device=do.device).reshape(B, H, 2)
             do_eff_norm = do_dov.dequantize().norm(dim=-1) if pol["dov"] else do_norm
             v_amax = vq.global_scale * (nvfp4.E4M3_MAX * nvfp4.FP4_MAX)   # >= every |V_hat| (s_b <= 448)
-            ds_scale = ds_global_scale(do_eff_norm, v_amax, delta, D, G)
-        if ctx.impl == "triton":
-            from kernels.flash_attention import flash_backward
-            ops = _kernel_operands((qq, kq, vq)) if pol["qkv"] else [q, k, v]
-            one = 1.0
-            scales = _scales(qq.global_scale if pol["qkv"] else one, kq.global_scale if pol["qkv"] else one,
-                             vq.global_scale if pol["qkv"] else one, P_GLOBAL_SCALE if pol["pdo"] else one,
-                             do_dov.global_scale if pol["dov"] else one,
-                             do_pdo.global_scale if pol["pdo"] else one, device=do.device)
-            dov_vals = do_dov.grid_values().to(dtype) if pol["dov"] else None
-            pdo_vals = do_pdo.grid_values()[:, :, :T].to(dtype) if pol["pdo"] else None
-            dq, dk, dv = flash_backward(*ops, scales, ctx.shape, do, lse, delta, dov_vals, pdo_vals,
-                                        None if ds_scale is None else ds_scale.reshape(-1).contiguous(),
-                                        None if keys is None else _as_int32(keys.reshape(-1, 2)),
-                                        ctx.causal, sm_scale, dtype)
+            ds_scale = ds_global_scale(do_eff_norm, v_amax, delta, D, H // vq.shape[1])
+        if kernels:
+            if pol["qkv"]:
+                ops = [grid_values_bf16(t) for t in ctx.fp4]
+                sg = [t.global_scale for t in ctx.fp4]
+            else:
+                ops, sg = qkv, [1.0, 1.0, 1.0]
+            scales = _global_scales(*sg, P_GLOBAL_SCALE if pol["pdo"] else 1.0,
+                                    do_dov.global_scale if pol["dov"] else 1.0,
+                                    do_pdo.global_scale if pol["pdo"] else 1.0, device=do.device)
+            dq, dk, dv = flash_attention.flash_backward(
+                *ops, scales, do, lse, delta,
+                do_dov.grid_values().to(dtype) if pol["dov"] else None,
+                do_pdo.grid_values()[:, :, :T].to(dtype) if pol["pdo"] else None,
+                None if ds_scale is None else ds_scale.reshape(-1),
+                None if keys is None else keys.reshape(-1, 2), ctx.causal, sm_scale, dtype)
         else:
-            ops = [x.dequantize() for x in (qq, kq, vq)] if pol["qkv"] else [x.float() for x in (q, k, v)]
+            ops = [t.dequantize() for t in ctx.fp4] if pol["qkv"] else [x.float() for x in qkv]
             dq, dk, dv = reference_backward(
                 *ops, o, lse, do, ctx.causal, sm_scale, dtype,
                 do_dov=do_dov.dequantize() if pol["dov"] else None,
@@ -341,22 +320,14 @@ class _Attention(torch.autograd.Function):
         return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None
 
 
-def _as_int32(keys):
-    """uint32 values held in int64 -> the same bits as int32 (the kernels bitcast them back)."""
-    return torch.where(keys >= 2**31, keys - 2**32, keys).to(torch.int32).contiguous()
-
-
 def attention(q, k, v, causal=True, policy="fp4", impl="auto"):
     """Scaled dot-product attention softmax(Q K^T / sqrt(D)) V with the precision `policy` (see POLICIES).
     q (B, H, T, D), k, v (B, Hkv, T, D) with H % Hkv == 0 (GQA), D in {64, 128}. impl: "reference" (tiled
-    PyTorch, fp32), "triton" (the flash kernels; CPU tensors run in the interpreter), "auto" (triton on CUDA
-    unless nvfp4.use_reference())."""
+    PyTorch, fp32), "triton" (the flash kernels; CPU tensors run in the interpreter), "auto" (see _use_kernels)."""
     if policy not in POLICIES:
         raise ValueError(f"attention: policy must be one of {list(POLICIES)}, got {policy!r}")
     if impl not in ("auto", "reference", "triton"):
         raise ValueError(f"attention: impl must be 'auto', 'reference' or 'triton', got {impl!r}")
-    if QKV_OPERANDS not in ("values", "packed"):
-        raise ValueError(f"attention: QKV_OPERANDS must be 'values' or 'packed', got {QKV_OPERANDS!r}")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != 4 or not x.is_floating_point():
             raise ValueError(f"attention: {name} must be a 4-D float tensor (B, heads, T, D), got "
@@ -371,13 +342,11 @@ def attention(q, k, v, causal=True, policy="fp4", impl="auto"):
         raise ValueError(f"attention: query heads H = {H} must be a multiple of kv heads Hkv = {k.shape[1]} (GQA)")
     if q.dtype != k.dtype or q.dtype != v.dtype:
         raise ValueError(f"attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if impl == "auto":
-        impl = "triton" if q.is_cuda and not nvfp4.use_reference() else "reference"
-    return _Attention.apply(q, k, v, causal, policy, impl)
+    return _Attention.apply(q, k, v, causal, policy, _use_kernels(q, impl))
 
 
 # ----------------------------------------------------------------------------------------------------------
-# App. 10 and Fig. 5 as numbers
+# App. 10 and Fig. 5 as numbers (errors are nvfp4.relative_mse, the paper's Rel. MSE)
 
 def exact_attention(q, k, v, causal=True):
     """float64 softmax(Q K^T / sqrt(D)) V (materialized; for analysis and tests). Returns (o, p)."""
@@ -397,22 +366,21 @@ def simplex_violation(p):
     """App. 10.1. p (..., Tq, Tk): attention rows on the probability simplex. Quantize them to NVFP4 as the
     fp4_pv policy does (1x16 along the keys, RTN, s_g = 1/(448*6)) and measure how far the rows leave the
     simplex. Returns row_sum_dev_mean / _max (|1 - sum_j P_hat_ij|), zeroed_mass (mean per row of the
-    probability mass in entries that quantize to 0) and rel_err (||P_hat - P|| / ||P||)."""
+    probability mass in entries that quantize to 0) and rel_mse (of P_hat against P)."""
     p = p.float()
     p_hat = fake_quantize_rows16(p, P_GLOBAL_SCALE) * P_GLOBAL_SCALE
     dev = (1.0 - p_hat.double().sum(-1)).abs()
     zeroed = torch.where((p_hat == 0) & (p > 0), p, 0.0).double().sum(-1)
     return {"row_sum_dev_mean": dev.mean().item(), "row_sum_dev_max": dev.max().item(),
-            "zeroed_mass": zeroed.mean().item(),
-            "rel_err": ((p_hat - p).double().norm() / p.double().norm()).item()}
+            "zeroed_mass": zeroed.mean().item(), "rel_mse": nvfp4.relative_mse(p, p_hat)}
 
 
 @torch.no_grad()
 def ds_error(q, k, v, do, causal=True, peak=0.1):
     """App. 10.2 (eq. 6). dS = P o (dP - D) with dP = dO V^T computed from BF16 operands vs from NVFP4 operands
     (dO and V in 1x16 blocks along D; V RTN as the forward quantizes it, dO SR), both against float64.
-    Returns for each: rel_err (||dS_hat - dS|| / ||dS||), and at probability peaks (P >= peak) vs the tail:
-    the relative error there, showing eq. 6's P * Delta dP landing where dS itself is small."""
+    Returns for each: rel_mse over all of dS, and at probability peaks (P >= peak) vs the tail: eq. 6's
+    P * Delta dP lands where dS itself is small, so the peaks' relative error is the larger."""
     o, p = exact_attention(q, k, v, causal)
     G = q.shape[1] // k.shape[1]
     v64 = v.double().repeat_interleave(G, 1)
@@ -425,20 +393,19 @@ def ds_error(q, k, v, do, causal=True, peak=0.1):
         "bf16": do.bfloat16().double() @ v.bfloat16().double().repeat_interleave(G, 1).transpose(-1, -2),
         "nvfp4": do_fp4 @ v_fp4.transpose(-1, -2),
     }
-    peaks = p >= peak
+    peaks, tail = p >= peak, (p < peak) & (p > 0)
     out = {}
     for name, dp in dp_variants.items():
-        err = p * (dp - delta) - ds
-
-        def rel(mask):
-            return (err[mask].norm() / ds[mask].norm().clamp_min(1e-300)).item()
-        out[name] = {"rel_err": (err.norm() / ds.norm()).item(), "rel_err_peaks": rel(peaks),
-                     "rel_err_tail": rel(~peaks & (p > 0)), "peak_fraction": peaks.double().mean().item()}
+        ds_hat = p * (dp - delta)
+        out[name] = {"rel_mse": nvfp4.relative_mse(ds, ds_hat),
+                     "rel_mse_peaks": nvfp4.relative_mse(ds[peaks], ds_hat[peaks]),
+                     "rel_mse_tail": nvfp4.relative_mse(ds[tail], ds_hat[tail]),
+                     "peak_fraction": peaks.double().mean().item()}
     return out
 
 
 def policy_errors(q, k, v, do, causal=True, policies=tuple(POLICIES), impl="auto"):
-    """Fig. 5: relative error of O, dQ, dK, dV for each policy against float64 attention on the same inputs.
+    """Fig. 5: relative MSE of O, dQ, dK, dV for each policy against float64 attention on the same inputs.
     q (B, H, T, D), k, v (B, Hkv, T, D), do (B, H, T, D). Returns {policy: {"o": .., "dq": .., "dk": .., "dv": ..}}."""
     leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
     o_ref, _ = exact_attention(*leaves, causal)
@@ -448,6 +415,6 @@ def policy_errors(q, k, v, do, causal=True, policies=tuple(POLICIES), impl="auto
         xs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
         o = attention(*xs, causal=causal, policy=policy, impl=impl)
         grads = torch.autograd.grad(o, xs, do.to(o.dtype))
-        rel = [(a.double() - b).norm().item() / b.norm().item() for a, b in zip((o, *grads), (o_ref, *grads_ref))]
-        results[policy] = dict(zip(("o", "dq", "dk", "dv"), rel))
+        results[policy] = {name: nvfp4.relative_mse(ref, ours)
+                           for name, ours, ref in zip(("o", "dq", "dk", "dv"), (o, *grads), (o_ref, *grads_ref))}
     return results
