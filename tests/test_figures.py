@@ -193,11 +193,12 @@ def test_fig4a_pipeline_beats_direct(tmp_path, monkeypatch):
 
 
 def test_fig4b_root_coefficients_beat_muon_under_nvfp4(tmp_path, monkeypatch):
+    import fit_root_coefficients as fit
     import optim
     if not os.path.exists(optim.COEFFICIENTS_JSON):
-        pytest.skip("root_coefficients.json not fitted yet (python optim.py --fit-coefficients)")
+        pytest.skip("root_coefficients.json not fitted yet (python tools/fit_root_coefficients.py)")
     res = run_fig(tmp_path, "4b", monkeypatch=monkeypatch, fig4b_min_dim=64, fig4b_configs=("toy",))
-    assert [tuple(r["shape"]) for r in res["rows"]] == optim.config_shapes(["toy"])
+    assert [tuple(r["shape"]) for r in res["rows"]] == fit.config_shapes(["toy"])
     for row in res["rows"]:
         assert 0 < row["fp32_muon"] and row["nvfp4_root"] < row["nvfp4_muon"]  # §3.4: the fitted set is better
 

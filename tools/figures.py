@@ -53,7 +53,7 @@ SIZES = {
         "fig3_ranks": (8, 32, 128, 256), "fig3_tokens": 4096, "fig3_trained_blocks": "all",
         "fig3_batch": (4, 1024),
         "fig4a_shape": (3072, 9216),
-        # at min dim 512 (aspect kept; 0 = real size): optim.polar_error's float64 SVD per call makes 3072x9216 slow
+        # at min dim 512 (aspect kept; 0 = real size): polar_error's float64 SVD per call makes 3072x9216 slow
         "fig4b_min_dim": 512,
         "fig4b_configs": ("toy", "1b", "3b"),
         "fig5_shape": dict(B=2, H=16, Hkv=8, T=2048, D=64), "fig5_sharpness": (1.0, 2.0, 4.0, 8.0),
@@ -205,14 +205,14 @@ def plot_fig3(res, path):
 # Fig. 4a: the second moment in NVFP4
 
 def fig4a(size, device, seed=0):
-    """optim.fig4a_numbers on optim.synthetic_moments (Adam moments of a gradient stream with log-normal row and
-    column scales and 1% spikes): relative Frobenius errors of v and sqrt(v), the fraction of v > 0 decoded to
-    <= 0, and the error of Adam's direction m / sqrt(v)."""
-    import optim
+    """fit_root_coefficients.fig4a_numbers on its synthetic_moments (Adam moments of a gradient stream with
+    log-normal row and column scales and 1% spikes): relative Frobenius errors of v and sqrt(v), the fraction of
+    v > 0 decoded to <= 0, and the error of Adam's direction m / sqrt(v)."""
+    import fit_root_coefficients as fit  # tools/fit_root_coefficients.py
     R, C = size["fig4a_shape"]
-    m, v = optim.synthetic_moments(R, C, seed=seed)
-    numbers = optim.fig4a_numbers(v.to(device), m.to(device))
-    return {"shape": [R, C], "v": "optim.synthetic_moments (bias-corrected Adam moments, 30 steps)", **numbers}
+    m, v = fit.synthetic_moments(R, C, seed=seed)
+    numbers = fit.fig4a_numbers(v.to(device), m.to(device))
+    return {"shape": [R, C], "v": "synthetic_moments (bias-corrected Adam moments, 30 steps)", **numbers}
 
 
 def plot_fig4a(res, path):
@@ -244,14 +244,15 @@ def plot_fig4a(res, path):
 # Fig. 4b: NVFP4 Newton-Schulz, Root vs Muon coefficients
 
 def fig4b(size, device, seed=0):
-    """optim.fig4b_numbers: orthogonality (polar) error after 5 NVFP4 NS steps with the shape's fitted Root
-    coefficients vs Muon's, and fp32 NS with Muon's as the unquantized reference, for every Root-routed shape
-    of the toy/1b/3b configs (at --size small evaluated at min dim 128, aspect ratio kept)."""
+    """fit_root_coefficients.fig4b_numbers: orthogonality (polar) error after 5 NVFP4 NS steps with the shape's
+    fitted Root coefficients vs Muon's, and fp32 NS with Muon's as the unquantized reference, for every
+    Root-routed shape of the toy/1b/3b configs (at --size small evaluated at min dim 128, aspect ratio kept)."""
+    import fit_root_coefficients as fit  # tools/fit_root_coefficients.py
     import optim
-    shapes = optim.config_shapes(list(size["fig4b_configs"]))
-    rows = optim.fig4b_numbers(shapes, fit_min_dim=size["fig4b_min_dim"], seed=1234 + seed, device=device)
-    return {"rows": rows, "error": "optim.polar_error after 5 NS steps, mean over optim.representative_inputs; "
-                                   "10 is optim.ns_error's cap (the iteration blew up)",
+    shapes = fit.config_shapes(list(size["fig4b_configs"]))
+    rows = fit.fig4b_numbers(shapes, fit_min_dim=size["fig4b_min_dim"], seed=1234 + seed, device=device)
+    return {"rows": rows, "error": "polar_error after 5 NS steps, mean over representative_inputs; "
+                                   "10 is ns_error's cap (the iteration blew up)",
             "coefficients": os.path.basename(optim.COEFFICIENTS_JSON) if os.path.exists(optim.COEFFICIENTS_JSON)
             else "none fitted"}
 
