@@ -1,11 +1,8 @@
-"""tools/report.py on synthetic runs (numbers against hand computation, a diverged run marked), tools/figures.py's figures at
---size small (the paper's trends where they are robust), the checkpoint -> dense-weights conversion and the
-ablation script's command list."""
+"""tools/figures.py's figures at --size small (the paper's trends where they are robust) and the checkpoint ->
+dense-weights conversion."""
 import json
-import math
 import os
 import random
-import subprocess
 import sys
 from dataclasses import asdict
 
@@ -17,111 +14,6 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 import figures  # noqa: E402
-import report  # noqa: E402
-
-
-# ----------------------------------------------------------------------------------------------------------
-# report.py
-
-def write_run(root, name, losses, vals=(), summary=None, log=None, exit_code=None, cmd=None):
-    d = os.path.join(root, name)
-    os.makedirs(d)
-    with open(os.path.join(d, "metrics.jsonl"), "w") as f:
-        for step, loss in losses:
-            f.write(json.dumps({"step": step, "loss": loss, "lr": 1e-3, "grad_norm": 1.0, "tokens": step * 64,
-                                "tokens_per_s": 10.0}) + "\n")
-            for vstep, vloss in vals:
-                if vstep == step:
-                    f.write(json.dumps({"step": step, "val_loss": vloss, "tokens": step * 64}) + "\n")
-    if summary is not None:
-        json.dump(summary, open(os.path.join(d, "summary.json"), "w"))
-    for fname, text in (("train.log", log), ("exit_code", exit_code), ("cmd.txt", cmd)):
-        if text is not None:
-            open(os.path.join(d, fname), "w").write(text + "\n")
-
-
-def summary(recipe, optimizer, tok_s, mem, opt_bytes):
-    return {"recipe": recipe, "optimizer": optimizer, "tokens_per_s": tok_s, "peak_mem_bytes": mem,
-            "optimizer_bytes_per_param": opt_bytes}
-
-
-def test_report_table_numbers_gaps_and_diverged_run(tmp_path):
-    rng = random.Random()
-    runs = str(tmp_path / "runs")
-    steps = list(range(5, 105, 5))  # 20 logged train rows: the last 10% are the last 2
-    bf16 = [(s, 5.0 - s / 50 + 0.2 * rng.random()) for s in steps]  # falling, noisy: no collapse
-    nv = [(s, 5.1 - s / 50 + 0.2 * rng.random()) for s in steps]
-    bf16_val, nv_val = 3.5 + rng.random(), 3.5 + rng.random()
-    tok_bf16, tok_nv = rng.uniform(1e4, 2e4), rng.uniform(5e3, 1e4)
-    mem = rng.randint(2**30, 2**33)
-    write_run(runs, "toy_bf16_adamw", bf16[::-1], [(50, 9.0), (100, bf16_val)],  # unsorted rows: sorted by step
-              summary("bf16", "adamw", tok_bf16, mem, 8.0), exit_code="0", cmd="python train.py --recipe bf16 --seed 0")
-    write_run(runs, "toy_nvfp4_46_adamw", nv, [(50, 9.0), (100, nv_val)],
-              summary("nvfp4_46", "adamw", tok_nv, 2 * mem, 1.13), exit_code="0")
-    # naive_fp4: train.py stops before the update at a non-finite loss, so the NaN is in the log, not the metrics
-    write_run(runs, "toy_naive_fp4_adamw", nv[:8], log="train.py: non-finite loss nan / grad norm nan at step 41",
-              exit_code="1")
-    # a NaN that did reach metrics.jsonl
-    write_run(runs, "toy_lora_naive_adamw", nv[:5] + [(30, float("nan"))])
-    # collapse without NaN: the tail sits far above the best loss
-    write_run(runs, "toy_nvfp4_adamw", [(s, 3.0 if s < 50 else 6.0) for s in steps], summary=summary("nvfp4", "adamw", 1.0, 1, 8.0))
-    # a root run without its bf16 baseline: no gap
-    write_run(runs, "toy_fullstack_root", nv, summary=summary("fullstack", "root", 1.0, 1, 1.2))
-    # perf runs of another setup (1b, --compile) in the same directory: gaps against their own bf16
-    write_run(runs, "1b_bf16_adamw", [(1, 8.0), (2, 7.0)], summary={**summary("bf16", "adamw", 4e4, 1, 8.0),
-                                                                   "config": "1b", "compile": True})
-    write_run(runs, "1b_fullstack_adamw", [(1, 8.0), (2, 7.7)], summary={**summary("fullstack", "adamw", 3e4, 1, 1.2),
-                                                                        "config": "1b", "compile": True})
-
-    out, plot, js = str(tmp_path / "res.md"), str(tmp_path / "curves.png"), str(tmp_path / "res.json")
-    report.main([runs, "--out", out, "--plot", plot, "--json", js])
-    rows = {r["name"]: r for r in json.load(open(js))}
-
-    b_train = (bf16[-1][1] + bf16[-2][1]) / 2
-    n_train = (nv[-1][1] + nv[-2][1]) / 2
-    assert rows["toy_bf16_adamw"]["train_loss"] == pytest.approx(b_train, rel=1e-12)
-    assert rows["toy_nvfp4_46_adamw"]["train_loss"] == pytest.approx(n_train, rel=1e-12)
-    assert rows["toy_nvfp4_46_adamw"]["val_loss"] == pytest.approx(nv_val)
-    assert rows["toy_nvfp4_46_adamw"]["train_gap"] == pytest.approx(100 * (n_train - b_train) / b_train)
-    assert rows["toy_nvfp4_46_adamw"]["val_gap"] == pytest.approx(100 * (nv_val - bf16_val) / bf16_val)
-    assert rows["toy_nvfp4_46_adamw"]["speed_ratio"] == pytest.approx(tok_nv / tok_bf16)
-    assert rows["toy_bf16_adamw"]["status"] == "ok" and rows["toy_nvfp4_46_adamw"]["status"] == "ok"
-    assert rows["toy_naive_fp4_adamw"]["status"].startswith("diverged")
-    assert math.isnan(rows["toy_naive_fp4_adamw"]["train_gap"])  # stopped at step 40: no comparable final loss
-    assert rows["toy_lora_naive_adamw"]["status"] == "diverged (step 30)"
-    assert rows["toy_nvfp4_adamw"]["status"] == "collapsed"
-    assert math.isnan(rows["toy_fullstack_root"]["train_gap"])
-    assert rows["1b_fullstack_adamw"]["setup"] == "1b +compile"
-    assert rows["1b_fullstack_adamw"]["train_gap"] == pytest.approx(10.0)  # 7.7 vs 7.0 (last 10% = last row)
-    assert rows["1b_fullstack_adamw"]["speed_ratio"] == pytest.approx(0.75)
-
-    md = open(out).read()
-    line = next(l for l in md.splitlines() if l.startswith("| toy | `nvfp4_46`"))
-    assert f"{n_train:.4f}" in line and f"{100 * (n_train - b_train) / b_train:+.2f}%" in line
-    assert f"{2 * mem / 2**30:.2f}" in line and "1.13" in line
-    assert "python train.py --recipe bf16 --seed 0" in md and "curves.png" in md
-    assert os.path.getsize(plot) > 10_000
-
-
-def test_report_rejects_empty_dir(tmp_path):
-    with pytest.raises(SystemExit):
-        report.main([str(tmp_path), "--out", str(tmp_path / "x.md")])
-
-
-def test_ablation_script_lists_every_recipe_and_optimizer_with_real_flags():
-    env = {**os.environ, "DRY_RUN": "1"}
-    lines = subprocess.run(["bash", os.path.join(ROOT, "scripts", "ablation.sh")], env=env, capture_output=True,
-                           text=True, check=True).stdout.splitlines()
-    warm = [l for l in lines if "/_warm/" in l]  # WARM=1: a 2-step compile run of each recipe goes first
-    out = [l for l in lines if "/_warm/" not in l]
-    assert lines[:len(warm)] == warm and all("--max_steps 2 " in l for l in warm)
-    assert {l.split("--recipe ")[1].split()[0] for l in warm} == set(report.RECIPE_ORDER)
-    assert len(out) == 14 and out[0].split("--recipe ")[1].startswith("bf16")
-    pairs = {(l.split("--recipe ")[1].split()[0], l.split("--optimizer ")[1].split()[0]) for l in out}
-    assert pairs == {(r, o) for r in report.RECIPE_ORDER for o in ("adamw", "root")}
-    import train
-    args = train.parse_args(out[0].split()[2:])  # every flag is one train.py has (it exits otherwise)
-    assert args.config == "toy" and args.seed == 0 and args.max_steps > 0
 
 
 # ----------------------------------------------------------------------------------------------------------
