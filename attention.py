@@ -46,9 +46,9 @@ import nvfp4
 from kernels import flash_attention
 from kernels.nvfp4_quant import grid_values_bf16, quantize_dequant
 
-# policy -> which matmul operands are NVFP4 (every other operand is BF16, or the input dtype)
+# policy -> which matmul operands are NVFP4; every other operand stays BF16 (or the input dtype).
+# qkv: Q, K, V everywhere; ds: dS in dS K and dS^T Q; p: P in PV; dov: dO in dO V^T; pdo: P and dO in P^T dO
 POLICIES = {
-    #          Q,K,V        dS         P for PV  dO for dO V^T  P and dO for P^T dO
     "bf16":    dict(qkv=False, ds=False, p=False, dov=False, pdo=False),  # exact attention, our flash kernels
     "fp4":     dict(qkv=True,  ds=True,  p=False, dov=False, pdo=False),  # the paper (§3.5, Table 2)
     "fp4_pv":  dict(qkv=True,  ds=True,  p=True,  dov=False, pdo=False),  # Fig. 5 variant
