@@ -256,7 +256,8 @@ class _Attention(torch.autograd.Function):
             ops, sg = (qv, kv, vv), [qq.global_scale, kq.global_scale, vq.global_scale]
             ctx.fp4 = (qq, kq, vq)   # the saved activations are 4-bit: codes + scales
         else:
-            ops, sg = (q, k, v) if kernels else (q.float(), k.float(), v.float()), [1.0, 1.0, 1.0]
+            ops = (q, k, v) if kernels else (q.float(), k.float(), v.float())
+            sg = [1.0, 1.0, 1.0]
         if kernels:
             scales = _global_scales(*sg, P_GLOBAL_SCALE if pol["p"] else 1.0, 1.0, 1.0, device=q.device)
             o, lse = flash_attention.flash_forward(*ops, scales, causal, sm_scale, pol["p"], dtype)
