@@ -9,7 +9,7 @@ Regenerate the paper's analysis figures from the modules: PNGs plus one figures.
   Fig. 4a  second-moment v in NVFP4: direct vs the sqrt / tile-mean / Hadamard pipeline (§3.3): error in
            v space, in sqrt(v) (what Adam divides by) and the fraction of v > 0 that decodes to 0
   Fig. 4b  NVFP4 Newton-Schulz error per shape, our fitted Root coefficients vs Muon's (§3.4)
-  Fig. 5   attention precision variants (§3.5): rel. error of O, dQ, dK, dV per policy, and App. 10's numbers
+  Fig. 5   attention precision variants (§3.5): relative MSE of O, dQ, dK, dV per policy, and App. 10's numbers
            (simplex violation of a quantized P, dS error from an NVFP4 dO V^T)
   Fig. 7   quantization MSE vs hidden dim (App. 7): the analytic single-matmul version
            (nvfp4.matmul_quant_error) and the paper's measured one: the final-block output of a 6-layer GPT,
@@ -307,7 +307,7 @@ def fig5(size, device, seed=0):
                      "ds_error": attention.ds_error(q, k, v, do, causal=True)})
         del p
     return {"shape": s, "rows": rows, "dtype": str(dtype).replace("torch.", ""),
-            "error": "||x - x_ref|| / ||x_ref|| against float64 attention"}
+            "error": "nvfp4.relative_mse against float64 attention: ||x - x_ref||^2 / ||x_ref||^2"}
 
 
 def plot_fig5(res, path):
@@ -323,14 +323,14 @@ def plot_fig5(res, path):
                    [row["policies"][policy][o] for o in outputs], width, label=policy)
         ax.set_xticks(range(len(outputs)), ["O", "dQ", "dK", "dV"])
         ax.set_title(f"score std {row['sharpness']:g}")
-        ax.set_ylabel("rel. error vs float64")
+        ax.set_ylabel("rel. MSE vs float64")
         ax.legend(fontsize=8)
     ax = axes[-1]  # App. 10: the two mechanisms against sharpness
     xs = [r["sharpness"] for r in rows]
     ax.plot(xs, [r["simplex_violation"]["row_sum_dev_mean"] for r in rows], "o-", label="|1 - sum P_hat| (10.1)")
     ax.plot(xs, [r["simplex_violation"]["zeroed_mass"] for r in rows], "s-", label="P mass flushed to 0 (10.1)")
-    ax.plot(xs, [r["ds_error"]["nvfp4"]["rel_err_peaks"] for r in rows], "^-", label="dS rel. err at peaks, NVFP4 dO V^T (10.2)")
-    ax.plot(xs, [r["ds_error"]["nvfp4"]["rel_err_tail"] for r in rows], "v-", label="dS rel. err in the tail (10.2)")
+    ax.plot(xs, [r["ds_error"]["nvfp4"]["rel_mse_peaks"] for r in rows], "^-", label="dS rel. MSE at peaks, NVFP4 dO V^T (10.2)")
+    ax.plot(xs, [r["ds_error"]["nvfp4"]["rel_mse_tail"] for r in rows], "v-", label="dS rel. MSE in the tail (10.2)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("score std")
     ax.set_title("App. 10")
