@@ -1,18 +1,56 @@
 """
 The GPT of the paper's §4: pre-norm decoder with RMSNorm, RoPE, grouped-query attention (GQA) and a SwiGLU MLP.
 
-Precision is a property of the *recipe*, not of the model code: every linear layer inside the transformer blocks
-is built by `make_linear` and every attention product goes through `attention_core`, both driven by the policy in
-GPTConfig (`linear_policy`, `attn_policy`). Swapping BF16 for direct NVFP4, LoRA-SVD or FP4 attention therefore
-never touches the rest of this file. Embeddings, lm_head and norms stay high precision (DESIGN.md; the paper
-quantizes "every block" but not the embedding/head).
+Precision is a property of the *recipe*, not of the model code: a `Recipe` names the linear layers, the attention
+and the optimizer states of one row of the paper's ablation (Table 3), and `RECIPES` holds those rows. Every linear
+layer inside the transformer blocks is built by `make_linear` and every attention product goes through
+`attention_core`, both driven by `GPTConfig.recipe`. Swapping BF16 for direct NVFP4, LoRA-SVD or FP4 attention
+therefore never touches the rest of this file. Embeddings, lm_head and norms stay high precision (the paper
+quantizes the transformer blocks, not the embedding/head).
 """
 import math
-from dataclasses import dataclass, asdict
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+import attention
+import lora_svd
+import nvfp4
+
+LINEAR_KINDS = ("bf16", "nvfp4", "lora_naive", "lora_svd")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One precision recipe: what the model (linear, four_over_six, attention) and the optimizer (optim_states)
+    do in low precision. train.py --recipe picks a row of RECIPES; --attn_policy may swap its attention."""
+    linear: str = "bf16"  # bf16 | nvfp4 (eqs. 1-2 without LoRA) | lora_naive (+ a plain BF16 branch) | lora_svd (§3.2)
+    four_over_six: bool = False  # 4/6 block scaling (App. 7) for the NVFP4 weights and activations
+    attention: str = "bf16"  # a key of attention.POLICIES: bf16, fp4 (§3.5), or one of Fig. 5's variants
+    optim_states: str = "fp32"  # optim.STATES: fp32 | nvfp4 (§3.3 states, §3.4 NVFP4 NS) | direct (App. 13)
+
+    def __post_init__(self):  # optim.build_optimizer checks optim_states
+        for name, value, allowed in (("linear", self.linear, LINEAR_KINDS),
+                                     ("attention", self.attention, tuple(attention.POLICIES))):
+            if value not in allowed:
+                raise ValueError(f"Recipe.{name} {value!r}: expected one of {', '.join(allowed)}")
+
+    def describe(self):
+        linear = self.linear + (" + 4/6" if self.four_over_six else "")
+        return f"linear {linear}, attention {self.attention}, optimizer states {self.optim_states}"
+
+
+RECIPES = {  # the paper's Table 3 rows
+    "bf16": Recipe(),  # the high-precision baseline: BF16 compute, fp32 master weights and optimizer states
+    "nvfp4": Recipe(linear="nvfp4"),  # direct NVFP4 linears
+    "nvfp4_46": Recipe(linear="nvfp4", four_over_six=True),  # + 4/6: the linear-only state of the art
+    "lora_naive": Recipe(linear="lora_naive", four_over_six=True),  # NVFP4 + a plain BF16 LoRA branch
+    "lora_svd": Recipe(linear="lora_svd", four_over_six=True),  # §3.2 LoRA-SVD, linear layers only
+    "fullstack": Recipe(linear="lora_svd", four_over_six=True, attention="fp4", optim_states="nvfp4"),  # §3.2-3.5
+    "naive_fp4": Recipe(linear="nvfp4", attention="fp4_all", optim_states="direct"),  # App. 13: collapses
+}
 
 
 @dataclass
@@ -27,11 +65,13 @@ class GPTConfig:
     tie_embeddings: bool = True
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
-    # precision policy (the recipe): see make_linear / attention_core
-    linear_policy: str = "bf16"  # bf16 | nvfp4 | nvfp4_46 | lora_naive | lora_svd
-    attn_policy: str = "bf16"  # bf16 | fp4 | fp4_pv | fp4_dov | fp4_all
-    lora_rank: int = 32
-    lora_beta: float = 1.0
+    recipe: Recipe = field(default_factory=Recipe)  # the precision: see make_linear / attention_core
+    lora_rank: int = 32  # r of the LoRA branch (lora_naive, lora_svd)
+    lora_beta: float = 1.0  # the branch's scale beta of eq. 1
+
+    def __post_init__(self):
+        if isinstance(self.recipe, dict):  # GPTConfig(**asdict(cfg)), e.g. from a checkpoint
+            self.recipe = Recipe(**self.recipe)
 
     @property
     def head_dim(self):
@@ -49,35 +89,26 @@ CONFIGS = {
     "3b": dict(n_layer=24, n_embd=3072, n_head=24, n_kv_head=12, ffn_hidden=9216, block_size=2048, tie_embeddings=False),
 }
 
-LINEAR_POLICIES = ("bf16", "nvfp4", "nvfp4_46", "lora_naive", "lora_svd")
-ATTN_POLICIES = ("bf16", "fp4", "fp4_pv", "fp4_dov", "fp4_all")
-
-
-def make_linear(in_f, out_f, policy, std=0.02, lora_rank=32, lora_beta=1.0):
-    """The ONE place that builds a block's linear layer (no bias). Every policy starts from the same freshly
+def make_linear(in_f, out_f, recipe, std=0.02, lora_rank=32, lora_beta=1.0):
+    """The ONE place that builds a block's linear layer (no bias). Every recipe starts from the same freshly
     initialised nn.Linear, so all recipes share the same initial function for a given seed."""
     lin = nn.Linear(in_f, out_f, bias=False)
     nn.init.normal_(lin.weight, mean=0.0, std=std)
-    if policy == "bf16":
+    if recipe.linear == "bf16":
         return lin  # fp32 master weight; BF16 compute comes from autocast
-    if policy in ("nvfp4", "nvfp4_46"):  # direct NVFP4, eqs. 1-2 without the LoRA branch (+ 4/6 scaling)
-        import nvfp4
-        return nvfp4.NVFP4Linear.from_linear(lin, four_over_six=(policy == "nvfp4_46"))
-    if policy == "lora_naive":  # NVFP4 (4/6) main weight + a plain BF16 LoRA branch (the ablation's "naive LoRA")
-        import lora_svd
-        return lora_svd.NaiveLoRALinear.from_linear(lin, lora_rank, four_over_six=True)
-    if policy == "lora_svd":  # §3.2: top-r SVD of the init in the BF16 branch, the residual in NVFP4
-        import lora_svd
-        return lora_svd.LoRASVDLinear.from_linear(lin, lora_rank, lora_beta)
-    raise ValueError(f"linear policy {policy!r} unknown; expected one of {LINEAR_POLICIES}")
+    if recipe.linear == "nvfp4":  # direct NVFP4, eqs. 1-2 without the LoRA branch
+        return nvfp4.NVFP4Linear.from_linear(lin, four_over_six=recipe.four_over_six)
+    if recipe.linear == "lora_naive":  # NVFP4 main weight + a plain BF16 LoRA branch (the ablation's "naive LoRA")
+        return lora_svd.NaiveLoRALinear.from_linear(lin, lora_rank, four_over_six=recipe.four_over_six)
+    # lora_svd, §3.2: the top-r SVD of the init in the BF16 branch, the residual in NVFP4
+    return lora_svd.LoRASVDLinear.from_linear(lin, lora_rank, lora_beta, four_over_six=recipe.four_over_six)
 
 
 def attention_core(q, k, v, policy):
     """The ONE place that computes causal softmax(q k^T / sqrt(D)) v. q: (B, H, T, D); k, v: (B, Hkv, T, D)."""
     if policy == "bf16":
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    import attention  # §3.5 mixed-precision FP4 attention and its variants (fp4, fp4_pv, fp4_dov, fp4_all)
-    return attention.attention(q, k, v, causal=True, policy=policy)
+    return attention.attention(q, k, v, causal=True, policy=policy)  # §3.5 FP4 attention and Fig. 5's variants
 
 
 class RMSNorm(nn.Module):
@@ -109,7 +140,7 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         hd, proj_std = cfg.head_dim, 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2: scale residual projections
-        lin = lambda i, o, std=0.02: make_linear(i, o, cfg.linear_policy, std, cfg.lora_rank, cfg.lora_beta)
+        lin = lambda i, o, std=0.02: make_linear(i, o, cfg.recipe, std, cfg.lora_rank, cfg.lora_beta)
         self.q_proj = lin(cfg.n_embd, cfg.n_head * hd)
         self.k_proj = lin(cfg.n_embd, cfg.n_kv_head * hd)
         self.v_proj = lin(cfg.n_embd, cfg.n_kv_head * hd)
@@ -123,7 +154,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, self.cfg.n_kv_head, hd).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.v_proj(x).view(B, T, self.cfg.n_kv_head, hd).transpose(1, 2)  # (B, Hkv, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = self.core(q, k, v, self.cfg.attn_policy)  # (B, H, T, D)
+        y = self.core(q, k, v, self.cfg.recipe.attention)  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.cfg.n_head * hd))  # (B, T, C)
 
 
@@ -131,7 +162,7 @@ class SwiGLU(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)
-        lin = lambda i, o, std=0.02: make_linear(i, o, cfg.linear_policy, std, cfg.lora_rank, cfg.lora_beta)
+        lin = lambda i, o, std=0.02: make_linear(i, o, cfg.recipe, std, cfg.lora_rank, cfg.lora_beta)
         self.gate_proj = lin(cfg.n_embd, cfg.ffn_hidden)
         self.up_proj = lin(cfg.n_embd, cfg.ffn_hidden)
         self.down_proj = lin(cfg.ffn_hidden, cfg.n_embd, proj_std)
@@ -219,12 +250,10 @@ def compile_model(model):
     """torch.compile(model) with the FP4 parts left out of its graph, run eagerly between compiled pieces: inductor
     re-traced our Triton kernels and turned their fp32 constants into fp64 (H200, torch 2.11). torch._dynamo is
     imported only here: uncompiled runs never load it."""
-    import lora_svd
-    import nvfp4
     for m in model.modules():
         if isinstance(m, (nvfp4.NVFP4Linear, lora_svd.LoRASVDLinear, lora_svd.NaiveLoRALinear)):
             m.forward = torch.compiler.disable(m.forward)
-        elif isinstance(m, Attention) and m.cfg.attn_policy != "bf16":
+        elif isinstance(m, Attention) and m.cfg.recipe.attention != "bf16":
             m.core = torch.compiler.disable(attention_core)
     return torch.compile(model)
 

@@ -1,5 +1,5 @@
 """
-Generate text from a train.py checkpoint (any recipe: the model is rebuilt with the checkpoint's precision policy).
+Generate text from a train.py checkpoint (any recipe: the model is rebuilt with the checkpoint's recipe).
 
     python sample.py --out_dir out --prompt "To be, or not to be" --max_new_tokens 100 --temperature 0.8 --top_k 50
 """
@@ -9,29 +9,42 @@ import sys
 
 import torch
 
+import data
 from model import GPT, GPTConfig
+from train import CheckpointError, load_checkpoint
+
+
+def die(msg):
+    """Bad input: one line on stderr, exit 2."""
+    print(f"sample.py: error: {msg}", file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out_dir", default="out", help="directory holding ckpt.pt (from train.py)")
+    p.error = die  # argparse's usage + error -> one line, exit 2
+    p.add_argument("--out_dir", default="out", help="the train.py run to sample (default: %(default)s)")
     p.add_argument("--ckpt", default=None, help="checkpoint path (default: <out_dir>/ckpt.pt)")
-    p.add_argument("--prompt", default="\n", help="start text")
-    p.add_argument("--num_samples", type=int, default=2)
-    p.add_argument("--max_new_tokens", type=int, default=100)
-    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
-    p.add_argument("--top_k", type=int, default=50, help="0: no top-k")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--prompt", default="\n", help="start text (default: a newline)")
+    p.add_argument("--num_samples", type=int, default=2, help="(default: %(default)s)")
+    p.add_argument("--max_new_tokens", type=int, default=100, help="(default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default: %(default)s)")
+    p.add_argument("--top_k", type=int, default=50, help="0: no top-k (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="(default: %(default)s)")
     args = p.parse_args(argv)
     path = args.ckpt or os.path.join(args.out_dir, "ckpt.pt")
     if not os.path.isfile(path):
-        sys.exit(f"sample.py: error: --ckpt {path}: no such checkpoint (train.py writes <out_dir>/ckpt.pt; "
-                 "FSDP runs write per-rank shards, which this script does not read)")
-    if args.temperature < 0 or args.top_k < 0 or args.max_new_tokens < 0:
-        sys.exit("sample.py: error: --temperature, --top_k and --max_new_tokens must be >= 0")
-
-    ckpt = torch.load(path, map_location=args.device, weights_only=False)
+        die(f"{path}: no such checkpoint (train.py writes <out_dir>/ckpt.pt; FSDP runs write per-rank shards, which "
+            "this script does not read)")
+    if args.device not in ("cpu", "cuda") or (args.device == "cuda" and not torch.cuda.is_available()):
+        die(f"--device {args.device!r}: expected cpu, or cuda on a machine with a GPU")
+    if args.temperature < 0 or args.top_k < 0 or args.max_new_tokens < 0 or args.num_samples < 1:
+        die("--temperature, --top_k and --max_new_tokens must be >= 0, --num_samples >= 1")
+    try:
+        ckpt = load_checkpoint(path, args.device)
+    except CheckpointError as e:
+        die(str(e))
     cfg = GPTConfig(**ckpt["config"])
     with torch.device(args.device):
         model = GPT(cfg)
@@ -39,11 +52,12 @@ def main(argv=None):
     model.eval()
     torch.manual_seed(args.seed)
 
-    import data
     enc = data.get_tokenizer()
     ids = enc.encode(args.prompt, allowed_special={"<|endoftext|>"})
-    if max(ids, default=0) >= cfg.vocab_size:
-        sys.exit(f"sample.py: error: --prompt: token ids above the model's vocab_size {cfg.vocab_size}")
+    if not ids:
+        die("--prompt: empty; give at least one character")
+    if max(ids) >= cfg.vocab_size:
+        die(f"--prompt: token ids above the model's vocab_size {cfg.vocab_size}")
     x = torch.tensor(ids, dtype=torch.long, device=args.device).expand(args.num_samples, -1)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if args.device == "cuda" else torch.autocast("cpu", enabled=False)
     with autocast:

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_check.sh on the device)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (tools/gpu_check.sh runs them on a GPU machine)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pytest
@@ -5,7 +6,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import CONFIGS, GPT, GPTConfig, apply_rope, compile_model, config_from_name, make_linear, rope_cache
+import attention
+import lora_svd
+import nvfp4
+from model import (CONFIGS, GPT, RECIPES, GPTConfig, Recipe, apply_rope, compile_model, config_from_name, make_linear,
+                   rope_cache)
 
 
 def small_config(**kw):
@@ -97,16 +102,36 @@ def test_tied_and_untied_embeddings():
     assert untied.num_params() - tied.num_params() == 97 * 64
 
 
-def test_make_linear_policy_and_init():
+def test_make_linear_follows_the_recipe_and_init():
     torch.manual_seed(4)
-    lin = make_linear(256, 512, "bf16", std=0.02)
+    lin = make_linear(256, 512, RECIPES["bf16"], std=0.02)
     assert isinstance(lin, nn.Linear) and lin.bias is None
     assert abs(lin.weight.std().item() - 0.02) < 0.002
-    with pytest.raises(ValueError, match="linear policy"):
-        make_linear(16, 16, "int8")
+    kinds = {name: make_linear(64, 32, recipe, lora_rank=4) for name, recipe in RECIPES.items()}
+    assert type(kinds["nvfp4"]) is type(kinds["nvfp4_46"]) is type(kinds["naive_fp4"]) is nvfp4.NVFP4Linear
+    assert not kinds["nvfp4"].four_over_six and kinds["nvfp4_46"].four_over_six
+    assert isinstance(kinds["lora_naive"], lora_svd.NaiveLoRALinear)
+    assert isinstance(kinds["lora_svd"], lora_svd.LoRASVDLinear) and isinstance(kinds["fullstack"], lora_svd.LoRASVDLinear)
     # residual projections get the GPT-2 1/sqrt(2L) scaling
     model = GPT(small_config(n_layer=8, n_embd=128, ffn_hidden=512))
     assert model.blocks[0].mlp.down_proj.weight.std().item() < 0.5 * model.blocks[0].mlp.up_proj.weight.std().item()
+
+
+def test_recipes_are_the_paper_rows_and_check_their_names():
+    """One table (model.RECIPES) says what each ablation row quantizes; attention names come from attention.py."""
+    assert list(RECIPES) == ["bf16", "nvfp4", "nvfp4_46", "lora_naive", "lora_svd", "fullstack", "naive_fp4"]
+    assert RECIPES["fullstack"] == Recipe(linear="lora_svd", four_over_six=True, attention="fp4", optim_states="nvfp4")
+    assert RECIPES["naive_fp4"].optim_states == "direct" and RECIPES["naive_fp4"].attention == "fp4_all"
+    assert all(r.optim_states == "fp32" and r.attention == "bf16" for n, r in RECIPES.items()
+               if n not in ("fullstack", "naive_fp4"))
+    assert RECIPES["bf16"].describe() == "linear bf16, attention bf16, optimizer states fp32"
+    assert set(r.attention for r in RECIPES.values()) <= set(attention.POLICIES)
+    with pytest.raises(ValueError, match="Recipe.linear 'int8'"):
+        Recipe(linear="int8")
+    with pytest.raises(ValueError, match="Recipe.attention 'fp8'"):
+        Recipe(attention="fp8")
+    cfg = small_config(recipe=RECIPES["fullstack"])  # a checkpoint stores asdict(cfg): the recipe comes back whole
+    assert GPTConfig(**dataclasses.asdict(cfg)) == cfg
 
 
 def test_flops_per_token_counts_matmul_weights_and_causal_attention():
@@ -135,8 +160,8 @@ def _compiled_vs_eager(device):
     left out of the graph (torch.compiler.disable), the rest compiled; forward losses agree, backward gives finite
     grads."""
     torch.manual_seed(0)
-    cfg = small_config(n_embd=128, n_head=2, n_kv_head=1, ffn_hidden=256, block_size=64, linear_policy="lora_svd",
-                       attn_policy="fp4", lora_rank=8)  # head dim 64: one the FP4 attention kernel takes
+    cfg = small_config(n_embd=128, n_head=2, n_kv_head=1, ffn_hidden=256, block_size=64, lora_rank=8,
+                       recipe=Recipe(linear="lora_svd", four_over_six=True, attention="fp4"))  # head dim 64: one the FP4 attention kernel takes
     with torch.device(device):
         model = GPT(cfg)
     idx = torch.randint(0, cfg.vocab_size, (2, 64), device=device)
@@ -162,15 +187,15 @@ def test_gpu_compile_with_fp4_layers():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("linear_policy", ["nvfp4", "lora_svd"])
-def test_gpu_fp4_forward_backward_never_waits_for_the_gpu(linear_policy):
+@pytest.mark.parametrize("linear", ["nvfp4", "lora_svd"])
+def test_gpu_fp4_forward_backward_never_waits_for_the_gpu(linear):
     """A training micro-batch with FP4 linears and FP4 attention (the fullstack recipe's model) must not
     synchronize the host with the GPU: every sync drains the launch queue, and the GPU then idles while Python
     launches the next kernels (six Python-number -> CUDA copies per layer once did that). torch's sync debug
     mode raises on any synchronizing torch call; a first micro-batch (route picking, autotuning) runs before."""
     torch.manual_seed(0)
     cfg = small_config(n_embd=256, n_head=4, n_kv_head=2, ffn_hidden=512, block_size=256,
-                       linear_policy=linear_policy, attn_policy="fp4")
+                       recipe=Recipe(linear=linear, attention="fp4"))
     model = GPT(cfg).cuda()
     idx = torch.randint(0, cfg.vocab_size, (4, 256), device="cuda")
     for debug_mode in (0, "error"):

@@ -1,8 +1,11 @@
 """train.py end to end on CPU, on a byte-level corpus (vocab 256) and a `micro` config so each run takes seconds."""
 import glob
+import io
 import json
 import math
 import os
+import re
+import signal
 import subprocess
 import sys
 
@@ -27,7 +30,10 @@ def byte_data(tmp_path_factory):
     d = tmp_path_factory.mktemp("bytes")
     files = sorted(glob.glob(os.path.join(os.path.dirname(json.__file__), "*.py")))
     files += sorted(glob.glob(os.path.join(os.path.dirname(json.__file__), "..", "email", "*.py")))
-    text = b"".join(open(f, "rb").read() for f in files)
+    text = b""
+    for f in files:
+        with open(f, "rb") as fh:
+            text += fh.read()
     tokens = np.frombuffer(text, dtype=np.uint8).astype(np.uint16)
     data.write_shard(str(d / "train.bin"), tokens[: len(tokens) * 9 // 10])
     data.write_shard(str(d / "val.bin"), tokens[len(tokens) * 9 // 10:])
@@ -71,7 +77,12 @@ def test_loss_falls_and_outputs_are_written(byte_data, micro, tmp_path):
     assert [r["step"] for r in rows if "val_loss" in r] == [10, 20, 30, 40]
     assert rows[-1]["val_loss"] < math.log(256) - 1.0
     assert rows[0]["tokens"] == 8 * 64
-    summary = json.load(open(tmp_path / "summary.json"))
+    with open(tmp_path / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["recipe"] == "bf16" and summary["optimizer"] == "adamw" and summary["seed"] == 0
+    assert summary["precision"] == {"linear": "bf16", "four_over_six": False, "attention": "bf16", "optim_states": "fp32"}
+    assert summary["steps"] == 40 and summary["tokens"] == 40 * 8 * 64
+    assert summary["final_loss"] == losses[-1] and summary["final_val_loss"] == rows[-1]["val_loss"]
     assert summary["params"] == sum(p.numel() for p in model.GPT(model.GPTConfig(**MICRO)).parameters())
     assert summary["tokens_per_s"] > 0 and summary["peak_mem_bytes"] > 0
     assert 0 <= summary["optimizer_state_bytes"] - 2 * 4 * summary["params"] < 1000  # fp32 AdamW: m, v (+ steps)
@@ -127,7 +138,8 @@ def test_every_recipe_trains(byte_data, micro1, tmp_path, recipe, optimizer):
     assert len(losses) == 8 and all(math.isfinite(l) for l in losses)
     if recipe != "naive_fp4":
         assert np.mean(losses[-2:]) < losses[0] - 0.5, losses
-    summary = json.load(open(tmp_path / "summary.json"))
+    with open(tmp_path / "summary.json") as f:
+        summary = json.load(f)
     assert summary["recipe"] == recipe and summary["optimizer"] == optimizer
     if recipe in ("fullstack", "naive_fp4"):  # NVFP4 optimizer states: far below fp32 AdamW's 8 bytes/param
         assert summary["optimizer_bytes_per_param"] < 3
@@ -156,7 +168,11 @@ BAD_FLAGS = [
     (["--data", "/nonexistent/dir"], "--data /nonexistent/dir: token shard"),
     (["--resume"], "--resume: no checkpoint at"),
     (["--fsdp"], "--fsdp: shards over the ranks of a torchrun launch"),
-    (["--attn_policy", "fp8"], "--attn_policy 'fp8': expected"),
+    (["--attn_policy", "fp8"], "--attn_policy 'fp8': expected one of bf16, fp4,"),
+    (["--resume", "--overwrite"], "--resume and --overwrite: "),
+    (["--max_steps", "5", "--max_tokens", "1e4"], "--max_steps and --max_tokens: give one"),
+    (["--max_tokens", "0"], "--max_tokens 0: must be >= 1"),
+    (["--lr", "-1"], "--lr -1 / --min_lr -0.1 / --lora_lr -2: need lr > 0"),
 ]
 
 
@@ -200,11 +216,177 @@ def test_torchrun_ddp_and_fsdp2_on_cpu_agree(byte_data, tmp_path):
     np.testing.assert_allclose(fsdp, ddp, rtol=1e-5)
 
 
-def test_sample_from_a_checkpoint(byte_data, micro, tmp_path, monkeypatch, capsys):
+def test_sample_samples_the_run_it_is_given(byte_data, micro1, tmp_path, monkeypatch, capsys):
     import sample
-    monkeypatch.setitem(model.CONFIGS, "micro", {**MICRO, "vocab_size": 50304})  # GPT-2 ids for the tokenizer
-    run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "2", "--eval_every", "0")
-    sample.main(["--out_dir", str(tmp_path), "--prompt", "def main():", "--max_new_tokens", "5", "--num_samples", "2",
-                 "--device", "cpu"])
+    monkeypatch.setitem(model.CONFIGS, "micro", {**MICRO, "n_layer": 1, "vocab_size": 50304})  # GPT-2 ids
+    for recipe in ("bf16", "nvfp4"):
+        run(byte_data, tmp_path / recipe, "--recipe", recipe, "--max_steps", "2", "--eval_every", "0")
+    for recipe in ("bf16", "nvfp4"):
+        capsys.readouterr()
+        sample.main(["--out_dir", str(tmp_path / recipe), "--prompt", "def main():", "--max_new_tokens", "5",
+                     "--num_samples", "2", "--device", "cpu"])
+        out = capsys.readouterr().out
+        assert f"step 2, config micro, recipe {recipe}" in out and out.count("def main():") == 2
+
+
+def damaged_checkpoints(good):
+    return {"truncated": (good[: len(good) // 2], "truncated or not a checkpoint"),
+            "empty": (b"", "empty file (0 bytes), not a checkpoint"),
+            "garbage": (bytes(range(256)) * 16, "truncated or not a checkpoint")}
+
+
+def test_damaged_checkpoint_is_one_line_and_exit_2_for_train_and_sample(byte_data, micro, tmp_path, capsys):
+    import sample
+    run(byte_data, tmp_path / "good", "--recipe", "bf16", "--max_steps", "2", "--eval_every", "0")
+    good = (tmp_path / "good" / "ckpt.pt").read_bytes()
+    for kind, (content, message) in damaged_checkpoints(good).items():
+        (tmp_path / kind).mkdir()
+        path = tmp_path / kind / "ckpt.pt"
+        path.write_bytes(content)
+        for entry_point in (lambda: run(byte_data, tmp_path / kind, "--recipe", "bf16", "--max_steps", "4", "--resume"),
+                            lambda: sample.main(["--out_dir", str(tmp_path / kind), "--device", "cpu"])):
+            capsys.readouterr()
+            with pytest.raises(SystemExit) as e:
+                entry_point()
+            assert e.value.code == 2, kind
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and f"{path}: {message}" in err, (kind, err)
+
+
+def test_damaged_checkpoint_subprocess_has_no_traceback(tmp_path):
+    (tmp_path / "ckpt.pt").write_bytes(b"PK\x03\x04" + bytes(1000))  # a zip header, then nothing
+    for cmd in (["sample.py", "--out_dir", str(tmp_path), "--device", "cpu"],
+                ["train.py", "--out_dir", str(tmp_path), "--device", "cpu", "--resume"]):
+        p = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True)
+        assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.count("\n") == 1, p.stderr
+        assert f"{tmp_path / 'ckpt.pt'}: truncated or not a checkpoint" in p.stderr
+
+
+def test_sigkill_while_saving_keeps_the_previous_checkpoint(tmp_path):
+    """A process killed in the middle of torch.save's write: ckpt.pt is still the previous, complete checkpoint."""
+    path = str(tmp_path / "ckpt.pt")
+    script = f"""if True:
+        import os, signal, sys, torch
+        sys.path.insert(0, {ROOT!r})
+        import train
+        train.atomic_save({{"step": 1}}, {path!r})
+        def killed_while_writing(obj, f):
+            f.write(b"PK\\x03\\x04 the first half of a checkpoint")
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        torch.save = killed_while_writing
+        train.atomic_save({{"step": 2}}, {path!r})
+        """
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    assert os.path.getsize(path + ".tmp") > 0  # the half-written file: never at ckpt.pt
+    assert torch.load(path)["step"] == 1
+
+
+def test_a_run_that_dies_while_saving_resumes_from_the_last_complete_save(byte_data, micro, tmp_path, monkeypatch):
+    """The save at step 4 dies half way through its write: ckpt.pt stays step 2's, and --resume from it gives the
+    losses of an uninterrupted run."""
+    flags = ["--recipe", "bf16", "--max_steps", "6", "--save_every", "2", "--eval_every", "0"]
+    full = train_losses(run(byte_data, tmp_path / "full", *flags))
+    real_save, calls = torch.save, []
+
+    def dies_on_the_second_save(obj, f):
+        calls.append(1)
+        if len(calls) < 2:
+            return real_save(obj, f)
+        buf = io.BytesIO()
+        real_save(obj, buf)
+        f.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+        raise KeyboardInterrupt  # stands for the kill
+
+    monkeypatch.setattr(torch, "save", dies_on_the_second_save)
+    with pytest.raises(KeyboardInterrupt):
+        run(byte_data, tmp_path / "killed", *flags)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert train.load_checkpoint(str(tmp_path / "killed" / "ckpt.pt"))["step"] == 2
+    assert not os.path.exists(tmp_path / "killed" / "ckpt.pt.tmp")
+    assert train_losses(run(byte_data, tmp_path / "killed", *flags, "--resume")) == full
+
+
+def test_resume_with_more_steps_keeps_the_schedule(byte_data, micro, tmp_path, capsys):
+    """A run of 10 steps (cosine over 10) resumed with --max_steps 20: the lr keeps decaying on the first run's
+    cosine and then stays at min_lr (it used to jump back up when the cosine was stretched to 20 steps)."""
+    first = run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "10", "--warmup", "2", "--eval_every", "0")
+    capsys.readouterr()
+    rows = run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "20", "--eval_every", "0", "--resume")
     out = capsys.readouterr().out
-    assert "step 2, config micro, recipe bf16" in out and out.count("def main():") == 2
+    lrs = [r["lr"] for r in rows if "lr" in r]
+    assert lrs[:10] == [r["lr"] for r in first if "lr" in r]
+    assert all(b <= a for a, b in zip(lrs[1:], lrs[2:])) and lrs[-10:] == [pytest.approx(3e-4)] * 10, lrs
+    assert "resumed from" in out and "schedule as in the checkpoint" in out
+    assert "the cosine ends at step 10, steps 11-20 run at min_lr 0.0003" in out
+    rows = run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "24", "--eval_every", "0", "--resume",
+               "--lr_decay_steps", "30")  # an explicit schedule flag does change it, and says so
+    assert "schedule changed: --lr_decay_steps 10 -> 30" in capsys.readouterr().out
+    args = train.parse_args(["--lr", "3e-3", "--min_lr", "3e-4"])
+    args.warmup, args.lr_decay_steps = 2, 30
+    assert rows[-1]["lr"] == pytest.approx(3e-3 * train.lr_factor(23, args))
+
+
+def test_no_progress_prints_a_line_per_logged_step_and_the_evals(byte_data, micro, tmp_path, capsys):
+    run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "6", "--log_every", "2", "--eval_every", "3")
+    out = capsys.readouterr().out.splitlines()
+    steps = [line for line in out if re.match(r"step \d+/", line)]
+    assert [line.split()[1] for line in steps] == ["2/6", "4/6", "6/6"]
+    assert all(re.fullmatch(r"step \d/6 \| loss \d+\.\d{4} \| lr \d\.\d\de-\d\d \| [\d,]+ tok/s", line) for line in steps)
+    evals = [line for line in out if "val loss" in line]
+    assert [line.split(":")[0] for line in evals] == ["step 3", "step 6"]
+    assert out[0].startswith("config micro") and out[-1].startswith("done: 6 steps")
+
+
+def test_a_run_never_replaces_another_by_default(byte_data, micro, tmp_path, capsys):
+    run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "2", "--eval_every", "0")
+    before = {name: (tmp_path / name).read_bytes() for name in ("ckpt.pt", "metrics.jsonl", "summary.json")}
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        run(byte_data, tmp_path, "--recipe", "nvfp4", "--max_steps", "2")
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"--out_dir {tmp_path} already holds a run (ckpt.pt, loss.png, metrics.jsonl, summary.json)" in err
+    assert all((tmp_path / name).read_bytes() == content for name, content in before.items())
+    rows = run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "3", "--eval_every", "0", "--overwrite")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert train.load_checkpoint(str(tmp_path / "ckpt.pt"))["step"] == 3
+
+
+def test_help_shows_the_defaults_of_every_flag_and_config(capsys):
+    with pytest.raises(SystemExit) as e:
+        train.parse_args(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--recipe RECIPE" in out and "(default: fullstack)" in out and "(default: 0.1)" in out
+    for name, d in train.CONFIG_DEFAULTS.items():
+        row = re.search(rf"^  {name} .*$", out, re.M).group(0)
+        assert f"{d['batch_size']} x {d['grad_accum']} x {d['seq_len']}" in row and f"{d['lr']:.1e}" in row
+    assert "19,074 (20B tokens)" in out and "61,036 (64B tokens)" in out
+
+
+@pytest.mark.parametrize("config,budget", [("1b", 20e9), ("3b", 64e9)])
+def test_paper_token_budgets(config, budget):
+    """The paper's 20B / 64B tokens at 1M-token (2^20) batches and 3B warmup tokens; --max_tokens keeps the budget
+    when the batch changes."""
+    for flags in ([], ["--grad_accum", "4"]):
+        args = train.parse_args(["--config", config, "--device", "cpu", *flags])
+        train.resolve_args(args, 1)
+        per_step = args.batch_size * args.grad_accum * args.seq_len
+        assert (args.max_steps - 1) * per_step < budget <= args.max_steps * per_step
+    assert args.warmup * 2**20 == pytest.approx(3e9, rel=1e-3)
+    args = train.parse_args(["--config", config, "--device", "cpu", "--max_steps", "7"])
+    train.resolve_args(args, 1)
+    assert args.max_steps == 7
+
+
+def test_too_little_val_data_is_one_line(micro, tmp_path, capsys):
+    data.write_shard(str(tmp_path / "train.bin"), np.arange(5000) % 256)
+    data.write_shard(str(tmp_path / "val.bin"), np.arange(20))
+    with pytest.raises(SystemExit) as e:
+        train.main(["--config", "micro", "--data", str(tmp_path), "--out_dir", str(tmp_path / "out"), "--device", "cpu"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "seq_len + 1 = 65 tokens do not fit in shard" in err and "val.bin" in err
