@@ -13,7 +13,9 @@ the GPU machine, which has no network. Real runs stream a Hugging Face dataset i
 
 Every source is a stream of documents (strings). A document is tokenized as <|endoftext|> + text, and
 lands whole in train or val, chosen by a hash of its text: deterministic, independent of order and of
-the number of worker processes, and exact duplicates always share a split (no val leak).
+the number of worker processes, and exact duplicates always share a split (no val leak). Local files
+with too few documents for that (one long text file, a handful of them) hold out the tail of each
+document instead (write_tail_splits), and data.py says so.
 """
 
 import argparse
@@ -349,20 +351,79 @@ def write_splits(documents, out_dir, val_fraction=0.01, max_tokens=None, num_pro
     for writer in writers.values():
         writer.close()
     meta = {
-        "tokenizer": "gpt2", "eot": EOT, "val_fraction": val_fraction, "max_tokens": max_tokens,
-        "tokens": {split: w.n_tokens for split, w in writers.items()},
+        "tokenizer": "gpt2", "eot": EOT, "split": "whole documents by hash", "val_fraction": val_fraction,
+        "max_tokens": max_tokens, "tokens": {split: w.n_tokens for split, w in writers.items()},
         "documents": {split: sum(c[split][0] for c in stats.values()) for split in writers},
         "sources": {source: {split: {"documents": c[split][0], "tokens": c[split][1]} for split in c}
                     for source, c in stats.items()},
         "seconds": round(time.time() - start, 1), "num_proc": num_proc, **(extra_meta or {}),
     }
+    _write_meta(out_dir, meta)
+    return paths
+
+
+def _write_meta(out_dir, meta):
     tmp = os.path.join(out_dir, f"meta.json.tmp{os.getpid()}")
     with open(tmp, "w") as f:
         json.dump(meta, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(out_dir, "meta.json"))
-    return paths
+
+
+def too_few_documents(documents, val_fraction):
+    """Whether the hash split cannot hold out whole documents: fewer documents than 1 / val_fraction (under one
+    expected val document), or a split that comes out empty."""
+    n_val = sum(is_val_document(text, val_fraction) for _, text in documents)
+    return len(documents) < 1 / val_fraction or not 0 < n_val < len(documents)
+
+
+MIN_VAL_TOKENS = 4096  # a few eval windows at the toy config's context (1024 tokens)
+
+
+def write_tail_splits(documents, out_dir, val_fraction=0.01, max_tokens=None, num_proc=None, extra_meta=None):
+    """Tokenize a few (source, text) documents into out_dir/{train,val}.bin: the last share of every document's
+    tokens goes to val, the rest to train. The share is val_fraction, raised so that val holds MIN_VAL_TOKENS
+    when that is at most 10% of the text. max_tokens caps train + val (the last documents are cut first).
+    Returns ({"train": path, "val": path}, the share held out)."""
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"--val_fraction must be in (0, 1), got {val_fraction}")
+    num_proc = num_proc or min(os.cpu_count() or 1, 8)
+    get_tokenizer()
+    start = time.time()
+    jobs = [(text, 0.0) for _, text in documents]
+    if num_proc > 1 and len(jobs) > 1:
+        with multiprocessing.Pool(min(num_proc, len(jobs))) as pool:
+            tokenized = [tokens for _, tokens in pool.map(_tokenize_document, jobs)]
+    else:
+        tokenized = [tokens for _, tokens in map(_tokenize_document, jobs)]
+    if max_tokens is not None:
+        budget, capped = max_tokens, []
+        for tokens in tokenized:
+            capped.append(tokens[:max(budget, 0)])
+            budget -= len(capped[-1])
+        tokenized = capped
+    total = sum(map(len, tokenized))
+    share = max(val_fraction, min(MIN_VAL_TOKENS / max(total, 1), 0.1))
+    cuts = [len(tokens) - round(share * len(tokens)) for tokens in tokenized]
+    n_train, n_val = sum(cuts), total - sum(cuts)
+    if n_train == 0 or n_val == 0:
+        raise ValueError(f"{total} tokens of text are too few to make both a train and a val split")
+    paths = {split: os.path.join(out_dir, f"{split}.bin") for split in ("train", "val")}
+    write_shard(paths["train"], np.concatenate([t[:c] for t, c in zip(tokenized, cuts)]))  # (n_train,)
+    write_shard(paths["val"], np.concatenate([t[c:] for t, c in zip(tokenized, cuts)]))  # (n_val,)
+    sources = {}
+    for (source, _), tokens, cut in zip(documents, tokenized, cuts):
+        counts = sources.setdefault(source, {"train": {"documents": 0, "tokens": 0}, "val": {"documents": 0, "tokens": 0}})
+        for split, n in (("train", cut), ("val", len(tokens) - cut)):
+            counts[split]["documents"] += n > 0
+            counts[split]["tokens"] += n
+    _write_meta(out_dir, {
+        "tokenizer": "gpt2", "eot": EOT, "split": "the tail of every document", "val_fraction": val_fraction,
+        "val_share": share, "max_tokens": max_tokens, "tokens": {"train": n_train, "val": n_val},
+        "documents": {split: sum(c[split]["documents"] for c in sources.values()) for split in ("train", "val")},
+        "sources": sources, "seconds": round(time.time() - start, 1), "num_proc": num_proc, **(extra_meta or {})})
+    return paths, share
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -495,7 +556,9 @@ def main(argv=None):
     parser.add_argument("--hf_config", default=None, help="dataset config, e.g. sample-10BT")
     parser.add_argument("--hf_split", default="train", help="dataset split to stream (default: train)")
     parser.add_argument("--text_field", default="text", help="jsonl field / parquet column / dataset field")
-    parser.add_argument("--val_fraction", type=float, default=0.01, help="share of documents held out (by hash)")
+    parser.add_argument("--val_fraction", type=float, default=0.01, help="share held out for val: whole documents "
+                        "(by hash), or the tail of each when --input has fewer than 1/val_fraction documents "
+                        "(default: %(default)s)")
     parser.add_argument("--max_tokens", type=float, default=None, help="stop after this many tokens (e.g. 2e9)")
     parser.add_argument("--num_proc", type=int, default=None, help="tokenizer processes (default: cores, max 8)")
     args = parser.parse_args(argv)
@@ -505,9 +568,18 @@ def main(argv=None):
     try:
         if args.input:
             out_dir = args.out_dir or "data_cache/custom"
-            docs = file_documents(args.input, args.text_field)
-            paths = write_splits(docs, out_dir, args.val_fraction, max_tokens, args.num_proc,
-                                 extra_meta={"corpus": f"files: {args.input}"})
+            docs = list(file_documents(args.input, args.text_field))
+            if not docs:
+                raise ValueError(f"--input {' '.join(args.input)}: no text in these files")
+            meta = {"corpus": f"files: {args.input}"}
+            if not 0 < args.val_fraction < 1:
+                raise ValueError(f"--val_fraction must be in (0, 1), got {args.val_fraction}")
+            if too_few_documents(docs, args.val_fraction):
+                paths, share = write_tail_splits(docs, out_dir, args.val_fraction, max_tokens, args.num_proc, meta)
+                print(f"{len(docs)} document(s) are too few to hold out whole ones at --val_fraction "
+                      f"{args.val_fraction:g}: val is the last {share:.1%} of each document")
+            else:
+                paths = write_splits(docs, out_dir, args.val_fraction, max_tokens, args.num_proc, extra_meta=meta)
         elif args.hf_dataset:
             out_dir = args.out_dir or os.path.join("data_cache", args.hf_dataset.replace("/", "_"))
             docs = hf_documents(args.hf_dataset, args.hf_config, args.hf_split, args.text_field)

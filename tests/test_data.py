@@ -1,5 +1,6 @@
 # Tests for data.py: tokenizer, shard format, loader, document splits, local-file ingestion.
 # All on small temp files; the full default corpus is built by `python data.py`, not here.
+import argparse
 import json
 import os
 
@@ -329,6 +330,44 @@ def test_local_txt_and_jsonl_ingestion(tmp_path, enc):
     paths = data.shard_paths(str(out))
     got = decode_documents(enc, data.read_shard(paths["train"])) + decode_documents(enc, data.read_shard(paths["val"]))
     assert sorted(got) == sorted(docs)
+
+
+def test_one_plain_text_file_becomes_train_and_val(tmp_path, enc, capsys):
+    """`python data.py --input notes.txt` with the defaults: one document cannot be held out whole, so val is its
+    tail, big enough for eval windows, and the output says so in one line."""
+    with open(argparse.__file__, encoding="utf-8") as f:
+        text = f.read()  # a real text file of ~100 KB
+    (tmp_path / "notes.txt").write_text(text, encoding="utf-8")
+    assert data.main(["--input", str(tmp_path / "notes.txt"), "--out_dir", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "1 document(s) are too few to hold out whole ones at --val_fraction 0.01: val is the last" in out
+    paths = data.shard_paths(str(tmp_path / "out"))
+    train, val = data.read_shard(paths["train"]), data.read_shard(paths["val"])
+    whole = [data.EOT] + enc.encode_ordinary(text.strip())
+    assert list(train) + list(val) == whole  # the text, cut once
+    assert len(val) == data.MIN_VAL_TOKENS == max(round(0.01 * len(whole)), data.MIN_VAL_TOKENS)
+    meta = json.load(open(tmp_path / "out" / "meta.json"))
+    assert meta["split"] == "the tail of every document" and meta["tokens"] == {"train": len(train), "val": len(val)}
+
+
+def test_a_handful_of_text_files_hold_out_each_tail(tmp_path, enc, capsys):
+    texts = []
+    for i, module in enumerate((json.decoder, json.encoder, json.scanner)):
+        with open(module.__file__, encoding="utf-8") as f:
+            texts.append(f.read().strip())
+        (tmp_path / f"{i}.txt").write_text(texts[-1], encoding="utf-8")
+    files = [str(tmp_path / f"{i}.txt") for i in range(3)]
+    assert data.main(["--input", *files, "--out_dir", str(tmp_path / "out"), "--num_proc", "2"]) == 0
+    assert "3 document(s) are too few" in capsys.readouterr().out
+    docs = [[data.EOT] + enc.encode_ordinary(t) for t in texts]
+    total = sum(map(len, docs))
+    share = min(data.MIN_VAL_TOKENS / total, 0.1)
+    cuts = [len(d) - round(share * len(d)) for d in docs]
+    paths = data.shard_paths(str(tmp_path / "out"))
+    assert list(data.read_shard(paths["train"])) == [t for d, c in zip(docs, cuts) for t in d[:c]]
+    assert list(data.read_shard(paths["val"])) == [t for d, c in zip(docs, cuts) for t in d[c:]]
+    with pytest.raises(ValueError, match="too few to make both a train and a val split"):
+        data.write_tail_splits([("s", "hi")], str(tmp_path / "tiny"), num_proc=1)
 
 
 def test_local_file_errors(tmp_path, capsys):
