@@ -332,7 +332,7 @@ def collect_rows(runs, train_tokens):
             "config": summary.get("config"), "status": "diverged" if diverged else "ok",
             "best_train_loss": min(train) if train else None,
             "tokens_per_param": tokens / params if params else None,
-            "epochs": tokens / train_tokens if train_tokens else None,
+            "epochs": summary.get("epochs", tokens / train_tokens if train_tokens else None),
             "wall_s": record.get("wall_s"), "hardware": record.get("hardware"),
             "command": record.get("command"), "date": record.get("date"),
         })
@@ -521,7 +521,8 @@ def plot(rows, runs, path):
         ax.set_title(f"{opt}: train loss (lines, ±1 std over seeds), val loss (dots)")
         ax.set_xlabel("tokens (M)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     axes[0].set_ylabel("loss")
     if math.isfinite(top) and math.isfinite(bottom) and top > bottom:
         axes[0].set_ylim(bottom - 0.05 * (top - bottom), top)  # collapsed runs leave the top of the frame
@@ -546,8 +547,9 @@ def aggregate(args):
             "tokens_per_param", "epochs", "config", "wall_s")
     with open(os.path.join(results, "summary.json"), "w") as f:
         json.dump([{k: r[k] for k in keep} for r in rows], f, indent=1)
-    ok = [r for r in rows if r["status"] == "ok"] or rows
-    first = ok[0]
+    ok = [r for r in rows if r["status"] == "ok"]
+    first = ok[0] if ok else {"config": rows[0]["config"], "steps": "n/a", "tokens": 0, "params": 0,
+                              "tokens_per_param": None, "epochs": None}
     hardware = ", ".join(sorted({r["hardware"] for r in rows if r["hardware"]})) or "unknown"
     dates = sorted({r["date"] for r in rows if r["date"]})
     gpu_s = sum(r["wall_s"] or 0 for r in rows)
@@ -555,7 +557,7 @@ def aggregate(args):
         "# Seeded ablation (paper Table 3 rows, App. 13 collapse)", "",
         f"Written by `python tools/ablation.py` from {len(rows)} runs in `{shown(args.runs)}/`. Config "
         f"`{first['config']}`, {first['steps']} steps, {first['tokens']:,} tokens a run, "
-        f"{first['params'] / 1e6:.2f}M parameters: {fmt(first['tokens_per_param'], 3, g=True)} tokens per parameter, "
+        f"{fmt(first['params'] / 1e6, 2)}M parameters: {fmt(first['tokens_per_param'], 3, g=True)} tokens per parameter, "
         f"{fmt(first['epochs'], 3, g=True)} epochs of the {fmt(train_tokens and train_tokens / 1e6, 2)}M-token train split. "
         f"Hardware: {hardware}. Dates: {', '.join(dates) or 'unknown'}. Run time, summed over runs: "
         f"{gpu_s / 60:.1f} min.", "",

@@ -1,0 +1,109 @@
+"""tools/ablation.py: the grid, real tiny train.py runs aggregated into the record, skipping finished runs, and
+the verdict rules on rows whose answer is known."""
+import json
+import os
+
+import pytest
+
+from tools import ablation
+
+TINY = ["--config", "tiny", "--max_steps", "3", "--batch_size", "2", "--seq_len", "32", "--warmup", "1",
+        "--eval_every", "3", "--eval_iters", "1", "--log_every", "1", "--seeds", "0", "--cpu_jobs", "2",
+        "--gpus", ""]
+
+
+def test_grid_is_the_issue_grid():
+    jobs = ablation.grid([0, 1, 2])
+    assert len(jobs) == len(set(jobs)) == 6 * 2 * 3 + 2  # 38 runs
+    assert {(r, o) for r, o, s in jobs if r == "naive_fp4"} == {("naive_fp4", "adamw"), ("naive_fp4", "root")}
+    assert all(s == 0 for r, o, s in jobs if r == "naive_fp4")
+    assert [s for _, _, s in jobs] == sorted(s for _, _, s in jobs)  # seed by seed: a partial grid has every row
+    pick = lambda pats: {ablation.run_name(*j) for j in jobs if ablation.selected(j, pats)}
+    assert pick(["nvfp4_root"]) == {"nvfp4_root_s0", "nvfp4_root_s1", "nvfp4_root_s2"}
+    assert pick(["nvfp4"]) == {f"nvfp4_{o}_s{s}" for o in ("adamw", "root") for s in (0, 1, 2)}  # not nvfp4_46
+    assert pick(["lora_*_adamw_s1"]) == {"lora_naive_adamw_s1", "lora_svd_adamw_s1"}
+
+
+def test_bad_input_is_one_line_exit_2(capsys):
+    for argv in (["--seeds", "a"], ["--shard", "2/2"], ["--rows", "nope", "--dry_run"]):
+        with pytest.raises(SystemExit) as e:
+            ablation.main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("ablation.py: error:") and "\n" not in err
+
+
+def test_tiny_runs_aggregate_and_skip(tmp_path, capsys):
+    runs, results = tmp_path / "runs", tmp_path / "results"
+    argv = TINY + ["--rows", "bf16_adamw,nvfp4_adamw", "--runs", str(runs), "--results", str(results)]
+    ablation.main(argv)
+    rows = json.loads((results / "summary.json").read_text())
+    assert sorted((r["recipe"], r["optimizer"], r["seed"]) for r in rows) == [("bf16", "adamw", 0), ("nvfp4", "adamw", 0)]
+    for r in rows:
+        assert {"recipe", "optimizer", "seed", "val_loss", "train_loss", "tokens", "params", "steps"} <= set(r)
+        assert r["steps"] == 3 and r["tokens"] == 3 * 2 * 32 and r["params"] > 1e6 and r["status"] == "ok"
+        metrics = [json.loads(x) for x in (runs / f"{r['recipe']}_adamw_s0" / "metrics.jsonl").read_text().split("\n") if x]
+        assert r["val_loss"] == pytest.approx([m["val_loss"] for m in metrics if "val_loss" in m][-1])
+        assert 0 < r["epochs"] < 1e-3 and r["tokens_per_param"] == pytest.approx(r["tokens"] / r["params"])
+    table = (results / "table.md").read_text()
+    bf16, nvfp4 = (next(r["val_loss"] for r in rows if r["recipe"] == k) for k in ("bf16", "nvfp4"))
+    assert f"{100 * (nvfp4 - bf16) / bf16:+.2f}%" in table  # the gap column comes from the rows
+    assert "| `nvfp4` | adamw | 1 |" in table and "## Verdicts" in table
+    assert (results / "loss_curves.png").stat().st_size > 10_000
+
+    # finished runs are skipped; --force reruns only the rows it names
+    stamp = {k: (runs / f"{k}_adamw_s0" / "summary.json").stat().st_mtime_ns for k in ("bf16", "nvfp4")}
+    capsys.readouterr()
+    ablation.main(argv)
+    assert "2 runs selected, 2 finished earlier (skipped)" in capsys.readouterr().out
+    ablation.main(argv[:-4] + ["--rows", "nvfp4_adamw_s0", "--force", "--runs", str(runs), "--results", str(results)])
+    assert (runs / "bf16_adamw_s0" / "summary.json").stat().st_mtime_ns == stamp["bf16"]
+    assert (runs / "nvfp4_adamw_s0" / "summary.json").stat().st_mtime_ns != stamp["nvfp4"]
+    assert len(json.loads((results / "summary.json").read_text())) == 2
+
+
+def test_a_diverged_run_is_a_finished_result(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    argv = TINY + ["--rows", "bf16_root", "--train_args", "--nan_at_step 2", "--runs", str(runs),
+                   "--results", str(tmp_path / "results")]
+    ablation.main(argv)
+    rows = json.loads((tmp_path / "results" / "summary.json").read_text())
+    assert [(r["recipe"], r["status"], r["val_loss"]) for r in rows] == [("bf16", "diverged", None)]
+    capsys.readouterr()
+    ablation.main(argv)
+    assert "1 finished earlier (skipped)" in capsys.readouterr().out
+
+
+def synthetic_rows(val):
+    """val: {(recipe, optimizer): [val loss per seed]} -> rows as collect_rows makes them."""
+    return ablation.mark_collapsed([
+        {"recipe": r, "optimizer": o, "seed": s, "val_loss": v, "train_loss": v, "best_train_loss": v,
+         "status": "ok" if v is not None else "diverged"}
+        for (r, o), losses in val.items() for s, v in enumerate(losses)])
+
+
+def verdict_of(rows, claim, optimizer):
+    return next(v for c, o, v, _ in ablation.verdicts(rows) if c.startswith(claim) and o == optimizer)
+
+
+def test_verdicts_follow_the_numbers():
+    base = [3.00, 3.03, 2.97]  # bf16 seed std 0.03
+    shift = lambda d: [b + d for b in base]  # a recipe that tracks bf16's seed noise, offset by d
+    paper = {("bf16", "adamw"): base, ("nvfp4", "adamw"): shift(0.12), ("nvfp4_46", "adamw"): shift(0.06),
+             ("lora_svd", "adamw"): shift(0.02), ("fullstack", "adamw"): shift(0.025),
+             ("naive_fp4", "adamw"): [None]}
+    rows = synthetic_rows(paper)
+    for claim in ("gap resolvable", "nvfp4 gap > nvfp4_46 gap > lora_svd gap", "fullstack close", "naive_fp4"):
+        assert verdict_of(rows, claim, "adamw") == "confirmed", claim
+    assert verdict_of(rows, "gap resolvable", "root") == "not resolvable at this scale"  # no root runs
+
+    swapped = {**paper, ("nvfp4_46", "adamw"): shift(0.15), ("fullstack", "adamw"): shift(0.3),
+               ("naive_fp4", "adamw"): shift(0.01), ("nvfp4", "adamw"): shift(0.05)}
+    rows = synthetic_rows(swapped)
+    assert verdict_of(rows, "gap resolvable", "adamw") == "not confirmed"  # 0.05 < 3 x 0.03
+    assert verdict_of(rows, "nvfp4 gap > nvfp4_46", "adamw") == "not confirmed"
+    assert verdict_of(rows, "fullstack close", "adamw") == "not confirmed"
+    assert verdict_of(rows, "naive_fp4", "adamw") == "not confirmed"
+
+    noisy = {**paper, ("nvfp4_46", "adamw"): [3.30, 2.90, 3.10]}  # per-seed gaps scatter by +-4 points
+    assert verdict_of(synthetic_rows(noisy), "nvfp4 gap > nvfp4_46", "adamw") == "not resolvable at this scale"
