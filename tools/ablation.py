@@ -333,6 +333,7 @@ def collect_rows(runs, train_tokens):
             "best_train_loss": min(train) if train else None,
             "tokens_per_param": tokens / params if params else None,
             "epochs": summary.get("epochs", tokens / train_tokens if train_tokens else None),
+            "tokens_per_s": summary.get("tokens_per_s"),
             "wall_s": record.get("wall_s"), "hardware": record.get("hardware"),
             "command": record.get("command"), "date": record.get("date"),
         })
@@ -457,6 +458,23 @@ def verdicts(rows):
     return out
 
 
+def grid_time(rows, seeds=3):
+    """(startup, per step) seconds of the whole grid on one worker, summed over its runs, from the measured runs:
+    a run takes startup + steps x seconds per step (train.py's tokens/s leaves out its first steps and the evals;
+    the startup, the rest of the run's wall time, holds imports, kernel compilation and evals). None if a row of
+    the grid has no measured run."""
+    startup, per_step = 0.0, 0.0
+    for recipe, optimizer, _ in grid(range(seeds)):
+        timed = [r for r in rows if r["recipe"] == recipe and r["optimizer"] == optimizer and r["status"] == "ok"
+                 and finite(r["tokens_per_s"]) and r["wall_s"]]
+        if not timed:
+            return None
+        step = statistics.fmean(r["tokens"] / r["steps"] / r["tokens_per_s"] for r in timed)
+        startup += statistics.fmean(max(0.0, r["wall_s"] - r["steps"] * step) for r in timed)
+        per_step += step
+    return startup, per_step
+
+
 def table(rows):
     """Markdown: one line per (recipe, optimizer)."""
     lines = ["| recipe | optimizer | seeds | val loss (mean ± std) | gap to bf16 | per-seed gap ± std | "
@@ -544,7 +562,7 @@ def aggregate(args):
             "use one --runs directory per setup")
     os.makedirs(results, exist_ok=True)
     keep = ("recipe", "optimizer", "seed", "val_loss", "train_loss", "tokens", "params", "steps", "status",
-            "tokens_per_param", "epochs", "config", "wall_s")
+            "tokens_per_param", "epochs", "config", "tokens_per_s", "wall_s")
     with open(os.path.join(results, "summary.json"), "w") as f:
         json.dump([{k: r[k] for k in keep} for r in rows], f, indent=1)
     ok = [r for r in rows if r["status"] == "ok"]
@@ -572,6 +590,11 @@ def aggregate(args):
         "| claim | optimizer | verdict | numbers |", "|---|---|---|---|"]
     lines += [f"| {claim} | {opt} | **{verdict}** | {numbers} |" for claim, opt, verdict, numbers in verdicts(rows)]
     commands = sorted({r["command"] for r in rows if r["command"]})
+    timing = grid_time(rows)
+    if timing:
+        lines += ["", f"Time: the full grid ({len(grid(range(3)))} runs) takes about {timing[0]:.0f} s + "
+                  f"{timing[1]:.2f} s x steps on one worker at this config and batch (here "
+                  f"{(timing[0] + timing[1] * first['steps']) / 60:.1f} min), divided by the parallel workers."]
     lines += ["", "Commands (one per run):", "", "```"] + commands + ["```", ""]
     with open(os.path.join(results, "table.md"), "w") as f:
         f.write("\n".join(lines))
