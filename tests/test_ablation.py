@@ -111,7 +111,7 @@ def test_verdicts_follow_the_numbers():
 
 def test_grid_time_adds_startup_and_steps():
     rows = [{"recipe": r, "optimizer": o, "seed": s, "status": "ok", "tokens": 100, "steps": 10,
-             "tokens_per_s": 100.0 * (2 if r == "bf16" else 1), "wall_s": 15.0} for r, o, s in ablation.grid([0])]
+             "tokens_per_s": 10.0 * (2 if r == "bf16" else 1), "wall_s": 15.0} for r, o, s in ablation.grid([0])]
     startup, per_step = ablation.grid_time(rows)  # seeds 1, 2 are projected from seed 0's runs
     assert per_step == pytest.approx(38 - 6 * 0.5)  # 6 bf16 runs at 0.5 s a step, 32 others at 1 s
     assert startup == pytest.approx(6 * 10 + 32 * 5)
