@@ -530,9 +530,9 @@ def plot(rows, runs, path):
             ax.fill_between(x, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
                             color=colors[recipe], alpha=0.2, lw=0)
             val_steps = sorted(set.intersection(*(set(c[1]) for c in curves)))
-            ax.plot([s * tokens_per_step / 1e6 for s in val_steps],
-                    [statistics.fmean(c[1][s] for c in curves) for s in val_steps], "o", color=colors[recipe], ms=3)
-            finite_mean = [m for m in mean if math.isfinite(m)]
+            val_mean = [statistics.fmean(c[1][s] for c in curves) for s in val_steps]
+            ax.plot([s * tokens_per_step / 1e6 for s in val_steps], val_mean, "o", color=colors[recipe], ms=3)
+            finite_mean = [m for m in mean + val_mean if math.isfinite(m)]
             if recipe != COLLAPSING and finite_mean:
                 bottom = min(bottom, min(finite_mean))
                 top = max(top, mean[min(len(mean) - 1, len(mean) // 5)])  # from 20% of the run on
