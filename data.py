@@ -414,7 +414,7 @@ def write_tail_splits(documents, out_dir, val_fraction=0.01, max_tokens=None, nu
     write_shard(paths["val"], np.concatenate([t[c:] for t, c in zip(tokenized, cuts)]))  # (n_val,)
     sources = {}
     for (source, _), tokens, cut in zip(documents, tokenized, cuts):
-        counts = sources.setdefault(source, {"train": {"documents": 0, "tokens": 0}, "val": {"documents": 0, "tokens": 0}})
+        counts = sources.setdefault(source, {split: {"documents": 0, "tokens": 0} for split in ("train", "val")})
         for split, n in (("train", cut), ("val", len(tokens) - cut)):
             counts[split]["documents"] += n > 0
             counts[split]["tokens"] += n

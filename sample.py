@@ -59,7 +59,8 @@ def main(argv=None):
     if max(ids) >= cfg.vocab_size:
         die(f"--prompt: token ids above the model's vocab_size {cfg.vocab_size}")
     x = torch.tensor(ids, dtype=torch.long, device=args.device).expand(args.num_samples, -1)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if args.device == "cuda" else torch.autocast("cpu", enabled=False)
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if args.device == "cuda"
+                else torch.autocast("cpu", enabled=False))
     with autocast:
         out = model.generate(x, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None)
     print(f"# {path}: step {ckpt['step']}, config {ckpt['args']['config']}, recipe {ckpt['args']['recipe']}")

@@ -83,7 +83,8 @@ def parse_args(argv=None):
                                 argparse.RawDescriptionHelpFormatter(prog, max_help_position=34, width=118))
     p.error = lambda msg: die(msg)  # argparse's usage + error -> our single line, exit 2
     per_config = "(default: per --config, table below)"
-    p.add_argument("--config", default=None, help=f"model size: {', '.join(CONFIGS)} (default: tiny on CPU, toy on GPU)")
+    p.add_argument("--config", default=None, help=f"model size: {', '.join(CONFIGS)} (default: tiny on CPU, toy on "
+                   "GPU)")
     p.add_argument("--recipe", default="fullstack", help=f"precision: {', '.join(RECIPES)} (default: %(default)s)")
     p.add_argument("--attn_policy", default=None, help="replace the recipe's attention by one of "
                    f"{', '.join(attention.POLICIES)} (default: the recipe's)")
@@ -105,7 +106,8 @@ def parse_args(argv=None):
     p.add_argument("--clip", type=float, default=1.0, help="grad-norm clip, 0: off (default: %(default)s)")
     p.add_argument("--lora_rank", type=int, default=32, help="LoRA-SVD / naive-LoRA rank r, not given in the paper "
                    "(default: %(default)s)")
-    p.add_argument("--lora_beta", type=float, default=1.0, help="LoRA branch scale beta of eq. 1 (default: %(default)s)")
+    p.add_argument("--lora_beta", type=float, default=1.0, help="LoRA branch scale beta of eq. 1 "
+                   "(default: %(default)s)")
     p.add_argument("--realign_every", type=int, default=4000, help="LoRA-SVD randomized-SVD realignment period, "
                    "0: off (default: %(default)s)")
     p.add_argument("--eval_every", type=int, default=None, help=f"steps between val evals, 0: none {per_config}")
@@ -433,7 +435,8 @@ def main(argv=None):
             die(f"--resume: {e}")
         for key in RESUME_MUST_MATCH:
             if ckpt["args"].get(key) != getattr(args, key):
-                die(f"--{key} {getattr(args, key)!r}: the checkpoint {ckpt_path} was trained with {ckpt['args'].get(key)!r}")
+                die(f"--{key} {getattr(args, key)!r}: the checkpoint {ckpt_path} was trained with "
+                    f"{ckpt['args'].get(key)!r}")
         if ckpt["world_size"] != world_size:
             die(f"--resume: checkpoint has {ckpt['world_size']} ranks, this run has {world_size}")
         if ckpt["step"] >= args.max_steps:
@@ -466,7 +469,7 @@ def main(argv=None):
         paths = data.shard_paths(args.data)
         train_loader = data.TokenLoader(paths["train"], args.batch_size // world_size, args.seq_len, rank,
                                         world_size, seed=args.seed)
-        val_tokens = len(data.TokenLoader(paths["val"], 1, args.seq_len).tokens)  # checks it holds one window
+        val_tokens = len(data.TokenLoader(paths["val"], 1, args.seq_len).tokens)  # evaluate()'s windows fit
     except (FileNotFoundError, ValueError) as e:
         die(f"--data {args.data}: {e}")
 
@@ -522,7 +525,8 @@ def main(argv=None):
         open(metrics_path, "w").close()
 
     if distributed and not args.fsdp:
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if args.device == "cuda" else None)
+        device_ids = [local_rank] if args.device == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     if args.compile:
         model = compile_model(model)  # the FP4 layers stay eager (model.compile_model)
 
@@ -609,7 +613,8 @@ def main(argv=None):
             if bar is not None:
                 bar.set_postfix_str(f"loss {loss_val:.4f} | {tok_s:,.0f} tok/s{mfu}")
             else:
-                say(f"step {step}/{args.max_steps} | loss {loss_val:.4f} | lr {row['lr']:.2e} | {tok_s:,.0f} tok/s{mfu}")
+                say(f"step {step}/{args.max_steps} | loss {loss_val:.4f} | lr {row['lr']:.2e} | {tok_s:,.0f} tok/s"
+                    f"{mfu}")
             interval_time, interval_tokens = 0.0, 0
         if bar is not None:
             bar.update(1)
@@ -627,12 +632,13 @@ def main(argv=None):
     if master:
         plot_metrics(args.out_dir, title)
         tok_s = timed_tokens / train_time if train_time > 0 else float("nan")
+        mfu = flops_per_token * tok_s / (H200_BF16_PEAK_FLOPS * world_size) if args.device == "cuda" else None
         summary = {"config": args.config, "recipe": args.recipe, "precision": dataclasses.asdict(recipe),
                    "optimizer": args.optimizer, "seed": args.seed, "params": n_params, "steps": step,
                    "tokens": step * tokens_per_step, "epochs": epochs, "final_loss": loss_val,
                    "final_val_loss": val_loss, "world_size": world_size, "fsdp": args.fsdp, "compile": args.compile,
                    "device": args.device, "dtype": args.dtype, "tokens_per_s": tok_s,
-                   "mfu": flops_per_token * tok_s / (H200_BF16_PEAK_FLOPS * world_size) if args.device == "cuda" else None,
+                   "mfu": mfu,
                    "flops_per_token": flops_per_token, "peak_mem_bytes": peak_memory_bytes(args.device),
                    "peak_mem_kind": "torch.cuda.max_memory_allocated (rank 0)" if args.device == "cuda" else "max RSS",
                    "optimizer_state_bytes": opt_bytes, "optimizer_bytes_per_param": opt_bytes / n_params}
@@ -640,7 +646,8 @@ def main(argv=None):
             json.dump(summary, f, indent=2)
         val = "none" if val_loss is None else f"{val_loss:.4f}"
         print(f"done: {step} steps, loss {loss_val:.4f}, val {val}, {tok_s:,.0f} tokens/s, peak mem "
-              f"{summary['peak_mem_bytes'] / 2**30:.2f} GiB, optimizer state {summary['optimizer_bytes_per_param']:.2f} "
+              f"{summary['peak_mem_bytes'] / 2**30:.2f} GiB, optimizer state "
+              f"{summary['optimizer_bytes_per_param']:.2f} "
               f"bytes/param -> {args.out_dir}/ (metrics.jsonl, loss.png, summary.json"
               f"{', ckpt.pt' if args.save_every >= 0 else ''})")
     if distributed:  # the other ranks wait for rank 0's plot and summary, then all leave together

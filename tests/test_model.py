@@ -111,7 +111,8 @@ def test_make_linear_follows_the_recipe_and_init():
     assert type(kinds["nvfp4"]) is type(kinds["nvfp4_46"]) is type(kinds["naive_fp4"]) is nvfp4.NVFP4Linear
     assert not kinds["nvfp4"].four_over_six and kinds["nvfp4_46"].four_over_six
     assert isinstance(kinds["lora_naive"], lora_svd.NaiveLoRALinear)
-    assert isinstance(kinds["lora_svd"], lora_svd.LoRASVDLinear) and isinstance(kinds["fullstack"], lora_svd.LoRASVDLinear)
+    assert isinstance(kinds["lora_svd"], lora_svd.LoRASVDLinear)
+    assert isinstance(kinds["fullstack"], lora_svd.LoRASVDLinear)
     # residual projections get the GPT-2 1/sqrt(2L) scaling
     model = GPT(small_config(n_layer=8, n_embd=128, ffn_hidden=512))
     assert model.blocks[0].mlp.down_proj.weight.std().item() < 0.5 * model.blocks[0].mlp.up_proj.weight.std().item()
@@ -160,8 +161,8 @@ def _compiled_vs_eager(device):
     left out of the graph (torch.compiler.disable), the rest compiled; forward losses agree, backward gives finite
     grads."""
     torch.manual_seed(0)
-    cfg = small_config(n_embd=128, n_head=2, n_kv_head=1, ffn_hidden=256, block_size=64, lora_rank=8,
-                       recipe=Recipe(linear="lora_svd", four_over_six=True, attention="fp4"))  # head dim 64: one the FP4 attention kernel takes
+    cfg = small_config(n_embd=128, n_head=2, n_kv_head=1, ffn_hidden=256, block_size=64, lora_rank=8,  # head dim
+                       recipe=Recipe(linear="lora_svd", four_over_six=True, attention="fp4"))  # 64: FP4 attention takes it
     with torch.device(device):
         model = GPT(cfg)
     idx = torch.randint(0, cfg.vocab_size, (2, 64), device=device)

@@ -80,7 +80,7 @@ def test_loss_falls_and_outputs_are_written(byte_data, micro, tmp_path):
     with open(tmp_path / "summary.json") as f:
         summary = json.load(f)
     assert summary["recipe"] == "bf16" and summary["optimizer"] == "adamw" and summary["seed"] == 0
-    assert summary["precision"] == {"linear": "bf16", "four_over_six": False, "attention": "bf16", "optim_states": "fp32"}
+    assert summary["precision"] == dict(linear="bf16", four_over_six=False, attention="bf16", optim_states="fp32")
     assert summary["steps"] == 40 and summary["tokens"] == 40 * 8 * 64
     assert summary["final_loss"] == losses[-1] and summary["final_val_loss"] == rows[-1]["val_loss"]
     assert summary["params"] == sum(p.numel() for p in model.GPT(model.GPTConfig(**MICRO)).parameters())
@@ -333,7 +333,8 @@ def test_no_progress_prints_a_line_per_logged_step_and_the_evals(byte_data, micr
     out = capsys.readouterr().out.splitlines()
     steps = [line for line in out if re.match(r"step \d+/", line)]
     assert [line.split()[1] for line in steps] == ["2/6", "4/6", "6/6"]
-    assert all(re.fullmatch(r"step \d/6 \| loss \d+\.\d{4} \| lr \d\.\d\de-\d\d \| [\d,]+ tok/s", line) for line in steps)
+    line_format = r"step \d/6 \| loss \d+\.\d{4} \| lr \d\.\d\de-\d\d \| [\d,]+ tok/s"
+    assert all(re.fullmatch(line_format, line) for line in steps), steps
     evals = [line for line in out if "val loss" in line]
     assert [line.split(":")[0] for line in evals] == ["step 3", "step 6"]
     assert out[0].startswith("config micro") and out[-1].startswith("done: 6 steps")
@@ -386,7 +387,8 @@ def test_too_little_val_data_is_one_line(micro, tmp_path, capsys):
     data.write_shard(str(tmp_path / "train.bin"), np.arange(5000) % 256)
     data.write_shard(str(tmp_path / "val.bin"), np.arange(20))
     with pytest.raises(SystemExit) as e:
-        train.main(["--config", "micro", "--data", str(tmp_path), "--out_dir", str(tmp_path / "out"), "--device", "cpu"])
+        train.main(["--config", "micro", "--data", str(tmp_path), "--out_dir", str(tmp_path / "out"),
+                    "--device", "cpu"])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "seq_len + 1 = 65 tokens do not fit in shard" in err and "val.bin" in err
