@@ -22,10 +22,13 @@ def test_grid_is_the_issue_grid():
     assert pick(["nvfp4_root"]) == {"nvfp4_root_s0", "nvfp4_root_s1", "nvfp4_root_s2"}
     assert pick(["nvfp4"]) == {f"nvfp4_{o}_s{s}" for o in ("adamw", "root") for s in (0, 1, 2)}  # not nvfp4_46
     assert pick(["lora_*_adamw_s1"]) == {"lora_naive_adamw_s1", "lora_svd_adamw_s1"}
+    args = ablation.parse_args(["--lr", "adamw=2e-3,root=4e-3", "--max_steps", "7"])
+    assert ablation.train_command(args, "bf16", "root", 1)[-4:] == ["--max_steps", "7", "--lr", "0.004"]
 
 
 def test_bad_input_is_one_line_exit_2(capsys):
-    for argv in (["--seeds", "a"], ["--shard", "2/2"], ["--rows", "nope", "--dry_run"]):
+    for argv in (["--seeds", "a"], ["--shard", "2/2"], ["--rows", "nope", "--dry_run"], ["--lr", "root=1e-3"],
+                 ["--lr", "adamw=x,root=1"]):
         with pytest.raises(SystemExit) as e:
             ablation.main(argv)
         assert e.value.code == 2

@@ -63,7 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--max_steps", type=int, default=None)
     p.add_argument("--batch_size", type=int, default=None)
     p.add_argument("--seq_len", type=int, default=None)
-    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--lr", default=None, help="peak lr: one value, or one per optimizer: adamw=2e-3,root=4e-3")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--eval_every", type=int, default=None)
     p.add_argument("--eval_iters", type=int, default=None)
@@ -96,6 +96,16 @@ def parse_args(argv=None):
         if not m or not int(m[1]) < int(m[2]):
             die(f"--shard {args.shard!r}: expected i/n with 0 <= i < n, e.g. 0/2")
         args.shard = (int(m[1]), int(m[2]))
+    if args.lr is not None:  # -> {optimizer: lr}
+        try:
+            if "=" in args.lr:
+                args.lr = {o.strip(): float(v) for o, v in (part.split("=") for part in args.lr.split(","))}
+            else:
+                args.lr = dict.fromkeys(OPTIMIZERS, float(args.lr))
+        except ValueError:
+            die(f"--lr {args.lr!r}: expected a number or optimizer=lr pairs, e.g. adamw=2e-3,root=4e-3")
+        if set(args.lr) != set(OPTIMIZERS):
+            die(f"--lr: give one lr, or one for each of {', '.join(OPTIMIZERS)}")
     if args.jobs_per_gpu < 1 or args.cpu_jobs < 1:
         die("--jobs_per_gpu / --cpu_jobs: must be >= 1")
     try:
@@ -156,8 +166,9 @@ def train_command(args, recipe, optimizer, seed):
            "--out_dir", shown(os.path.join(args.runs, run_name(recipe, optimizer, seed))), "--no_progress",
            "--save_every", "-1"]  # no checkpoints: an ablation run is short, and a killed one starts over
     for flag in TRAIN_FLAGS:
-        if getattr(args, flag) is not None:
-            cmd += [f"--{flag}", str(getattr(args, flag))]
+        value = getattr(args, flag)
+        if value is not None:
+            cmd += [f"--{flag}", str(value[optimizer] if flag == "lr" else value)]
     return cmd + args.train_args
 
 
