@@ -23,8 +23,9 @@ dW instead of from a second large GEMM with the high-precision X, and §3.2 defe
 before gradient clipping and optimizer.step(). Every few thousand steps `realign_model(model, optimizer)`
 re-derives (W_res, L1, L2) from a randomized SVD of the total weight (subspace drift, §3.2).
 
-On CUDA the branch is fused into the NVFP4 kernels (App. 9, kernels/lora_fused.py): the down-projection
-rides the activation-quantize pass (one read of X), the up-projection the GEMM (one write of Y); likewise dX.
+On CUDA the branch rides on the NVFP4 GEMMs (App. 9, kernels/lora_fused.py): r extra columns of the residual's
+bf16 grid-value GEMM, so Y and dX are written once. The seam is `_use_kernels` below; NANOFP4_REFERENCE=1
+(nvfp4.use_reference) forces the reference path.
 Parameters may be FSDP2 DTensors: projection and realignment gather them and write back the local shards.
 
 NaiveLoRALinear is the ablation baseline (Table 3, "naive LoRA"): an NVFP4 main weight plus an ordinary
@@ -39,6 +40,7 @@ import torch
 import torch.nn as nn
 
 import nvfp4
+from kernels import lora_fused
 
 # -----------------------------------------------------------------------------
 # SVD split: W -> (W_res, L1, L2)
@@ -116,14 +118,16 @@ def shard_like(t, full):
 # eqs. 1-2: the LoRA-SVD linear as one autograd function
 
 
+def _use_kernels(x, fused):
+    """The seam: kernels/lora_fused.py on CUDA (unless `fused` is off or NANOFP4_REFERENCE=1), else the
+    reference below, which runs the quantize, the NVFP4 GEMM and the BF16 branch apart."""
+    return fused and x.is_cuda and not nvfp4.use_reference()
+
+
 def branch_dtype(x):
     # "BF16" branch of eq. 1 on the GPU; fp32 on the CPU, where bf16 matmuls are slow and the reference
     # tests want fp32 tolerance.
     return torch.bfloat16 if x.is_cuda else torch.float32
-
-
-def use_fused_kernels(x, fused):
-    return fused and x.is_cuda and not nvfp4.use_reference()
 
 
 class LoRASVDFunction(torch.autograd.Function):
@@ -145,11 +149,9 @@ class LoRASVDFunction(torch.autograd.Function):
         x = x.reshape(-1, x.shape[-1])  # (T, in)
         bdt = branch_dtype(x)
         qw = nvfp4.quantize(weight_res.detach(), (16, 16), "rtn", four_over_six, name="weight W_res")
-        if use_fused_kernels(x, fused):
-            from kernels import lora_fused
-            # App. 9: one read of X gives Q1x16(X) and X L1^T; the up-projection rides the GEMM (its epilogue on
-            # the Triton route, r extra GEMM columns on the cuBLAS route), so Y is written once
-            qx, y = lora_fused.lora_forward(x, qw, L1.to(bdt), L2.to(bdt), beta, four_over_six, x.dtype)
+        if _use_kernels(x, fused):  # App. 9: the branch rides the residual's GEMM, Y is written once
+            y, qx = lora_fused.forward(x, qw, L1.to(bdt), L2.to(bdt), beta, four_over_six, x.dtype)
+            qx = nvfp4.NVFP4Tensor(*qx, x.shape, (1, 16))
         else:
             qx = nvfp4.quantize(x, (1, 16), "rtn", four_over_six, name="activation X")  # Q1x16(X), RTN
             xl1 = x.to(bdt) @ L1.to(bdt).t()  # (T, r)
@@ -165,26 +167,19 @@ class LoRASVDFunction(torch.autograd.Function):
         qx, qw, beta, fos = ctx.qx, ctx.qw, ctx.beta, ctx.four_over_six
         dy = dy.reshape(-1, dy.shape[-1])  # (T, out)
         bdt = branch_dtype(dy)
-        dx = dw = None
-        fused = use_fused_kernels(dy, ctx.fused)
-        seed = H = amax_dy = amax_dyh = None
-        if fused and all(ctx.needs_input_grad[:2]):  # one read of dY for both of its amaxes, as NVFP4Linear
-            seed, H, amax_dy, amax_dyh = nvfp4.backward_draws(dy)
-        if ctx.needs_input_grad[0]:
-            # eq. 1's dX, with the forward's Q16x16(W_res) reused (read transposed, not requantized); dY's SR
-            # draw comes before eq. 2's draws, as in NVFP4Linear
-            if fused:
-                from kernels import lora_fused
-                dx = lora_fused.lora_dx(dy, qw, L1.to(bdt), L2.to(bdt), beta, fos, dy.dtype, seed=seed,
-                                        global_amax=amax_dy)
-            else:
+        need_dx, need_dw = ctx.needs_input_grad[:2]
+        if _use_kernels(dy, ctx.fused):  # the same draws in the same order as NVFP4Linear's backward
+            dx, dw = lora_fused.backward(dy, qx, qw, L1.to(bdt), L2.to(bdt), beta, fos,
+                                         *nvfp4.backward_draws(need_dx, need_dw, dy.device))
+        else:
+            dx = dw = None
+            if need_dx:  # eq. 1's dX, the forward's Q16x16(W_res) reused (read transposed, not requantized)
                 q_dy = nvfp4.quantize(dy, (1, 16), "sr", fos, name="gradient dY")  # Q1x16(dY), SR
-                dyl2 = dy.to(bdt) @ L2.to(bdt)  # (T, r)
                 dx = nvfp4.nvfp4_matmul(q_dy, qw, out_dtype=dy.dtype, trans_b=True)  # (T, in)
-                dx = dx.add_((dyl2 @ L1.to(bdt)).to(dy.dtype), alpha=beta)
-            dx = dx.reshape(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
-            dw = nvfp4.wgrad(dy, qx, fos, hadamard=H, dy_global_amax=amax_dyh)  # eq. 2, (out, in) fp32
+                dx = dx.add_(((dy.to(bdt) @ L2.to(bdt)) @ L1.to(bdt)).to(dy.dtype), alpha=beta)
+            if need_dw:
+                dw = nvfp4.wgrad(dy, qx, fos)  # eq. 2, (out, in) fp32
+        dx = dx.reshape(ctx.x_shape) if dx is not None else None
         ctx.qx = ctx.qw = None
         zero = lambda L, i: torch.zeros_like(L) if ctx.needs_input_grad[i] else None
         return dx, dw, zero(L1, 2), zero(L2, 3), None, None, None

@@ -3,8 +3,10 @@ NVFP4: the 4-bit number format (paper §2), the direct-NVFP4 linear layer (§3.2
 without the LoRA branch) and the quantization-error analysis of App. 7.
 
 The functions here are the reference: plain PyTorch that reads like the equations and runs anywhere.
-On CUDA, `quantize` and `nvfp4_matmul` hand off to the Triton kernels in kernels/ (bit-identical for RTN
-quantization, same numbers up to summation order for the GEMM); NANOFP4_REFERENCE=1 forces this file's path.
+On CUDA they hand off to the Triton kernels in kernels/ at one seam (`_use_kernels`, below): bit-identical for
+quantization (RTN; SR given the same uniforms), the same numbers up to summation order for the GEMMs. The
+kernels decide how the GPU multiplies (kernels/nvfp4_gemm.py, kernels/nvfp4_linear.py).
+NANOFP4_REFERENCE=1 forces the reference path everywhere in the project (`use_reference`).
 
 Conventions (DESIGN.md; the numerics of Transformer Engine's NVFP4 recipe and torchao's NVFP4Tensor):
   element   E2M1: +-{0, .5, 1, 1.5, 2, 3, 4, 6}; code = sign bit (bit 3) | index into E2M1_VALUES
@@ -19,12 +21,17 @@ import os
 import torch
 import torch.nn as nn
 
-E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device="cpu")  # cpu even under `with torch.device("meta")`
-FP4_MAX = 6.0
-E4M3_MAX = 448.0
-E4M3_MAX_46 = 256.0  # with 4/6 the x1.5 candidate scale (max -> 4) must still fit E4M3: 256 * 1.5 < 448
-BLOCKS = ((1, 16), (16, 1), (16, 16))
+from kernels import nvfp4_linear as linear_kernels
+from kernels import nvfp4_quant as quant_kernels
+from kernels.nvfp4_gemm import nvfp4_gemm
+from kernels.nvfp4_math import E4M3_MAX, E4M3_MAX_46, FP4_MAX  # 448, 256 (4/6: 256 * 1.5 < 448), 6
+from kernels.nvfp4_quant import BLOCKS, check_blocks  # (1, 16), (16, 1), (16, 16); the input checks
 
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device="cpu")  # cpu even under `with torch.device("meta")`
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The seam: the Triton kernels on CUDA, this file's reference everywhere else
 
 def use_reference():
     """True when NANOFP4_REFERENCE=1: every module then runs its PyTorch reference path, also on CUDA."""
@@ -75,9 +82,8 @@ class NVFP4Tensor:
         return (q.reshape(*lead, M // bm, bm, N // bn, bn) * s).reshape(self.shape)
 
     def dequantize(self, dtype=torch.float32):
-        if self.codes.is_cuda and not use_reference():
-            from kernels.nvfp4_quant import dequantize as dequantize_kernel
-            return dequantize_kernel(self, dtype)  # one pass, same bits
+        if _use_kernels(self.codes):  # one pass, same bits
+            return quant_kernels.dequantize(self.codes, self.scales, self.global_scale, self.shape, self.block, dtype)
         return (self.grid_values() * self.global_scale).to(dtype)
 
     def t(self):
@@ -98,24 +104,6 @@ def _pack(codes):
 
 # ----------------------------------------------------------------------------------------------------------
 # Quantization (reference)
-
-def _check(x, block, name):
-    if block not in BLOCKS:
-        raise ValueError(f"{name}: block must be one of {BLOCKS}, got {block}")
-    if not x.is_floating_point():
-        raise ValueError(f"{name}: expected a floating-point tensor, got {x.dtype}")
-    if x.dim() < 2:
-        raise ValueError(f"{name}: NVFP4 blocks apply to the last two dims; got shape {tuple(x.shape)}")
-    M, N = x.shape[-2:]
-    bm, bn = block
-    if M % bm or N % bn or N % 2:
-        raise ValueError(f"{name}: shape {tuple(x.shape)} does not fit NVFP4 block {block}: the last two dims "
-                         f"must be multiples of ({bm}, {max(bn, 2)})")
-    # On CUDA this check would cost a host sync and an extra pass per quantization: there a non-finite input
-    # gives a NaN global scale instead, and train.py's non-finite loss/gradient check stops the run.
-    if not x.is_cuda and not torch.isfinite(x).all():
-        raise ValueError(f"{name}: non-finite values (NaN/Inf) in tensor of shape {tuple(x.shape)}")
-
 
 def global_scale(amax, four_over_six=False):
     """s_g = amax / (448 * 6) in fp32 (256 with 4/6), 1 when amax is 0 so that zeros stay zeros."""
@@ -222,11 +210,11 @@ def quantize(x, block=(1, 16), rounding="rtn", four_over_six=False, generator=No
     block = tuple(block)
     if hadamard is not None and block == (16, 16):
         raise ValueError(f"{name}: a Hadamard rotation needs a 1-D block, (1, 16) or (16, 1)")
-    _check(x, block, name)
+    check_blocks(x, block, name)
     if _use_kernels(x):
-        from kernels.nvfp4_quant import quantize as quantize_kernel
         seed = sr_seed(generator) if rounding == "sr" else 0
-        return quantize_kernel(x, block, rounding, four_over_six, seed=seed, hadamard=hadamard)
+        parts = quant_kernels.quantize(x, block, rounding, four_over_six, seed=seed, hadamard=hadamard, name=name)
+        return NVFP4Tensor(*parts, x.shape, block)
     if hadamard is not None:
         x = hadamard_transform(x.float(), hadamard, dim=-1 if block == (1, 16) else -2)
     return _quantize_reference(x, block, rounding, four_over_six, generator)
@@ -299,7 +287,7 @@ def hadamard_transform(x, H, dim=-1):
 # The NVFP4 GEMM
 
 def nvfp4_matmul(a, b, out_dtype=torch.float32, trans_a=False, trans_b=False):
-    """a_hat @ b_hat^T for logical a (M, K) and b (N, K), both blocked along K. trans_a / trans_b: the tensor is
+    """a_hat @ b_hat^T for logical a (*, M, K) and b (N, K), both blocked along K. trans_a / trans_b: the tensor is
     stored transposed ((K, M) / (K, N), blocked along its dim -2), e.g. the forward's Q16x16(W) (out, in) used as
     the (in, out) operand of dX = dY W, without re-packing. Like a native NVFP4 GEMM: products of E2M1 values and
     block scales are accumulated in fp32 and the two global scales applied once at the end."""
@@ -308,9 +296,14 @@ def nvfp4_matmul(a, b, out_dtype=torch.float32, trans_a=False, trans_b=False):
     if ka[0] != kb[0] or ka[1] != 16 or kb[1] != 16:
         raise ValueError(f"nvfp4_matmul: need a (M, K), b (N, K) both blocked along K; got {tuple(a.shape)} "
                          f"{a.block} (trans_a={trans_a}) and {tuple(b.shape)} {b.block} (trans_b={trans_b})")
-    if a.codes.is_cuda and not use_reference():
-        from kernels.nvfp4_gemm import nvfp4_gemm
-        return nvfp4_gemm(a, b, out_dtype=out_dtype, trans_a=trans_a, trans_b=trans_b)
+    if _use_kernels(a.codes):
+        lead = a.shape[:-2] if not trans_a else ()
+        if lead:  # fold a's leading dims into its rows: the GEMM kernels take 2-D operands
+            M, K = a.shape[:-1].numel(), a.shape[-1]
+            a = NVFP4Tensor(a.codes.reshape(M, K // 2), a.scales.reshape(M // a.block[0], -1), a.global_scale,
+                            (M, K), a.block)
+        out = nvfp4_gemm(a, b, out_dtype, trans_a, trans_b)
+        return out.reshape(*lead, -1, out.shape[-1]) if lead else out
     ga, gb = a.grid_values(), b.grid_values()
     ga, gb = (ga.transpose(-1, -2) if trans_a else ga), (gb if trans_b else gb.transpose(-1, -2))
     return ((ga @ gb) * (a.global_scale * b.global_scale)).to(out_dtype)
@@ -319,108 +312,69 @@ def nvfp4_matmul(a, b, out_dtype=torch.float32, trans_a=False, trans_b=False):
 # ----------------------------------------------------------------------------------------------------------
 # Direct-NVFP4 linear layer: the three GEMMs of eqs. 1-2 without the LoRA branch
 
-def _grid_value_route(x):
-    """True on GPUs without FP4 tensor cores (Hopper): there the GEMMs multiply bf16 grid values q * s_b with
-    cuBLAS (exact; kernels/nvfp4_gemm.py's "cublas" route, 2.8x faster than its Triton route at 8192^3 on the
-    H200), so the quantize kernels write those values directly instead of packed codes that a second pass would
-    decode. NANOFP4_GEMM_ROUTE=triton, or a Blackwell GPU (tl.dot_scaled), keeps packed operands throughout."""
-    if not _use_kernels(x) or os.environ.get("NANOFP4_GEMM_ROUTE") == "triton":
-        return False
-    from kernels.nvfp4_gemm import _use_dot_scaled
-    return not _use_dot_scaled(x.device)
-
-
 class _NVFP4LinearFn(torch.autograd.Function):
+    """Y = Q1x16(X) Q16x16(W)^T (RTN), dX = Q1x16(dY) Q16x16(W) (SR, W's forward quantization reused, eq. 1),
+    dW = wgrad (eq. 2). On CUDA kernels/nvfp4_linear.py runs the same three GEMMs on the GPU's route."""
+
     @staticmethod
     def forward(ctx, x, weight, four_over_six):
-        x2 = x.reshape(-1, x.shape[-1])                                                # (T, in)
+        x2 = x.reshape(-1, x.shape[-1])                                                 # (T, in)
         w = weight.detach()
-        if _grid_value_route(x2):
-            from kernels.nvfp4_quant import quantize_dequant
-            from kernels.nvfp4_gemm import grid_values_mm
-            # one pass writes the packed X (kept) and its bf16 grid values (multiplied). W's grid values are
-            # kept for dX, which reuses this quantization (2 bytes/param until the backward, like autocast's
-            # cached bf16 weight copies): no packed W and no second decoding pass.
-            xv, s_gx, xq = quantize_dequant(x2, (1, 16), "rtn", four_over_six, return_tensor=True,
-                                           name="activation X")
-            wv, s_gw = quantize_dequant(w, (16, 16), "rtn", four_over_six, name="weight W")
-            y = grid_values_mm(xv, wv.t(), s_gx, s_gw, x.dtype)                       # (T, out)
-            ctx.w_used = (wv, s_gw)
+        if _use_kernels(x2):
+            y, xq, w_used = linear_kernels.forward(x2, w, four_over_six)
+            xq = NVFP4Tensor(*xq, x2.shape, (1, 16))
         else:
-            xq = quantize(x2, (1, 16), "rtn", four_over_six, name="activation X")       # Q1x16(X), RTN
-            wq = quantize(w, (16, 16), "rtn", four_over_six, name="weight W")          # Q16x16(W), RTN
-            y = nvfp4_matmul(xq, wq, out_dtype=x.dtype)                                 # (T, out)
-            ctx.w_used = wq
+            xq = quantize(x2, (1, 16), "rtn", four_over_six, name="activation X")        # Q1x16(X), RTN
+            w_used = quantize(w, (16, 16), "rtn", four_over_six, name="weight W")       # Q16x16(W), RTN
+            y = nvfp4_matmul(xq, w_used, out_dtype=x.dtype)                              # (T, out)
         # Save the packed 4-bit X (not X): that is where FP4 training saves activation memory.
-        ctx.xq, ctx.four_over_six, ctx.x_shape = xq, four_over_six, x.shape
+        ctx.xq, ctx.w_used, ctx.four_over_six, ctx.x_shape = xq, w_used, four_over_six, x.shape
         ctx.weight_dtype = weight.dtype
         return y.reshape(*x.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx, dy):
         xq, w_used, fos = ctx.xq, ctx.w_used, ctx.four_over_six
-        dy2 = dy.reshape(-1, dy.shape[-1])                                                 # (T, out)
-        dx = dw = None
-        seed = H = amax_dy = amax_dyh = None
-        if _grid_value_route(dy2) and all(ctx.needs_input_grad[:2]):
-            seed, H, amax_dy, amax_dyh = backward_draws(dy2)
-        if ctx.needs_input_grad[0]:
-            if isinstance(w_used, tuple):   # the grid-value route: W's forward values, bf16
-                from kernels.nvfp4_quant import quantize_dequant
-                from kernels.nvfp4_gemm import grid_values_mm
-                dyv, s_g = quantize_dequant(dy2, (1, 16), "sr", fos, seed=sr_seed() if seed is None else seed,
-                                            global_amax=amax_dy, name="gradient dY")
-                dx = grid_values_mm(dyv, w_used[0], s_g, w_used[1], dy.dtype)          # Q16x16(W) reused
-            else:
-                dyq = quantize(dy2, (1, 16), "sr", fos, name="gradient dY")             # Q1x16(dY), SR
-                dx = nvfp4_matmul(dyq, w_used, dy.dtype, trans_b=True)                  # Q16x16(W) reused
-            dx = dx.reshape(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
-            dw = wgrad(dy2, xq, fos, hadamard=H, dy_global_amax=amax_dyh, out_dtype=ctx.weight_dtype)
+        dy2 = dy.reshape(-1, dy.shape[-1])                                              # (T, out)
+        need_dx, need_dw = ctx.needs_input_grad[:2]
+        if _use_kernels(dy2):
+            dx, dw = linear_kernels.backward(dy2, xq, w_used, fos, *backward_draws(need_dx, need_dw, dy2.device),
+                                             dw_dtype=ctx.weight_dtype)
+        else:
+            dx = dw = None
+            if need_dx:
+                dyq = quantize(dy2, (1, 16), "sr", fos, name="gradient dY")               # Q1x16(dY), SR
+                dx = nvfp4_matmul(dyq, w_used, dy.dtype, trans_b=True)                    # Q16x16(W) reused
+            if need_dw:
+                dw = wgrad(dy2, xq, fos, out_dtype=ctx.weight_dtype)                      # eq. 2
         ctx.xq = ctx.w_used = None
-        return dx, dw, None
+        return (dx.reshape(ctx.x_shape) if dx is not None else None), dw, None
 
 
-def backward_draws(dy):
-    """For the kernels' backward of a layer that needs dX and dW: dX's SR seed, eq. 2's fresh random Hadamard H,
-    and dY's two global amaxes, max |dY| (dX's Q1x16) and max |H^T dY| (eq. 2's Q16x1), from one read of dY.
-    The seed is drawn before H, the order in which the reference path draws them (so a shared CPU generator
-    replays the same numbers). Returns (seed, H, max |dY|, max |H^T dY|)."""
-    from kernels.nvfp4_quant import global_amax_pair
-    seed = sr_seed()
-    H = random_hadamard(device=dy.device)
-    return (seed, H, *global_amax_pair(dy, H, name="gradient dY"))
+def backward_draws(need_dx, need_dw, device):
+    """The random draws of one backward on the kernels, in the order the reference makes them: dX's SR seed
+    (None without dX), then eq. 2's fresh random Hadamard H and the SR seeds of its two operands (None without dW).
+    Returns (seed_dx, H, (seed_dy, seed_x))."""
+    seed_dx = sr_seed() if need_dx else None
+    H = random_hadamard(device=device) if need_dw else None
+    seeds_dw = (sr_seed(), sr_seed()) if need_dw else None
+    return seed_dx, H, seeds_dw
 
 
-def wgrad(dy, xq, four_over_six=False, hadamard=None, dy_global_amax=None, out_dtype=torch.float32):
+def wgrad(dy, xq, four_over_six=False, hadamard=None, out_dtype=torch.float32):
     """Eq. 2: dW = Q1x16(dY^T H) . Q16x1(H^T Q1x16(X)), H a fresh random Hadamard, SR on both operands.
     dy (T, out); xq the forward's packed Q1x16(X) (T, in), dequantized in dy's dtype (bf16 in training: the
     precision the activations had) before its rotation. The rotation spreads outliers along the token
     (contraction) dim before the 16-element blocks see them; H H^T = I leaves the product unbiased.
     Both operands are quantized as stored, (T, out) and (T, in) with 16x1 blocks along T (Q16x1(H^T dY) is
-    Q1x16(dY^T H) transposed), and the GEMM reads them transposed.
-    hadamard: H if the caller drew it (default: a fresh random_hadamard); dy_global_amax: max |H^T dY| if the
-    caller has it (backward_draws). Returns (out, in) in out_dtype."""
+    Q1x16(dY^T H) transposed), and the GEMM reads them transposed. Returns (out, in) in out_dtype."""
     T = dy.shape[0]
     if T % 16:
         raise ValueError(f"wgrad: the number of tokens ({T}) must be a multiple of 16 (the contraction dim of dW)")
     H = random_hadamard(device=dy.device) if hadamard is None else hadamard
-    if _grid_value_route(dy):  # bf16 grid values straight out of the quantize passes, then one cuBLAS GEMM
-        from kernels.nvfp4_quant import quantize_dequant
-        from kernels.nvfp4_gemm import grid_values_mm
-        dyv, s_gdy = quantize_dequant(dy, (16, 1), "sr", four_over_six, seed=sr_seed(), hadamard=H,
-                                      global_amax=dy_global_amax, name="gradient dY")        # (T, out)
-        # X-hat = xq.dequantize(dy.dtype): a dequantize pass, then the 16x1 kernel (kernels.nvfp4_quant.READ_PACKED_X
-        # decodes the packed xq inside that kernel instead: less memory, slower on the H200)
-        xv, s_gx = quantize_dequant(xq, (16, 1), "sr", four_over_six, seed=sr_seed(), hadamard=H,
-                                    name="activation Q(X)", source_dtype=dy.dtype)           # (T, in)
-        return grid_values_mm(dyv.t(), xv, s_gdy, s_gx, out_dtype)                          # (out, in)
-    from kernels.nvfp4_quant import quantize as quantize_kernel
-    dyq = quantize(dy, (16, 1), "sr", four_over_six, hadamard=H, name="gradient dY")        # (T, out)
-    xhq = quantize_kernel(xq, (16, 1), "sr", four_over_six, seed=sr_seed(), hadamard=H, name="activation Q(X)",
-                          source_dtype=dy.dtype) if _use_kernels(dy) else \
-        quantize(xq.dequantize(dy.dtype), (16, 1), "sr", four_over_six, hadamard=H, name="activation Q(X)")
-    return nvfp4_matmul(dyq, xhq, out_dtype, trans_a=True, trans_b=True)                   # (out, in)
+    dyq = quantize(dy, (16, 1), "sr", four_over_six, hadamard=H, name="gradient dY")              # (T, out)
+    xhq = quantize(xq.dequantize(dy.dtype), (16, 1), "sr", four_over_six, hadamard=H, name="activation Q(X)")
+    return nvfp4_matmul(dyq, xhq, out_dtype, trans_a=True, trans_b=True)                          # (out, in)
 
 
 def nvfp4_linear(x, weight, four_over_six=False):

@@ -1,4 +1,4 @@
-"""Triton NVFP4 kernels (kernels/nvfp4_quant.py, kernels/nvfp4_gemm.py) against the reference nvfp4.py.
+"""Triton NVFP4 kernels (kernels/nvfp4_quant.py, nvfp4_gemm.py, nvfp4_linear.py) against the reference nvfp4.py.
 
 On CPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1), so shapes are small.
 The @pytest.mark.gpu tests repeat the checks at full size on the H200:  pytest -m gpu tests/test_kernels_nvfp4.py
@@ -11,6 +11,7 @@ import triton.language as tl
 
 import nvfp4
 from kernels import nvfp4_gemm as kg
+from kernels import nvfp4_linear as kl
 from kernels import nvfp4_quant as kq
 
 BLOCKS = [(1, 16), (16, 1), (16, 16)]
@@ -24,6 +25,15 @@ def _heavy_tailed(shape, generator, dtype=torch.float32, device="cpu"):
     x[..., :16, :16] = 0.0
     x[..., 16:32, 16:32] *= 1e-7
     return x.to(device=device, dtype=dtype)
+
+
+def kquantize(x, block=(1, 16), *args, **kwargs):
+    """The quantize kernel's (codes, scales, global_scale) as an NVFP4Tensor, as nvfp4.quantize wraps them."""
+    return nvfp4.NVFP4Tensor(*kq.quantize(x, block, *args, **kwargs), x.shape, block)
+
+
+def kdequantize(t, dtype):
+    return kq.dequantize(t.codes, t.scales, t.global_scale, t.shape, t.block, dtype)
 
 
 def _same(k, r):
@@ -46,7 +56,7 @@ def _same(k, r):
 def test_quantize_rtn_bit_exact(block, four_over_six, dtype):
     g = torch.Generator().manual_seed(BLOCKS.index(block) * 4 + 2 * four_over_six + (dtype == torch.bfloat16))
     x = _heavy_tailed((48, 96), g, dtype)
-    k = kq.quantize(x, block, "rtn", four_over_six)
+    k = kquantize(x, block, "rtn", four_over_six)
     r = nvfp4._quantize_reference(x, block, "rtn", four_over_six, None)
     _same(k, r)
     assert k.scales.view(torch.uint8)[0, 0] == 0 and (k.codes[:16, :8] & 0x77).eq(0).all()  # zero block
@@ -56,9 +66,9 @@ def test_quantize_rtn_bit_exact(block, four_over_six, dtype):
 def test_quantize_batched_and_transposed_views():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(3, 32, 48, generator=g)
-    _same(kq.quantize(x, (16, 16), "rtn", True), nvfp4._quantize_reference(x, (16, 16), "rtn", True, None))
+    _same(kquantize(x, (16, 16), "rtn", True), nvfp4._quantize_reference(x, (16, 16), "rtn", True, None))
     xt = torch.randn(64, 48, generator=g).t()  # (48, 64) with strides (1, 48): the wgrad's dY.t()
-    _same(kq.quantize(xt, (1, 16)), nvfp4._quantize_reference(xt, (1, 16), "rtn", False, None))
+    _same(kquantize(xt, (1, 16)), nvfp4._quantize_reference(xt, (1, 16), "rtn", False, None))
 
 
 def test_quantize_ties_to_even_on_the_grid():
@@ -67,7 +77,7 @@ def test_quantize_ties_to_even_on_the_grid():
     row = torch.cat((mids, -mids))                       # 16 values, max |.| = 6
     x = row.repeat(16, 2)                                # (16, 32)
     x[0, 0] = 2688.0                                     # global amax -> s_g = 1, that block's own scale 448
-    k = kq.quantize(x, (1, 16))
+    k = kquantize(x, (1, 16))
     _same(k, nvfp4._quantize_reference(x, (1, 16), "rtn", False, None))
     assert k.dequantize()[1, :8].tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0]
 
@@ -102,7 +112,7 @@ def _e2m1_probe(a_ptr, idx_ptr, n, BLOCK: tl.constexpr):
 
 
 def test_rtn_e2m1_bit_trick_matches_the_reference_on_ties_and_neighbours():
-    grid = torch.tensor(nvfp4.E2M1_VALUES[:8]).float()
+    grid = nvfp4.E2M1_VALUES.clone()
     ties = (grid[:-1] + grid[1:]) / 2                                       # 0.25, 0.75, ..., 5: exact midpoints
     pts = torch.cat((grid, ties))
     down, up = torch.nextafter(pts, torch.zeros_like(pts)), torch.nextafter(pts, torch.full_like(pts, 7.0))
@@ -177,10 +187,10 @@ def test_quantize_hadamard_bit_exact(block, dtype):
     H = nvfp4.random_hadamard(g)
     # multiples of 1/8 in [-8, 8]: every 16-term rotation is exact in fp32, whatever the summation order
     x = (torch.randint(-64, 65, (32, 64), generator=g).float() / 8).to(dtype)
-    _same(kq.quantize(x, block, "rtn", False, hadamard=H), nvfp4.quantize(x, block, "rtn", False, hadamard=H))
+    _same(kquantize(x, block, "rtn", False, hadamard=H), nvfp4.quantize(x, block, "rtn", False, hadamard=H))
     # generic values: the rotation's rounding may depend on summation order; here it matched, keep it honest
     x = torch.randn(32, 64, generator=g).to(dtype)
-    k, r = kq.quantize(x, block, "rtn", True, hadamard=H), nvfp4.quantize(x, block, "rtn", True, hadamard=H)
+    k, r = kquantize(x, block, "rtn", True, hadamard=H), nvfp4.quantize(x, block, "rtn", True, hadamard=H)
     assert (k.codes != r.codes).float().mean() < 1e-3 and (k.scales.view(torch.uint8) != r.scales.view(torch.uint8)).float().mean() < 1e-3
 
 
@@ -199,8 +209,8 @@ def test_global_amax_pair_equals_each_quantizations_own_amax(dtype, transposed):
     x3 = x.reshape(1, *x.shape)
     assert torch.equal(rotated, kq._global_amax(x3, H, 2, kq._tiles((16, 1), x3)))
     for block, hadamard, amax in [((1, 16), None, plain), ((16, 1), H, rotated)]:
-        _same(kq.quantize(x, block, "rtn", False, hadamard=hadamard, global_amax=amax),
-              kq.quantize(x, block, "rtn", False, hadamard=hadamard))
+        _same(kquantize(x, block, "rtn", False, hadamard=hadamard, global_amax=amax),
+              kquantize(x, block, "rtn", False, hadamard=hadamard))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -211,7 +221,7 @@ def test_sr_arithmetic_bit_exact_given_the_reference_uniforms(block):
     x = _heavy_tailed((32, 64), torch.Generator().manual_seed(3))
     r = nvfp4._quantize_reference(x, block, "sr", True, torch.Generator().manual_seed(11))
     noise = torch.rand(x.shape, generator=torch.Generator().manual_seed(11))  # the draws the reference made
-    _same(kq.quantize(x, block, "sr", True, noise=noise), r)
+    _same(kquantize(x, block, "sr", True, noise=noise), r)
 
 
 def _assert_sr_unbiased(d, row, t_rtn):
@@ -237,7 +247,7 @@ def test_sr_trand_unbiased_reproducible_and_distributed_like_the_reference():
     g = torch.Generator().manual_seed(5)
     row = torch.randn(64, generator=g)
     x = row.repeat(512, 1)                     # 512 independent SR draws of each of 64 values, one launch
-    k = kq.quantize(x, (1, 16), "sr", seed=123)
+    k = kquantize(x, (1, 16), "sr", seed=123)
     rtn = nvfp4._quantize_reference(x, (1, 16), "rtn", False, None)
     kd, rd = k.dequantize(), nvfp4._quantize_reference(x, (1, 16), "sr", False, g).dequantize()
     _assert_sr_unbiased(kd, row, rtn)
@@ -245,8 +255,8 @@ def test_sr_trand_unbiased_reproducible_and_distributed_like_the_reference():
     # same distribution as the reference: per value the two up-rates agree within 7 sigma
     sigma = (kd.max(0).values - kd.min(0).values).clamp(min=1e-30) / 2 / 512 ** 0.5
     assert ((kd - rd).mean(0).abs() / sigma).max() < 7
-    assert torch.equal(kq.quantize(x, (1, 16), "sr", seed=123).codes, k.codes)  # reproducible given the seed
-    assert not torch.equal(kq.quantize(x, (1, 16), "sr", seed=124).codes, k.codes)
+    assert torch.equal(kquantize(x, (1, 16), "sr", seed=123).codes, k.codes)  # reproducible given the seed
+    assert not torch.equal(kquantize(x, (1, 16), "sr", seed=124).codes, k.codes)
     assert torch.equal(k.scales.view(torch.uint8), rtn.scales.view(torch.uint8))  # SR leaves the scales alone
 
 
@@ -262,7 +272,7 @@ def test_sr_draws_independent_across_neighbours(block):
     else:
         firsts[::16, :] = True
     x[firsts] = 6.0
-    d = kq.quantize(x, block, "sr", seed=77).dequantize()
+    d = kquantize(x, block, "sr", seed=77).dequantize()
     up = (d[~firsts] > 1.25).float()           # the other 15/16 of the decisions, in memory order
     assert abs(up.mean().item() - 0.5) < 0.02
     z = up - up.mean()
@@ -275,47 +285,26 @@ def test_sr_draws_independent_across_neighbours(block):
 @pytest.mark.parametrize("options", [dict(rounding="rtn"), dict(rounding="rtn", four_over_six=True),
                                      dict(rounding="sr", seed=5), dict(rounding="sr", seed=5, hadamard=True),
                                      dict(rounding="sr", seed=5, hadamard=True, four_over_six=True)])
-def test_rows_and_cols_kernels_equal_the_tile_kernel(block, options, monkeypatch):
+def test_rows_and_cols_kernels_equal_the_tile_kernel(block, options):
     """1x16 blocks of a contiguous x take _quantize_rows_kernel, 16x1 blocks of a row-major x
-    _quantize_cols_kernel; the general tile kernel must give the same bits (codes, scales, bf16 values, global
-    scale, the global amax of the rotated x; SR: the same Philox counters; the rotation: the same butterfly), on
-    shapes with masked tails (a block count that is not a multiple of the rows kernel's program size, a width
-    that is not a multiple of the cols kernel's). """
+    _quantize_cols_kernel; the same values stored column-major take the general tile kernel, which must give the
+    same bits (codes, scales, bf16 values, global scale, the global amax of the rotated x; SR: the same Philox
+    counters; the rotation: the same butterfly), on shapes with masked tails (a block count that is not a
+    multiple of the rows kernel's program size, a width that is not a multiple of the cols kernel's)."""
     g = torch.Generator().manual_seed(3)
-    shape = (2, 40, 48) if block == (1, 16) else (2, 32, 600)           # 240 blocks, 16 per program below
+    shape = (2, 40, 48) if block == (1, 16) else (2, 32, 600)
     x = _heavy_tailed(shape, g)
     opts = dict(options)
     if opts.pop("hadamard", False):
         opts["hadamard"] = nvfp4.random_hadamard(g)
-    # 16 blocks a chunk, 4 (RTN) or 2 (SR, 4/6) chunks a program: the chunk loop with its prefetch (unrolled for
-    # RTN, a runtime loop for SR), and a tail program partly masked
-    monkeypatch.setattr(kq, "ROWS_LAUNCH", (16, 1, 4))
-    monkeypatch.setattr(kq, "ROWS_LAUNCH_SR", (16, 1, 2))
-    monkeypatch.setattr(kq, "ROWS_UNROLL", options.get("seed") is None)
-    x3 = x.reshape(-1, *shape[1:])
+    x_tile = x.transpose(-1, -2).contiguous().transpose(-1, -2)        # same values, column-major
+    x3, x3_tile = x.reshape(-1, *shape[1:]), x_tile.reshape(-1, *shape[1:])
     assert kq._use_rows(x3, block) if block == (1, 16) else kq._use_cols(x3, block)
-    fast_values, _, fast_t = kq.quantize_dequant(x, block, return_tensor=True, **opts)
-    monkeypatch.setattr(kq, "TILE_OVERRIDE", (16, 32, 4))
-    tile_values, _, tile_t = kq.quantize_dequant(x, block, return_tensor=True, **opts)
-    _same(fast_t, tile_t)
+    assert not kq._use_rows(x3_tile, block) and not kq._use_cols(x3_tile, block)
+    fast_values, fast_gs, *fast = kq.quantize_dequant(x, block, return_tensor=True, **opts)
+    tile_values, tile_gs, *tile = kq.quantize_dequant(x_tile, block, return_tensor=True, **opts)
+    _same(nvfp4.NVFP4Tensor(*fast, fast_gs, shape, block), nvfp4.NVFP4Tensor(*tile, tile_gs, shape, block))
     assert torch.equal(fast_values.view(torch.int16), tile_values.view(torch.int16))  # -0.0 included
-
-
-@pytest.mark.parametrize("source_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("four_over_six", [False, True])
-def test_cols_kernel_reads_a_packed_source_like_its_dequantized_values(source_dtype, four_over_six, monkeypatch):
-    """Eq. 2's Q16x1(H^T Q1x16(X)): the cols kernel decodes the saved Q1x16(X) in registers. Same bits as
-    quantizing xq.dequantize(source_dtype) (its global amax pass included), for both dequantization dtypes."""
-    monkeypatch.setattr(kq, "READ_PACKED_X", True)   # the default dequantizes first (faster on the H200)
-    g = torch.Generator().manual_seed(11)
-    xq = kq.quantize(_heavy_tailed((2, 48, 592), g, torch.bfloat16), (1, 16), "rtn", four_over_six)
-    H = nvfp4.random_hadamard(g)
-    opts = dict(rounding="sr", four_over_six=four_over_six, seed=9, hadamard=H, return_tensor=True)
-    packed_values, packed_gs, packed_t = kq.quantize_dequant(xq, (16, 1), source_dtype=source_dtype, **opts)
-    dense_values, dense_gs, dense_t = kq.quantize_dequant(xq.dequantize(source_dtype), (16, 1), **opts)
-    _same(packed_t, dense_t)
-    assert torch.equal(packed_values.view(torch.int16), dense_values.view(torch.int16))
-    assert torch.equal(packed_gs, dense_gs) and (packed_t.codes != 0).float().mean() > 0.5
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -325,13 +314,13 @@ def test_cols_kernel_reads_a_packed_source_like_its_dequantized_values(source_dt
 def test_quantize_dequant_writes_the_grid_values(block):
     x = _heavy_tailed((32, 64), torch.Generator().manual_seed(9), torch.bfloat16)
     r = nvfp4._quantize_reference(x, block, "rtn", True, None)
-    values, s_g, t = kq.quantize_dequant(x, block, "rtn", True, return_tensor=True)
+    values, s_g, codes, scales = kq.quantize_dequant(x, block, "rtn", True, return_tensor=True)
     assert values.dtype == torch.bfloat16 and torch.equal(values.float(), r.grid_values())
     assert torch.equal(s_g, r.global_scale)
-    _same(t, r)
+    _same(nvfp4.NVFP4Tensor(codes, scales, s_g, x.shape, block), r)
     assert torch.equal(kq.grid_values_bf16(r).float(), r.grid_values())
-    assert torch.equal(kq.dequantize(r, torch.float32), r.dequantize(torch.float32))
-    assert torch.equal(kq.dequantize(r, torch.bfloat16), r.dequantize(torch.bfloat16))  # explicit RNE to bf16
+    assert torch.equal(kdequantize(r, torch.float32), r.dequantize(torch.float32))
+    assert torch.equal(kdequantize(r, torch.bfloat16), r.dequantize(torch.bfloat16))  # explicit RNE to bf16
 
 
 @pytest.mark.parametrize("block", BLOCKS)
@@ -345,7 +334,7 @@ def test_dequantize_bitwise_every_block(block):
     bits = lambda t: t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
     assert torch.equal(bits(kq.grid_values_bf16(r)), bits(r.grid_values().to(torch.bfloat16)))
     for dtype in (torch.float32, torch.bfloat16):
-        assert torch.equal(bits(kq.dequantize(r, dtype)), bits(r.dequantize(dtype)))
+        assert torch.equal(bits(kdequantize(r, dtype)), bits(r.dequantize(dtype)))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -385,38 +374,25 @@ def test_gemm_matches_reference(M, N, K, w_block):
     a = nvfp4.quantize(_heavy_tailed((M, K), g) if M >= 32 and K >= 32 else torch.randn(M, K, generator=g), (1, 16))
     b = nvfp4.quantize(torch.randn(N, K, generator=g), w_block)
     for out_dtype in (torch.float32, torch.bfloat16):
-        _check_gemm(kg.nvfp4_gemm(a, b, out_dtype=out_dtype, route="triton"), a, b, out_dtype=out_dtype)
+        _check_gemm(kg.nvfp4_gemm(a, b, out_dtype=out_dtype), a, b, out_dtype=out_dtype)
 
 
-def test_gemm_transposed_operands_and_cublas_route():
+def test_gemm_transposed_operands():
     g = torch.Generator().manual_seed(2)
     T, O, I = 32, 48, 64
     dy, W, X = torch.randn(T, O, generator=g), torch.randn(O, I, generator=g), torch.randn(T, I, generator=g)
     dyq, wq = nvfp4.quantize(dy, (1, 16)), nvfp4.quantize(W, (16, 16))
-    for route in ("triton", "cublas"):
-        # dX = Q1x16(dY) Q16x16(W): W stored (out, in) is the transposed (N=in, K=out) operand
-        _check_gemm(kg.nvfp4_gemm(dyq, wq, torch.float32, trans_b=True, route=route), dyq, wq, trans_b=True)
-        # dW = dY^T X with both operands stored (T, .) and 16x1-blocked along T
-        dy16, x16 = nvfp4.quantize(dy, (16, 1)), nvfp4.quantize(X, (16, 1))
-        _check_gemm(kg.nvfp4_gemm(dy16, x16, torch.float32, trans_a=True, trans_b=True, route=route),
-                    dy16, x16, trans_a=True, trans_b=True)
-    out = kg.nvfp4_gemm(dyq, nvfp4.quantize(W.t().contiguous(), (16, 16)), torch.bfloat16, route="cublas")
-    _check_gemm(out, dyq, nvfp4.quantize(W.t().contiguous(), (16, 16)), out_dtype=torch.bfloat16)
-
-
-def test_gemm_folds_leading_dims_of_a():
-    g = torch.Generator().manual_seed(4)
-    a = nvfp4.quantize(torch.randn(2, 16, 32, generator=g), (1, 16))
-    b = nvfp4.quantize(torch.randn(16, 32, generator=g), (16, 16))
-    out = kg.nvfp4_gemm(a, b, torch.float32, route="triton")
-    assert out.shape == (2, 16, 16)
-    ref = nvfp4.nvfp4_matmul(a, b)
-    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
+    # dX = Q1x16(dY) Q16x16(W): W stored (out, in) is the transposed (N=in, K=out) operand
+    _check_gemm(kg.nvfp4_gemm(dyq, wq, torch.float32, trans_b=True), dyq, wq, trans_b=True)
+    # dW = dY^T X with both operands stored (T, .) and 16x1-blocked along T
+    dy16, x16 = nvfp4.quantize(dy, (16, 1)), nvfp4.quantize(X, (16, 1))
+    _check_gemm(kg.nvfp4_gemm(dy16, x16, torch.float32, trans_a=True, trans_b=True), dy16, x16,
+                trans_a=True, trans_b=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_scale_kernel_rounds_like_torch_mul(dtype):
-    """The cuBLAS route's global-scale pass: x * s_g in fp32, rounded once to x's dtype (ties to even), in place."""
+    """The grid-value route's global-scale pass: x * s_g in fp32, rounded once to x's dtype (ties to even), in place."""
     g = torch.Generator().manual_seed(11)
     x = (torch.randn(5000, generator=g) * 100).to(dtype)  # not a multiple of the block: the masked tail
     gs_a, gs_b = torch.tensor(0.3333, dtype=torch.float32), torch.tensor(1.1e-3, dtype=torch.float32)
@@ -426,31 +402,96 @@ def test_scale_kernel_rounds_like_torch_mul(dtype):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# The linear layer's kernels (kernels/nvfp4_linear.py) in the interpreter
+
+def _on_grid(shape, g, four_over_six):
+    """Values that NVFP4 represents exactly in 1x16 and 16x1 blocks alike: E2M1 values times a power of two per
+    16x16 tile, one +-6 in every row and column of each tile, and the tensor's max 6 * 448 (6 * 256 with 4/6) so
+    that s_g = 1 and every block scale is exact: RTN and SR return them unchanged, so the kernels' SR (Philox)
+    and the reference's (torch) must agree."""
+    M, N = shape
+    q = nvfp4.E2M1_VALUES[torch.randint(0, 8, shape, generator=g)]
+    q = q * torch.where(torch.rand(shape, generator=g) < 0.5, -1.0, 1.0)
+    idx = torch.arange(16)
+    for i in range(0, M, 16):
+        for j in range(0, N, 16):
+            q[i + idx, j + (idx * 5) % 16] = 6.0  # a permutation: one 6 per row and per column of the tile
+    s = torch.exp2(torch.randint(-6, 8, (M // 16, N // 16), generator=g).float())
+    s[0, 0] = nvfp4.E4M3_MAX_46 if four_over_six else nvfp4.E4M3_MAX  # q[0, 0] = 6: the global max
+    return q * s.repeat_interleave(16, 0).repeat_interleave(16, 1)
+
+
+def test_linear_kernels_forward_and_dx_equal_the_reference():
+    """kernels/nvfp4_linear.forward (Y, the packed X it keeps, W's grid values) and its dX against the reference
+    (nvfp4's reference autograd path), on inputs whose quantization is exact so that SR draws cannot differ."""
+    g = torch.Generator().manual_seed(21)
+    T, I, O = 64, 48, 32
+    x, w = torch.randn(T, I, generator=g), torch.randn(O, I, generator=g)
+    for fos in (False, True):
+        dy = _on_grid((T, O), g, fos)
+        y, (xc, xs, s_gx), (wv, s_gw) = kl.forward(x, w, fos)
+        xq_ref = nvfp4._quantize_reference(x, (1, 16), "rtn", fos, None)
+        wq_ref = nvfp4._quantize_reference(w, (16, 16), "rtn", fos, None)
+        _same(nvfp4.NVFP4Tensor(xc, xs, s_gx, x.shape, (1, 16)), xq_ref)
+        assert torch.equal(wv.float(), wq_ref.grid_values()) and torch.equal(s_gw, wq_ref.global_scale)
+        assert torch.equal(y, nvfp4.nvfp4_matmul(xq_ref, wq_ref))
+        dx, dw = kl.backward(dy, xq_ref, (wv, s_gw), fos, seed_dx=5, hadamard=None, seeds_dw=None,
+                             dw_dtype=torch.float32)
+        dyq = nvfp4._quantize_reference(dy, (1, 16), "sr", fos, g)
+        assert dw is None and torch.equal(dyq.dequantize(), dy)
+        assert torch.equal(dx, nvfp4.nvfp4_matmul(dyq, wq_ref, trans_b=True))
+
+
+def test_linear_kernels_wgrad_is_eq2_with_the_given_draws():
+    """kernels/nvfp4_linear.wgrad: Q16x1(H^T dY) with the first seed, X_hat (the packed X dequantized in dY's dtype)
+    rotated and quantized 16x1 with the second, multiplied transposed; backward passes its H and seeds through
+    and gives dY's two global amaxes from one read. Then SR's average over seeds approaches the unquantized
+    dY^T X_hat (eq. 2 is unbiased up to the block-scale clamp)."""
+    g = torch.Generator().manual_seed(22)
+    T, I, O = 64, 32, 32
+    dy = torch.randn(T, O, generator=g).bfloat16()
+    xq = nvfp4.quantize(torch.randn(T, I, generator=g), (1, 16), "rtn")
+    H = nvfp4.random_hadamard(g)
+    dw = kl.wgrad(dy, xq, True, H, (7, 8))
+    dyq = kquantize(dy, (16, 1), "sr", True, seed=7, hadamard=H)
+    xhq = kquantize(xq.dequantize(torch.bfloat16), (16, 1), "sr", True, seed=8, hadamard=H)
+    assert torch.equal(dw, nvfp4.nvfp4_matmul(dyq, xhq, trans_a=True, trans_b=True))
+    wv = nvfp4.quantize(torch.randn(O, I, generator=g), (16, 16)).grid_values().bfloat16()
+    dx, dw2 = kl.backward(dy, xq, (wv, torch.tensor(1.0)), True, 3, H, (7, 8), torch.float32)
+    assert torch.equal(dw2, dw) and dx.shape == (T, I) and dx.dtype == torch.bfloat16
+    exact = dy.double().t() @ xq.dequantize(torch.bfloat16).double()
+    n = 48
+    mean = sum(kl.wgrad(dy, xq, False, nvfp4.random_hadamard(g), (2 * i, 2 * i + 1)).double() for i in range(n)) / n
+    one = nvfp4.relative_mse(exact, dw)
+    assert nvfp4.relative_mse(exact, mean) < one / 10
+
+
+# ----------------------------------------------------------------------------------------------------------
 # bad input -> clear errors
 
 def test_bad_inputs_raise_clear_errors():
     x = torch.randn(32, 64)
     with pytest.raises(ValueError, match="does not fit NVFP4 block"):
-        kq.quantize(torch.randn(24, 64), (16, 1))
+        kquantize(torch.randn(24, 64), (16, 1))
     with pytest.raises(ValueError, match="does not fit NVFP4 block"):
-        kq.quantize(torch.randn(32, 40), (1, 16))
+        kquantize(torch.randn(32, 40), (1, 16))
     with pytest.raises(ValueError, match="non-finite"):
-        kq.quantize(torch.tensor([[float("nan")] * 16] * 2), (1, 16))
+        kquantize(torch.tensor([[float("nan")] * 16] * 2), (1, 16))
     with pytest.raises(ValueError, match="1-D block"):
-        kq.quantize(x, (16, 16), hadamard=torch.eye(16))
+        kquantize(x, (16, 16), hadamard=torch.eye(16))
     with pytest.raises(ValueError, match=r"\(16, 16\) matrix"):
-        kq.quantize(x, (1, 16), hadamard=torch.eye(8))
+        kquantize(x, (1, 16), hadamard=torch.eye(8))
     with pytest.raises(ValueError, match="rounding"):
-        kq.quantize(x, (1, 16), rounding="nearest")
+        kquantize(x, (1, 16), rounding="nearest")
     with pytest.raises(ValueError, match="noise"):
-        kq.quantize(x, (1, 16), rounding="sr", noise=torch.rand(16, 64))
+        kquantize(x, (1, 16), rounding="sr", noise=torch.rand(16, 64))
     a, b = nvfp4.quantize(x, (1, 16)), nvfp4.quantize(torch.randn(16, 48), (1, 16))
     with pytest.raises(ValueError, match="contraction dims differ"):
-        kg.nvfp4_gemm(a, b, route="triton")
+        kg.nvfp4_gemm(a, b)
     with pytest.raises(ValueError, match="blocked along K"):
-        kg.nvfp4_gemm(a, nvfp4.quantize(torch.randn(16, 64), (16, 1)), route="triton")
+        kg.nvfp4_gemm(a, nvfp4.quantize(torch.randn(16, 64), (16, 1)))
     with pytest.raises(ValueError, match="blocked along K"):
-        kg.nvfp4_gemm(a, nvfp4.quantize(torch.randn(64, 16), (1, 16)), trans_b=True, route="triton")
+        kg.nvfp4_gemm(a, nvfp4.quantize(torch.randn(64, 16), (1, 16)), trans_b=True)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -463,7 +504,7 @@ def test_bad_inputs_raise_clear_errors():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_quantize_rtn_bit_exact_4096(block, four_over_six, dtype):
     x = _heavy_tailed((4096, 4096), torch.Generator().manual_seed(0), dtype)
-    k = kq.quantize(x.cuda(), block, "rtn", four_over_six)
+    k = kquantize(x.cuda(), block, "rtn", four_over_six)
     _same(k, nvfp4._quantize_reference(x, block, "rtn", four_over_six, None))
 
 
@@ -473,10 +514,10 @@ def test_gpu_sr_bit_exact_given_uniforms_and_unbiased(block):
     x = _heavy_tailed((4096, 4096), torch.Generator().manual_seed(1), torch.bfloat16)
     r = nvfp4._quantize_reference(x, block, "sr", True, torch.Generator().manual_seed(2))
     noise = torch.rand(x.shape, generator=torch.Generator().manual_seed(2))
-    _same(kq.quantize(x.cuda(), block, "sr", True, noise=noise.cuda()), r)
+    _same(kquantize(x.cuda(), block, "sr", True, noise=noise.cuda()), r)
     row = torch.randn(4096)
     xs = row.repeat(4096, 1)
-    d = kq.quantize(xs.cuda(), block, "sr", seed=3).dequantize().cpu()
+    d = kquantize(xs.cuda(), block, "sr", seed=3).dequantize().cpu()
     _assert_sr_unbiased(d, row, nvfp4._quantize_reference(xs, block, "rtn", False, None))
 
 
@@ -484,9 +525,9 @@ def test_gpu_sr_bit_exact_given_uniforms_and_unbiased(block):
 def test_gpu_dequantize_bit_exact():
     x = _heavy_tailed((4096, 4096), torch.Generator().manual_seed(8), torch.bfloat16)
     r = nvfp4._quantize_reference(x, (1, 16), "rtn", False, None)
-    k = kq.quantize(x.cuda(), (1, 16))
+    k = kquantize(x.cuda(), (1, 16))
     for dtype in (torch.float32, torch.bfloat16):
-        assert torch.equal(kq.dequantize(k, dtype).cpu(), r.dequantize(dtype))
+        assert torch.equal(kdequantize(k, dtype).cpu(), r.dequantize(dtype))
     assert torch.equal(kq.grid_values_bf16(k).float().cpu(), r.grid_values())
 
 
@@ -496,73 +537,51 @@ def test_gpu_hadamard_4096(block):
     g = torch.Generator().manual_seed(4)
     H = nvfp4.random_hadamard(g)
     x = (torch.randint(-64, 65, (4096, 4096), generator=g).float() / 8).to(torch.bfloat16)
-    _same(kq.quantize(x.cuda(), block, "rtn", hadamard=H.cuda()), nvfp4._quantize_reference(
+    _same(kquantize(x.cuda(), block, "rtn", hadamard=H.cuda()), nvfp4._quantize_reference(
         nvfp4.hadamard_transform(x.float(), H, dim=-1 if block == (1, 16) else -2), block, "rtn", False, None))
     # generic bf16 values: tensor-core accumulation of the 16-term rotation may round differently
     x = torch.randn(4096, 4096, generator=g).to(torch.bfloat16)
-    k = kq.quantize(x.cuda(), block, "rtn", hadamard=H.cuda())
+    k = kquantize(x.cuda(), block, "rtn", hadamard=H.cuda())
     r = nvfp4._quantize_reference(nvfp4.hadamard_transform(x.float(), H, dim=-1 if block == (1, 16) else -2),
                                   block, "rtn", False, None)
     assert (k.codes.cpu() != r.codes).float().mean() < 1e-4
     assert (k.scales.view(torch.uint8).cpu() != r.scales.view(torch.uint8)).float().mean() < 1e-4
 
 
-_ONE_CONFIG = dict(BM=128, BN=128, BK=64, GROUP_M=8, NUM_STAGES=4, num_warps=4)  # fewer compiles than autotune
-
-
 @pytest.mark.gpu
-def test_gpu_gemm_every_config_4096():
-    g = torch.Generator(device="cuda").manual_seed(5)
-    a = kq.quantize(torch.randn(4096, 4096, device="cuda", generator=g), (1, 16))
-    b = kq.quantize(torch.randn(4096, 4096, device="cuda", generator=g), (16, 16))
-    for c in kg._CONFIGS:  # autotuning picks by speed only: each config must be right
-        cfg = dict(c.kwargs, num_warps=c.num_warps)
-        _check_gemm(kg._gemm_triton(a, b, False, False, torch.bfloat16, config=cfg), a, b, out_dtype=torch.bfloat16)
-    for route in ("triton", "cublas"):  # the public entry, autotuned
-        _check_gemm(kg.nvfp4_gemm(a, b, torch.bfloat16, route=route), a, b, out_dtype=torch.bfloat16)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("route", ["triton", "cublas"])
-def test_gpu_gemm_layouts_and_fp32_out_4096(route):
+def test_gpu_gemm_layouts_and_fp32_out_4096():
     g = torch.Generator(device="cuda").manual_seed(6)
-    a = kq.quantize(torch.randn(4096, 4096, device="cuda", generator=g), (1, 16))
-    b = kq.quantize(torch.randn(4096, 4096, device="cuda", generator=g), (16, 16))
-    c = kq.quantize(torch.randn(4096, 2048, device="cuda", generator=g), (16, 1))
-    d = kq.quantize(torch.randn(4096, 1024, device="cuda", generator=g), (16, 1))
-
-    def gemm(x, y, trans_a=False, trans_b=False):
-        if route == "cublas":
-            return kg.nvfp4_gemm(x, y, torch.float32, trans_a, trans_b, route="cublas")
-        return kg._gemm_triton(x, y, trans_a, trans_b, torch.float32, config=_ONE_CONFIG)
-    out = gemm(a, b)
-    # without torch.mm(out_dtype=float32) (older torch) the cuBLAS route rounds through bf16 once
-    od = torch.float32 if route == "triton" or kg._MM_FP32_OUT[0] else torch.bfloat16
-    _check_gemm(out.to(od), a, b, out_dtype=od)
+    a = kquantize(torch.randn(4096, 4096, device="cuda", generator=g), (1, 16))
+    b = kquantize(torch.randn(4096, 4096, device="cuda", generator=g), (16, 16))
+    c = kquantize(torch.randn(4096, 2048, device="cuda", generator=g), (16, 1))
+    d = kquantize(torch.randn(4096, 1024, device="cuda", generator=g), (16, 1))
+    gemm = lambda x, y, trans_a=False, trans_b=False: kg.nvfp4_gemm(x, y, torch.float32, trans_a, trans_b)
+    # without torch.mm(out_dtype=float32) (older torch) the grid-value route rounds through bf16 once
+    od = torch.float32 if kg._MM_FP32_OUT[0] else torch.bfloat16
+    _check_gemm(gemm(a, b).to(od), a, b, out_dtype=od)
     _check_gemm(gemm(a, b, trans_b=True).to(od), a, b, trans_b=True, out_dtype=od)
     _check_gemm(gemm(c, d, True, True).to(od), c, d, trans_a=True, trans_b=True, out_dtype=od)
+    _check_gemm(kg.nvfp4_gemm(a, b, torch.bfloat16), a, b, out_dtype=torch.bfloat16)
 
 
 @pytest.mark.gpu
-def test_gpu_gemm_odd_shapes_and_pick_route():
+def test_gpu_gemm_odd_shapes():
     g = torch.Generator(device="cuda").manual_seed(7)
-    a = kq.quantize(torch.randn(1000, 1040, device="cuda", generator=g), (1, 16))
-    b = kq.quantize(torch.randn(3008, 1040, device="cuda", generator=g), (16, 16))
-    _check_gemm(kg._gemm_triton(a, b, False, False, torch.float32, config=_ONE_CONFIG), a, b)
-    assert kg.pick_route(a, b) in ("triton", "cublas")
+    a = kquantize(torch.randn(1000, 1040, device="cuda", generator=g), (1, 16))
+    b = kquantize(torch.randn(3008, 1040, device="cuda", generator=g), (16, 16))
+    _check_gemm(kg.nvfp4_gemm(a, b, torch.float32), a, b)
 
 
 @pytest.mark.gpu
-def test_gpu_linear_grid_value_route_matches_the_reference():
-    """NVFP4Linear on the H200 (quantize kernels writing bf16 grid values, cuBLAS, the scale pass): the forward
-    equals the reference's quantized product up to the bf16 output rounding, and the SR backward averages to
-    the straight-through gradients dY Q(W) and dY^T Q(X) (eq. 2 is unbiased)."""
+def test_gpu_linear_matches_the_reference():
+    """NVFP4Linear on the GPU (kernels/nvfp4_linear.py: on the H200 quantize kernels writing bf16 grid values,
+    cuBLAS, the scale pass): the forward equals the reference's quantized product up to the bf16 output rounding,
+    and the SR backward averages to the straight-through gradients dY Q(W) and dY^T Q(X) (eq. 2 is unbiased)."""
     torch.manual_seed(0)
     T, I, O = 2048, 512, 256
     layer = nvfp4.NVFP4Linear(I, O).cuda()
     x = (torch.randn(T, I, device="cuda") * torch.exp(torch.randn(T, I, device="cuda"))).bfloat16()
     x.requires_grad_()
-    assert nvfp4._grid_value_route(x)
     y = layer(x)
     xq_ref = nvfp4._quantize_reference(x.detach().cpu(), (1, 16), "rtn", False, None)
     wq_ref = nvfp4._quantize_reference(layer.weight.detach().cpu(), (16, 16), "rtn", False, None)
@@ -583,18 +602,3 @@ def test_gpu_linear_grid_value_route_matches_the_reference():
     one = nvfp4.relative_mse(ste_dw, layer.weight.grad.cpu().double())
     assert nvfp4.relative_mse(ste_dw, dws) < one / 20
     assert nvfp4.relative_mse(ste_dx, dxs) < 1e-3 and nvfp4.relative_mse(ste_dw, dws) < 1e-3
-
-
-def test_quantize_kernels_compile_for_hopper_without_a_gpu():
-    """The interpreter does not type-check: compile the quantize kernels (and LoRA's fused quantize +
-    down-projection) for sm_90 (Triton ships ptxas) with the argument types the launchers pass (the rows kernel's
-    amax pre-pass once failed to compile on the H200 only: its unused branch loaded a bf16 dummy pointer as the
-    fp32 amax). A subprocess: the suite runs interpreted."""
-    import os
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "sass_stats.py")
-    out = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("SASS") == 19

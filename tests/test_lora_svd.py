@@ -8,6 +8,7 @@ import torch.nn as nn
 
 import lora_svd
 import nvfp4
+from kernels import lora_fused, nvfp4_quant
 
 T, IN, OUT, R = 32, 64, 48, 8
 
@@ -370,64 +371,33 @@ def same_nvfp4(k, r):
     assert torch.equal(k.codes.cpu(), r.codes.cpu())
 
 
-@pytest.mark.parametrize("four_over_six", [False, True])
-def test_kernel_quantize_down_proj_matches_reference(four_over_six):
-    from kernels import lora_fused
-    from kernels import nvfp4_quant
-    gen = torch.Generator().manual_seed(20)
-    x = heavy_tailed((48, 96), gen)
-    L = torch.randn(96, 5, generator=gen).t()  # (r, K) = a transposed view, as L2^T in the dX pass; r not a power of 2
-    q, xl = lora_fused.quantize_down_proj(x, L, 0.5, "rtn", four_over_six)
-    same_nvfp4(q, nvfp4._quantize_reference(x, (1, 16), "rtn", four_over_six, None))
-    assert_close64(xl, 0.5 * f64(x) @ f64(L).t())
-    q, xl_sr = lora_fused.quantize_down_proj(x, L, 0.5, "sr", four_over_six, seed=77)
-    same_nvfp4(q, nvfp4_quant.quantize(x, (1, 16), "sr", four_over_six, seed=77))  # same tl.rand draws
-    assert torch.equal(xl_sr, xl)
-
-
-@pytest.mark.parametrize("trans_b", [False, True])
-def test_kernel_gemm_up_proj_matches_reference(trans_b):
-    from kernels import lora_fused
-    gen = torch.Generator().manual_seed(21)
-    M, N, K, r = 48, 80, 96, 5  # tiles of 32 and K % 64 != 0: every mask is exercised
-    a = nvfp4.quantize(heavy_tailed((M, K), gen), (1, 16), "rtn", True)
-    W = torch.randn(K, N, generator=gen) if trans_b else torch.randn(N, K, generator=gen)
-    b = nvfp4.quantize(W, (16, 16), "rtn", True)  # stored (K, N) when trans_b: dX's use of Q16x16(W_res)
-    xl, L = torch.randn(M, r, generator=gen), torch.randn(N, r, generator=gen)
-    out = lora_fused.nvfp4_matmul_up_proj(a, b, xl, L, trans_b=trans_b)
-    b_hat = f64(b.dequantize()).t() if trans_b else f64(b.dequantize())  # logical (N, K)
-    assert_close64(out, f64(a.dequantize()) @ b_hat.t() + f64(xl) @ f64(L).t())
-    with pytest.raises(ValueError, match="xl"):
-        lora_fused.nvfp4_matmul_up_proj(a, b, xl[:, :4], L, trans_b=trans_b)
+def kernel_quantize(x, block, *args, **kwargs):
+    return nvfp4.NVFP4Tensor(*nvfp4_quant.quantize(x, block, *args, **kwargs), x.shape, block)
 
 
 @pytest.mark.parametrize("rounding", ["rtn", "sr"])
-def test_kernel_cublas_route_operand(rounding):
-    """The cuBLAS route's left operand [X_hat | beta X L^T / (s_g s_g_other)]: exactly the grid values of
+def test_kernel_operand_is_grid_values_and_branch_columns(rounding):
+    """The fused GEMM's left operand [X_hat | beta X L^T / (s_g s_g_other)]: exactly the grid values of
     nvfp4_quant's quantization of X (the same SR draws given the seed), then the branch columns in bf16."""
-    from kernels import lora_fused, nvfp4_quant
     gen = torch.Generator().manual_seed(23)
     x = heavy_tailed((48, 96), gen)
     L = torch.randn(5, 96, generator=gen)
     gs_other = torch.tensor(0.37)
-    q, buf, s_g = lora_fused._cublas_operand(x, L, 0.5, rounding, True, 7, gs_other, "x", return_tensor=True)
-    ref = nvfp4_quant.quantize(x, (1, 16), rounding, True, seed=7)
-    same_nvfp4(q, ref)
+    buf, s_g, (codes, scales) = lora_fused._operand(x, L, 0.5, rounding, True, 7, gs_other, "x", return_tensor=True)
+    ref = kernel_quantize(x, (1, 16), rounding, True, seed=7)
+    same_nvfp4(nvfp4.NVFP4Tensor(codes, scales, s_g, x.shape, (1, 16)), ref)
     if rounding == "rtn":
-        same_nvfp4(q, nvfp4._quantize_reference(x, (1, 16), "rtn", True, None))
+        same_nvfp4(ref, nvfp4._quantize_reference(x, (1, 16), "rtn", True, None))
     assert buf.shape == (48, 101) and buf.dtype == torch.bfloat16
     assert torch.equal(buf[:, :96].float(), ref.grid_values())
     branch = 0.5 * f64(x) @ f64(L).t() / (f64(s_g) * f64(gs_other))
     assert_close64(buf[:, 96:], branch, rel=2**-8)  # one bf16 rounding
 
 
-@pytest.mark.parametrize("route", ["triton", "cublas"])
-def test_fused_path_of_the_layer_replays_eqs_1_2(monkeypatch, route):
-    """The module's fused path (kernels in the interpreter) against float64 eqs. 1-2. The Triton route keeps
-    an fp32 branch here (fp32 tolerance); the cuBLAS route rounds the branch operands to bf16."""
-    from kernels import nvfp4_quant
-    monkeypatch.setattr(lora_svd, "use_fused_kernels", lambda x, fused: fused)
-    monkeypatch.setenv("NANOFP4_GEMM_ROUTE", route)
+def test_fused_path_of_the_layer_replays_eqs_1_2(monkeypatch):
+    """The module's kernel path (kernels/lora_fused.py in the interpreter) against float64 eqs. 1-2, replaying its
+    draws (nvfp4.backward_draws); the branch operands are rounded to bf16."""
+    monkeypatch.setattr(lora_svd, "_use_kernels", lambda x, fused: fused)
     beta = 0.5
     layer = make_layer(beta=beta, seed=22)
     x = torch.randn(T, IN, requires_grad=True)
@@ -438,74 +408,39 @@ def test_fused_path_of_the_layer_replays_eqs_1_2(monkeypatch, route):
     qx = nvfp4.quantize(x.detach(), (1, 16), "rtn", True)
     qw = nvfp4.quantize(layer.weight_res.detach(), (16, 16), "rtn", True)
     L1, L2 = f64(layer.L1), f64(layer.L2)
-    torch.manual_seed(5)  # replay: the kernel's SR seed, then eq. 2's draws
-    q_dy = nvfp4_quant.quantize(dy, (1, 16), "sr", True, seed=nvfp4.sr_seed())
-    H = nvfp4.random_hadamard()
-    q_dyt = nvfp4.quantize(dy, (16, 1), "sr", True, hadamard=H)
-    q_hx = nvfp4.quantize(qx.dequantize(), (16, 1), "sr", True, hadamard=H)
+    torch.manual_seed(5)  # replay: dX's SR seed, then eq. 2's H and seeds
+    seed_dx, H, (seed_dy, seed_x) = nvfp4.backward_draws(True, True, "cpu")
+    q_dy = kernel_quantize(dy, (1, 16), "sr", True, seed=seed_dx)
+    q_dyt = kernel_quantize(dy, (16, 1), "sr", True, seed=seed_dy, hadamard=H)
+    q_hx = kernel_quantize(qx.dequantize(), (16, 1), "sr", True, seed=seed_x, hadamard=H)
     y_branch = beta * (f64(x) @ L1.t()) @ L2.t()
     dx_branch = beta * (f64(dy) @ L2) @ L1
     y_ref = f64(qx.dequantize()) @ f64(qw.dequantize()).t() + y_branch
     dx_ref = f64(q_dy.dequantize()) @ f64(qw.dequantize()) + dx_branch
     for got, ref, branch in ((y, y_ref, y_branch), (x.grad, dx_ref, dx_branch)):
-        if route == "triton":
-            assert_close64(got, ref)
-        else:  # bf16 branch operands: error within a few bf16 roundings of the branch
-            assert (f64(got) - ref).abs().max() <= 2**-6 * branch.abs().max()
-            assert (f64(got) - ref).abs().max() >= 1e-9  # (the bf16 rounding is really there)
+        # bf16 branch operands: error within a few bf16 roundings of the branch
+        assert (f64(got) - ref).abs().max() <= 2**-6 * branch.abs().max()
+        assert (f64(got) - ref).abs().max() >= 1e-9  # (the bf16 rounding is really there)
     assert_close64(layer.weight_res.grad, f64(q_dyt.dequantize()).t() @ f64(q_hx.dequantize()))
 
 
 @pytest.mark.gpu
-def test_gpu_fused_routes_equal_unfused_at_full_size(monkeypatch):
+def test_gpu_fused_equals_unfused_at_full_size():
     torch.manual_seed(0)
     layer = lora_svd.LoRASVDLinear(4096, 4096, 64, device="cuda")
     x = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16)
     outs = {}
-    for name, fused, route in (("unfused", False, "auto"), ("triton", True, "triton"), ("cublas", True, "cublas")):
-        monkeypatch.setenv("NANOFP4_GEMM_ROUTE", route)
+    for fused in (False, True):
         layer.fused = fused
         layer.zero_grad(set_to_none=True)
         x.grad = None
-        torch.manual_seed(1)  # same SR seeds (nvfp4.sr_seed): fused and unfused quantizers draw identical streams
+        torch.manual_seed(1)  # same SR seeds (nvfp4.sr_seed) in the same order on both paths
         y = layer(x)
         y.backward(dy)
-        outs[name] = (y.float(), x.grad.float(), layer.weight_res.grad.clone())
-    for name in ("triton", "cublas"):  # differ by bf16 roundings of the output and of the branch
-        for a, b in zip(outs[name], outs["unfused"]):
-            assert ((a - b).norm() / b.norm()).item() < 1e-2, name
-    from kernels import lora_fused
-    L = layer.L1.detach().to(torch.bfloat16)
-    q, xl = lora_fused.quantize_down_proj(x.detach(), L, 1.0, "rtn", True)
-    same_nvfp4(q, nvfp4.quantize(x.detach(), (1, 16), "rtn", True))
-    ref = x.detach().float() @ L.float().t()
-    assert ((xl.float() - ref).norm() / ref.norm()).item() < 1e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("d_in, d_out", [(1024, 1024), (1024, 512), (1024, 4096), (4096, 1024)])
-def test_gpu_triton_epilogue_configs(d_in, d_out):
-    """Every autotuned config of the fused GEMM + up-projection, forward and dX, at the toy model's shapes
-    (8192 tokens, rank 32) against the cuBLAS route: the 4-warp config that gave 85% error here is excluded."""
-    from kernels import lora_fused as lf
-    torch.manual_seed(0)
-    T, r = 8192, 32
-    qw = nvfp4.quantize(torch.randn(d_out, d_in, device="cuda") / d_in ** 0.5, (16, 16))
-    L1 = (torch.randn(r, d_in, device="cuda") / d_in ** 0.5).bfloat16()
-    L2 = (torch.randn(d_out, r, device="cuda") / r ** 0.5).bfloat16()
-    x = torch.randn(T, d_in, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(T, d_out, device="cuda", dtype=torch.bfloat16)
-    qx, xl1 = lf.quantize_down_proj(x, L1, 1.0, "rtn")
-    q_dy, dyl2 = lf.quantize_down_proj(dy, L2.t(), 1.0, "sr", seed=99)
-    ref_y = lf._forward_cublas(x, qw, L1, L2, 1.0, False, torch.bfloat16)[1].float()
-    ref_dx = lf._dx_cublas(dy, qw, L1, L2, 1.0, False, torch.bfloat16, 99).float()
-    for cfg in lf._UP_PROJ_CONFIGS:
-        for out, ref in ((lf.nvfp4_matmul_up_proj(qx, qw, xl1, L2, torch.bfloat16, config=cfg), ref_y),
-                         (lf.nvfp4_matmul_up_proj(q_dy, qw, dyl2, L1.t(), torch.bfloat16, True, config=cfg), ref_dx)):
-            torch.cuda.synchronize()
-            err = ((out.float() - ref).norm() / ref.norm()).item()
-            assert err < 1e-2, (cfg, err)
+        outs[fused] = (y.float(), x.grad.float(), layer.weight_res.grad.clone())
+    for a, b in zip(outs[True], outs[False]):  # differ by bf16 roundings of the output and of the branch
+        assert ((a - b).norm() / b.norm()).item() < 1e-2
 
 
 @pytest.mark.gpu

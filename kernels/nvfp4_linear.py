@@ -1,0 +1,70 @@
+"""
+The three GEMMs of a direct-NVFP4 linear layer (paper eqs. 1-2 without the LoRA branch) on the GPU:
+
+    Y  = Q1x16(X) Q16x16(W)^T                          RTN
+    dX = Q1x16(dY) Q16x16(W)                           SR, W's forward quantization reused
+    dW = Q1x16(dY^T H) Q16x1(H^T Q1x16(X))             SR, eq. 2's random Hadamard H
+
+nvfp4.py's autograd function calls `forward` and `backward`; which route multiplies is decided here:
+  * Hopper (no FP4 tensor cores): every quantize pass writes the bf16 grid values q * s_b (exact) and cuBLAS
+    multiplies them (nvfp4_gemm.grid_values_mm). The forward keeps W's grid values for dX (2 bytes/param until
+    the backward, like autocast's cached bf16 weight copies: no packed W, no second decoding pass) and the packed
+    4-bit X for eq. 2.
+  * Blackwell: the forward's packed X and W meet in tl.dot_scaled (nvfp4_gemm); dX and dW read their operands
+    transposed, which that kernel does not, so they take the grid-value route too.
+Random draws (SR seeds, H) are made by the caller, so that the reference's generator order is kept.
+"""
+
+import collections
+
+import torch
+
+from kernels.nvfp4_gemm import grid_values_mm, nvfp4_gemm, use_dot_scaled
+from kernels.nvfp4_quant import dequantize, global_amax_pair, quantize, quantize_dequant
+
+# A packed operand for nvfp4_gemm built here (nvfp4.NVFP4Tensor has the same fields)
+Packed = collections.namedtuple("Packed", "codes scales global_scale shape block")
+
+
+def forward(x, w, four_over_six):
+    """x (T, in), w (out, in) -> (Y (T, out) in x's dtype, Q1x16(X) as (codes, scales, global_scale) for eq. 2,
+    W's quantization as dX multiplies it: (bf16 grid values (out, in), global scale))."""
+    if use_dot_scaled(x.device):
+        xq = Packed(*quantize(x, (1, 16), "rtn", four_over_six, name="activation X"), x.shape, (1, 16))
+        wv, s_gw, wc, ws = quantize_dequant(w, (16, 16), "rtn", four_over_six, return_tensor=True, name="weight W")
+        y = nvfp4_gemm(xq, Packed(wc, ws, s_gw, w.shape, (16, 16)), x.dtype)
+        return y, xq[:3], (wv, s_gw)
+    # one pass writes the packed X (kept) and its bf16 grid values (multiplied)
+    xv, s_gx, xc, xs = quantize_dequant(x, (1, 16), "rtn", four_over_six, return_tensor=True, name="activation X")
+    wv, s_gw = quantize_dequant(w, (16, 16), "rtn", four_over_six, name="weight W")
+    return grid_values_mm(xv, wv.t(), s_gx, s_gw, x.dtype), (xc, xs, s_gx), (wv, s_gw)
+
+
+def backward(dy, xq, w_used, four_over_six, seed_dx, hadamard, seeds_dw, dw_dtype):
+    """dy (T, out); xq the forward's packed Q1x16(X) (codes, scales, global_scale, shape, block: an
+    nvfp4.NVFP4Tensor); w_used the forward's (W grid values, global scale). seed_dx: dX's SR seed, None when dX is
+    not needed; hadamard, seeds_dw: eq. 2's H and its two SR seeds, None when dW is not needed. -> (dX, dW)."""
+    amax_dy = amax_dyh = None
+    if seed_dx is not None and hadamard is not None:  # one read of dY for both of its global amaxes
+        amax_dy, amax_dyh = global_amax_pair(dy, hadamard, name="gradient dY")
+    dx = dw = None
+    if seed_dx is not None:
+        dyv, s_g = quantize_dequant(dy, (1, 16), "sr", four_over_six, seed=seed_dx, global_amax=amax_dy,
+                                    name="gradient dY")
+        dx = grid_values_mm(dyv, w_used[0], s_g, w_used[1], dy.dtype)                # Q16x16(W) reused
+    if hadamard is not None:
+        dw = wgrad(dy, xq, four_over_six, hadamard, seeds_dw, amax_dyh, dw_dtype)
+    return dx, dw
+
+
+def wgrad(dy, xq, four_over_six, hadamard, seeds, dy_global_amax=None, out_dtype=torch.float32):
+    """Eq. 2, dW = Q1x16(dY^T H) Q16x1(H^T X_hat) (out, in), both operands quantized as stored, (T, out) and
+    (T, in) with 16x1 blocks along T, and read transposed by the GEMM. X_hat = the packed xq dequantized in dY's
+    dtype (the precision the activations had). seeds: the two SR seeds (dY's, X_hat's); dy_global_amax:
+    max |H^T dY| if the caller has it."""
+    dyv, s_gdy = quantize_dequant(dy, (16, 1), "sr", four_over_six, seed=seeds[0], hadamard=hadamard,
+                                  global_amax=dy_global_amax, name="gradient dY")                  # (T, out)
+    x_hat = dequantize(xq.codes, xq.scales, xq.global_scale, xq.shape, xq.block, dy.dtype)
+    xv, s_gx = quantize_dequant(x_hat, (16, 1), "sr", four_over_six, seed=seeds[1], hadamard=hadamard,
+                                name="activation Q(X)")                                             # (T, in)
+    return grid_values_mm(dyv.t(), xv, s_gdy, s_gx, out_dtype)                                     # (out, in)
