@@ -253,7 +253,12 @@ class LoRASVDLinear(nn.Module):
 
     def forward(self, x):
         y = lora_svd_linear(x, self.weight_res, self.L1, self.L2, self.beta, self.four_over_six, self.fused)
+        if y.requires_grad:  # this backward adds a new dW to weight_res.grad: it needs eqs. 3-4 again
+            y.register_hook(self._new_gradient)
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def _new_gradient(self, dy):
+        self._projected = None
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
@@ -335,7 +340,10 @@ def project_gradients(layer):
     projections). Reads weight_res.grad = dW, writes
         weight_res.grad = dW - dW_LoRA,  L1.grad += beta L2^T dW_LoRA,  L2.grad += beta dW_LoRA L1^T.
     Idempotent: a second call on the same gradient is skipped (and would find Lambda ~ 0 anyway), so both
-    train.py (before gradient clipping) and the optimizer may call it.
+    train.py (before gradient clipping) and the optimizer may call it. "The same gradient" survives in-place
+    scaling (clip_grad_norm_: a scaled projected gradient is still projected, eqs. 3-4 being linear in dW): the
+    layer remembers the grad tensor it projected, and forgets it when a backward through the layer adds a new dW
+    (a hook on its output) or when the grad is replaced by another tensor.
     FSDP2 (DTensor parameters and grads, sharded): gathers dW, L1, L2 (every rank computes the same
     projection) and updates the local shards. Simple, at the cost of one all-gather of dW per layer per step;
     a sharded Cholesky-QR (all-reduce the r x r Gram matrices and Lambda) would avoid it."""
@@ -344,8 +352,8 @@ def project_gradients(layer):
 
 def _needs_projection(layer):
     g = layer.weight_res.grad
-    done = getattr(layer, "_projected", None)  # (weakref to the grad tensor, its version) after the last call
-    return g is not None and not (done is not None and done[0]() is g and done[1] == g._version)
+    done = getattr(layer, "_projected", None)  # weakref to the grad tensor projected last, None after a backward
+    return g is not None and not (done is not None and done() is g)
 
 
 def _project(layer, L1, L2, Q1, Q2):
@@ -364,7 +372,7 @@ def _project(layer, L1, L2, Q1, Q2):
         g.sub_(shard_like(g, (Q2 @ core).to(g.dtype)))
     else:
         g.addmm_(Q2.to(g.dtype), core.to(g.dtype), alpha=-1.0)  # dW_res = dW - dW_LoRA, in place
-    layer._projected = (weakref.ref(g), g._version)
+    layer._projected = weakref.ref(g)
 
 
 def lora_svd_layers(model):
