@@ -134,7 +134,8 @@ def main(argv=None):
                         print(f"train     {config} {recipe} {optimizer} compile={compile}: skipped (deadline)")
                         continue
                     r = end_to_end.run_one(config, recipe, optimizer, compile, args.steps, args.runs_dir,
-                                           args.run_timeout, data=args.data, device=device if args.dry_run else None)
+                                           args.run_timeout, data=args.data, device=device if args.dry_run else None,
+                                           step_tokens=2 * 2 * 64 if args.dry_run else end_to_end.STEP_TOKENS)
                     rows.append({**r, "measured": meta})
                     print(f"train     {r['name']:40s} " + (f"{r['tokens_per_s']:,.0f} tokens/s" if "error" not in r
                                                           else f"FAILED {r['error']}"), flush=True)
