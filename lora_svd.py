@@ -462,6 +462,5 @@ def lora_svd_error(W, X, rank, beta=1.0, four_over_six=True):
     U, S, Vh = top_r_svd(W, rank)
     W_res, L1, L2 = split_from_svd(W, U, S, Vh, beta)
     y_lora = nvfp4.nvfp4_matmul(qx, q(W_res)) + beta * ((X @ L1.t()) @ L2.t())
-    rel = lambda yh: ((y - yh).pow(2).mean() / y.pow(2).mean()).item()
-    e_direct, e_lora = rel(y_direct), rel(y_lora)
+    e_direct, e_lora = nvfp4.relative_mse(y, y_direct), nvfp4.relative_mse(y, y_lora)
     return {"nvfp4": e_direct, "lora_svd": e_lora, "reduction": 1.0 - e_lora / e_direct}

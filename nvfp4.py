@@ -416,7 +416,13 @@ class NVFP4Linear(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# App. 7: quantization noise in matrix products grows with the hidden dimension
+# Quantization error: the paper's Rel. MSE (the project's one error measure), and App. 7's growth with the
+# hidden dimension
+
+def relative_mse(x, x_hat):
+    """Rel. MSE := MSE(x - x_hat) / mean(x^2), the paper's error measure (Fig. 3)."""
+    return ((x.double() - x_hat.double()).pow(2).mean() / x.double().pow(2).mean()).item()
+
 
 @torch.no_grad()
 def matmul_quant_error(hidden_dims=(512, 1024, 2048, 4096), rounding="rtn", tokens=256, out_features=256,
@@ -433,11 +439,6 @@ def matmul_quant_error(hidden_dims=(512, 1024, 2048, 4096), rounding="rtn", toke
         xq = quantize(x, (1, 16), rounding, four_over_six, generator=g)
         wq = quantize(w, (16, 16), rounding, four_over_six, generator=g)
         y_hat = nvfp4_matmul(xq, wq)
-        mse = (y_hat - y).pow(2).mean().item()
-        rows.append({"N": n, "rounding": rounding, "mse": mse, "rel_mse": mse / y.pow(2).mean().item()})
+        rows.append({"N": n, "rounding": rounding, "mse": (y_hat - y).pow(2).mean().item(),
+                     "rel_mse": relative_mse(y, y_hat)})
     return rows
-
-
-def relative_mse(x, x_hat):
-    """Rel. MSE := MSE(x - x_hat) / mean(x^2), the paper's error measure (Fig. 3)."""
-    return ((x.double() - x_hat.double()).pow(2).mean() / x.double().pow(2).mean()).item()
