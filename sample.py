@@ -11,7 +11,7 @@ import torch
 
 import data
 from model import GPT, GPTConfig
-from train import CheckpointError, load_checkpoint
+from train import CheckpointError, load_checkpoint, set_cpu_threads
 
 
 def die(msg):
@@ -46,6 +46,7 @@ def main(argv=None):
     except CheckpointError as e:
         die(str(e))
     cfg = GPTConfig(**ckpt["config"])
+    set_cpu_threads(cfg.recipe, args.device)
     with torch.device(args.device):
         model = GPT(cfg)
     model.load_state_dict(ckpt["model"])

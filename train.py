@@ -391,6 +391,15 @@ def compute_gradients(model, raw_model, loader, args, autocast, device, distribu
     return loss_mean, grad_norm
 
 
+def set_cpu_threads(recipe, device):
+    """One thread for FP4 recipes on CPU unless OMP_NUM_THREADS says otherwise: their reference paths are thousands
+    of small ops a step, where OpenMP fan-out costs more than it gains (on a CPU shared with other jobs, 2 threads
+    were ~5x slower than 1 in training and ~8x in sampling)."""
+    fp4 = recipe.linear != "bf16" or recipe.attention != "bf16"
+    if device == "cpu" and fp4 and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+
+
 def existing_run_files(out_dir):
     return sorted(os.path.basename(p) for pattern in RUN_FILES for p in glob.glob(os.path.join(out_dir, pattern)))
 
@@ -455,10 +464,7 @@ def main(argv=None):
         if args.device == "cuda":
             torch.cuda.set_device(local_rank)
         torch.distributed.init_process_group(backend=backend)
-    if args.device == "cpu" and recipe.linear != "bf16" and "OMP_NUM_THREADS" not in os.environ:
-        # the FP4 reference paths are thousands of small ops a step: OpenMP fan-out costs more than it gains, and
-        # on a CPU shared with other jobs 2 threads were ~5x slower than 1 (set OMP_NUM_THREADS to override)
-        torch.set_num_threads(1)
+    set_cpu_threads(recipe, args.device)
 
     # data: the default corpus is built on first use (rank 0 builds, the others wait)
     if master and os.path.normpath(args.data) == os.path.normpath(data.DEFAULT_DIR):
@@ -495,7 +501,7 @@ def main(argv=None):
               f"optimizer {args.optimizer} | {world_size} rank(s) on {args.device}"
               f"{' FSDP2' if args.fsdp else ' DDP' if distributed else ''}")
         print(f"data {args.data}: {len(train_loader.tokens):,} train / {val_tokens:,} val tokens | {args.max_steps:,} "
-              f"steps x {tokens_per_step:,} tokens = {args.max_steps * tokens_per_step:,} ({epochs:.2f} epochs) | "
+              f"steps x {tokens_per_step:,} tokens = {args.max_steps * tokens_per_step:,} ({epochs:.3g} epochs) | "
               f"lr {args.lr:g} (warmup {args.warmup}, cosine to {args.min_lr:g} at step {args.lr_decay_steps}) "
               f"| -> {args.out_dir}/")
 
