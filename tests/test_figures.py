@@ -46,9 +46,9 @@ def test_fig7_mse_grows_with_hidden_dim(tmp_path):
 
 
 def test_fig3_on_a_lora_svd_checkpoint_uses_effective_weights(tmp_path, monkeypatch):
-    from model import GPT, config_from_name
+    from model import GPT, RECIPES, config_from_name
     torch.manual_seed(random.randrange(2**31))
-    cfg = config_from_name("tiny", linear_policy="lora_svd", lora_rank=16, lora_beta=0.5, n_layer=2, vocab_size=1024)
+    cfg = config_from_name("tiny", recipe=RECIPES["lora_svd"], lora_rank=16, lora_beta=0.5, n_layer=2, vocab_size=1024)
     model = GPT(cfg)
     with torch.no_grad():  # move away from the SVD split so that W_res and the branch both matter
         for p in model.parameters():

@@ -90,13 +90,13 @@ def dense_model_from_checkpoint(path, device):
     """train.py's ckpt.pt -> a GPT whose block linears are plain nn.Linear holding each layer's EFFECTIVE weight
     (lora_svd: W_res + beta L2 L1; naive LoRA: W + L2 L1; nvfp4/bf16: W). Figures then quantize these weights
     themselves, whatever recipe trained them."""
-    from model import GPT, GPTConfig
+    from model import GPT, RECIPES, GPTConfig
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
     if "model" not in ckpt or "config" not in ckpt:
         raise ValueError(f"--checkpoint {path}: not a train.py checkpoint (needs 'model' and 'config' entries)")
-    conf = dict(ckpt["config"])
+    conf = {k: v for k, v in ckpt["config"].items() if k in GPTConfig.__dataclass_fields__}  # the shape, not the recipe
     beta = conf.get("lora_beta", 1.0)
-    cfg = GPTConfig(**{**conf, "linear_policy": "bf16", "attn_policy": "bf16"})
+    cfg = GPTConfig(**{**conf, "recipe": RECIPES["bf16"]})
     sd = {k.replace("_orig_mod.", "").replace("module.", ""): v for k, v in ckpt["model"].items()}
     dense = {}
     for key, value in sd.items():
