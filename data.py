@@ -312,7 +312,7 @@ def write_splits(documents, out_dir, val_fraction=0.01, max_tokens=None, num_pro
     pool = multiprocessing.Pool(num_proc) if num_proc > 1 else None
     try:
         documents = iter(documents)
-        bar = tqdm(total=total_docs, desc=desc, unit="doc", dynamic_ncols=True)
+        bar = tqdm(total=total_docs, desc=desc, unit="doc", dynamic_ncols=True, disable=None)  # None: off in logs
         while max_tokens is None or n_tokens < max_tokens:
             batch = list(itertools.islice(documents, 256 * num_proc))
             if not batch:

@@ -126,7 +126,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="autocast dtype: bfloat16 | float32 (default: bfloat16 on GPU, "
                    "float32 on CPU)")
-    p.add_argument("--no_progress", action="store_true", help="plain log lines instead of a progress bar")
+    p.add_argument("--no_progress", action="store_true", help="plain log lines instead of a progress bar (always so "
+                   "when stderr is not a terminal)")
     p.add_argument("--nan_at_step", type=int, default=None, help=argparse.SUPPRESS)  # test aid: poison this step's loss
     return p.parse_args(argv)
 
@@ -467,16 +468,16 @@ def main(argv=None):
     set_cpu_threads(recipe, args.device)
 
     # data: the default corpus is built on first use (rank 0 builds, the others wait)
-    if master and os.path.normpath(args.data) == os.path.normpath(data.DEFAULT_DIR):
-        data.prepare_default(args.data)
-    if distributed:
-        torch.distributed.barrier()
     try:
+        if master and os.path.normpath(args.data) == os.path.normpath(data.DEFAULT_DIR):
+            data.prepare_default(args.data)
+        if distributed:
+            torch.distributed.barrier()
         paths = data.shard_paths(args.data)
         train_loader = data.TokenLoader(paths["train"], args.batch_size // world_size, args.seq_len, rank,
                                         world_size, seed=args.seed)
         val_tokens = len(data.TokenLoader(paths["val"], 1, args.seq_len).tokens)  # evaluate()'s windows fit
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, RuntimeError) as e:  # e.g. a corpus package or the tokenizer missing
         die(f"--data {args.data}: {e}")
 
     # model: same init on every rank (seed), then per-rank streams for SR / Hadamard draws
@@ -562,7 +563,7 @@ def main(argv=None):
                 f.write(json.dumps(row) + "\n")
 
     bar = None
-    if master and not args.no_progress:
+    if master and not args.no_progress and sys.stderr.isatty():  # a log file gets plain lines, not a bar's redraws
         from tqdm import tqdm
         bar = tqdm(total=args.max_steps, initial=step, desc="train", dynamic_ncols=True)
 
@@ -662,4 +663,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C: no traceback; the last checkpoint is whole (atomic_save)
+        print("train.py: interrupted; --resume continues from the last checkpoint in --out_dir", file=sys.stderr)
+        sys.exit(130)

