@@ -1,8 +1,9 @@
 """
 Triton NVFP4 quantization (paper §2): one pass that reads bf16/fp32 and writes packed E2M1 codes + E4M3 block
 scales and/or the bf16 grid values q * s_b, for 1x16, 16x1 and 16x16 blocks, RTN or SR, optional 4/6, optional
-fused 16-point (random) Hadamard rotation; and `dequantize` (packed -> dense in one pass). Tensors in, tensors
-out: nvfp4.py wraps the codes, scales and global scale into its NVFP4Tensor.
+fused 16-point (random) Hadamard rotation. Tensors in, tensors out: nvfp4.py wraps the codes, scales and global
+scale into its NVFP4Tensor. (Decoding lives in kernels/nvfp4_dequant.py; `dequantize` and `grid_values_bf16`
+are importable from here too.)
 
 It reproduces the reference `nvfp4._quantize_reference` (the spec) bit for bit, with the device arithmetic of
 kernels/nvfp4_math.py:
@@ -40,6 +41,7 @@ from kernels.nvfp4_math import (E4M3_MAX, E4M3_MAX_46, FP4_MAX, _block_scale, _c
                                 _e2m1_value, _half_pair_sum, _hadamard16, _load_tile, _noise_bits,
                                 _pairwise_block_sum, _random_words, _rotate, _round_to_bf16, _round_to_e4m3,
                                 _rtn_e2m1, _sr_e2m1, _with_sign)
+from kernels.nvfp4_dequant import dequantize, grid_values_bf16  # noqa: F401  (their home: nvfp4_dequant.py)
 
 BLOCKS = ((1, 16), (16, 1), (16, 16))
 
@@ -332,55 +334,6 @@ def _quantize_cols_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_p
             tl.store(values_ptr + rows * N + col, q.to(tl.bfloat16), mask=mask)
 
 
-
-@triton.jit
-def _dequant_store(v, gs_ptr, out_ptr, offs, mask, APPLY_GLOBAL: tl.constexpr, ROUND_BF16: tl.constexpr):
-    if APPLY_GLOBAL:
-        v = v * tl.load(gs_ptr)
-    if ROUND_BF16:
-        v = _round_to_bf16(v)
-    tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _dequantize_rows_kernel(codes_ptr, scales_ptr, gs_ptr, out_ptr, n_blocks, NB: tl.constexpr,
-                            APPLY_GLOBAL: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """1x16 blocks: NB consecutive blocks per program, each block's 16 codes read as two int32 words (element 0 in
-    the low nibble) and its scale read once (the tile kernel gathered a scale per element: one load each)."""
-    pid = tl.program_id(0)
-    base = pid.to(tl.int64) * NB
-    blk = tl.arange(0, NB)
-    bmask = blk < n_blocks - base
-    words = tl.load(codes_ptr + base * 2 + blk[:, None] * 2 + tl.arange(0, 2)[None, :], mask=bmask[:, None],
-                    other=0)                                                        # (NB, 2) int32
-    code = ((words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF).reshape(NB, 16)
-    s_b = tl.load(scales_ptr + base + blk, mask=bmask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    v = _decode_codes(code, s_b[:, None])                                           # (NB, 16)
-    _dequant_store(v, gs_ptr, out_ptr + base * 16, blk[:, None] * 16 + tl.arange(0, 16)[None, :],
-                   bmask[:, None], APPLY_GLOBAL, ROUND_BF16)
-
-
-@triton.jit
-def _dequantize_kernel(codes_ptr, scales_ptr, gs_ptr, out_ptr, M, N, BN: tl.constexpr, SBN: tl.constexpr,
-                       APPLY_GLOBAL: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """16-row blocks ((16, 1) or (16, 16)): a (16, BN) tile shares one row of scales, loaded once per column
-    (16x1) or once per 16 columns (16x16) and broadcast down the rows."""
-    pid_m, pid_n, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # rows on axis 0: no 65535 cap
-    offs_m = pid_m * 16 + tl.arange(0, 16)
-    offs_c = pid_n * (BN // 2) + tl.arange(0, BN // 2)
-    cmask = (offs_m[:, None] < M) & (offs_c[None, :] < N // 2)
-    c = tl.load(codes_ptr + (pid_b.to(tl.int64) * M + offs_m[:, None]) * (N // 2) + offs_c[None, :], mask=cmask,
-                other=0)
-    code = tl.join(c & 0xF, c >> 4).reshape(16, BN).to(tl.int32)                   # even element: low nibble
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    s = tl.load(scales_ptr + (pid_b.to(tl.int64) * (M // 16) + pid_m) * (N // SBN) + offs_n // SBN,
-                mask=offs_n < N, other=0)
-    v = _decode_codes(code, s.to(tl.float8e4nv, bitcast=True).to(tl.float32)[None, :])
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    _dequant_store(v, gs_ptr, out_ptr, (pid_b.to(tl.int64) * M + offs_m[:, None]) * N + offs_n[None, :], mask,
-                   APPLY_GLOBAL, ROUND_BF16)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Host side
 
@@ -389,7 +342,6 @@ AMAX_DTYPES = (torch.float32, torch.bfloat16)  # global amaxes the kernels read 
 # unrolled chunks; SR and 4/6 keep one chunk (their longer code per element would spill with more).
 ROWS_LAUNCH = (128, 4, 4)
 ROWS_LAUNCH_SR = (128, 4, 1)
-DEQUANT_ROWS_LAUNCH = (256, 8)  # (blocks per program, num_warps) of _dequantize_rows_kernel
 COLS_WARPS = 4  # _quantize_cols_kernel: (16, 64 * warps) tiles, 2 column blocks per thread
 COLS_MAXNREG = 168  # the register cap that fits 3 programs of SR + Hadamard per SM without spilling
 
@@ -582,34 +534,3 @@ def quantize_dequant(x, block=(1, 16), rounding="rtn", four_over_six=False, seed
     codes, scales, values, s_g = _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, noise,
                                       return_tensor, True, name)
     return (values, s_g, codes, scales) if return_tensor else (values, s_g)
-
-
-def dequantize(codes, scales, global_scale, shape, block, dtype=torch.float32):
-    """Packed NVFP4 -> dense tensor of `shape` in one pass: (q * s_b) * s_g rounded once to `dtype`, as
-    nvfp4.NVFP4Tensor.dequantize computes it (bit-exact; bf16 rounding done explicitly, ties to even).
-    global_scale None gives q * s_b, exact in bf16 (the grid values a bf16 GEMM multiplies)."""
-    M, N = shape[-2:]
-    bm, bn = block
-    codes = codes.reshape(-1, M, N // 2).contiguous()
-    scales = scales.reshape(-1, M // bm, N // bn).contiguous().view(torch.uint8)
-    out = torch.empty((codes.shape[0], M, N), device=codes.device, dtype=dtype)
-    apply_global = global_scale is not None
-    gs = global_scale.float().reshape(1) if apply_global else out  # (an unused pointer without a global scale)
-    flags = dict(APPLY_GLOBAL=apply_global, ROUND_BF16=dtype == torch.bfloat16)
-    if bm == 1:  # 1x16
-        NB, warps = DEQUANT_ROWS_LAUNCH
-        codes = codes if codes.storage_offset() % 4 == 0 else codes.clone()  # an int32 view needs 4-byte alignment
-        n_blocks = out.numel() // 16
-        _dequantize_rows_kernel[(triton.cdiv(n_blocks, NB),)](codes.view(torch.int32), scales, gs, out, n_blocks,
-                                                            NB=NB, **flags, num_warps=warps)
-    else:
-        BN = 256
-        grid = (M // 16, triton.cdiv(N, BN), codes.shape[0])
-        _dequantize_kernel[grid](codes, scales, gs, out, M, N, BN=BN, SBN=bn, **flags, num_warps=4)
-    return out.reshape(shape)
-
-
-def grid_values_bf16(t):
-    """q * s_b as bf16 (exact), in the stored layout (*, M, N), of a packed NVFP4 tensor t (anything with codes,
-    scales, shape and block: nvfp4.NVFP4Tensor)."""
-    return dequantize(t.codes, t.scales, None, t.shape, t.block, torch.bfloat16)
