@@ -4,9 +4,10 @@
 #   tests     python -m pytest -q -m gpu: every kernel against the reference at full size (TEST_ARGS: files, -k ...)
 #   bench     python bench/run.py: the speed table into results/speed/ (BENCH_ARGS: e.g. "--only attention,linear")
 #   ablation  python tools/ablation.py over every visible GPU into results/ablation/ (ABLATION_ARGS: its flags)
-# Each stage writes OUT_DIR/<stage>.log. DEADLINE (seconds, default 560) bounds the whole call: every stage gets
-# what is left, and the bench and the ablation start no run they cannot finish before it.
-# Training stages need the prepared corpus in data_cache/default (`python data.py`).
+# Each stage writes OUT_DIR/<stage>.log, and the bench and the ablation copy their records (results/speed/,
+# results/ablation/) into OUT_DIR too. DEADLINE (seconds, default 560) bounds the whole call: every stage gets
+# what is left, and the bench and the ablation start no run they cannot finish before it. The training stages
+# build the offline corpus first if data_cache/default does not hold it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -lt 1 ]; then
@@ -24,14 +25,20 @@ left() {  # seconds until the deadline (at least 1)
   echo $(( l > 0 ? l : 1 ))
 }
 
+case " ${*:-tests bench} " in
+  *" bench "*|*" ablation "*) [ -f data_cache/default/train.bin ] || python data.py > "$OUT_DIR/data.log" 2>&1 ;;
+esac
+
 for stage in ${*:-tests bench}; do
   log="$OUT_DIR/$stage.log"
   echo "== $stage ($(date -u +%FT%TZ), $(left)s left)" | tee "$log"
   case $stage in
-    tests) timeout "$(left)" python -m pytest -q -m gpu ${TEST_ARGS:-tests} -p no:cacheprovider >> "$log" 2>&1 ;;
-    bench) timeout "$(left)" python bench/run.py --deadline $(( $(left) - 120 )) ${BENCH_ARGS:-} >> "$log" 2>&1 ;;
-    ablation) timeout "$(left)" python tools/ablation.py --deadline "$(left)" ${ABLATION_ARGS:-} >> "$log" 2>&1 ;;
+    tests) timeout "$(left)" python -m pytest -q -m gpu ${TEST_ARGS:-tests} -p no:cacheprovider >> "$log" 2>&1; rc=$? ;;
+    bench) timeout "$(left)" python bench/run.py --deadline $(( $(left) - 120 )) ${BENCH_ARGS:-} >> "$log" 2>&1; rc=$?
+           cp -r results/speed "$OUT_DIR/" ;;
+    ablation) timeout "$(left)" python tools/ablation.py --deadline "$(left)" ${ABLATION_ARGS:-} >> "$log" 2>&1; rc=$?
+              cp -r results/ablation "$OUT_DIR/" 2>/dev/null ;;
     *) echo "unknown stage $stage (expected tests, bench or ablation)" | tee -a "$log" >&2; exit 2 ;;
   esac
-  echo "== $stage exit $? ($(left)s left)" | tee -a "$log"
+  echo "== $stage exit $rc ($(left)s left)" | tee -a "$log"
 done
