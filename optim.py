@@ -4,7 +4,7 @@ Optimizers in NVFP4 (paper §3.3-3.4): quantized-state AdamW and the NVFP4 Root 
 §3.3, states. AdamW keeps two moments per weight; with states="nvfp4" both live in real 4-bit storage
 (uint8 codes + E4M3 block scales + an fp32 global scale, nvfp4.NVFP4Tensor's layout):
     m (first moment)   m H16 -> NVFP4, stochastic rounding, 4/6 scaling              (unbiased, signed)
-    v (second moment)  sqrt -> minus tile mean -> H16 -> NVFP4 (RTN, 4/6), decoded as ((s q) H16 + mu)^2
+    v (second moment)  sqrt -> minus tile mean -> H16 -> NVFP4 (SR, 4/6), decoded as max((s q) H16 + mu, mu/4)^2
 The square root flattens v's heavy tail, the tile mean removes the large positive offset (after it the
 residual is centred, so a block's 4-bit grid spends its levels on the variation, not on the offset) and the
 Hadamard rotation spreads outliers over the 16 elements of a block. Squaring the decoded root keeps v >= 0,
@@ -12,7 +12,11 @@ and a floor on the decoded root (FLOOR_FRACTION of the tile mean) keeps every po
 1/sqrt(v) never blows up (the failure of direct 4-bit v that 4-bit Adam work reported).
 states="direct" is App. 13's naive baseline: plain NVFP4 (RTN) of m and v, no rotation, no transform.
 states="fp32" keeps full-precision states (the paper's high-precision baseline).
-The paper fixes neither v's rounding, nor its tile, nor a floor: docs/optim.md has the measurements behind ours.
+The paper fixes neither v's rounding, nor its tile, nor a floor; we chose them by measurement (docs/optim.md,
+tools/optim_states_study.py): AdamW on an ill-conditioned least-squares problem, 3 seeds, excess over fp32 AdamW's
+loss after 600 steps: RTN v +14% (seed spread 0.0014), SR v +3% (0.00005); 64-element tiles with RTN +4%,
+16-element tiles (over the 1.2 byte/param budget) no better; without the floor the run diverges. An easy MLP
+cannot tell any of them from fp32. So: SR, 128-element tiles (1.16 bytes/param with m), floor mu/4.
 
 §3.4, Root. Momentum (stored like AdamW's m), Nesterov, soft-thresholding of outliers, then Newton-Schulz
 orthogonalization whose matmuls run in NVFP4 exactly as the paper's three equations (RTN + 4/6, a fresh
@@ -49,7 +53,7 @@ def use_kernels(p):
 
 V_TILE = 128           # elements per tile mean of sqrt(v) along the last dim: 4 bytes / 128 = 0.03 byte/param
 FLOOR_FRACTION = 1 / 4  # decoded sqrt(v) >= FLOOR_FRACTION * tile mean (power of two: exact in the kernel too)
-V_ROUNDING = "rtn"     # why RTN and not SR for v: see encode_second_moment
+V_ROUNDING = "sr"      # v's rounding: SR, unbiased; RTN's deterministic error lagged fp32 AdamW (docs/optim.md)
 MIN_QUANT_NUMEL = 4096  # smaller tensors keep fp32 states (their bytes do not matter, their precision might)
 MAX_ROOT_ASPECT = 8.0   # Root for 2-D hidden weights with max(m,n)/min(m,n) <= 8 (the widest published
                         # coefficient set is 2048x16384); narrower matrices go to AdamW (§3.4 "narrow-shaped")
@@ -135,16 +139,15 @@ def tile_mean(s, tile):
     return x[..., 0] * (1.0 / tile)  # (R, C // tile)
 
 
-def encode_second_moment(v, tile=V_TILE, rounding=V_ROUNDING):
+def encode_second_moment(v, tile=V_TILE, rounding=V_ROUNDING, generator=None):
     """§3.3's pipeline: 1) r = sqrt(v); 2) r -= mean over its tile; 3) r H16; 4) NVFP4 (4/6 scaling).
 
-    RTN rather than SR (the paper does not say which): v enters the update as 1/sqrt(v), so what matters is the
-    per-entry error of sqrt(v), not its mean; RTN's error is at most half a grid step, SR's up to a full step
-    with twice RTN's mean-squared error. The usual case for SR, an EMA whose small increments RTN would round
-    away, is weak here: beta2 = 0.95 moves v by 5% of g^2 - v each step, and the decoded sqrt(v) is
-    re-centred on the exact tile mean, which is stored in fp32. `python tools/fit_root_coefficients.py --fig4`
-    measures both, once and re-encoded every step of a 200-step EMA; tools/optim_states_study.py in training.
-    rounding="sr" is kept for those comparisons."""
+    Stochastic rounding (the paper does not say which). RTN has the lower error per encoding (at most half a grid
+    step against up to a full one), but v is re-encoded every step, and RTN's error is deterministic: an entry
+    whose root sits between grid points is pulled the same way step after step, so its 1/sqrt(v) stays off in one
+    direction for as long as its neighbours keep the grid where it is. SR's error averages out over the EMA. In
+    training that decided it: on an ill-conditioned least-squares problem RTN ended 14% above fp32 AdamW's loss,
+    SR 3% (tools/optim_states_study.py, docs/optim.md). rounding="rtn" is kept for that comparison."""
     check_quantizable(v, "second moment v")
     if not (v >= 0).all():
         raise ValueError("second moment v: has negative entries (v is a running mean of g^2)")
@@ -152,7 +155,8 @@ def encode_second_moment(v, tile=V_TILE, rounding=V_ROUNDING):
     r = sqrt_rn(v.float())                                            # (R, C)
     mu = tile_mean(r, tile)                                           # (R, C // tile) fp32
     r = (r.reshape(*mu.shape, tile) - mu[..., None]).reshape(v.shape)
-    t = nvfp4.quantize(fwht16(r), (1, 16), rounding, four_over_six=True, name="second moment (sqrt(v) - mu) H")
+    t = nvfp4.quantize(fwht16(r), (1, 16), rounding, four_over_six=True, generator=generator,
+                       name="second moment (sqrt(v) - mu) H")
     return {**_as_state(t), "tile_mean": mu}
 
 
@@ -294,7 +298,7 @@ def adamw_update_math(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step):
 class QuantizedAdamW(_StateMixin, torch.optim.Optimizer):
     """AdamW (decoupled weight decay) whose moments are stored in NVFP4 (§3.3).
 
-    states: "nvfp4" (§3.3: m rotated + SR + 4/6; v through sqrt/tile-mean/Hadamard, RTN + 4/6), "direct"
+    states: "nvfp4" (§3.3: m rotated + SR + 4/6; v through sqrt/tile-mean/Hadamard, SR + 4/6), "direct"
     (App. 13's naive baseline: plain NVFP4 of m and v) or "fp32" (full-precision states; then the update is
     torch.optim.AdamW's, bit for bit).
 
@@ -363,14 +367,14 @@ class QuantizedAdamW(_StateMixin, torch.optim.Optimizer):
         if self.states == "nvfp4" and use_kernels(p) and p.dtype == torch.float32 and p.is_contiguous():
             # the kernel's tl.rand seed, drawn on the CPU (no GPU sync), from a saved generator: resumable
             cpu_gen = _generator(self._generators, torch.device("cpu"), self.seed, "seed")
-            seed = int(torch.randint(0, 2**31 - 1, (), generator=cpu_gen))
-            fused_adamw_step(p, g, state, lr, beta1, beta2, eps, wd, step, seed, FLOOR_FRACTION)
+            seed_m, seed_v = torch.randint(0, 2**31 - 1, (2,), generator=cpu_gen).tolist()
+            fused_adamw_step(p, g, state, lr, beta1, beta2, eps, wd, step, seed_m, seed_v, FLOOR_FRACTION)
             return
         m, v = dec_m(_prefixed(state, "m")), dec_v(_prefixed(state, "v"))
         p_new, m, v = adamw_update_math(p.float(), g.float(), m, v, lr, beta1, beta2, eps, wd, step)
         p.copy_(p_new)
         _store(state, "m", enc_m(m, generator=gen))
-        _store(state, "v", enc_v(v) if self.states == "direct" else enc_v(v, tile=self.v_tile))
+        _store(state, "v", enc_v(v) if self.states == "direct" else enc_v(v, tile=self.v_tile, generator=gen))
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -20,9 +20,9 @@ encode_first_moment / encode_second_moment), op for op, compiled with enable_fp_
     per-block or per-program value is Markstein's fma step from one reciprocal (nvfp4_quant._div_by: the same
     correctly rounded bits);
   - 4/6's block errors are summed with the same fixed pairwise tree as nvfp4._pairwise_block_sum.
-So with the same inputs the RTN parts (v's codes, scales, tile means; p) equal the CPU reference bit for bit.
-m's stochastic rounding draws Philox words keyed by (seed, element index) (nvfp4_quant._random_words), not torch's
-generator: equal in distribution only (its block scales, chosen by RTN error, match).
+So with the same inputs p, the global scales, the E4M3 block scales (4/6 picks them by RTN error) and v's tile
+means equal the CPU reference bit for bit. m's and v's stochastic rounding draw Philox words keyed by (seed, element
+index) (nvfp4_quant._random_words, one seed each), not torch's generator: their codes are equal in distribution.
 
 The kernel is instruction-bound, so the layout keeps each 16-element block in one thread (codes in and out as one
 int64 per block, built by join / split, which stay in registers), E2M1 codes decode from their bits, the tile
@@ -187,9 +187,9 @@ def _encode(x, s_g, rand, codes_ptr, scales_ptr, blk, rmask, SR: tl.constexpr, E
     tl.store(scales_ptr + blk, tl.where(use4, bits4, bits6), mask=rmask)
 
 
-@triton.jit(do_not_specialize=["seed"])  # a fresh SR seed per step must not recompile
+@triton.jit(do_not_specialize=["seed_m", "seed_v"])  # fresh SR seeds per step must not recompile
 def _update_pass(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, gs_m_ptr, gs_v_ptr, amax_ptr, new_gs_ptr,
-                 R, C, seed,
+                 R, C, seed_m, seed_v,
                  wd_factor, beta1, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, step_size,
                  FLOOR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LOG2_BN: tl.constexpr,
                  EXACT_FMA: tl.constexpr):
@@ -204,9 +204,11 @@ def _update_pass(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, gs_m_ptr,
     amax_m, amax_v = tl.load(amax_ptr), tl.load(amax_ptr + 1)
     gs_m = tl.where(amax_m > 0, tl.div_rn(amax_m, 1536.0), 1.0)
     gs_v = tl.where(amax_v > 0, tl.div_rn(amax_v, 1536.0), 1.0)
-    rand = _random_words(seed, rows, cols, C, BM, BN)  # Philox keyed by element index (a uint32: int32 rows suffice)
+    # Philox keyed by element index (a uint32: int32 rows suffice); m and v draw independent words (own seeds)
+    rand = _random_words(seed_m, rows, cols, C, BM, BN)
     _encode(_fwht16(m, BM, BN), gs_m, rand, mc_t, ms_t, blk, mask_r[:, None], True, EXACT_FMA, BM, BN)
-    _encode(_fwht16(r, BM, BN), gs_v, rand, vc_t, vs_t, blk, mask_r[:, None], False, EXACT_FMA, BM, BN)
+    rand = _random_words(seed_v, rows, cols, C, BM, BN)
+    _encode(_fwht16(r, BM, BN), gs_v, rand, vc_t, vs_t, blk, mask_r[:, None], True, EXACT_FMA, BM, BN)
     tl.store(mu_t + mu_offs, mu, mask=mask_r)
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         tl.store(new_gs_ptr, gs_m)
@@ -218,10 +220,11 @@ def _rows_per_program(R, T, elements):
     return min(max(1, elements // T), triton.next_power_of_2(R))
 
 
-def fused_adamw_step(p, g, state, lr, beta1, beta2, eps, weight_decay, step, seed, floor,
+def fused_adamw_step(p, g, state, lr, beta1, beta2, eps, weight_decay, step, seed_m, seed_v, floor,
                      elements_per_program=2048, num_warps=4):
     """One QuantizedAdamW step on p (R, C) fp32 with optim.py's packed "nvfp4" state (keys m.codes,
     m.scales, m.global_scale, v.codes, v.scales, v.global_scale, v.tile_mean), updated in place.
+    seed_m, seed_v: the stochastic-rounding seeds of m's and v's encodings (one pair per step).
     floor: the decoded sqrt(v) is at least floor * its tile mean (optim.FLOOR_FRACTION; a power of two).
     elements_per_program / num_warps: launch shape (the results do not depend on it)."""
     if p.dtype != torch.float32 or p.dim() != 2 or not p.is_contiguous():
@@ -241,6 +244,6 @@ def fused_adamw_step(p, g, state, lr, beta1, beta2, eps, weight_decay, step, see
                      LOG2_BN=T.bit_length() - 1, num_warps=num_warps, enable_fp_fusion=False)
     amax = partial.view(-1, 2).amax(0)
     new_gs = torch.empty(2, device=p.device, dtype=torch.float32)
-    _update_pass[grid](*tensors, amax, new_gs, R, C, int(seed), *scalars, FLOOR=floor, BM=BM, BN=T,
+    _update_pass[grid](*tensors, amax, new_gs, R, C, int(seed_m), int(seed_v), *scalars, FLOOR=floor, BM=BM, BN=T,
                        LOG2_BN=T.bit_length() - 1, EXACT_FMA=_exact_fma(), num_warps=num_warps, enable_fp_fusion=False)
     state["m.global_scale"], state["v.global_scale"] = new_gs[0], new_gs[1]  # views: no copy kernels

@@ -218,7 +218,8 @@ def test_quantized_adamw_bias_correction_matches_the_closed_form_kernel_path():
             optim._store(state, "v", optim.encode_second_moment(zeros))
             state = {key: x.to(DEV) for key, x in state.items()}
         p_k = p.to(DEV, copy=True)
-        fused_adamw_step(p_k, g.to(DEV), state, lr, b1, b2, eps, 0.0, k, seed=k, floor=optim.FLOOR_FRACTION)
+        fused_adamw_step(p_k, g.to(DEV), state, lr, b1, b2, eps, 0.0, k, seed_m=k, seed_v=k + 100,
+                         floor=optim.FLOOR_FRACTION)
         return p_k.cpu()
 
     check_bias_correction(constant_gradient_steps(step))
@@ -490,40 +491,68 @@ def as_bits(t):
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
+def decoded_root_residual(st):
+    """(s q) H16 + mu of a packed v state: the decoded sqrt(v) before the floor."""
+    mu = st["tile_mean"]
+    shape = optim._shape(st)
+    r = optim.fwht16(optim._packed(st, shape).dequantize())
+    return (r.reshape(*mu.shape, -1) + mu[..., None]).reshape(shape)
+
+
+def assert_stochastic_rounding_neighbours(st, x):
+    """Every code of the packed state st is one of the two E2M1 neighbours of x / (s_b s_g): what SR may pick."""
+    s = st["global_scale"] * st["scales"].float().repeat_interleave(16, -1)
+    a = (x / s).abs().clamp(max=6.0)
+    q = (optim._packed(st, optim._shape(st)).dequantize() / s).abs()
+    grid = nvfp4.E2M1_VALUES
+    below = torch.where(grid <= a[..., None] * (1 + 1e-5), grid, -1.0).amax(-1)
+    above = torch.where(grid >= a[..., None] * (1 - 1e-5), grid, 7.0).amin(-1)
+    assert ((q >= below - 1e-6) & (q <= above + 1e-6)).all()
+
+
 @pytest.mark.parametrize("shape", [(24, 256), (40, 48)])  # v tiles of 128 / gcd(48, 128) = 16; masked rows
 def test_fused_kernel_equals_reference(shape):
     from kernels.optim_fused import fused_adamw_step
     R, C = shape
     st, p, g = fused_case(R, C, seed=20)
     p_ref, m_ref, v_ref = reference_step(p, g, st, 3, HP)
-    v_enc = optim.encode_second_moment(v_ref)
+    v_enc = optim.encode_second_moment(v_ref, generator=gen(22))
     m_enc = optim.encode_first_moment(m_ref, gen(23))
     p_k, st_k = p.to(DEV), {k: x.to(DEV) for k, x in st.items()}
-    fused_adamw_step(p_k, g.to(DEV), st_k, *HP, step=3, seed=123, floor=optim.FLOOR_FRACTION)
+    fused_adamw_step(p_k, g.to(DEV), st_k, *HP, step=3, seed_m=123, seed_v=456, floor=optim.FLOOR_FRACTION)
     p_k, st_k = p_k.cpu(), {k: x.cpu() for k, x in st_k.items()}
     assert torch.equal(p_k, p_ref)                                      # RTN / exact parts: bit for bit
-    for key in ("codes", "scales", "global_scale", "tile_mean"):
+    for key in ("scales", "global_scale", "tile_mean"):                 # (4/6 picks the scales by RTN error)
         assert torch.equal(as_bits(st_k["v." + key]), as_bits(v_enc[key])), key
-    assert torch.equal(st_k["m.global_scale"], m_enc["global_scale"])
-    # m: SR with Philox vs torch's generator: same scales (the scale choice uses RTN error), similar error
-    assert torch.equal(as_bits(st_k["m.scales"]), as_bits(m_enc["scales"]))
-    err = lambda st_m: ((optim.decode_first_moment(st_m) - m_ref).norm() / m_ref.norm()).item()
-    assert abs(err(optim._prefixed(st_k, "m")) - err(m_enc)) < 0.05
+    for key in ("scales", "global_scale"):
+        assert torch.equal(as_bits(st_k["m." + key]), as_bits(m_enc[key])), key
+    # the codes: SR with Philox vs torch's generator, so each must be one of its value's two grid neighbours
+    assert_stochastic_rounding_neighbours(optim._prefixed(st_k, "m"), optim.fwht16(m_ref))
+    root = optim.sqrt_rn(v_ref)
+    mu = v_enc["tile_mean"]
+    assert_stochastic_rounding_neighbours(optim._prefixed(st_k, "v"), optim.fwht16(
+        (root.reshape(*mu.shape, -1) - mu[..., None]).reshape(root.shape)))
+    assert not torch.equal(st_k["m.codes"], st_k["v.codes"])
 
 
-def test_fused_kernel_stochastic_rounding_of_m_is_unbiased():
+def test_fused_kernel_stochastic_rounding_of_m_and_v_is_unbiased():
     from kernels.optim_fused import fused_adamw_step
     R, C = 16, 64
     st, p, g = fused_case(R, C, seed=24)
-    _, m_ref, _ = reference_step(p, g, st, 2, HP)
-    n, total = 12, 0
+    _, m_ref, v_ref = reference_step(p, g, st, 2, HP)
+    root = optim.sqrt_rn(v_ref)
+    n, total_m, total_r = 12, 0, 0
     for seed in range(n):
-        st_k = {k: x.to(DEV, copy=True) for k, x in st.items()}  # copies: the kernel updates p and the state in
-        fused_adamw_step(p.to(DEV, copy=True), g.to(DEV), st_k, *HP, step=2, seed=seed, floor=optim.FLOOR_FRACTION)  # place (DEV may be cpu)
+        st_k = {k: x.to(DEV, copy=True) for k, x in st.items()}  # copies: the kernel updates p and the state in place
+        fused_adamw_step(p.to(DEV, copy=True), g.to(DEV), st_k, *HP, step=2, seed_m=seed, seed_v=seed + 100,
+                         floor=optim.FLOOR_FRACTION)
         st_k = {k: x.cpu() for k, x in st_k.items()}
-        total = total + optim.decode_first_moment(optim._prefixed(st_k, "m"))
-    single = (optim.decode_first_moment(optim._prefixed(st_k, "m")) - m_ref).norm()
-    assert ((total / n) - m_ref).norm() < 2 * single / n**0.5
+        total_m = total_m + optim.decode_first_moment(optim._prefixed(st_k, "m"))
+        total_r = total_r + decoded_root_residual(optim._prefixed(st_k, "v"))
+    single_m = (optim.decode_first_moment(optim._prefixed(st_k, "m")) - m_ref).norm()
+    single_r = (decoded_root_residual(optim._prefixed(st_k, "v")) - root).norm()
+    assert ((total_m / n) - m_ref).norm() < 2 * single_m / n**0.5
+    assert ((total_r / n) - root).norm() < 2 * single_r / n**0.5
 
 
 @pytest.mark.gpu
@@ -535,10 +564,12 @@ def test_fused_kernel_on_gpu_matches_cpu_reference():
     v_enc = optim.encode_second_moment(v_ref)
     from kernels.optim_fused import fused_adamw_step
     p_k, st_k = p.cuda(), {k: x.cuda() for k, x in st.items()}
-    fused_adamw_step(p_k, g.cuda(), st_k, *HP, step=5, seed=7, floor=optim.FLOOR_FRACTION)
+    fused_adamw_step(p_k, g.cuda(), st_k, *HP, step=5, seed_m=7, seed_v=8, floor=optim.FLOOR_FRACTION)
     assert torch.equal(p_k.cpu(), p_ref)
-    assert torch.equal(st_k["v.codes"].cpu(), v_enc["codes"])
+    assert torch.equal(as_bits(st_k["v.scales"].cpu()), as_bits(v_enc["scales"]))
     assert torch.equal(st_k["v.tile_mean"].cpu(), v_enc["tile_mean"])
+    r_k = decoded_root_residual({k: x.cpu() for k, x in optim._prefixed(st_k, "v").items()})
+    assert ((r_k - optim.sqrt_rn(v_ref)).norm() / optim.sqrt_rn(v_ref).norm()).item() < 0.2
     m_k = optim.decode_first_moment({k: x.cpu() for k, x in optim._prefixed(st_k, "m").items()})
     assert ((m_k - m_ref).norm() / m_ref.norm()).item() < 0.2
 

@@ -153,15 +153,16 @@ def config_shapes(names):
 
 @torch.no_grad()
 def fig4a_numbers(v, m=None):
-    """Fig. 4a: error of storing v directly in NVFP4 against the §3.3 pipeline (and the pipeline with SR).
+    """Fig. 4a: error of storing v directly in NVFP4 against the §3.3 pipeline (SR, optim's default; and with RTN).
     Returns {method: {v_rel_err, sqrt_rel_err, zero_fraction, update_rel_err}}: relative Frobenius errors of v
     and of sqrt(v) (Adam's denominator), the fraction of positive entries decoding to <= 0, and (given m) the
     error of the Adam direction m / (sqrt(v) + 1e-8)."""
     v = v.float()
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()
     decoded = {"direct": optim.decode_direct(optim.encode_direct(v)),
-               "pipeline": optim.decode_second_moment(optim.encode_second_moment(v)),
-               "pipeline_sr": optim.decode_second_moment(optim.encode_second_moment(v, rounding="sr"))}
+               "pipeline": optim.decode_second_moment(optim.encode_second_moment(
+                   v, rounding="sr", generator=torch.Generator(v.device).manual_seed(0))),
+               "pipeline_rtn": optim.decode_second_moment(optim.encode_second_moment(v, rounding="rtn"))}
     out = {}
     for name, v_hat in decoded.items():
         row = {"v_rel_err": rel(v_hat, v), "sqrt_rel_err": rel(v_hat.clamp(min=0).sqrt(), v.sqrt()),
