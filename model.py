@@ -27,7 +27,7 @@ class Recipe:
     """One precision recipe: what the model (linear, four_over_six, attention) and the optimizer (optim_states)
     do in low precision. train.py --recipe picks a row of RECIPES; --attn_policy may swap its attention."""
     linear: str = "bf16"  # bf16 | nvfp4 (eqs. 1-2 without LoRA) | lora_naive (+ a plain BF16 branch) | lora_svd (§3.2)
-    four_over_six: bool = False  # 4/6 block scaling (App. 7) for the NVFP4 weights and activations
+    four_over_six: bool = False  # 4/6 scaling of the linear layers' NVFP4 blocks (each block maps its max to 6 or 4)
     attention: str = "bf16"  # a key of attention.POLICIES: bf16, fp4 (§3.5), or one of Fig. 5's variants
     optim_states: str = "fp32"  # optim.STATES: fp32 | nvfp4 (§3.3 states, §3.4 NVFP4 NS) | direct (App. 13)
 
