@@ -220,7 +220,7 @@ def plot_fig4a(res, path):
     metrics = [("v_rel_err", "rel. error of v"), ("sqrt_rel_err", "rel. error of sqrt(v)"),
                ("update_rel_err", "rel. error of m / sqrt(v)"), ("zero_fraction", "fraction of v > 0 decoded to 0")]
     methods = [("direct", "direct", "tab:red"), ("pipeline", "pipeline", "tab:green"),
-               ("pipeline_sr", "pipeline, SR", "tab:olive")]
+               ("pipeline_rtn", "pipeline, RTN", "tab:olive")]
     methods = [mt for mt in methods if mt[0] in res]
     fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 3.8))
     for ax, (key, label) in zip(axes, metrics):
