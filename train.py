@@ -416,9 +416,10 @@ def resume_schedule(args, saved, explicit):
         elif getattr(args, flag) != saved[flag]:
             changed.append(f"--{flag} {saved[flag]:g} -> {getattr(args, flag):g}")
     note = "schedule " + ("changed: " + ", ".join(changed) if changed else "as in the checkpoint")
-    if args.max_steps > args.lr_decay_steps:
-        note += (f"; the cosine ends at step {args.lr_decay_steps}, steps {args.lr_decay_steps + 1}-{args.max_steps} "
-                 f"run at min_lr {args.min_lr:g} (--lr_decay_steps stretches it)")
+    end = max(args.lr_decay_steps, args.warmup)  # lr_factor: warmup first, then the cosine, then min_lr
+    if args.max_steps > end:
+        note += (f"; the cosine ends at step {end}, steps {end + 1}-{args.max_steps} run at min_lr {args.min_lr:g} "
+                 "(--lr_decay_steps stretches it)")
     return note
 
 
