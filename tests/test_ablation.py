@@ -7,7 +7,7 @@ import pytest
 
 from tools import ablation
 
-TINY = ["--config", "tiny", "--max_steps", "3", "--batch_size", "2", "--seq_len", "32", "--warmup", "1",
+TINY = ["--config", "tiny", "--lr", "3e-3", "--max_steps", "3", "--batch_size", "2", "--seq_len", "32", "--warmup", "1",
         "--eval_every", "3", "--eval_iters", "1", "--log_every", "1", "--seeds", "0", "--cpu_jobs", "2",
         "--gpus", ""]
 
@@ -24,10 +24,13 @@ def test_grid_is_the_issue_grid():
     assert pick(["lora_*_adamw_s1"]) == {"lora_naive_adamw_s1", "lora_svd_adamw_s1"}
     args = ablation.parse_args(["--lr", "adamw=2e-3,root=4e-3", "--max_steps", "7"])
     assert ablation.train_command(args, "bf16", "root", 1)[-4:] == ["--max_steps", "7", "--lr", "0.004"]
+    assert ablation.train_command(args, "lora_naive", "adamw", 1)[-4:] == ["--lr", "0.002", "--lora_lr", "0.002"]
+    args = ablation.parse_args(["--lr", "1e-3", "--lora_lr_scale", "2"])
+    assert ablation.train_command(args, "fullstack", "root", 0)[-2:] == ["--lora_lr", "0.002"]
 
 
 def test_bad_input_is_one_line_exit_2(capsys):
-    for argv in (["--seeds", "a"], ["--shard", "2/2"], ["--rows", "nope", "--dry_run"], ["--lr", "root=1e-3"],
+    for argv in (["--seeds", "a"], ["--shard", "2/2"], ["--rows", "nope", "--dry_run", "--lr", "1e-3"], ["--lr", "root=1e-3"], ["--dry_run"],
                  ["--lr", "adamw=x,root=1"]):
         with pytest.raises(SystemExit) as e:
             ablation.main(argv)

@@ -2,8 +2,9 @@
 The seeded ablation: the paper's Table 3 rows (recipe x optimizer) at a small scale, three seeds each, one
 `train.py` run per (recipe, optimizer, seed), then one table, one plot and one verdict per paper claim.
 
-    python tools/ablation.py --config tiny --max_steps 30 --seeds 0              # a CPU smoke run of the grid
-    python tools/ablation.py --config toy --max_steps 300 --gpus 0,1 --jobs_per_gpu 2 --deadline 560
+    python tools/ablation.py --config tiny --max_steps 30 --lr 3e-3 --seeds 0    # a CPU smoke run of the grid
+    python tools/ablation.py --config toy --max_steps 300 --lr adamw=2e-3,root=4e-3 --gpus 0,1 --jobs_per_gpu 2 \
+        --deadline 560                                                           # GPU: call again to continue
     python tools/ablation.py --rows lora_naive_root --force ...                  # rerun one row (all its seeds)
     python tools/ablation.py --aggregate_only                                    # table, plot, verdicts only
 
@@ -14,6 +15,12 @@ record of it into <runs>/<name>.json. A run is finished when <runs>/<name>/summa
 stopped it for a non-finite loss (a diverged run is a result, not a failure); finished runs are skipped, the
 others start over. `--rows` picks rows by name: a recipe (`nvfp4`), a recipe and optimizer (`nvfp4_root`), a run
 (`nvfp4_root_s1`) or a glob (`lora_*`).
+
+Every recipe of one optimizer trains at one peak lr (--lr: bf16's best for that optimizer, from a short sweep at
+the same config and length), the LoRA factors included (--lora_lr_scale 1, where train.py's default is the paper's
+2x). Why: below the best lr, a LoRA branch trained by AdamW inside a layer that Root trains adds a low-rank step
+several times larger in spectral norm than Root's own step, and wins by that extra step alone; at the best lr a 2x
+branch lr destabilizes training instead. Neither is what the paper's Table 3 compares.
 
 Then it aggregates every finished run under <runs> (not only this call's) into <results>/summary.json (one row per
 run), <results>/table.md (mean +- std of the final val loss, % gap to bf16, verdicts) and <results>/loss_curves.png.
@@ -63,7 +70,10 @@ def parse_args(argv=None):
     p.add_argument("--max_steps", type=int, default=None)
     p.add_argument("--batch_size", type=int, default=None)
     p.add_argument("--seq_len", type=int, default=None)
-    p.add_argument("--lr", default=None, help="peak lr: one value, or one per optimizer: adamw=2e-3,root=4e-3")
+    p.add_argument("--lr", default=None, help="peak lr (required to run): one value, or one per optimizer, e.g. "
+                   "adamw=2e-3,root=4e-3 (bf16's best lr for each, from a short sweep)")
+    p.add_argument("--lora_lr_scale", type=float, default=1.0, help="LoRA factors' peak lr = this x --lr (default 1: "
+                   "no recipe trains with more lr than bf16; the paper's 2 is train.py's default)")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--eval_every", type=int, default=None)
     p.add_argument("--eval_iters", type=int, default=None)
@@ -106,6 +116,10 @@ def parse_args(argv=None):
             die(f"--lr {args.lr!r}: expected a number or optimizer=lr pairs, e.g. adamw=2e-3,root=4e-3")
         if set(args.lr) != set(OPTIMIZERS):
             die(f"--lr: give one lr, or one for each of {', '.join(OPTIMIZERS)}")
+    elif not args.aggregate_only:
+        die("--lr: required to run the grid (the setup's peak lr, e.g. --lr adamw=2e-3,root=4e-3)")
+    if not args.lora_lr_scale > 0:
+        die(f"--lora_lr_scale {args.lora_lr_scale:g}: must be > 0")
     if args.jobs_per_gpu < 1 or args.cpu_jobs < 1:
         die("--jobs_per_gpu / --cpu_jobs: must be >= 1")
     try:
@@ -169,6 +183,8 @@ def train_command(args, recipe, optimizer, seed):
         value = getattr(args, flag)
         if value is not None:
             cmd += [f"--{flag}", str(value[optimizer] if flag == "lr" else value)]
+    if recipe.startswith("lora") or recipe == "fullstack":  # the recipes with a LoRA branch
+        cmd += ["--lora_lr", f"{args.lora_lr_scale * args.lr[optimizer]:g}"]
     return cmd + args.train_args
 
 
