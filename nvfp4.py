@@ -8,10 +8,10 @@ quantization (RTN; SR given the same uniforms), the same numbers up to summation
 kernels decide how the GPU multiplies (kernels/nvfp4_gemm.py, kernels/nvfp4_linear.py).
 NANOFP4_REFERENCE=1 forces the reference path everywhere in the project (`use_reference`).
 
-Conventions (DESIGN.md; the numerics of Transformer Engine's NVFP4 recipe and torchao's NVFP4Tensor):
+Conventions (the numerics of Transformer Engine's NVFP4 recipe and torchao's NVFP4Tensor):
   element   E2M1: +-{0, .5, 1, 1.5, 2, 3, 4, 6}; code = sign bit (bit 3) | index into E2M1_VALUES
   global    s_g = amax(|x|) / (448 * 6)                 (256 instead of 448 with 4/6; 1 if amax == 0)
-  block     s_b = e4m3(min(amax_block / 6 / s_g, 448))  (round to nearest even, subnormals kept)
+  block     s_b = e4m3(min(amax_block / 6 / s_g, 448))  (round to nearest even, subnormals kept; up for "sr_up")
   value     q = E2M1(clamp(x / (s_b * s_g), -6, 6)),  x_hat = q * s_b * s_g
 """
 
@@ -25,7 +25,7 @@ from kernels import nvfp4_linear as linear_kernels
 from kernels import nvfp4_quant as quant_kernels
 from kernels.nvfp4_gemm import nvfp4_gemm
 from kernels.nvfp4_math import E4M3_MAX, E4M3_MAX_46, FP4_MAX  # 448, 256 (4/6: 256 * 1.5 < 448), 6
-from kernels.nvfp4_quant import BLOCKS, check_blocks  # (1, 16), (16, 1), (16, 16); the input checks
+from kernels.nvfp4_quant import BLOCKS, ROUNDINGS, SR_MODES, check_blocks  # block shapes, "rtn" / "sr" / "sr_up"
 
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device="cpu")  # cpu even under `with torch.device("meta")`
 
@@ -114,10 +114,15 @@ def global_scale(amax, four_over_six=False):
     return torch.where(amax > 0, s, torch.ones_like(s))
 
 
-def to_e4m3(s):
+def to_e4m3(s, up=False):
     """Round fp32 scales to E4M3 (nearest, ties to even; values below 2^-6 stay subnormal as in Transformer
-    Engine: torchao lifts them to 2^-6 instead), saturating at 448."""
-    return s.clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    Engine: torchao lifts them to 2^-6 instead), saturating at 448. up=True: the smallest E4M3 value >= s."""
+    s = s.clamp(max=E4M3_MAX)
+    e = s.to(torch.float8_e4m3fn)
+    if not up:
+        return e
+    bits = e.view(torch.uint8)  # positive E4M3: the next value up is the next bit pattern
+    return torch.where(e.float() < s, bits + 1, bits).view(torch.float8_e4m3fn)
 
 
 def _grid_step(a):
@@ -166,12 +171,12 @@ def _quantize_reference(x, block, rounding, four_over_six, generator):
     s_g = global_scale(x.abs().amax(), four_over_six)
     block_amax = xb.abs().amax(dim=(-3, -1), keepdim=True)               # (*, M/bm, 1, N/bn, 1)
     rand = None
-    if rounding == "sr":
+    if rounding in SR_MODES:
         rand = torch.rand(xb.shape, generator=generator, device=x.device)
 
     def candidate(fp4_max):
         # the block's max maps to fp4_max (6 normally; 4 is 4/6's second candidate)
-        s_b = to_e4m3(block_amax / torch.full_like(block_amax, fp4_max) / s_g)
+        s_b = to_e4m3(block_amax / torch.full_like(block_amax, fp4_max) / s_g, up=rounding == "sr_up")
         denom = s_b.float() * s_g
         a = torch.where(denom > 0, xb.abs() / torch.where(denom > 0, denom, 1.0), 0.0).clamp(max=FP4_MAX)
         return s_b, a, denom
@@ -190,7 +195,7 @@ def _quantize_reference(x, block, rounding, four_over_six, generator):
         use4 = rtn_error(idx4, denom4) < rtn_error(idx, denom)
         s_b = torch.where(use4, s_b4.float(), s_b.float()).to(torch.float8_e4m3fn)
         a, idx = torch.where(use4, a4, a), torch.where(use4, idx4, idx)
-    if rounding == "sr":
+    if rounding in SR_MODES:
         idx = sr_e2m1(a, rand)
     # sign bit = x < 0: a negative x that rounds to 0 keeps its sign (code 8, -0), an input of exactly -0.0 gets code
     # 0 (+0); both decode to zero. The kernels decide the sign the same way.
@@ -201,18 +206,24 @@ def _quantize_reference(x, block, rounding, four_over_six, generator):
 
 
 def quantize(x, block=(1, 16), rounding="rtn", four_over_six=False, generator=None, hadamard=None, name="x"):
-    """Quantize x to NVFP4 with blocks on its last two dims. rounding: "rtn" (nearest, ties to even) or "sr"
-    (stochastic, unbiased; draws from `generator`, else torch's global RNG of x's device, so a saved RNG state
-    reproduces it). hadamard: optional (16, 16) matrix applied first along the block's 16-long dim
-    (x H for (1, 16) blocks, H^T x for (16, 1)); it is how eq. 2 quantizes the wgrad operands."""
-    if rounding not in ("rtn", "sr"):
-        raise ValueError(f"{name}: rounding must be 'rtn' or 'sr', got {rounding!r}")
+    """Quantize x to NVFP4 with blocks on its last two dims. rounding:
+      "rtn"    nearest, ties to even (the forward);
+      "sr"     stochastic (the backward's gradients), as Transformer Engine does it: unbiased for every element
+               below the block max, but when a block's E4M3 scale rounds down its max lands above 6 and is
+               clamped, which pulls 2-4% of the elements of 1x16 blocks toward zero (by ~2% on average);
+      "sr_up"  stochastic with the block scales rounded up to E4M3, so nothing clamps: unbiased, at the cost of a
+               slightly coarser grid in those blocks.
+    SR draws from `generator`, else torch's global RNG of x's device (so a saved RNG state reproduces it).
+    hadamard: optional (16, 16) matrix applied first along the block's 16-long dim (x H for (1, 16) blocks,
+    H^T x for (16, 1)); it is how eq. 2 quantizes the wgrad operands."""
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"{name}: rounding must be one of {ROUNDINGS}, got {rounding!r}")
     block = tuple(block)
     if hadamard is not None and block == (16, 16):
         raise ValueError(f"{name}: a Hadamard rotation needs a 1-D block, (1, 16) or (16, 1)")
     check_blocks(x, block, name)
     if _use_kernels(x):
-        seed = sr_seed(generator) if rounding == "sr" else 0
+        seed = sr_seed(generator) if rounding in SR_MODES else 0
         parts = quant_kernels.quantize(x, block, rounding, four_over_six, seed=seed, hadamard=hadamard, name=name)
         return NVFP4Tensor(*parts, x.shape, block)
     if hadamard is not None:

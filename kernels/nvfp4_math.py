@@ -15,15 +15,19 @@ E4M3_MAX_46 = 256.0    # the global scale's bound with 4/6: the x1.5 candidate (
 
 
 @triton.jit
-def _round_to_e4m3(s):
+def _round_to_e4m3(s, UP: tl.constexpr = False):
     """fp32 s in [0, 448] -> (the nearest E4M3 value, ties to even, as fp32; its uint8 bit pattern).
     Rounds to a multiple of the E4M3 quantum at s's binade (2^(e-3), but at least 2^-9 for subnormals) with the
-    2^23 magic-number trick, which is exact RNE for 0 <= t < 2^22."""
+    2^23 magic-number trick, which is exact RNE for 0 <= t < 2^22. UP: the smallest E4M3 value >= s instead
+    (nvfp4.to_e4m3(s, up=True))."""
     bits = s.to(tl.int32, bitcast=True)
     e = tl.maximum((bits >> 23) & 0xFF, 127 - 6)                       # biased fp32 exponent, floored at 2^-6
     quantum = ((e - 3) << 23).to(tl.float32, bitcast=True)             # 2^(e-127-3)
     t = s * ((254 - (e - 3)) << 23).to(tl.float32, bitcast=True)       # s / quantum, exact (a power of two)
-    t = (t + 8388608.0) - 8388608.0                                    # RNE to an integer (0..16)
+    if UP:
+        t = tl.ceil(t)
+    else:
+        t = (t + 8388608.0) - 8388608.0                                # RNE to an integer (0..16)
     v = t * quantum
     # E4M3 bit pattern of v: normal (exp >= 1): (biased exp << 3) | top 3 mantissa bits; subnormal: v / 2^-9
     vbits = v.to(tl.int32, bitcast=True)
@@ -66,19 +70,20 @@ def _div_by(x, den, inv, EXACT_FMA: tl.constexpr):
 
 
 @triton.jit
-def _block_scale(block_amax, s_g, MAX_Q: tl.constexpr, EXACT_FMA: tl.constexpr, inv_g=None):
+def _block_scale(block_amax, s_g, MAX_Q: tl.constexpr, EXACT_FMA: tl.constexpr, inv_g=None, UP: tl.constexpr = False):
     """A block scale candidate with the block's max mapped to MAX_Q (6; 4 for 4/6's second candidate):
     s_b = e4m3(min(amax_b / MAX_Q / s_g, 448)) (two correctly rounded divisions, RNE to E4M3), its uint8 bits,
     den = s_b * s_g (the elements' divisor, rounded to fp32 first as in the reference) and inv = RN(1 / den) for
     _div_by (0 where den == 0: an all-zero block gives zero codes). The divisors MAX_Q and s_g are the same for
     every block, so both divisions are _div_by's Markstein step on one reciprocal (a division per block costs
     ~4x more: where a thread holds 4 elements of a block, as in the attention kernels' MMA tiles, that mattered).
-    s_g > 0 (nvfp4.global_scale gives 1 for an all-zero tensor); inv_g: RN(1 / s_g) if the caller has it."""
+    s_g > 0 (nvfp4.global_scale gives 1 for an all-zero tensor); inv_g: RN(1 / s_g) if the caller has it.
+    UP: the E4M3 rounding goes up (nvfp4's "sr_up": the block max then never clamps at 6)."""
     if inv_g is None:
         inv_g = tl.div_rn(1.0, s_g)
     t = _div_by(block_amax, MAX_Q, 1.0 / MAX_Q, EXACT_FMA)   # 1 / MAX_Q: RN(1/6) = 0x3E2AAAAB, 1/4 exact
     t = _div_by(t, s_g, inv_g, EXACT_FMA)
-    s, bits = _round_to_e4m3(tl.minimum(t, 448.0))
+    s, bits = _round_to_e4m3(tl.minimum(t, 448.0), UP)
     den = s * s_g
     inv = tl.where(den > 0, tl.div_rn(1.0, tl.where(den > 0, den, 1.0)), 0.0)
     return s, bits, den, inv

@@ -44,6 +44,10 @@ from kernels.nvfp4_math import (E4M3_MAX, E4M3_MAX_46, FP4_MAX, _block_scale, _c
 from kernels.nvfp4_dequant import dequantize, grid_values_bf16  # noqa: F401  (their home: nvfp4_dequant.py)
 
 BLOCKS = ((1, 16), (16, 1), (16, 16))
+# "sr_up": SR with the block scale rounded up to E4M3 instead of to nearest, so that the block max never lands
+# above 6 and is clamped (which biases "sr", Transformer Engine's SR, toward zero on the block maxima)
+SR_MODES = ("sr", "sr_up")
+ROUNDINGS = ("rtn", *SR_MODES)
 
 
 def check_blocks(x, block, name):
@@ -97,7 +101,7 @@ def _quantize_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_ptr, s
                      values_ptr, M, N, stride_xb, stride_xm, stride_xn, seed,
                      BM: tl.constexpr, BN: tl.constexpr, SBM: tl.constexpr, SBN: tl.constexpr,
                      FP8_BOUND: tl.constexpr, FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr,
-                     USE_NOISE: tl.constexpr, HAD_DIM: tl.constexpr,
+                     SCALE_UP: tl.constexpr, USE_NOISE: tl.constexpr, HAD_DIM: tl.constexpr,
                      WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr, EXACT_FMA: tl.constexpr):
     """One (BM, BN) tile: block amax -> E4M3 block scale -> E2M1 codes (packed 2/byte, even element low) and/or
     bf16 values q * s_b. Blocks are (SBM, SBN) = (1, 16), (16, 1) or (16, 16)."""
@@ -116,7 +120,7 @@ def _quantize_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_ptr, s
     block_amax = tl.max(tl.max(xb, axis=3), axis=1)                    # (BM // SBM, BN // SBN)
 
     # candidate "max -> 6": s_b = e4m3(min(amax_b / 6 / s_g, 448)); a = min(|x| / (s_b * s_g), 6)
-    s6, bits6, den6, inv6 = _block_scale(block_amax, s_g, 6.0, EXACT_FMA)
+    s6, bits6, den6, inv6 = _block_scale(block_amax, s_g, 6.0, EXACT_FMA, UP=SCALE_UP)
     den6, inv6 = den6[:, None, :, None], inv6[:, None, :, None]
     a6 = tl.minimum(_div_by(xb, den6, inv6, EXACT_FMA), 6.0)
     a = a6
@@ -125,7 +129,7 @@ def _quantize_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_ptr, s
     if FOUR_OVER_SIX:
         # 4/6 (paper §2, DESIGN.md): also try "max -> 4" (its own E4M3 rounding of amax_b / 4 / s_g) and keep
         # the candidate whose RTN reconstruction has the lower squared error, ties to 6.
-        s4, bits4, den4, inv4 = _block_scale(block_amax, s_g, 4.0, EXACT_FMA)
+        s4, bits4, den4, inv4 = _block_scale(block_amax, s_g, 4.0, EXACT_FMA, UP=SCALE_UP)
         den4, inv4 = den4[:, None, :, None], inv4[:, None, :, None]
         a4 = tl.minimum(_div_by(xb, den4, inv4, EXACT_FMA), 6.0)
         i6, i4 = _rtn_e2m1(a6), _rtn_e2m1(a4)
@@ -179,9 +183,9 @@ def _quantize_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_ptr, s
 @triton.jit(do_not_specialize=["seed"])
 def _quantize_rows_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, values_ptr, part_ptr,
                           n_blocks, seed, NB: tl.constexpr, CHUNKS: tl.constexpr, FP8_BOUND: tl.constexpr,
-                          FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr, USE_NOISE: tl.constexpr,
-                          HADAMARD: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr,
-                          EXACT_FMA: tl.constexpr, AMAX_ONLY: tl.constexpr):
+                          FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr, SCALE_UP: tl.constexpr,
+                          USE_NOISE: tl.constexpr, HADAMARD: tl.constexpr, WRITE_CODES: tl.constexpr,
+                          WRITE_VALUES: tl.constexpr, EXACT_FMA: tl.constexpr, AMAX_ONLY: tl.constexpr):
     """_quantize_kernel's arithmetic for the common case, 1x16 blocks of a contiguous x: CHUNKS chunks of NB
     consecutive blocks per program, each held as an (NB, 2, 8) tile (the two 8-element halves of each block) so that
     the compiler puts one block on each thread: both halves of a block in one thread's registers, its amax, scale
@@ -223,10 +227,10 @@ def _quantize_rows_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_p
         if AMAX_ONLY:  # (an else branch, not an early return: Triton would still compile the rest for this launch)
             run_max = tl.maximum(run_max, block_amax)
         else:
-            s_b, bits, den, inv = _block_scale(block_amax, s_g, 6.0, EXACT_FMA, inv_g)
+            s_b, bits, den, inv = _block_scale(block_amax, s_g, 6.0, EXACT_FMA, inv_g, SCALE_UP)
             a = tl.minimum(_div_by(ax, den[:, None, None], inv[:, None, None], EXACT_FMA), 6.0)
             if FOUR_OVER_SIX:  # as in _quantize_kernel: the "max -> 4" candidate wins on a lower RTN error, ties to 6
-                s4, bits4, den4, inv4 = _block_scale(block_amax, s_g, 4.0, EXACT_FMA, inv_g)
+                s4, bits4, den4, inv4 = _block_scale(block_amax, s_g, 4.0, EXACT_FMA, inv_g, SCALE_UP)
                 a4 = tl.minimum(_div_by(ax, den4[:, None, None], inv4[:, None, None], EXACT_FMA), 6.0)
                 i6, i4 = _rtn_e2m1(a), _rtn_e2m1(a4)
                 d6 = _e2m1_value(i6) * den[:, None, None] - ax
@@ -263,9 +267,9 @@ def _quantize_rows_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_p
 def _quantize_cols_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, values_ptr, part_ptr,
                           M, N, stride_xb, stride_xm, seed, C: tl.constexpr,
                           FP8_BOUND: tl.constexpr, FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr,
-                          USE_NOISE: tl.constexpr, HADAMARD: tl.constexpr, WRITE_CODES: tl.constexpr,
-                          WRITE_VALUES: tl.constexpr, EXACT_FMA: tl.constexpr, AMAX_ONLY: tl.constexpr,
-                          PLAIN_TOO: tl.constexpr):
+                          SCALE_UP: tl.constexpr, USE_NOISE: tl.constexpr, HADAMARD: tl.constexpr,
+                          WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr, EXACT_FMA: tl.constexpr,
+                          AMAX_ONLY: tl.constexpr, PLAIN_TOO: tl.constexpr):
     """_quantize_kernel's arithmetic for 16x1 blocks of a row-major x (eq. 2's wgrad operands, Q16x1(H^T dY) and
     Q16x1(H^T X-hat)): a (16, 2C) tile held as (C, 16, 2), i.e. each thread holds two whole column blocks (16 rows
     x 2 adjacent columns: 4-byte loads, 128 bytes per row and warp, one code byte per row). So the rotation H^T x
@@ -297,10 +301,10 @@ def _quantize_cols_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_p
         if (pid_m == 0) & (pid_n == 0) & (pid_b == 0):
             tl.store(gs_out_ptr, s_g)
         block_amax = tl.max(ax, axis=1)                                                # (C, 2)
-        s_b, bits, den, inv = _block_scale(block_amax, s_g, 6.0, EXACT_FMA)
+        s_b, bits, den, inv = _block_scale(block_amax, s_g, 6.0, EXACT_FMA, UP=SCALE_UP)
         a = tl.minimum(_div_by(ax, den[:, None, :], inv[:, None, :], EXACT_FMA), 6.0)
         if FOUR_OVER_SIX:  # as in _quantize_kernel: the "max -> 4" candidate wins on a lower RTN error, ties to 6
-            s4, bits4, den4, inv4 = _block_scale(block_amax, s_g, 4.0, EXACT_FMA)
+            s4, bits4, den4, inv4 = _block_scale(block_amax, s_g, 4.0, EXACT_FMA, UP=SCALE_UP)
             a4 = tl.minimum(_div_by(ax, den4[:, None, :], inv4[:, None, :], EXACT_FMA), 6.0)
             i6, i4 = _rtn_e2m1(a), _rtn_e2m1(a4)
             d6 = _e2m1_value(i6) * den[:, None, :] - ax
@@ -367,8 +371,8 @@ def _prepare(x, block, rounding, hadamard, name):
     """Checks -> x as (B, M, N), block, the Hadamard's dim (0: none, 1: along rows' 16-element blocks, 2: along
     columns') and the Hadamard as contiguous fp32 on x's device."""
     block = tuple(block)
-    if rounding not in ("rtn", "sr"):
-        raise ValueError(f"{name}: rounding must be 'rtn' or 'sr', got {rounding!r}")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"{name}: rounding must be one of {ROUNDINGS}, got {rounding!r}")
     had_dim = 0
     if hadamard is not None:
         if block == (16, 16):
@@ -394,7 +398,7 @@ def _fp8_bound(four_over_six):
 def _rows_launch(x3, amax, hadamard, noise, four_over_six, seed, rounding="rtn", codes=None,
                  scales=None, values=None, gs_out=None, amax_only=False):
     """_quantize_rows_kernel over x3's B*M*N/16 blocks (or its amax pre-pass: returns the global amax)."""
-    NB, warps, chunks = ROWS_LAUNCH_SR if rounding == "sr" or four_over_six else ROWS_LAUNCH
+    NB, warps, chunks = ROWS_LAUNCH_SR if rounding in SR_MODES or four_over_six else ROWS_LAUNCH
     n_blocks = x3.numel() // 16
     grid = (triton.cdiv(n_blocks, NB * chunks),)
     partial = torch.empty(grid[0], device=x3.device, dtype=torch.float32) if amax_only else None
@@ -405,7 +409,8 @@ def _rows_launch(x3, amax, hadamard, noise, four_over_six, seed, rounding="rtn",
         codes.view(torch.int32) if codes is not None else dummy, scales if scales is not None else dummy,
         values if values is not None else dummy, partial if partial is not None else dummy, n_blocks, int(seed),
         NB=NB, CHUNKS=chunks, FP8_BOUND=_fp8_bound(four_over_six), FOUR_OVER_SIX=bool(four_over_six),
-        SR=rounding == "sr", USE_NOISE=noise is not None, HADAMARD=hadamard is not None,
+        SR=rounding in SR_MODES, SCALE_UP=rounding == "sr_up", USE_NOISE=noise is not None,
+        HADAMARD=hadamard is not None,
         WRITE_CODES=codes is not None, WRITE_VALUES=values is not None, EXACT_FMA=_exact_fma(),
         AMAX_ONLY=amax_only, num_warps=warps, enable_fp_fusion=False)  # no FMA contraction: roundings as the reference
     return partial.amax() if amax_only else None
@@ -427,7 +432,8 @@ def _cols_launch(x3, amax, hadamard, noise, four_over_six, seed, rounding="rtn",
         codes if codes is not None else dummy, scales if scales is not None else dummy,
         values if values is not None else dummy, partial if partial is not None else dummy,
         M, N, x3.stride(0), x3.stride(1), int(seed),
-        C=C, FP8_BOUND=_fp8_bound(four_over_six), FOUR_OVER_SIX=bool(four_over_six), SR=rounding == "sr",
+        C=C, FP8_BOUND=_fp8_bound(four_over_six), FOUR_OVER_SIX=bool(four_over_six), SR=rounding in SR_MODES,
+        SCALE_UP=rounding == "sr_up",
         USE_NOISE=noise is not None, HADAMARD=hadamard is not None, WRITE_CODES=codes is not None,
         WRITE_VALUES=values is not None, EXACT_FMA=_exact_fma(), AMAX_ONLY=amax_only, PLAIN_TOO=plain_too,
         num_warps=COLS_WARPS, maxnreg=COLS_MAXNREG, enable_fp_fusion=False)
@@ -504,7 +510,8 @@ def _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, noise, 
             values if values is not None else dummy,
             M, N, x3.stride(0), x3.stride(1), x3.stride(2), int(seed),
             BM=BM, BN=BN, SBM=bm, SBN=bn, FP8_BOUND=_fp8_bound(four_over_six),
-            FOUR_OVER_SIX=bool(four_over_six), SR=rounding == "sr", USE_NOISE=noise is not None, HAD_DIM=had_dim,
+            FOUR_OVER_SIX=bool(four_over_six), SR=rounding in SR_MODES, SCALE_UP=rounding == "sr_up",
+            USE_NOISE=noise is not None, HAD_DIM=had_dim,
             WRITE_CODES=write_codes, WRITE_VALUES=write_values, EXACT_FMA=_exact_fma(),
             num_warps=warps, enable_fp_fusion=False)  # no FMA contraction: every rounding as in the reference
     # gs_out: s_g = amax / (bound * 6) by tl.div_rn (a true division, like nvfp4.global_scale on the CPU), or 1
@@ -515,8 +522,8 @@ def quantize(x, block=(1, 16), rounding="rtn", four_over_six=False, seed=0, hada
              noise=None, name="x"):
     """Fused NVFP4 quantization of x (*, M, N) -> (codes uint8 (*, M, N/2), scales float8_e4m3fn (*, M/bm, N/bn),
     global_scale fp32 0-d). block (1, 16) | (16, 1) | (16, 16) on the last two dims.
-    rounding "rtn" | "sr" (Philox uniforms keyed by (seed, element index), or the uniforms in `noise`, x's shape,
-    for tests).
+    rounding "rtn" | "sr" | "sr_up" (Philox uniforms keyed by (seed, element index), or the uniforms in `noise`,
+    x's shape, for tests; "sr_up" rounds the block scales up, see SR_MODES).
     hadamard: (16, 16) matrix of nvfp4.random_hadamard's form (diag(+-1) H16 / 4) applied first along the
     block's 16-long dim (x·H for 1x16, H^T·x for 16x1).
     global_amax: max |x| (of x·H with hadamard) if the caller already has it; else one extra read pass."""

@@ -83,10 +83,10 @@ def test_quantize_ties_to_even_on_the_grid():
 
 
 @triton.jit
-def _e4m3_probe(s_ptr, v_ptr, bits_ptr, n, BLOCK: tl.constexpr):
+def _e4m3_probe(s_ptr, v_ptr, bits_ptr, n, BLOCK: tl.constexpr, UP: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     s = tl.load(s_ptr + offs, mask=offs < n, other=0.0)
-    v, bits = kq._round_to_e4m3(s)
+    v, bits = kq._round_to_e4m3(s, UP)
     tl.store(v_ptr + offs, v, mask=offs < n)
     tl.store(bits_ptr + offs, bits, mask=offs < n)
 
@@ -97,11 +97,15 @@ def test_round_to_e4m3_matches_torch_including_ties_and_subnormals():
     g = torch.Generator().manual_seed(0)
     rand = torch.rand(2000, generator=g) * 448 * torch.exp2(-torch.randint(0, 14, (2000,), generator=g).float())
     s = torch.cat((grid, ties, torch.nextafter(ties, torch.zeros_like(ties)), rand, torch.tensor([448.0, 1e-30])))
-    v, bits = torch.empty_like(s), torch.empty(s.shape, dtype=torch.uint8)
-    _e4m3_probe[(triton.cdiv(s.numel(), 1024),)](s, v, bits, s.numel(), BLOCK=1024)
-    want = s.to(torch.float8_e4m3fn)                                                   # torch: RNE, correct
-    assert torch.equal(v, want.float())
-    assert torch.equal(bits, want.view(torch.uint8))
+    for up in (False, True):
+        v, bits = torch.empty_like(s), torch.empty(s.shape, dtype=torch.uint8)
+        _e4m3_probe[(triton.cdiv(s.numel(), 1024),)](s, v, bits, s.numel(), BLOCK=1024, UP=up)
+        want = nvfp4.to_e4m3(s, up=up)                                             # torch's RNE cast (+1 code up)
+        assert torch.equal(v, want.float())
+        assert torch.equal(bits, want.view(torch.uint8))
+        if up:  # the smallest E4M3 value >= s
+            below = torch.where(bits > 0, bits - 1, bits).view(torch.float8_e4m3fn).float()
+            assert (v >= s).all() and ((below < s) | (bits == 0)).all()
 
 
 @triton.jit
@@ -217,11 +221,12 @@ def test_global_amax_pair_equals_each_quantizations_own_amax(dtype, transposed):
 # quantize: SR
 
 @pytest.mark.parametrize("block", BLOCKS)
-def test_sr_arithmetic_bit_exact_given_the_reference_uniforms(block):
+@pytest.mark.parametrize("rounding", ["sr", "sr_up"])
+def test_sr_arithmetic_bit_exact_given_the_reference_uniforms(block, rounding):
     x = _heavy_tailed((32, 64), torch.Generator().manual_seed(3))
-    r = nvfp4._quantize_reference(x, block, "sr", True, torch.Generator().manual_seed(11))
+    r = nvfp4._quantize_reference(x, block, rounding, True, torch.Generator().manual_seed(11))
     noise = torch.rand(x.shape, generator=torch.Generator().manual_seed(11))  # the draws the reference made
-    _same(kquantize(x, block, "sr", True, noise=noise), r)
+    _same(kquantize(x, block, rounding, True, noise=noise), r)
 
 
 def _assert_sr_unbiased(d, row, t_rtn):
@@ -284,7 +289,8 @@ def test_sr_draws_independent_across_neighbours(block):
 @pytest.mark.parametrize("block", [(1, 16), (16, 1)])
 @pytest.mark.parametrize("options", [dict(rounding="rtn"), dict(rounding="rtn", four_over_six=True),
                                      dict(rounding="sr", seed=5), dict(rounding="sr", seed=5, hadamard=True),
-                                     dict(rounding="sr", seed=5, hadamard=True, four_over_six=True)])
+                                     dict(rounding="sr", seed=5, hadamard=True, four_over_six=True),
+                                     dict(rounding="sr_up", seed=5, hadamard=True, four_over_six=True)])
 def test_rows_and_cols_kernels_equal_the_tile_kernel(block, options):
     """1x16 blocks of a contiguous x take _quantize_rows_kernel, 16x1 blocks of a row-major x
     _quantize_cols_kernel; the same values stored column-major take the general tile kernel, which must give the
@@ -512,9 +518,10 @@ def test_gpu_quantize_rtn_bit_exact_4096(block, four_over_six, dtype):
 @pytest.mark.parametrize("block", BLOCKS)
 def test_gpu_sr_bit_exact_given_uniforms_and_unbiased(block):
     x = _heavy_tailed((4096, 4096), torch.Generator().manual_seed(1), torch.bfloat16)
-    r = nvfp4._quantize_reference(x, block, "sr", True, torch.Generator().manual_seed(2))
     noise = torch.rand(x.shape, generator=torch.Generator().manual_seed(2))
-    _same(kquantize(x.cuda(), block, "sr", True, noise=noise.cuda()), r)
+    for rounding in ("sr", "sr_up"):
+        r = nvfp4._quantize_reference(x, block, rounding, True, torch.Generator().manual_seed(2))
+        _same(kquantize(x.cuda(), block, rounding, True, noise=noise.cuda()), r)
     row = torch.randn(4096)
     xs = row.repeat(4096, 1)
     d = kquantize(xs.cuda(), block, "sr", seed=3).dequantize().cpu()
