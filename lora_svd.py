@@ -144,7 +144,7 @@ class LoRASVDFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight_res, L1, L2, beta, four_over_six, fused):
+    def forward(ctx, x, weight_res, L1, L2, beta, four_over_six, fused, sr_rounding):
         ctx.x_shape = x.shape
         x = x.reshape(-1, x.shape[-1])  # (T, in)
         bdt = branch_dtype(x)
@@ -158,39 +158,43 @@ class LoRASVDFunction(torch.autograd.Function):
             y = nvfp4.nvfp4_matmul(qx, qw, out_dtype=x.dtype)  # (T, out)
             y = y.add_((xl1 @ L2.to(bdt).t()).to(x.dtype), alpha=beta)
         ctx.qx, ctx.qw, ctx.beta, ctx.four_over_six, ctx.fused = qx, qw, beta, four_over_six, fused
+        ctx.sr_rounding = sr_rounding
         ctx.save_for_backward(L1, L2)
         return y.reshape(*ctx.x_shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
         L1, L2 = ctx.saved_tensors
-        qx, qw, beta, fos = ctx.qx, ctx.qw, ctx.beta, ctx.four_over_six
+        qx, qw, beta, fos, sr = ctx.qx, ctx.qw, ctx.beta, ctx.four_over_six, ctx.sr_rounding
         dy = dy.reshape(-1, dy.shape[-1])  # (T, out)
         bdt = branch_dtype(dy)
         need_dx, need_dw = ctx.needs_input_grad[:2]
         if _use_kernels(dy, ctx.fused):  # the same draws in the same order as NVFP4Linear's backward
             dx, dw = lora_fused.backward(dy, qx, qw, L1.to(bdt), L2.to(bdt), beta, fos,
-                                         *nvfp4.backward_draws(need_dx, need_dw, dy.device))
+                                         *nvfp4.backward_draws(need_dx, need_dw, dy.device), rounding=sr)
         else:
             dx = dw = None
             if need_dx:  # eq. 1's dX, the forward's Q16x16(W_res) reused (read transposed, not requantized)
-                q_dy = nvfp4.quantize(dy, (1, 16), "sr", fos, name="gradient dY")  # Q1x16(dY), SR
+                q_dy = nvfp4.quantize(dy, (1, 16), sr, fos, name="gradient dY")  # Q1x16(dY), SR
                 dx = nvfp4.nvfp4_matmul(q_dy, qw, out_dtype=dy.dtype, trans_b=True)  # (T, in)
                 dx = dx.add_(((dy.to(bdt) @ L2.to(bdt)) @ L1.to(bdt)).to(dy.dtype), alpha=beta)
             if need_dw:
-                dw = nvfp4.wgrad(dy, qx, fos)  # eq. 2, (out, in) fp32
+                dw = nvfp4.wgrad(dy, qx, fos, rounding=sr)  # eq. 2, (out, in) fp32
         dx = dx.reshape(ctx.x_shape) if dx is not None else None
         ctx.qx = ctx.qw = None
         zero = lambda L, i: torch.zeros_like(L) if ctx.needs_input_grad[i] else None
-        return dx, dw, zero(L1, 2), zero(L2, 3), None, None, None
+        return dx, dw, zero(L1, 2), zero(L2, 3), None, None, None, None
 
 
-def lora_svd_linear(x, weight_res, L1, L2, beta=1.0, four_over_six=True, fused=True):
-    """Functional LoRASVDLinear (no bias): x (..., in) -> (..., out). Under autocast X is cast to the autocast
-    dtype, as in nvfp4.nvfp4_linear."""
+def lora_svd_linear(x, weight_res, L1, L2, beta=1.0, four_over_six=True, fused=True, sr_rounding="sr"):
+    """Functional LoRASVDLinear (no bias): x (..., in) -> (..., out). The backward's gradients are rounded by
+    sr_rounding ("sr" or "sr_up", nvfp4.quantize). Under autocast X is cast to the autocast dtype, as in
+    nvfp4.nvfp4_linear."""
+    if sr_rounding not in nvfp4.SR_MODES:
+        raise ValueError(f"lora_svd_linear: sr_rounding must be one of {nvfp4.SR_MODES}, got {sr_rounding!r}")
     if torch.is_autocast_enabled(x.device.type):
         x = x.to(torch.get_autocast_dtype(x.device.type))
-    return LoRASVDFunction.apply(x, weight_res, L1, L2, float(beta), four_over_six, fused)
+    return LoRASVDFunction.apply(x, weight_res, L1, L2, float(beta), four_over_six, fused, sr_rounding)
 
 
 # -----------------------------------------------------------------------------
@@ -206,14 +210,15 @@ class LoRASVDLinear(nn.Module):
     is O(out * in * min(out, in)): seconds per 2048-wide layer on a CPU, so build big models on the GPU.
     To re-initialize from another dense weight, call `layer.set_weight(W)`.
     `fused` (default True) uses the App. 9 kernels on CUDA; False runs quantize, GEMM and BF16 branch apart.
+    `sr_rounding`: the backward's stochastic rounding, "sr" (Transformer Engine's) or "sr_up" (nvfp4.quantize).
     """
 
     def __init__(self, in_features, out_features, rank, beta=1.0, bias=False, four_over_six=True, weight=None,
-                 device=None):
+                 device=None, sr_rounding="sr"):
         super().__init__()
         check_shape(rank, in_features, out_features)
         self.in_features, self.out_features, self.rank = in_features, out_features, rank
-        self.beta, self.four_over_six, self.fused = float(beta), four_over_six, True
+        self.beta, self.four_over_six, self.fused, self.sr_rounding = float(beta), four_over_six, True, sr_rounding
         if weight is None:
             weight = torch.empty(out_features, in_features, device=device)
             nn.init.kaiming_uniform_(weight, a=math.sqrt(5))  # nn.Linear's default
@@ -225,9 +230,9 @@ class LoRASVDLinear(nn.Module):
         self.set_weight(weight)
 
     @classmethod
-    def from_linear(cls, linear, rank, beta=1.0, four_over_six=True):
+    def from_linear(cls, linear, rank, beta=1.0, four_over_six=True, sr_rounding="sr"):
         layer = cls(linear.in_features, linear.out_features, rank, beta=beta, bias=linear.bias is not None,
-                    four_over_six=four_over_six, weight=linear.weight.detach())
+                    four_over_six=four_over_six, weight=linear.weight.detach(), sr_rounding=sr_rounding)
         if linear.bias is not None:
             with torch.no_grad():
                 layer.bias.copy_(linear.bias.float())
@@ -252,7 +257,8 @@ class LoRASVDLinear(nn.Module):
         return W_res + self.beta * (L2 @ L1)
 
     def forward(self, x):
-        y = lora_svd_linear(x, self.weight_res, self.L1, self.L2, self.beta, self.four_over_six, self.fused)
+        y = lora_svd_linear(x, self.weight_res, self.L1, self.L2, self.beta, self.four_over_six, self.fused,
+                            self.sr_rounding)
         if y.requires_grad:  # this backward adds a new dW to weight_res.grad: it needs eqs. 3-4 again
             y.register_hook(self._new_gradient)
         return y if self.bias is None else y + self.bias.to(y.dtype)
@@ -262,7 +268,8 @@ class LoRASVDLinear(nn.Module):
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
-                f"beta={self.beta}, bias={self.bias is not None}, four_over_six={self.four_over_six}")
+                f"beta={self.beta}, bias={self.bias is not None}, four_over_six={self.four_over_six}, "
+                f"sr_rounding={self.sr_rounding}")
 
 
 class NaiveLoRALinear(nn.Module):
@@ -271,11 +278,11 @@ class NaiveLoRALinear(nn.Module):
     init: L1 like nn.Linear (kaiming-uniform, a=sqrt(5)), L2 = 0, so the layer starts equal to its main
     weight. The main weight is trained too; no SVD, projection or realignment."""
 
-    def __init__(self, in_features, out_features, rank, four_over_six=True, bias=False):
+    def __init__(self, in_features, out_features, rank, four_over_six=True, bias=False, sr_rounding="sr"):
         super().__init__()
         check_shape(rank, in_features, out_features)
         self.in_features, self.out_features, self.rank = in_features, out_features, rank
-        self.four_over_six = four_over_six
+        self.four_over_six, self.sr_rounding = four_over_six, sr_rounding
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.L1 = nn.Parameter(torch.empty(rank, in_features))
         self.L2 = nn.Parameter(torch.zeros(out_features, rank))
@@ -284,9 +291,9 @@ class NaiveLoRALinear(nn.Module):
         nn.init.kaiming_uniform_(self.L1, a=math.sqrt(5))
 
     @classmethod
-    def from_linear(cls, linear, rank, four_over_six=True):
+    def from_linear(cls, linear, rank, four_over_six=True, sr_rounding="sr"):
         layer = cls(linear.in_features, linear.out_features, rank, four_over_six=four_over_six,
-                    bias=linear.bias is not None).to(linear.weight.device)
+                    bias=linear.bias is not None, sr_rounding=sr_rounding).to(linear.weight.device)
         with torch.no_grad():
             layer.weight.copy_(linear.weight.float())
             if linear.bias is not None:
@@ -294,7 +301,7 @@ class NaiveLoRALinear(nn.Module):
         return layer
 
     def forward(self, x):
-        y = nvfp4.nvfp4_linear(x, self.weight, four_over_six=self.four_over_six)
+        y = nvfp4.nvfp4_linear(x, self.weight, self.four_over_six, self.sr_rounding)
         bdt = branch_dtype(x)
         y = y + ((x.to(bdt) @ self.L1.to(bdt).t()) @ self.L2.to(bdt).t()).to(y.dtype)
         return y if self.bias is None else y + self.bias.to(y.dtype)

@@ -325,10 +325,11 @@ def nvfp4_matmul(a, b, out_dtype=torch.float32, trans_a=False, trans_b=False):
 
 class _NVFP4LinearFn(torch.autograd.Function):
     """Y = Q1x16(X) Q16x16(W)^T (RTN), dX = Q1x16(dY) Q16x16(W) (SR, W's forward quantization reused, eq. 1),
-    dW = wgrad (eq. 2). On CUDA kernels/nvfp4_linear.py runs the same three GEMMs on the GPU's route."""
+    dW = wgrad (eq. 2). sr_rounding: the gradients' SR, "sr" or "sr_up" (quantize). On CUDA
+    kernels/nvfp4_linear.py runs the same three GEMMs on the GPU's route."""
 
     @staticmethod
-    def forward(ctx, x, weight, four_over_six):
+    def forward(ctx, x, weight, four_over_six, sr_rounding):
         x2 = x.reshape(-1, x.shape[-1])                                                 # (T, in)
         w = weight.detach()
         if _use_kernels(x2):
@@ -340,26 +341,27 @@ class _NVFP4LinearFn(torch.autograd.Function):
             y = nvfp4_matmul(xq, w_used, out_dtype=x.dtype)                              # (T, out)
         # Save the packed 4-bit X (not X): that is where FP4 training saves activation memory.
         ctx.xq, ctx.w_used, ctx.four_over_six, ctx.x_shape = xq, w_used, four_over_six, x.shape
+        ctx.sr_rounding = sr_rounding
         ctx.weight_dtype = weight.dtype
         return y.reshape(*x.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx, dy):
-        xq, w_used, fos = ctx.xq, ctx.w_used, ctx.four_over_six
+        xq, w_used, fos, sr = ctx.xq, ctx.w_used, ctx.four_over_six, ctx.sr_rounding
         dy2 = dy.reshape(-1, dy.shape[-1])                                              # (T, out)
         need_dx, need_dw = ctx.needs_input_grad[:2]
         if _use_kernels(dy2):
             dx, dw = linear_kernels.backward(dy2, xq, w_used, fos, *backward_draws(need_dx, need_dw, dy2.device),
-                                             dw_dtype=ctx.weight_dtype)
+                                             dw_dtype=ctx.weight_dtype, rounding=sr)
         else:
             dx = dw = None
             if need_dx:
-                dyq = quantize(dy2, (1, 16), "sr", fos, name="gradient dY")               # Q1x16(dY), SR
+                dyq = quantize(dy2, (1, 16), sr, fos, name="gradient dY")                 # Q1x16(dY), SR
                 dx = nvfp4_matmul(dyq, w_used, dy.dtype, trans_b=True)                    # Q16x16(W) reused
             if need_dw:
-                dw = wgrad(dy2, xq, fos, out_dtype=ctx.weight_dtype)                      # eq. 2
+                dw = wgrad(dy2, xq, fos, out_dtype=ctx.weight_dtype, rounding=sr)         # eq. 2
         ctx.xq = ctx.w_used = None
-        return (dx.reshape(ctx.x_shape) if dx is not None else None), dw, None
+        return (dx.reshape(ctx.x_shape) if dx is not None else None), dw, None, None
 
 
 def backward_draws(need_dx, need_dw, device):
@@ -372,46 +374,53 @@ def backward_draws(need_dx, need_dw, device):
     return seed_dx, H, seeds_dw
 
 
-def wgrad(dy, xq, four_over_six=False, hadamard=None, out_dtype=torch.float32):
+def wgrad(dy, xq, four_over_six=False, hadamard=None, out_dtype=torch.float32, rounding="sr"):
     """Eq. 2: dW = Q1x16(dY^T H) . Q16x1(H^T Q1x16(X)), H a fresh random Hadamard, SR on both operands.
     dy (T, out); xq the forward's packed Q1x16(X) (T, in), dequantized in dy's dtype (bf16 in training: the
     precision the activations had) before its rotation. The rotation spreads outliers along the token
     (contraction) dim before the 16-element blocks see them; H H^T = I leaves the product unbiased.
     Both operands are quantized as stored, (T, out) and (T, in) with 16x1 blocks along T (Q16x1(H^T dY) is
-    Q1x16(dY^T H) transposed), and the GEMM reads them transposed. Returns (out, in) in out_dtype."""
+    Q1x16(dY^T H) transposed), and the GEMM reads them transposed. rounding: "sr" or "sr_up" (quantize).
+    Returns (out, in) in out_dtype."""
     T = dy.shape[0]
     if T % 16:
         raise ValueError(f"wgrad: the number of tokens ({T}) must be a multiple of 16 (the contraction dim of dW)")
     H = random_hadamard(device=dy.device) if hadamard is None else hadamard
-    dyq = quantize(dy, (16, 1), "sr", four_over_six, hadamard=H, name="gradient dY")              # (T, out)
-    xhq = quantize(xq.dequantize(dy.dtype), (16, 1), "sr", four_over_six, hadamard=H, name="activation Q(X)")
+    dyq = quantize(dy, (16, 1), rounding, four_over_six, hadamard=H, name="gradient dY")          # (T, out)
+    xhq = quantize(xq.dequantize(dy.dtype), (16, 1), rounding, four_over_six, hadamard=H, name="activation Q(X)")
     return nvfp4_matmul(dyq, xhq, out_dtype, trans_a=True, trans_b=True)                          # (out, in)
 
 
-def nvfp4_linear(x, weight, four_over_six=False):
-    """Y = Q1x16(X) Q16x16(W)^T with the eq. 1-2 backward. Under autocast X is cast to the autocast dtype."""
+def nvfp4_linear(x, weight, four_over_six=False, sr_rounding="sr"):
+    """Y = Q1x16(X) Q16x16(W)^T with the eq. 1-2 backward (its gradients rounded by sr_rounding, "sr" or "sr_up").
+    Under autocast X is cast to the autocast dtype."""
+    if sr_rounding not in SR_MODES:
+        raise ValueError(f"nvfp4_linear: sr_rounding must be one of {SR_MODES}, got {sr_rounding!r}")
     if torch.is_autocast_enabled(x.device.type):
         x = x.to(torch.get_autocast_dtype(x.device.type))
-    return _NVFP4LinearFn.apply(x, weight, four_over_six)
+    return _NVFP4LinearFn.apply(x, weight, four_over_six, sr_rounding)
 
 
 class NVFP4Linear(nn.Module):
-    """Drop-in nn.Linear (no bias by default) whose three GEMMs run in NVFP4; the master weight stays fp32."""
+    """Drop-in nn.Linear (no bias by default) whose three GEMMs run in NVFP4; the master weight stays fp32.
+    sr_rounding: the backward's stochastic rounding, "sr" (Transformer Engine's) or "sr_up" (quantize)."""
 
-    def __init__(self, in_features, out_features, bias=False, four_over_six=False, device=None, dtype=None):
+    def __init__(self, in_features, out_features, bias=False, four_over_six=False, device=None, dtype=None,
+                 sr_rounding="sr"):
         super().__init__()
         if in_features % 16 or out_features % 16:
             raise ValueError(f"NVFP4Linear: in_features ({in_features}) and out_features ({out_features}) "
                              "must be multiples of 16 (the 16x16 weight blocks)")
         self.in_features, self.out_features, self.four_over_six = in_features, out_features, four_over_six
+        self.sr_rounding = sr_rounding
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Linear's default
 
     @classmethod
-    def from_linear(cls, linear, four_over_six=False):
+    def from_linear(cls, linear, four_over_six=False, sr_rounding="sr"):
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, four_over_six,
-                    device=linear.weight.device, dtype=linear.weight.dtype)
+                    device=linear.weight.device, dtype=linear.weight.dtype, sr_rounding=sr_rounding)
         with torch.no_grad():
             layer.weight.copy_(linear.weight)
             if linear.bias is not None:
@@ -419,11 +428,12 @@ class NVFP4Linear(nn.Module):
         return layer
 
     def forward(self, x):
-        y = nvfp4_linear(x, self.weight, self.four_over_six)
+        y = nvfp4_linear(x, self.weight, self.four_over_six, self.sr_rounding)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self):
-        return f"in_features={self.in_features}, out_features={self.out_features}, four_over_six={self.four_over_six}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"four_over_six={self.four_over_six}, sr_rounding={self.sr_rounding}")
 
 
 # ----------------------------------------------------------------------------------------------------------

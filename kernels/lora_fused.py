@@ -48,19 +48,19 @@ def forward(x, qw, L1, L2, beta, four_over_six, out_dtype):
     return grid_values_mm(abuf, wbuf.t(), s_gx, qw.global_scale, out_dtype), (xc, xs, s_gx)
 
 
-def backward(dy, xq, qw, L1, L2, beta, four_over_six, seed_dx, hadamard, seeds_dw):
+def backward(dy, xq, qw, L1, L2, beta, four_over_six, seed_dx, hadamard, seeds_dw, rounding="sr"):
     """eq. 1's dX = Q1x16(dY, SR) Q16x16(W_res) + (beta dY L2) L1, reusing the forward's packed qw, and eq. 2's
     dW (fp32). seed_dx: dX's SR seed, None when dX is not needed; hadamard, seeds_dw: eq. 2's H and SR seeds,
-    None when dW is not needed (nvfp4.backward_draws). -> (dX in dY's dtype, dW)."""
+    None when dW is not needed (nvfp4.backward_draws); rounding: "sr" or "sr_up". -> (dX in dY's dtype, dW)."""
     amax_dy = amax_dyh = None
     if seed_dx is not None and hadamard is not None:  # one read of dY for both of its global amaxes
         amax_dy, amax_dyh = global_amax_pair(dy, hadamard, name="gradient dY")
     dx = dw = None
     if seed_dx is not None:
-        abuf, s_g, _ = _operand(dy, L2.t(), beta, "sr", four_over_six, seed_dx, qw.global_scale, "gradient dY",
+        abuf, s_g, _ = _operand(dy, L2.t(), beta, rounding, four_over_six, seed_dx, qw.global_scale, "gradient dY",
                                 global_amax=amax_dy)                      # [dY_hat | beta dY L2 / s_g]
         wbuf = torch.cat((grid_values_bf16(qw), L1.to(torch.bfloat16)), dim=0)  # (out + r, in) = [W_hat ; L1]
         dx = grid_values_mm(abuf, wbuf, s_g, qw.global_scale, dy.dtype)
     if hadamard is not None:
-        dw = wgrad(dy, xq, four_over_six, hadamard, seeds_dw, amax_dyh)
+        dw = wgrad(dy, xq, four_over_six, hadamard, seeds_dw, amax_dyh, rounding=rounding)
     return dx, dw

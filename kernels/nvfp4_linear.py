@@ -40,31 +40,32 @@ def forward(x, w, four_over_six):
     return grid_values_mm(xv, wv.t(), s_gx, s_gw, x.dtype), (xc, xs, s_gx), (wv, s_gw)
 
 
-def backward(dy, xq, w_used, four_over_six, seed_dx, hadamard, seeds_dw, dw_dtype):
+def backward(dy, xq, w_used, four_over_six, seed_dx, hadamard, seeds_dw, dw_dtype, rounding="sr"):
     """dy (T, out); xq the forward's packed Q1x16(X) (codes, scales, global_scale, shape, block: an
     nvfp4.NVFP4Tensor); w_used the forward's (W grid values, global scale). seed_dx: dX's SR seed, None when dX is
-    not needed; hadamard, seeds_dw: eq. 2's H and its two SR seeds, None when dW is not needed. -> (dX, dW)."""
+    not needed; hadamard, seeds_dw: eq. 2's H and its two SR seeds, None when dW is not needed; rounding: "sr" or
+    "sr_up" (nvfp4_quant.SR_MODES). -> (dX, dW)."""
     amax_dy = amax_dyh = None
     if seed_dx is not None and hadamard is not None:  # one read of dY for both of its global amaxes
         amax_dy, amax_dyh = global_amax_pair(dy, hadamard, name="gradient dY")
     dx = dw = None
     if seed_dx is not None:
-        dyv, s_g = quantize_dequant(dy, (1, 16), "sr", four_over_six, seed=seed_dx, global_amax=amax_dy,
+        dyv, s_g = quantize_dequant(dy, (1, 16), rounding, four_over_six, seed=seed_dx, global_amax=amax_dy,
                                     name="gradient dY")
         dx = grid_values_mm(dyv, w_used[0], s_g, w_used[1], dy.dtype)                # Q16x16(W) reused
     if hadamard is not None:
-        dw = wgrad(dy, xq, four_over_six, hadamard, seeds_dw, amax_dyh, dw_dtype)
+        dw = wgrad(dy, xq, four_over_six, hadamard, seeds_dw, amax_dyh, dw_dtype, rounding)
     return dx, dw
 
 
-def wgrad(dy, xq, four_over_six, hadamard, seeds, dy_global_amax=None, out_dtype=torch.float32):
+def wgrad(dy, xq, four_over_six, hadamard, seeds, dy_global_amax=None, out_dtype=torch.float32, rounding="sr"):
     """Eq. 2, dW = Q1x16(dY^T H) Q16x1(H^T X_hat) (out, in), both operands quantized as stored, (T, out) and
     (T, in) with 16x1 blocks along T, and read transposed by the GEMM. X_hat = the packed xq dequantized in dY's
     dtype (the precision the activations had). seeds: the two SR seeds (dY's, X_hat's); dy_global_amax:
     max |H^T dY| if the caller has it."""
-    dyv, s_gdy = quantize_dequant(dy, (16, 1), "sr", four_over_six, seed=seeds[0], hadamard=hadamard,
+    dyv, s_gdy = quantize_dequant(dy, (16, 1), rounding, four_over_six, seed=seeds[0], hadamard=hadamard,
                                   global_amax=dy_global_amax, name="gradient dY")                  # (T, out)
     x_hat = dequantize(xq.codes, xq.scales, xq.global_scale, xq.shape, xq.block, dy.dtype)
-    xv, s_gx = quantize_dequant(x_hat, (16, 1), "sr", four_over_six, seed=seeds[1], hadamard=hadamard,
+    xv, s_gx = quantize_dequant(x_hat, (16, 1), rounding, four_over_six, seed=seeds[1], hadamard=hadamard,
                                 name="activation Q(X)")                                             # (T, in)
     return grid_values_mm(dyv.t(), xv, s_gdy, s_gx, out_dtype)                                     # (out, in)

@@ -462,6 +462,10 @@ def test_linear_kernels_wgrad_is_eq2_with_the_given_draws():
     dyq = kquantize(dy, (16, 1), "sr", True, seed=7, hadamard=H)
     xhq = kquantize(xq.dequantize(torch.bfloat16), (16, 1), "sr", True, seed=8, hadamard=H)
     assert torch.equal(dw, nvfp4.nvfp4_matmul(dyq, xhq, trans_a=True, trans_b=True))
+    dw_up = kl.wgrad(dy, xq, True, H, (7, 8), rounding="sr_up")  # the SR with block scales rounded up
+    dyq = kquantize(dy, (16, 1), "sr_up", True, seed=7, hadamard=H)
+    xhq = kquantize(xq.dequantize(torch.bfloat16), (16, 1), "sr_up", True, seed=8, hadamard=H)
+    assert torch.equal(dw_up, nvfp4.nvfp4_matmul(dyq, xhq, trans_a=True, trans_b=True)) and not torch.equal(dw_up, dw)
     wv = nvfp4.quantize(torch.randn(O, I, generator=g), (16, 16)).grid_values().bfloat16()
     dx, dw2 = kl.backward(dy, xq, (wv, torch.tensor(1.0)), True, 3, H, (7, 8), torch.float32)
     assert torch.equal(dw2, dw) and dx.shape == (T, I) and dx.dtype == torch.bfloat16

@@ -71,9 +71,11 @@ def test_bad_features_raise():
 # ---------------------------------------------------------------------------------------------------- eqs. 1-2
 
 @pytest.mark.parametrize("four_over_six", [True, False])
-def test_forward_backward_match_float64_eqs_1_2(four_over_six):
+@pytest.mark.parametrize("sr", ["sr", "sr_up"])
+def test_forward_backward_match_float64_eqs_1_2(four_over_six, sr):
     beta = 0.5
     layer = make_layer(beta=beta, seed=2)
+    layer.sr_rounding = sr
     layer.four_over_six = four_over_six
     x = torch.randn(2, T // 2, IN, requires_grad=True)  # (B, T, C): leading dims are flattened
     dy = torch.randn(2, T // 2, OUT)
@@ -91,10 +93,10 @@ def test_forward_backward_match_float64_eqs_1_2(four_over_six):
     assert_close64(y.reshape(T, OUT), y_ref)
     # replay the backward's draws in order: SR of dY (dX), then eq. 2's Hadamard and two SR quantizations
     torch.manual_seed(123)
-    q_dy = nvfp4.quantize(dy2, (1, 16), "sr", fos)
+    q_dy = nvfp4.quantize(dy2, (1, 16), sr, fos)
     H = nvfp4.random_hadamard()
-    q_dyt = nvfp4.quantize(dy2, (16, 1), "sr", fos, hadamard=H)  # Q16x1(H^T dY) = Q1x16(dY^T H)^T  (T, out)
-    q_hx = nvfp4.quantize(qx.dequantize(), (16, 1), "sr", fos, hadamard=H)  # Q16x1(H^T Q(X))  (T, in)
+    q_dyt = nvfp4.quantize(dy2, (16, 1), sr, fos, hadamard=H)  # Q16x1(H^T dY) = Q1x16(dY^T H)^T  (T, out)
+    q_hx = nvfp4.quantize(qx.dequantize(), (16, 1), sr, fos, hadamard=H)  # Q16x1(H^T Q(X))  (T, in)
     # eq. 1, dX: Q16x16(W_res) reused untransposed-requantized + branch
     dx_ref = f64(q_dy.dequantize()) @ f64(qw.dequantize()) + beta * (f64(dy2) @ L2) @ L1
     assert_close64(x.grad.reshape(T, IN), dx_ref)

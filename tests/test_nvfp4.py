@@ -232,9 +232,10 @@ def test_linear_forward_is_the_quantized_product_and_saves_packed_x():
     assert saved.nbytes < x.numel() * 4 / 7  # 0.5625 byte/element + the global scale vs 4 bytes
 
 
-def test_linear_backward_replays_eqs_1_2():
+@pytest.mark.parametrize("sr", ["sr", "sr_up"])
+def test_linear_backward_replays_eqs_1_2(sr):
     torch.manual_seed(0)
-    layer = nvfp4.NVFP4Linear(64, 32, four_over_six=True)
+    layer = nvfp4.NVFP4Linear(64, 32, four_over_six=True, sr_rounding=sr)
     x = randn(32, 64, seed=13).requires_grad_()
     dy = randn(32, 32, seed=14)
     y = layer(x)
@@ -243,12 +244,12 @@ def test_linear_backward_replays_eqs_1_2():
     # the same computation written out with the same RNG draws, in the order the backward makes them
     torch.manual_seed(123)
     W = nvfp4.quantize(layer.weight.detach(), (16, 16), four_over_six=True)
-    dx = nvfp4.fake_quantize(dy, rounding="sr", four_over_six=True) @ W.dequantize()
+    dx = nvfp4.fake_quantize(dy, rounding=sr, four_over_six=True) @ W.dequantize()
     H = nvfp4.random_hadamard()
     xq = nvfp4.fake_quantize(x.detach(), four_over_six=True)
     Hbig = torch.block_diag(*[H] * 2)  # H_16^r on every 16 tokens
-    a = nvfp4.fake_quantize(Hbig.t() @ dy, (16, 1), rounding="sr", four_over_six=True).t()  # Q1x16(dY^T H)
-    b = nvfp4.fake_quantize(Hbig.t() @ xq, (16, 1), rounding="sr", four_over_six=True)      # Q16x1(H^T Q(X))
+    a = nvfp4.fake_quantize(Hbig.t() @ dy, (16, 1), rounding=sr, four_over_six=True).t()  # Q1x16(dY^T H)
+    b = nvfp4.fake_quantize(Hbig.t() @ xq, (16, 1), rounding=sr, four_over_six=True)      # Q16x1(H^T Q(X))
     assert torch.allclose(x.grad, dx, rtol=1e-5, atol=1e-5)
     assert torch.allclose(layer.weight.grad, a @ b, rtol=1e-4, atol=1e-4)
 
