@@ -27,7 +27,8 @@ from kernels.nvfp4_gemm import nvfp4_gemm
 from kernels.nvfp4_math import E4M3_MAX, E4M3_MAX_46, FP4_MAX  # 448, 256 (4/6: 256 * 1.5 < 448), 6
 from kernels.nvfp4_quant import BLOCKS, ROUNDINGS, SR_MODES, check_blocks  # block shapes, "rtn" / "sr" / "sr_up"
 
-E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device="cpu")  # cpu even under `with torch.device("meta")`
+# the E2M1 magnitudes by code index; on the CPU even under `with torch.device("meta")`
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device="cpu")
 
 
 # ----------------------------------------------------------------------------------------------------------
