@@ -8,8 +8,9 @@ are importable from here too.)
 It reproduces the reference `nvfp4._quantize_reference` (the spec) bit for bit, with the device arithmetic of
 kernels/nvfp4_math.py:
   s_g = amax / (448 * 6)                     correctly rounded fp32 division (tl.div_rn; torch on CPU divides alike)
-  s_b = e4m3(min(amax_b / 6 / s_g, 448))     two correctly rounded divisions, then RNE to E4M3 with explicit
-                                             arithmetic (the interpreter's fp32->fp8 cast is wrong on ties)
+  s_b = e4m3(min(amax_b / 6 / s_g, 448))     two correctly rounded divisions, then RNE to E4M3 (up for "sr_up")
+                                             with explicit arithmetic (the interpreter's fp32->fp8 cast is wrong
+                                             on ties)
   a   = min(|x| / (s_b * s_g), 6)            the product rounded to fp32 first, then a correctly rounded division
   q   = RTN ties-to-even on the E2M1 grid, or SR: up with probability (a - lo) / (hi - lo)
   sign = x < 0                               (-0.0 gets a + code, as in the reference)
