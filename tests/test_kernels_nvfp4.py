@@ -584,6 +584,19 @@ def test_gpu_gemm_odd_shapes():
 
 
 @pytest.mark.gpu
+def test_gpu_nvfp4_matmul_folds_leading_dims():
+    """nvfp4.nvfp4_matmul's kernel path (the seam folds a's leading dims into rows) against its CPU reference."""
+    g = torch.Generator().manual_seed(8)
+    a = nvfp4.quantize(torch.randn(3, 64, 256, generator=g).cuda(), (1, 16))
+    b = nvfp4.quantize(torch.randn(128, 256, generator=g).cuda(), (16, 16))
+    cpu = lambda t: nvfp4.NVFP4Tensor(t.codes.cpu(), t.scales.cpu(), t.global_scale.cpu(), t.shape, t.block)
+    out = nvfp4.nvfp4_matmul(a, b)
+    assert out.shape == (3, 64, 128)
+    ref = nvfp4.nvfp4_matmul(cpu(a), cpu(b))
+    assert torch.allclose(out.cpu(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+@pytest.mark.gpu
 def test_gpu_linear_matches_the_reference():
     """NVFP4Linear on the GPU (kernels/nvfp4_linear.py: on the H200 quantize kernels writing bf16 grid values,
     cuBLAS, the scale pass): the forward equals the reference's quantized product up to the bf16 output rounding,
