@@ -326,12 +326,12 @@ def corpus_train_tokens(data_dir):
         return None
 
 
-def tail_mean(values):
+def window_means(values):
+    """Means of every window of TAIL of the logged losses, at least 5 of them (the last one is the run's train
+    loss; a single batch's loss is too noisy to call a collapse on)."""
     values = [v for v in values if v is not None]
-    if not values:
-        return None
-    k = max(1, math.ceil(TAIL * len(values)))
-    return sum(values[-k:]) / k
+    k = min(len(values), max(5, math.ceil(TAIL * len(values))))
+    return [sum(values[i:i + k]) / k for i in range(len(values) - k + 1)]
 
 
 def collect_rows(runs, train_tokens):
@@ -350,14 +350,15 @@ def collect_rows(runs, train_tokens):
         steps = summary.get("steps", max((r["step"] for r in metrics), default=0))
         tokens = summary.get("tokens", max((r.get("tokens", 0) for r in metrics), default=0))
         diverged = not summary
+        windows = window_means(train)
         val_loss = None if diverged else summary.get("final_val_loss", vals[-1] if vals else None)
         params = summary.get("params")
         rows.append({
             "recipe": m["recipe"], "optimizer": m["optimizer"], "seed": int(m["seed"]),
-            "val_loss": val_loss, "train_loss": None if diverged else tail_mean(train),
+            "val_loss": val_loss, "train_loss": None if diverged or not windows else windows[-1],
             "tokens": tokens, "params": params, "steps": steps,
             "config": summary.get("config"), "status": "diverged" if diverged else "ok",
-            "best_train_loss": min(train) if train else None,
+            "best_train_loss": min(windows, default=None),  # windowed like train_loss: one batch is noisy
             "tokens_per_param": tokens / params if params else None,
             "epochs": summary.get("epochs", tokens / train_tokens if train_tokens else None),
             "tokens_per_s": summary.get("tokens_per_s"),
@@ -382,21 +383,25 @@ def stats(values):
 
 
 def mark_collapsed(rows):
-    """A run collapsed if it stopped on a non-finite loss, its final train loss rose COLLAPSE_NATS above its own
-    best, or its final val loss is COLLAPSE_NATS above the mean of bf16's with the same optimizer."""
+    """A run that finished collapsed if its val loss is non-finite, its final train loss rose COLLAPSE_NATS above
+    its own best (both over TAIL-long windows), or its final val loss is COLLAPSE_NATS above the mean of bf16's
+    with the same optimizer. (A run train.py stopped on a non-finite loss keeps its status "diverged".)"""
     for row in rows:
+        if row["status"] == "diverged":
+            continue
         base, _, _ = stats([r["val_loss"] for r in rows if r["recipe"] == "bf16" and r["optimizer"] == row["optimizer"]])
-        if row["status"] == "diverged" or not finite(row["val_loss"]):
-            row["status"] = "diverged" if row["status"] == "diverged" else "collapsed"
-        elif (finite(row["train_loss"]) and row["train_loss"] > row["best_train_loss"] + COLLAPSE_NATS) or \
-                (base is not None and row["val_loss"] > base + COLLAPSE_NATS):
+        val, train = row["val_loss"], row["train_loss"]
+        if ((val is not None and not math.isfinite(val))
+                or (finite(train) and train > row["best_train_loss"] + COLLAPSE_NATS)
+                or (finite(val) and base is not None and val > base + COLLAPSE_NATS)):
             row["status"] = "collapsed"
     return rows
 
 
 def val_by_seed(rows, recipe, optimizer):
+    """{seed: final val loss} of the row's runs with a finite one (a collapsed run's counts: it is the result)."""
     return {r["seed"]: r["val_loss"] for r in rows if r["recipe"] == recipe and r["optimizer"] == optimizer
-            and r["status"] == "ok"}
+            and finite(r["val_loss"])}
 
 
 def gaps(rows, recipe, optimizer):
@@ -492,7 +497,7 @@ def grid_time(rows, seeds=3):
     the grid has no measured run."""
     startup, per_step = 0.0, 0.0
     for recipe, optimizer, _ in grid(range(seeds)):
-        timed = [r for r in rows if r["recipe"] == recipe and r["optimizer"] == optimizer and r["status"] == "ok"
+        timed = [r for r in rows if r["recipe"] == recipe and r["optimizer"] == optimizer and r["status"] != "diverged"
                  and finite(r["tokens_per_s"]) and r["wall_s"]]
         if not timed:
             return None
@@ -514,7 +519,7 @@ def table(rows):
                 continue
             mean, std, n = stats(val_by_seed(rows, recipe, opt).values())
             g_mean, g_std, _ = stats(gaps(rows, recipe, opt).values())
-            t_mean, _, _ = stats(r["train_loss"] for r in mine if r["status"] == "ok")
+            t_mean, _, _ = stats(r["train_loss"] for r in mine)
             gap = None if mean is None or b_mean is None else 100 * (mean - b_mean) / b_mean
             status = ", ".join(sorted({r["status"] for r in mine}))
             lines.append(f"| `{recipe}` | {opt} | {len(mine)} | {fmt(mean, 4)} ± {fmt(std, 4)} | "
@@ -583,7 +588,7 @@ def aggregate(args):
     if not rows:
         print(f"ablation: no finished runs in {shown(args.runs)}; nothing to aggregate", flush=True)
         return None
-    setups = {(r["config"], r["steps"], r["tokens"]) for r in rows if r["status"] == "ok"}
+    setups = {(r["config"], r["steps"], r["tokens"]) for r in rows if r["status"] != "diverged"}
     if len(setups) > 1:
         die(f"--runs {shown(args.runs)}: finished runs mix setups (config, steps, tokens) {sorted(setups, key=str)}; "
             "use one --runs directory per setup")
@@ -592,7 +597,7 @@ def aggregate(args):
             "tokens_per_param", "epochs", "config", "tokens_per_s", "wall_s")
     with open(os.path.join(results, "summary.json"), "w") as f:
         json.dump([{k: r[k] for k in keep} for r in rows], f, indent=1)
-    ok = [r for r in rows if r["status"] == "ok"]
+    ok = [r for r in rows if r["status"] != "diverged"]  # the runs with a summary.json
     first = ok[0] if ok else {"config": rows[0]["config"], "steps": "n/a", "tokens": 0, "params": 0,
                               "tokens_per_param": None, "epochs": None}
     hardware = ", ".join(sorted({r["hardware"] for r in rows if r["hardware"]})) or "unknown"
@@ -606,7 +611,8 @@ def aggregate(args):
         f"{fmt(first['epochs'], 3, g=True)} epochs of the {fmt(train_tokens and train_tokens / 1e6, 2)}M-token train split. "
         f"Hardware: {hardware}. Dates: {', '.join(dates) or 'unknown'}. Run time, summed over runs: "
         f"{gpu_s / 60:.1f} min.", "",
-        f"Val loss: the last evaluation of each run. Train loss: mean over the last {TAIL:.0%} of logged steps. "
+        f"Val loss: the last evaluation of each run. Train loss: mean over the last {TAIL:.0%} of logged steps "
+        "(at least 5). "
         "Gap: 100·(mean − mean bf16)/mean bf16 with the same optimizer; per-seed gap: the same per seed (a seed "
         "fixes the init and the batches in every recipe), mean ± std over seeds. Status `diverged`: train.py "
         f"stopped on a non-finite loss; `collapsed`: the loss rose {COLLAPSE_NATS:g} nat above its best or above bf16's.",
