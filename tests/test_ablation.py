@@ -111,6 +111,10 @@ def test_verdicts_follow_the_numbers():
     assert verdict_of(rows, "fullstack close", "adamw") == "not confirmed"
     assert verdict_of(rows, "naive_fp4", "adamw") == "not confirmed"
 
+    blown_up = synthetic_rows({**paper, ("naive_fp4", "adamw"): [50.0]})  # finished, far above bf16
+    assert verdict_of(blown_up, "naive_fp4", "adamw") == "confirmed"
+    assert "| `naive_fp4` | adamw | 1 | 50.0000 ± n/a |" in ablation.table(blown_up)
+
     noisy = {**paper, ("nvfp4_46", "adamw"): [3.30, 2.90, 3.10]}  # per-seed gaps scatter by +-4 points
     assert verdict_of(synthetic_rows(noisy), "nvfp4 gap > nvfp4_46", "adamw") == "not resolvable at this scale"
 
