@@ -557,7 +557,8 @@ def plot(rows, runs, path):
                 std.append(statistics.stdev(per_seed) if len(per_seed) > 1 else 0.0)
             tokens_per_step = rows[0]["tokens"] / max(1, rows[0]["steps"])
             x = [s * tokens_per_step / 1e6 for s in steps]
-            label = f"{recipe} (n={len(curves)})"
+            broken = sum(r["status"] != "ok" for r in rows if r["recipe"] == recipe and r["optimizer"] == opt)
+            label = f"{recipe} (n={len(curves)}{f', {broken} collapsed' if broken else ''})"
             ax.plot(x, mean, color=colors[recipe], lw=1.2, label=label)
             ax.fill_between(x, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
                             color=colors[recipe], alpha=0.2, lw=0)
