@@ -224,8 +224,9 @@ def _quantize_qkv(x, name, kernels):
     forward's matmul operand: the bf16 grid values q * s_b written by the same pass for the kernels (which apply
     s_g to their fp32 accumulators), the dequantized fp32 values for the reference."""
     if kernels:
-        values, _, t = quantize_dequant(x.detach(), (1, 16), "rtn", return_tensor=True, name=f"attention {name}")
-        return t, values
+        values, s_g, codes, scales = quantize_dequant(x.detach(), (1, 16), "rtn", return_tensor=True,
+                                                      name=f"attention {name}")
+        return nvfp4.NVFP4Tensor(codes, scales, s_g, x.shape, (1, 16)), values
     t = nvfp4.quantize(x.detach(), (1, 16), "rtn", name=f"attention {name}")
     return t, t.dequantize()
 
