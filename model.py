@@ -78,7 +78,7 @@ class GPTConfig:
         return self.n_embd // self.n_head
 
 
-# Named configs. 1b/3b follow DESIGN.md (the 1B table is our choice: the paper's copy lacks it). Untied embeddings
+# Named configs. 3b is the paper's main model; 1b is our choice (the paper's copy lacks its 1B table). Untied embeddings
 # for 1b/3b put them at 1.01B / 3.03B parameters. toy is App. 13's 6-layer, hidden-1024 model; with a 4x SwiGLU
 # width and tied embeddings it has ~146M parameters (the paper says ~150M). tiny exists so CPU runs finish in
 # minutes; its parameters are mostly the 50304x128 embedding.

@@ -489,7 +489,7 @@ def quantile(x, q):
     flat = x.reshape(-1)
     pos = q * (flat.numel() - 1)
     lo = math.floor(pos)
-    if flat.is_cuda:  # one sort: CUDA's kthvalue on a single 12M-element slice took 150 ms (bench_optim, H200)
+    if flat.is_cuda:  # one sort: CUDA's kthvalue on one large slice is many times slower
         ordered = flat.sort().values
         v_lo, v_hi = ordered[lo], ordered[min(lo + 1, flat.numel() - 1)]
     else:
@@ -509,7 +509,7 @@ def root_direction(M, threshold_quantile=0.9, steps=5, quantized=True, hadamards
 class _CapturedDirection:
     """root_direction for one matrix shape as a CUDA graph, replayed every step. The NVFP4 NS is ~130 small
     kernels (5 quantizations and 3 GEMMs per step, each with its amax pass and scale arithmetic): at toy and 1B
-    sizes the Python launch overhead, not the math, set its time (13 ms per matrix at any size, bench_optim.py).
+    sizes the Python launch overhead, not the math, sets its time (docs/optim.md).
     The random Hadamards are drawn outside and copied in; the kernels, the GEMM routes and every rounding are
     those of the eager call (tests/test_optim.py::test_gpu_root_cuda_graph_equals_eager checks bit equality)."""
 
@@ -518,7 +518,7 @@ class _CapturedDirection:
         # placeholder rotations for the capture, no RNG draw (a draw here would shift a resumed run's streams)
         self.H = (nvfp4.sylvester_hadamard(16, M.device) / 4).expand(steps, 16, 16).contiguous()
         run = lambda: root_direction(self.M, threshold_quantile, steps, True, list(self.H.unbind(0)))
-        run()  # compile the kernels and cache the GEMM routes (pick_route times both) outside the capture
+        run()  # compile the kernels outside the capture
         torch.cuda.synchronize()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
