@@ -27,6 +27,7 @@ import torch
 import attention
 import data
 import lora_svd
+import nvfp4
 import optim
 from model import CONFIGS, GPT, GPTConfig, RECIPES, compile_model, config_from_name
 
@@ -46,7 +47,7 @@ CONFIG_DEFAULTS = {
                warmup=round(3e9 / PAPER_BATCH_TOKENS), eval_every=500, eval_iters=20, save_every=1000, log_every=10),
 }
 SCHEDULE_FLAGS = ("lr", "min_lr", "lora_lr", "warmup", "lr_decay_steps")  # what a resumed run keeps unless passed
-RESUME_MUST_MATCH = ("config", "recipe", "attn_policy", "optimizer", "batch_size", "grad_accum", "seq_len",
+RESUME_MUST_MATCH = ("config", "recipe", "attn_policy", "sr_rounding", "optimizer", "batch_size", "grad_accum", "seq_len",
                      "lora_rank", "seed")
 RUN_FILES = ("ckpt.pt", "ckpt_rank*.pt", "metrics.jsonl", "summary.json", "loss.png")  # what --overwrite replaces
 H200_BF16_PEAK_FLOPS = 989e12  # dense BF16 tensor-core peak of one H100/H200 SXM (the MFU denominator)
@@ -88,6 +89,8 @@ def parse_args(argv=None):
     p.add_argument("--recipe", default="fullstack", help=f"precision: {', '.join(RECIPES)} (default: %(default)s)")
     p.add_argument("--attn_policy", default=None, help="replace the recipe's attention by one of "
                    f"{', '.join(attention.POLICIES)} (default: the recipe's)")
+    p.add_argument("--sr_rounding", default=None, help="the linear layers' gradient SR: sr (Transformer Engine's) or "
+                   "sr_up (block scales rounded up: unbiased) (default: the recipe's, sr)")
     p.add_argument("--optimizer", default="adamw", help=f"{' | '.join(optim.OPTIMIZERS)} (default: %(default)s)")
     p.add_argument("--max_steps", type=int, default=None, help=f"optimizer steps {per_config}")
     p.add_argument("--max_tokens", type=float, default=None, help="token budget instead of --max_steps, e.g. 20e9: "
@@ -154,6 +157,10 @@ def resolve_args(args, world_size):
         if args.attn_policy not in attention.POLICIES:
             die(f"--attn_policy {args.attn_policy!r}: expected one of {', '.join(attention.POLICIES)}")
         recipe = dataclasses.replace(recipe, attention=args.attn_policy)
+    if args.sr_rounding is not None:
+        if args.sr_rounding not in nvfp4.SR_MODES:
+            die(f"--sr_rounding {args.sr_rounding!r}: expected one of {', '.join(nvfp4.SR_MODES)}")
+        recipe = dataclasses.replace(recipe, sr_rounding=args.sr_rounding)
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     if args.dtype not in ("bfloat16", "float32"):

@@ -113,6 +113,10 @@ def test_make_linear_follows_the_recipe_and_init():
     assert isinstance(kinds["lora_naive"], lora_svd.NaiveLoRALinear)
     assert isinstance(kinds["lora_svd"], lora_svd.LoRASVDLinear)
     assert isinstance(kinds["fullstack"], lora_svd.LoRASVDLinear)
+    assert all(m.sr_rounding == "sr" for m in kinds.values() if not isinstance(m, nn.Linear))
+    for name in ("nvfp4_46", "lora_naive", "fullstack"):  # Recipe.sr_rounding reaches every FP4 linear kind
+        assert make_linear(64, 32, dataclasses.replace(RECIPES[name], sr_rounding="sr_up"), lora_rank=4).sr_rounding \
+            == "sr_up"
     # residual projections get the GPT-2 1/sqrt(2L) scaling
     model = GPT(small_config(n_layer=8, n_embd=128, ffn_hidden=512))
     assert model.blocks[0].mlp.down_proj.weight.std().item() < 0.5 * model.blocks[0].mlp.up_proj.weight.std().item()
@@ -131,6 +135,8 @@ def test_recipes_are_the_paper_rows_and_check_their_names():
         Recipe(linear="int8")
     with pytest.raises(ValueError, match="Recipe.attention 'fp8'"):
         Recipe(attention="fp8")
+    with pytest.raises(ValueError, match="Recipe.sr_rounding 'up'"):
+        Recipe(sr_rounding="up")
     cfg = small_config(recipe=RECIPES["fullstack"])  # a checkpoint stores asdict(cfg): the recipe comes back whole
     assert GPTConfig(**dataclasses.asdict(cfg)) == cfg
 

@@ -169,6 +169,7 @@ BAD_FLAGS = [
     (["--resume"], "--resume: no checkpoint at"),
     (["--fsdp"], "--fsdp: shards over the ranks of a torchrun launch"),
     (["--attn_policy", "fp8"], "--attn_policy 'fp8': expected one of bf16, fp4,"),
+    (["--sr_rounding", "up"], "--sr_rounding 'up': expected one of sr, sr_up"),
     (["--resume", "--overwrite"], "--resume and --overwrite: "),
     (["--max_steps", "5", "--max_tokens", "1e4"], "--max_steps and --max_tokens: give one"),
     (["--max_tokens", "0"], "--max_tokens 0: must be >= 1"),
