@@ -10,8 +10,9 @@ The paper's policy ("fp4") quantizes what is IO- and compute-heavy and keeps the
   1x16 along D, the contraction dim of Q K^T; RTN, as every forward tensor. The saved activations are 4-bit.
 - dS in NVFP4 in the backward, 1x16 blocks along each matmul's contraction dim: along the keys for dQ = dS K,
   along the queries for dK = dS^T Q (two quantizations of one dS, each per tile in registers). Stochastic
-  rounding, as every gradient: dQ and dK stay unbiased, where RTN would deterministically flush the many small
-  tail entries (P ~ 0) whose sum balances the peaks (each row of dS sums to 0).
+  rounding, as every gradient: dQ and dK stay unbiased (up to the block-max clamp of nvfp4.quantize's "sr"),
+  where RTN would deterministically flush the many small tail entries (P ~ 0) whose sum balances the peaks (each
+  row of dS sums to 0).
 - So 4 of the 7 matmuls take NVFP4 operands (Q K^T twice, dS K, dS^T Q). PV and dO V^T stay BF16 because App. 10
   shows they are the sensitive ones: quantized P rows leave the probability simplex (10.1, `simplex_violation`),
   and noise in dP = dO V^T lands on dS scaled by P, i.e. on the attention peaks (eq. 6, `ds_error`). P^T dO stays
