@@ -80,7 +80,8 @@ def test_loss_falls_and_outputs_are_written(byte_data, micro, tmp_path):
     with open(tmp_path / "summary.json") as f:
         summary = json.load(f)
     assert summary["recipe"] == "bf16" and summary["optimizer"] == "adamw" and summary["seed"] == 0
-    assert summary["precision"] == dict(linear="bf16", four_over_six=False, attention="bf16", optim_states="fp32")
+    assert summary["precision"] == dict(linear="bf16", four_over_six=False, attention="bf16", optim_states="fp32",
+                                  sr_rounding="sr")
     assert summary["steps"] == 40 and summary["tokens"] == 40 * 8 * 64
     assert summary["final_loss"] == losses[-1] and summary["final_val_loss"] == rows[-1]["val_loss"]
     assert summary["params"] == sum(p.numel() for p in model.GPT(model.GPTConfig(**MICRO)).parameters())
