@@ -31,7 +31,7 @@ class Recipe:
     attention: str = "bf16"  # a key of attention.POLICIES: bf16, fp4 (§3.5), or one of Fig. 5's variants
     optim_states: str = "fp32"  # optim.STATES: fp32 | nvfp4 (§3.3 states, §3.4 NVFP4 NS) | direct (App. 13)
     # the linear layers' gradient SR (eq. 2): "sr" as Transformer Engine (a block max may clamp: slightly biased
-    # toward zero) or "sr_up" (block scales rounded up, nothing clamps: unbiased); docs/nvfp4_format.md
+    # toward zero) or "sr_up" (block scales rounded up, nothing clamps: unbiased); docs/nvfp4_kernels.md
     sr_rounding: str = "sr"
 
     def __post_init__(self):  # optim.build_optimizer checks optim_states
@@ -83,9 +83,9 @@ class GPTConfig:
         return self.n_embd // self.n_head
 
 
-# Named configs. 3b is the paper's main model; 1b is our choice (the paper's copy lacks its 1B table). Untied embeddings
-# for 1b/3b put them at 1.01B / 3.03B parameters. toy is App. 13's 6-layer, hidden-1024 model; with a 4x SwiGLU
-# width and tied embeddings it has ~146M parameters (the paper says ~150M). tiny exists so CPU runs finish in
+# Named configs. 3b is the paper's main model; 1b is our choice (the paper's copy lacks its 1B table). Untied
+# embeddings for 1b/3b put them at 1.01B / 3.03B parameters. toy is App. 13's 6-layer, hidden-1024 model; with a
+# 4x SwiGLU width and tied embeddings it has ~146M parameters (the paper says ~150M). tiny exists so CPU runs finish in
 # minutes; its parameters are mostly the 50304x128 embedding.
 CONFIGS = {
     "tiny": dict(n_layer=4, n_embd=128, n_head=2, n_kv_head=1, ffn_hidden=384, block_size=256, tie_embeddings=True),

@@ -47,8 +47,8 @@ CONFIG_DEFAULTS = {
                warmup=round(3e9 / PAPER_BATCH_TOKENS), eval_every=500, eval_iters=20, save_every=1000, log_every=10),
 }
 SCHEDULE_FLAGS = ("lr", "min_lr", "lora_lr", "warmup", "lr_decay_steps")  # what a resumed run keeps unless passed
-RESUME_MUST_MATCH = ("config", "recipe", "attn_policy", "sr_rounding", "optimizer", "batch_size", "grad_accum", "seq_len",
-                     "lora_rank", "seed")
+RESUME_MUST_MATCH = ("config", "recipe", "attn_policy", "sr_rounding", "optimizer", "batch_size", "grad_accum",
+                     "seq_len", "lora_rank", "seed")
 RUN_FILES = ("ckpt.pt", "ckpt_rank*.pt", "metrics.jsonl", "summary.json", "loss.png")  # what --overwrite replaces
 H200_BF16_PEAK_FLOPS = 989e12  # dense BF16 tensor-core peak of one H100/H200 SXM (the MFU denominator)
 

@@ -128,8 +128,8 @@ def _quantize_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_ptr, s
     s_b = s6
     bits = bits6
     if FOUR_OVER_SIX:
-        # 4/6 (paper §2; docs/nvfp4_format.md): also try "max -> 4" (its own E4M3 rounding of amax_b / 4 / s_g) and keep
-        # the candidate whose RTN reconstruction has the lower squared error, ties to 6.
+        # 4/6 (paper §2; docs/nvfp4_format.md): also try "max -> 4" (its own E4M3 rounding of amax_b / 4 / s_g)
+        # and keep the candidate whose RTN reconstruction has the lower squared error, ties to 6.
         s4, bits4, den4, inv4 = _block_scale(block_amax, s_g, 4.0, EXACT_FMA, UP=SCALE_UP)
         den4, inv4 = den4[:, None, :, None], inv4[:, None, :, None]
         a4 = tl.minimum(_div_by(xb, den4, inv4, EXACT_FMA), 6.0)

@@ -548,7 +548,7 @@ def plot(rows, runs, path):
             if not curves:
                 continue
             steps = sorted(set.intersection(*(set(c[0]) for c in curves)))
-            k = max(1, min(5, len(steps) // 6))  # a moving mean over <= 5 logged steps: one batch's loss hides the bands
+            k = max(1, min(5, len(steps) // 6))  # moving mean over <= 5 logged steps: one batch's loss hides the bands
             mean, std = [], []
             for i in range(len(steps)):
                 window = steps[max(0, i - k + 1): i + 1]
