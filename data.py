@@ -490,6 +490,17 @@ def prepare_default(data_dir=DEFAULT_DIR, num_proc=None):
 # ---------------------------------------------------------------------------------------------------
 # Local files and Hugging Face datasets
 
+def _read_text(path):
+    """A local file's text; one that is not UTF-8 gets an error naming the file, the byte and where."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--input {path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                         f"{e.start}); convert it first, e.g. `iconv -f latin1 -t utf-8 {path} > "
+                         f"{os.path.splitext(path)[0]}.utf8{os.path.splitext(path)[1]}`") from None
+
+
 def file_documents(paths, text_field="text"):
     """(source, text) documents from local files: .txt (the file is one document, or several separated
     by <|endoftext|>), .jsonl (one JSON object per line, text in `text_field`), .parquet (column
@@ -499,21 +510,23 @@ def file_documents(paths, text_field="text"):
             raise FileNotFoundError(f"--input file {path!r} does not exist")
         source = os.path.basename(path)
         if path.endswith(".txt"):
-            with open(path, encoding="utf-8") as f:
-                for text in f.read().split("<|endoftext|>"):
-                    if text.strip():
-                        yield source, text.strip()
+            for text in _read_text(path).split("<|endoftext|>"):
+                if text.strip():
+                    yield source, text.strip()
         elif path.endswith(".jsonl"):
-            with open(path, encoding="utf-8") as f:
-                for line_no, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
+            for line_no, line in enumerate(_read_text(path).splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
                     row = json.loads(line)
-                    if text_field not in row:
-                        raise ValueError(f"{path}:{line_no} has no field {text_field!r} (--text_field); "
-                                         f"fields: {sorted(row)}")
-                    if row[text_field]:
-                        yield source, row[text_field]
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{line_no}: not a JSON object ({e.msg})") from None
+                if not isinstance(row, dict) or text_field not in row:
+                    fields = sorted(row) if isinstance(row, dict) else type(row).__name__
+                    raise ValueError(f"{path}:{line_no} has no field {text_field!r} (--text_field); "
+                                     f"fields: {fields}")
+                if row[text_field]:
+                    yield source, row[text_field]
         elif path.endswith(".parquet"):
             try:
                 import pyarrow.parquet as pq
@@ -590,7 +603,7 @@ def main(argv=None):
             out_dir = args.out_dir or DEFAULT_DIR
             paths = prepare_default(out_dir, args.num_proc)
     except (ValueError, RuntimeError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"data.py: error: {e}", file=sys.stderr)
         return 2
     meta_path = os.path.join(out_dir, "meta.json")
     if os.path.isfile(meta_path):

@@ -384,6 +384,24 @@ def test_local_file_errors(tmp_path, capsys):
     assert "text_field" in capsys.readouterr().err
 
 
+def test_a_file_that_is_not_utf8_is_named(tmp_path, capsys):
+    """Issue 29: a Latin-1 file gave `'utf-8' codec can't decode byte 0xe9 in position 3` and no file name."""
+    latin = tmp_path / "caf\u00e9.txt"
+    latin.write_bytes("Caf\u00e9 au lait\n".encode("latin-1"))
+    jsonl = tmp_path / "rows.jsonl"
+    jsonl.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    for path, offset in ((latin, 3), (jsonl, 28)):
+        capsys.readouterr()
+        assert data.main(["--input", str(path), "--out_dir", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("data.py: error: "), err
+        assert f"--input {path}: not UTF-8 text (byte 0xe9 at offset {offset})" in err and "iconv" in err
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text('{"text": "ok"}\n{"text": \n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: not a JSON object"):
+        list(data.file_documents([str(bad_json)]))
+
+
 def test_parquet_needs_pyarrow(tmp_path):
     path = tmp_path / "d.parquet"
     try:
