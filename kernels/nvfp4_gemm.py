@@ -1,21 +1,35 @@
 """
-NVFP4 GEMM: out = a_hat @ b_hat^T for packed NVFP4 operands a (M, K), b (N, K) blocked along K (the "NT" GEMM of
-every linear layer, eqs. 1-2), as nvfp4.nvfp4_matmul computes it: products of E2M1 values and E4M3 block scales
-accumulated in fp32, the two global scales applied once at the end. Same numbers as the reference up to fp32
-summation order. An operand is anything with codes, scales, global_scale, shape and block (nvfp4.NVFP4Tensor).
+NVFP4 GEMM: out = a_hat @ b_hat^T for packed NVFP4 operands, logical a (M, K) and b (N, K),
+both blocked along K: the "NT" GEMM of every linear layer (eqs. 1-2) and of Root's
+Newton-Schulz (§3.4), as nvfp4.nvfp4_matmul computes it: products of E2M1 values and E4M3
+block scales accumulated in fp32, the two global scales applied once at the end. Same numbers
+as the reference up to fp32 summation order. An operand is anything with codes, scales,
+global_scale, shape and block (nvfp4.NVFP4Tensor).
 
-The route is picked here, per GPU:
-  * Blackwell (capability 10.x): tl.dot_scaled with e2m1 operands and e4m3 block-16 scales, the native NVFP4
-    tensor-core MMA (tests/test_blackwell.py checks that it lowers to it for sm_100a). Its numerics are untested:
-    no Blackwell GPU was available.
-  * Everything else (Hopper has no FP4 tensor cores): the grid values q * s_b as bf16 (exact: at most 6
-    significant bits), cuBLAS's bf16 GEMM with fp32 accumulation, then the global scales in one pass. Decoding
-    packed operands in registers before tl.dot was slower: the byte saving pays only where tensor cores read FP4.
-    The quantize kernels can write those grid values directly (nvfp4_quant.quantize_dequant); grid_values_mm
-    multiplies them, and kernels/nvfp4_linear.py uses it so.
+Transposed operands without copies: trans_a / trans_b say that the stored tensor is the
+transpose of the logical operand, e.g. dX = dY W uses the forward's Q16x16(W) stored (out, in)
+as the (N=in, K=out) operand.
 
-Transposed operands without copies: trans_a / trans_b say that the stored tensor is the transpose of the logical
-operand, e.g. dX = dY W uses the forward's Q16x16(W) stored (out, in) as the (N=in, K=out) operand.
+The route is picked here, per GPU (use_dot_scaled):
+  * Blackwell (capability 10.x): every product on the NVFP4 tensor cores, in one kernel
+    (_nvfp4_gemm_sm100_kernel): tl.dot_scaled with e2m1 operands and E4M3 block-16 scales,
+    which lowers to tcgen05.mma kind::mxf4nvf4, one scale per 16 elements. That MMA reads FP4
+    operands K-major only, so an operand stored transposed has its nibbles re-packed along K
+    in registers on the way (_k_major):
+        forward   Q1x16(X) Q16x16(W)^T           both as stored
+        dgrad     Q1x16(dY) Q16x16(W)            W's forward quantization, read transposed
+        wgrad     Q16x1(H^T dY)^T Q16x1(H^T X)   both stored (T, .), blocked along T, read
+                                                 transposed
+        LoRA-SVD  the NVFP4 residual as forward and dgrad (its BF16 branch: a bf16 GEMM)
+        Root NS   X X^T, A A, B X                1x16 operands, as stored
+    tests/test_blackwell.py runs each in Triton's interpreter against the reference and
+    compiles it for sm_100a; none has run on a Blackwell GPU (docs/blackwell.md).
+  * Everything else (Hopper has no FP4 tensor cores): the grid values q * s_b as bf16 (exact:
+    at most 6 significant bits), cuBLAS's bf16 GEMM with fp32 accumulation, then the global
+    scales in one pass. Decoding packed operands in registers before tl.dot was slower: the
+    byte saving pays only where tensor cores read FP4. The quantize kernels can write those
+    grid values directly (nvfp4_quant.quantize_dequant); grid_values_mm multiplies them, and
+    kernels/nvfp4_linear.py uses it so.
 """
 
 import torch
@@ -24,42 +38,72 @@ import triton.language as tl
 
 from kernels.nvfp4_quant import _round_to_bf16, grid_values_bf16
 
-
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------
 # Blackwell: native NVFP4 tensor cores through tl.dot_scaled
 
+
 @triton.jit
-def _nvfp4_gemm_sm100_kernel(a_codes, a_scales, b_codes, b_scales, gs_a_ptr, gs_b_ptr, c_ptr, M, N, K: tl.constexpr,
-                             stride_ac0, stride_ac1, stride_asr, stride_ask,
+def _k_major(t, R: tl.constexpr, BK: tl.constexpr):
+    """(BK, R // 2) codes of a transposed operand as stored (two per byte along R, the even
+    element low) -> (R, BK // 2), two per byte along K: the layout the FP4 MMA reads. (Giving
+    dot_scaled the stored layout, lhs_k_pack / rhs_k_pack=False, fails: Triton 3.6 asserts
+    "MMAv5 with kind=mxf4nvf4 does not support transpose", 3.9 falls back to a bf16 MMA.)"""
+    u = tl.join(t & 0xF, t >> 4).reshape(BK, R)  # one code per byte, element r = 2 i + nibble
+    lo, hi = tl.split(tl.trans(u).reshape(R, BK // 2, 2))
+    return lo | (hi << 4)
+
+
+@triton.jit
+def _load_operand(codes, scales, r0, R, k0, K, stride_c0, stride_c1, stride_sr, stride_sk,
+                  SB: tl.constexpr, TRANS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+    """The (BR, BK) tile at row r0, column k0 of a logical operand (R, K) blocked along K ->
+    codes (BR, BK // 2) packed along K and E4M3 scales (BR, BK // 16), zeros outside. Codes
+    are stored (R, K / 2), or with TRANS (K, R / 2); stride_sr / stride_sk step the scales
+    along the logical rows / along K; SB logical rows share a scale (1 or 16)."""
+    offs_r = r0 + tl.arange(0, BR)
+    offs_ks = k0 // 16 + tl.arange(0, BK // 16)
+    if TRANS:
+        offs_k = k0 + tl.arange(0, BK)
+        offs_rc = r0 // 2 + tl.arange(0, BR // 2)
+        c = tl.load(codes + offs_k[:, None].to(tl.int64) * stride_c0 + offs_rc[None, :] * stride_c1,
+                    mask=(offs_k[:, None] < K) & (offs_rc[None, :] < R // 2), other=0)
+        c = _k_major(c, BR, BK)
+    else:
+        offs_kc = k0 // 2 + tl.arange(0, BK // 2)
+        c = tl.load(codes + offs_r[:, None].to(tl.int64) * stride_c0 + offs_kc[None, :] * stride_c1,
+                    mask=(offs_r[:, None] < R) & (offs_kc[None, :] < K // 2), other=0)
+    s_rows = (offs_r[:, None] // SB).to(tl.int64) * stride_sr
+    s = tl.load(scales + s_rows + offs_ks[None, :] * stride_sk,
+                mask=(offs_r[:, None] < R) & (offs_ks[None, :] < K // 16), other=0.0)
+    return c, s
+
+
+@triton.jit
+def _nvfp4_gemm_sm100_kernel(a_codes, a_scales, b_codes, b_scales, gs_a_ptr, gs_b_ptr, c_ptr,
+                             M, N, K, stride_ac0, stride_ac1, stride_asr, stride_ask,
                              stride_bc0, stride_bc1, stride_bsr, stride_bsk, stride_cm, stride_cn,
                              A_SB: tl.constexpr, B_SB: tl.constexpr,
-                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """Like Triton's block-scaled matmul tutorial, with plain row-major (not pre-swizzled) scales and K-packed
-    codes for both operands (non-transposed operands only). K must be a multiple of BK. A_SB / B_SB: logical rows
-    per scale row (1 for 1x16 blocks, 16 for 16x16)."""
+                             TRANS_A: tl.constexpr, TRANS_B: tl.constexpr,
+                             OUT_BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                             BK: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """One (BM, BN) tile of a_hat b_hat^T: tl.dot_scaled over K in BK steps (masked: K need
+    only be a multiple of 16), fp32 accumulation, the global scales once at the end. Plain
+    row-major (not pre-swizzled) scales, as the quantize kernels write them."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kk in tl.range(0, tl.cdiv(K, BK), num_stages=NUM_STAGES):
-        k0 = kk * BK
-        offs_kc = k0 // 2 + tl.arange(0, BK // 2)
-        offs_ks = k0 // 16 + tl.arange(0, BK // 16)
-        a = tl.load(a_codes + offs_m[:, None].to(tl.int64) * stride_ac0 + offs_kc[None, :] * stride_ac1,
-                    mask=offs_m[:, None] < M, other=0)
-        b = tl.load(b_codes + offs_n[:, None].to(tl.int64) * stride_bc0 + offs_kc[None, :] * stride_bc1,
-                    mask=offs_n[:, None] < N, other=0)
-        sa = tl.load(a_scales + (offs_m[:, None] // A_SB) * stride_asr + offs_ks[None, :] * stride_ask,
-                     mask=offs_m[:, None] < M, other=0.0)
-        sb = tl.load(b_scales + (offs_n[:, None] // B_SB) * stride_bsr + offs_ks[None, :] * stride_bsk,
-                     mask=offs_n[:, None] < N, other=0.0)
+        a, sa = _load_operand(a_codes, a_scales, pid_m * BM, M, kk * BK, K, stride_ac0,
+                              stride_ac1, stride_asr, stride_ask, A_SB, TRANS_A, BM, BK)
+        b, sb = _load_operand(b_codes, b_scales, pid_n * BN, N, kk * BK, K, stride_bc0,
+                              stride_bc1, stride_bsr, stride_bsk, B_SB, TRANS_B, BN, BK)
         acc = tl.dot_scaled(a, sa, "e2m1", b.T, sb, "e2m1", acc)
     acc = acc * (tl.load(gs_a_ptr) * tl.load(gs_b_ptr))
+    if OUT_BF16:
+        acc = _round_to_bf16(acc)  # RNE (the interpreter's fp32 -> bf16 cast truncates)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
     tl.store(c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn,
              acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
-
-
-SM100_TILE = dict(BM=128, BN=256, BK=256, NUM_STAGES=3)  # the block-scaled matmul tutorial's tile for NVFP4
 
 
 def use_dot_scaled(device):
@@ -67,27 +111,48 @@ def use_dot_scaled(device):
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 10
 
 
-def _gemm_sm100(a, b, out_dtype):
-    M, K = a.shape
-    N = b.shape[0]
+def sm100_tile(K, N):
+    """(BM, BN, BK, NUM_STAGES): the block-scaled matmul tutorial's NVFP4 tile (128, 256, 256,
+    3), BK cut to 128 or 64 (the MMA's K step) for short K, BN to 128 for narrow outputs."""
+    BK = 256 if K > 128 else 128 if K > 64 else 64
+    return 128, 256 if N > 128 else 128, BK, 3
+
+
+def _operand_strides(t, trans):
+    """(codes' two strides, the scales' stride along the logical rows and along K, logical
+    rows per scale) of a stored operand."""
+    c0, c1 = t.codes.stride()
+    s0, s1 = t.scales.stride()
+    return (c0, c1, s1, s0, t.block[1]) if trans else (c0, c1, s0, s1, t.block[0])
+
+
+def _gemm_sm100(a, b, out_dtype, trans_a=False, trans_b=False):
+    """nvfp4_gemm's Blackwell route (operands checked): one launch of _nvfp4_gemm_sm100_kernel."""
+    M, K = a.shape[::-1] if trans_a else a.shape
+    N = b.shape[1] if trans_b else b.shape[0]
     out = torch.empty((M, N), device=a.codes.device, dtype=out_dtype)
-    grid = (triton.cdiv(M, SM100_TILE["BM"]), triton.cdiv(N, SM100_TILE["BN"]))
-    _nvfp4_gemm_sm100_kernel[grid](a.codes, a.scales, b.codes, b.scales, a.global_scale, b.global_scale, out, M, N, K,
-                                   a.codes.stride(0), a.codes.stride(1), a.scales.stride(0), a.scales.stride(1),
-                                   b.codes.stride(0), b.codes.stride(1), b.scales.stride(0), b.scales.stride(1),
-                                   out.stride(0), out.stride(1), A_SB=a.block[0], B_SB=b.block[0], **SM100_TILE,
-                                   num_warps=8)
+    BM, BN, BK, stages = sm100_tile(K, N)
+    *sa, a_sb = _operand_strides(a, trans_a)
+    *sb, b_sb = _operand_strides(b, trans_b)
+    grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
+    _nvfp4_gemm_sm100_kernel[grid](a.codes, a.scales, b.codes, b.scales, a.global_scale,
+                                   b.global_scale, out, M, N, K, *sa, *sb, *out.stride(),
+                                   A_SB=a_sb, B_SB=b_sb, TRANS_A=trans_a, TRANS_B=trans_b,
+                                   OUT_BF16=out_dtype == torch.bfloat16, BM=BM, BN=BN, BK=BK,
+                                   NUM_STAGES=stages, num_warps=8)
     return out
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------
 # Hopper and the rest: bf16 grid values through cuBLAS
+
 
 @triton.jit
 def _scale_kernel(x_ptr, gs_a_ptr, gs_b_ptr, n, BLOCK: tl.constexpr, OUT_BF16: tl.constexpr):
-    """x *= s_ga * s_gb in place (x bf16 or fp32; the scales fp32 0-d tensors, their product rounded to fp32 as
-    torch's s_ga * s_gb): the product in fp32, rounded once to x's dtype, as torch's x.mul_(s_ga * s_gb) computes
-    it. torch's own kernel takes a slow, non-vectorized path for a 0-d CUDA operand of another dtype."""
+    """x *= s_ga * s_gb in place (x bf16 or fp32; the scales fp32 0-d tensors, their product
+    rounded to fp32 as torch's s_ga * s_gb): the product in fp32, rounded once to x's dtype, as
+    torch's x.mul_(s_ga * s_gb) computes it. torch's own kernel takes a slow, non-vectorized
+    path for a 0-d CUDA operand of another dtype."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     v = tl.load(x_ptr + offs, mask=mask).to(tl.float32) * (tl.load(gs_a_ptr) * tl.load(gs_b_ptr))
@@ -97,20 +162,21 @@ def _scale_kernel(x_ptr, gs_a_ptr, gs_b_ptr, n, BLOCK: tl.constexpr, OUT_BF16: t
 
 
 def scale_(x, gs_a, gs_b):
-    """x *= gs_a * gs_b in place for a contiguous bf16/fp32 CUDA tensor x and fp32 0-d tensors gs_a, gs_b (the
-    two operands' global scales: no separate torch kernel for their product); returns x."""
+    """x *= gs_a * gs_b in place for a contiguous bf16/fp32 CUDA tensor x and fp32 0-d tensors
+    gs_a, gs_b (the two operands' global scales: no separate torch kernel for their product);
+    returns x."""
     n, BLOCK = x.numel(), 4096
-    _scale_kernel[(triton.cdiv(n, BLOCK),)](x, gs_a, gs_b, n, BLOCK=BLOCK, OUT_BF16=x.dtype == torch.bfloat16,
-                                            num_warps=8)
+    _scale_kernel[(triton.cdiv(n, BLOCK),)](x, gs_a, gs_b, n, BLOCK=BLOCK,
+                                            OUT_BF16=x.dtype == torch.bfloat16, num_warps=8)
     return x
 
 
-_MM_FP32_OUT = [True]  # torch.mm(..., out_dtype=torch.float32) exists for bf16 on CUDA in recent torch
+_MM_FP32_OUT = [True]  # torch.mm(..., out_dtype=torch.float32): bf16 on CUDA in recent torch
 
 
 def mm_fp32(A, B):
-    """A @ B with an fp32 result for bf16 CUDA operands (cuBLAS's fp32 accumulator, not rounded to bf16), or None
-    where torch's mm has no out_dtype (older torch)."""
+    """A @ B with an fp32 result for bf16 CUDA operands (cuBLAS's fp32 accumulator, not rounded
+    to bf16), or None where torch's mm has no out_dtype (older torch)."""
     if _MM_FP32_OUT[0]:
         try:
             return torch.mm(A, B, out_dtype=torch.float32)
@@ -120,46 +186,54 @@ def mm_fp32(A, B):
 
 
 def grid_values_mm(A, B, gs_a, gs_b, out_dtype=torch.bfloat16):
-    """(A @ B) * (gs_a * gs_b) for bf16 grid values A (M, K), B (K, N) (any strides) and the operands' global
-    scales (fp32 0-d): the GEMM of the grid-value route, usable directly on nvfp4_quant.quantize_dequant's output."""
+    """(A @ B) * (gs_a * gs_b) for bf16 grid values A (M, K), B (K, N) (any strides) and the
+    operands' global scales (fp32 0-d): the GEMM of the grid-value route, usable directly on
+    nvfp4_quant.quantize_dequant's output."""
     if A.device.type == "cpu":  # tests: the reference's fp32 accumulation
         return (A.float() @ B.float()).mul_(gs_a * gs_b).to(out_dtype)
     if out_dtype == torch.float32:
         out = mm_fp32(A, B)  # the fp32 accumulator out, then the scales
         if out is not None:
             return scale_(out, gs_a, gs_b)
-    # bf16 out of cuBLAS, then the global scales in place (one pass over the output): one extra rounding
-    # (<= 1 ulp) vs the reference's single rounding of acc * s_g
+    # bf16 out of cuBLAS, then the global scales in place (one pass over the output): one extra
+    # rounding (<= 1 ulp) vs the reference's single rounding of acc * s_g
     out = torch.mm(A, B)
-    return scale_(out, gs_a, gs_b) if out_dtype == torch.bfloat16 else out.float().mul_(gs_a * gs_b).to(out_dtype)
+    if out_dtype == torch.bfloat16:
+        return scale_(out, gs_a, gs_b)
+    return out.float().mul_(gs_a * gs_b).to(out_dtype)
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------
 # The entry
 
 def _k_dim(t, trans, name):
     """The contraction length of a stored operand, checking that its blocks run along K."""
     if t.codes.dim() != 2:
-        raise ValueError(f"nvfp4_gemm: {name} must be 2-D (got shape {tuple(t.shape)}); flatten leading dims")
+        raise ValueError(f"nvfp4_gemm: {name} must be 2-D (got shape {tuple(t.shape)}); "
+                         "flatten leading dims")
     bm, bn = t.block
     if (bm if trans else bn) != 16:
         where = "transposed, K is its stored dim 0: block (16, 1) or (16, 16)" if trans else \
             "K is its last dim: block (1, 16) or (16, 16)"
-        raise ValueError(f"nvfp4_gemm: {name} {tuple(t.shape)} must be blocked along K ({where}), got {t.block}")
+        raise ValueError(f"nvfp4_gemm: {name} {tuple(t.shape)} must be blocked along K ({where}), "
+                         f"got {t.block}")
     return t.shape[0] if trans else t.shape[1]
 
 
 def nvfp4_gemm(a, b, out_dtype=torch.bfloat16, trans_a=False, trans_b=False):
-    """a_hat @ b_hat^T (fp32 accumulation, global scales at the end) for packed NVFP4 operands. Logical a is
-    (M, K) (stored (K, M) if trans_a), logical b is (N, K) (stored (K, N) if trans_b)."""
+    """a_hat @ b_hat^T (fp32 accumulation, global scales at the end) for packed NVFP4 operands.
+    Logical a is (M, K) (stored (K, M) if trans_a), logical b is (N, K) (stored (K, N) if
+    trans_b)."""
     Ka, Kb = _k_dim(a, trans_a, "a"), _k_dim(b, trans_b, "b")
     if Ka != Kb:
-        raise ValueError(f"nvfp4_gemm: contraction dims differ: a {tuple(a.shape)} (trans_a={trans_a}) has "
-                         f"K={Ka}, b {tuple(b.shape)} (trans_b={trans_b}) has K={Kb}")
+        raise ValueError(f"nvfp4_gemm: contraction dims differ: a {tuple(a.shape)} "
+                         f"(trans_a={trans_a}) has K={Ka}, b {tuple(b.shape)} (trans_b={trans_b}) "
+                         f"has K={Kb}")
     if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"nvfp4_gemm: out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
-    if not trans_a and not trans_b and Ka % SM100_TILE["BK"] == 0 and use_dot_scaled(a.codes.device):
-        return _gemm_sm100(a, b, out_dtype)
+        raise ValueError("nvfp4_gemm: out_dtype must be float32, bfloat16 or float16, got "
+                         f"{out_dtype}")
+    if use_dot_scaled(a.codes.device):
+        return _gemm_sm100(a, b, out_dtype, trans_a, trans_b)
     av, bv = grid_values_bf16(a), grid_values_bf16(b)                 # q * s_b, exact in bf16
     A = av.t() if trans_a else av                                     # (M, K) views, no copies
     B = bv if trans_b else bv.t()                                     # (K, N)

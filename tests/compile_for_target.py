@@ -1,10 +1,13 @@
-"""Compile the project's Triton kernels for a GPU this machine does not have (run as a script, without
-TRITON_INTERPRET: the test suite itself runs interpreted). The launchers run on CPU tensors with Triton's launch
-replaced by a recorder, so each kernel is compiled with exactly the argument types and options its launcher
-passes; then triton.compile builds it for the target and this prints one line per kernel:
-    <kernel name> <target> <the MMA instructions in its PTX, comma-separated, or ->
+"""Compile the project's Triton kernels for a GPU this machine does not have (run as a script,
+without TRITON_INTERPRET: the test suite itself runs interpreted). The launchers run on CPU
+tensors with Triton's launch replaced by a recorder, so each kernel is compiled with exactly
+the argument types and options its launcher passes; then triton.compile builds it for the
+target and this prints one line per kernel specialization:
+    <kernel name> <target> <the MMA instructions in its PTX, comma-separated, or -> [<product>]
+(blackwell: the FP4 product of the fullstack step that the launch computes).
 Usage: python tests/compile_for_target.py {hopper|blackwell}"""
 
+import collections
 import os
 import re
 import sys
@@ -21,10 +24,11 @@ LAUNCHES = []
 JITFunction.run = lambda self, *args, grid, warmup, **kwargs: LAUNCHES.append((self, args, kwargs))
 
 from kernels import nvfp4_gemm, nvfp4_quant  # noqa: E402
-from kernels.nvfp4_linear import Packed  # noqa: E402
 
-TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.uint8: "*u8",
-         torch.int32: "*i32", torch.float8_e4m3fn: "*fp8e4nv"}
+TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16",
+         torch.uint8: "*u8", torch.int32: "*i32", torch.float8_e4m3fn: "*fp8e4nv"}
+# a packed operand as nvfp4_gemm takes it (the fields of nvfp4.NVFP4Tensor)
+Packed = collections.namedtuple("Packed", "codes scales global_scale shape block")
 
 
 def type_of(v):
@@ -50,19 +54,20 @@ def compile_launch(fn, args, kwargs, target):
 
 
 def record_quantize_launches():
-    """Every quantize / dequantize launch the layers make: rows, cols and tile kernels, RTN / SR / 4/6 / Hadamard,
-    the amax pre-passes, grid values, bf16 and fp32 inputs."""
+    """Every quantize / dequantize launch the layers make: rows, cols and tile kernels, RTN /
+    SR / 4/6 / Hadamard, the amax pre-passes, grid values, bf16 and fp32 inputs."""
     x = torch.zeros(64, 256, dtype=torch.bfloat16)
     H = torch.eye(16)
+    qd, one = nvfp4_quant.quantize_dequant, torch.ones(())
     for fos in (False, True):
-        nvfp4_quant.quantize_dequant(x, (1, 16), "rtn", fos, return_tensor=True)              # forward X
-        nvfp4_quant.quantize_dequant(x.float(), (16, 16), "rtn", fos)                       # forward W
-        nvfp4_quant.quantize_dequant(x, (1, 16), "sr", fos, seed=1, global_amax=torch.ones(()))  # dX's dY
-        nvfp4_quant.quantize_dequant(x, (16, 1), "sr", fos, seed=1, hadamard=H)              # eq. 2's operands
-        nvfp4_quant.quantize(x, (1, 16), "sr", fos, seed=1, hadamard=H)                      # rows + its amax pass
-        nvfp4_quant.quantize(x.t(), (1, 16), "rtn", fos)                                     # the tile kernel
+        qd(x, (1, 16), "rtn", fos, return_tensor=True)                        # forward X
+        qd(x.float(), (16, 16), "rtn", fos)                                   # forward W
+        qd(x, (1, 16), "sr", fos, seed=1, global_amax=one)                    # dX's dY
+        qd(x, (16, 1), "sr", fos, seed=1, hadamard=H)                         # eq. 2's operands
+        nvfp4_quant.quantize(x, (1, 16), "sr", fos, seed=1, hadamard=H)       # rows + amax pass
+        nvfp4_quant.quantize(x.t(), (1, 16), "rtn", fos)                      # the tile kernel
     nvfp4_quant.global_amax_pair(x, H)
-    codes, scales, s_g = torch.zeros(64, 128, dtype=torch.uint8), torch.zeros(64, 16, dtype=torch.uint8), torch.ones(())
+    codes, s_g = torch.zeros(64, 128, dtype=torch.uint8), torch.ones(())
     for block, n_scales in (((1, 16), (64, 16)), ((16, 16), (4, 16))):
         scales = torch.zeros(n_scales, dtype=torch.uint8).view(torch.float8_e4m3fn)
         for dtype in (torch.float32, torch.bfloat16):
@@ -70,30 +75,51 @@ def record_quantize_launches():
     nvfp4_gemm.scale_(torch.zeros(100, dtype=torch.bfloat16), s_g, s_g)
 
 
-def record_blackwell_gemm():
-    """The Blackwell GEMM as nvfp4_gemm launches it for Q1x16(X) Q16x16(W)^T."""
-    a = Packed(torch.zeros(256, 512, dtype=torch.uint8), torch.zeros(256, 64, dtype=torch.uint8).view(torch.float8_e4m3fn),
-          torch.ones(()), (256, 1024), (1, 16))
-    b = Packed(torch.zeros(512, 512, dtype=torch.uint8), torch.zeros(32, 64, dtype=torch.uint8).view(torch.float8_e4m3fn),
-          torch.ones(()), (512, 1024), (16, 16))
-    nvfp4_gemm._gemm_sm100(a, b, torch.bfloat16)
+def _packed(stored, block):
+    """A zero operand as the quantize pass stores it: codes (R, C / 2), E4M3 scales
+    (R / bm, C / bn)."""
+    (R, C), (bm, bn) = stored, block
+    scales = torch.zeros(R // bm, C // bn, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    return Packed(torch.zeros(R, C // 2, dtype=torch.uint8), scales, torch.ones(()), stored, block)
+
+
+# every FP4 product of the fullstack step as nvfp4_gemm launches it on Blackwell: (label,
+# (a as stored, its block), (b as stored, its block), out dtype, trans_a, trans_b), at 1b-like
+# shapes (T tokens, a 6144 x 2048 weight) and at the smallest K
+BLACKWELL_PRODUCTS = (
+    ("forward", ((256, 2048), (1, 16)), ((6144, 2048), (16, 16)), torch.bfloat16, False, False),
+    ("dgrad", ((256, 6144), (1, 16)), ((6144, 2048), (16, 16)), torch.bfloat16, False, True),
+    ("wgrad", ((256, 6144), (16, 1)), ((256, 2048), (16, 1)), torch.float32, True, True),
+    ("ns_xxt", ((128, 384), (1, 16)), ((128, 384), (1, 16)), torch.float32, False, False),
+    ("small_k", ((48, 16), (1, 16)), ((32, 16), (16, 16)), torch.float32, False, False),
+)
+
+
+def record_blackwell_gemms():
+    """nvfp4_gemm's Blackwell route for each product (the LoRA-SVD residual and the other
+    Newton-Schulz GEMMs launch the same specializations as forward / dgrad and ns_xxt)."""
+    labels = []
+    for label, (sa, ba), (sb, bb), out_dtype, trans_a, trans_b in BLACKWELL_PRODUCTS:
+        nvfp4_gemm._gemm_sm100(_packed(sa, ba), _packed(sb, bb), out_dtype, trans_a, trans_b)
+        labels.append(label)
+    return labels
 
 
 if __name__ == "__main__":
     which = sys.argv[1]
     if which == "hopper":
         record_quantize_launches()
-        target = GPUTarget("cuda", 90, 32)
+        labels, target = [None] * len(LAUNCHES), GPUTarget("cuda", 90, 32)
     else:
-        record_blackwell_gemm()
-        target = GPUTarget("cuda", 100, 32)
+        labels, target = record_blackwell_gemms(), GPUTarget("cuda", 100, 32)
     seen = set()
-    for fn, args, kwargs in LAUNCHES:
-        key = (fn.__name__, tuple(map(type_of, args)), tuple(sorted((k, str(v)) for k, v in kwargs.items())))
+    for (fn, args, kwargs), label in zip(LAUNCHES, labels):
+        options = tuple(sorted((k, str(v)) for k, v in kwargs.items()))
+        key = (fn.__name__, tuple(map(type_of, args)), options)
         if key in seen:
             continue
         seen.add(key)
-        compiled = compile_launch(fn, args, kwargs, target)
-        mma = sorted(set(re.findall(r"\b(?:tcgen05\.mma|wgmma\.mma_async|mma\.sync)[\w.:]*", compiled.asm["ptx"])))
-        arch = re.search(r"\.target (\S+)", compiled.asm["ptx"]).group(1)
-        print(fn.__name__, arch, ",".join(mma) or "-", flush=True)
+        ptx = compile_launch(fn, args, kwargs, target).asm["ptx"]
+        mma = sorted(set(re.findall(r"\b(?:tcgen05\.mma|wgmma\.mma_async|mma\.sync)[\w.:]*", ptx)))
+        arch = re.search(r"\.target (\S+)", ptx).group(1)
+        print(fn.__name__, arch, ",".join(mma) or "-", *([label] if label else []), flush=True)

@@ -1,29 +1,197 @@
-"""The Blackwell path, verified as far as a machine without Blackwell allows: Triton compiles the native NVFP4 GEMM
-(kernels/nvfp4_gemm.py, tl.dot_scaled with e2m1 operands and e4m3 block-16 scales) for sm_100a on any machine,
-and its PTX must use the block-scaled FP4 tensor-core MMA:
+"""Blackwell's route: every FP4 product of the fullstack step on the NVFP4 tensor cores, in one
+kernel (kernels/nvfp4_gemm.py: tl.dot_scaled with e2m1 operands and E4M3 block-16 scales),
+checked as far as a machine without a Blackwell GPU allows:
 
-    tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale.scale_vec::4X
-
-(kind::mxf4nvf4: FP4 operands with block scales; scale_vec::4X: four scales per 64-element K step, i.e. one per 16
-elements, the NVFP4 layout; MXFP4 would be 2X, one E8M0 scale per 32). The numbers it computes stay untested here.
+  numerics  each product runs in Triton's interpreter (Triton >= 3.8; CI installs 3.9.0) on
+            fresh seeded random inputs, edge shapes included, and equals the reference:
+            nvfp4.nvfp4_matmul's CPU path on the same packed operands (built with
+            nvfp4.quantize), up to fp32 summation order. tests/interpreter_nvfp4_scales.py makes
+            the interpreter decode E4M3 scales as the hardware does.
+  lowering  each product compiles for sm_100a (tests/compile_for_target.py, in a subprocess:
+            the suite runs interpreted) and its PTX holds the block-scaled FP4 MMA and no other,
+            in Triton 3.6's spelling or in Triton 3.9's (through NVVM):
+                tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale.scale_vec::4X
+                tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale.block16
+            (kind::mxf4nvf4: FP4 operands with block scales; 4X / block16: one scale per 16
+            elements, the NVFP4 layout; MXFP4 would be 2X / block32, one E8M0 scale per 32).
+Neither speed nor numerics on Blackwell hardware is tested here (docs/blackwell.md).
 """
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+import torch
 import triton
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "compile_for_target.py")
+import nvfp4
+from interpreter_nvfp4_scales import e4m3_dot_scaled_scales, interpreter_dot_scaled_skip_reason
+from kernels import nvfp4_gemm
 
+SCRIPT = os.path.join(os.path.dirname(__file__), "compile_for_target.py")
+FP4_MMA = re.compile(r"tcgen05\.mma\.cta_group::[12]\.kind::mxf4nvf4\.block_scale\."
+                     r"(scale_vec::4X|block16)")
+SKIP_INTERPRETED = interpreter_dot_scaled_skip_reason()
+needs_interpreted_dot_scaled = pytest.mark.skipif(
+    SKIP_INTERPRETED is not None or os.environ.get("TRITON_INTERPRET") != "1",
+    reason=SKIP_INTERPRETED or "runs the Blackwell kernel in the interpreter (TRITON_INTERPRET=1)")
+
+
+# --------------------------------------------------------------------------------------------
+# Numerics, in the interpreter
+
+@pytest.fixture
+def blackwell_route(monkeypatch):
+    """nvfp4_gemm.nvfp4_gemm as a Blackwell GPU runs it, on CPU tensors in the interpreter."""
+    monkeypatch.setattr(nvfp4_gemm, "use_dot_scaled", lambda device: True)
+    with e4m3_dot_scaled_scales():
+        yield nvfp4_gemm.nvfp4_gemm
+
+
+def check_product(gemm, a, b, trans_a=False, trans_b=False, out_dtype=torch.float32):
+    """The Blackwell product of packed a, b equals nvfp4.nvfp4_matmul's CPU path: fp32 sums in
+    another order (each product of E2M1 values and E4M3 scales is exact in fp32), then one
+    rounding to out_dtype."""
+    out = gemm(a, b, out_dtype, trans_a=trans_a, trans_b=trans_b)
+    ref = nvfp4.nvfp4_matmul(a, b, torch.float32, trans_a, trans_b)
+    abs_a = nvfp4.NVFP4Tensor(a.codes & 0x77, a.scales, a.global_scale, a.shape, a.block)  # |a_hat|
+    abs_b = nvfp4.NVFP4Tensor(b.codes & 0x77, b.scales, b.global_scale, b.shape, b.block)
+    bound = nvfp4.nvfp4_matmul(abs_a, abs_b, torch.float32, trans_a, trans_b)  # sum of |products|
+    assert out.dtype == out_dtype and out.shape == ref.shape
+    K = a.shape[0] if trans_a else a.shape[1]
+    ulp = {torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -10}
+    err = (out.float() - ref).abs()  # K terms summed in any order: within K 2^-24 sum |terms|
+    assert bool((err <= K * 2.0 ** -24 * bound + ulp[out_dtype] * ref.abs()).all()), \
+        f"max error {err.max().item():.3g} (largest |ref| {ref.abs().max().item():.3g})"
+    assert ref.abs().max() > 0
+    return out
+
+
+def randn(*shape, seed, scale=1.0):
+    """Seeded inputs with a spread of magnitudes per row (so block scales differ)."""
+    g = torch.Generator().manual_seed(seed)
+    spread = torch.exp(torch.randn(shape[0], 1, generator=g))
+    return torch.randn(shape, generator=g) * scale * spread
+
+
+@needs_interpreted_dot_scaled
+def test_the_interpreter_needs_the_e4m3_scale_helper():
+    """Without tests/interpreter_nvfp4_scales.py the interpreter decodes E4M3 scales as E8M0 and the
+    product is wrong; if this fails, Triton decodes them itself now: delete the helper."""
+    a = nvfp4.quantize(randn(32, 64, seed=1), (1, 16))
+    b = nvfp4.quantize(randn(32, 64, seed=2), (1, 16))
+    ref = nvfp4.nvfp4_matmul(a, b)
+    out = nvfp4_gemm._gemm_sm100(a, b, torch.float32)
+    assert not torch.allclose(out, ref, rtol=1e-2, atol=1e-3 * ref.abs().max().item())
+    with e4m3_dot_scaled_scales():
+        out = nvfp4_gemm._gemm_sm100(a, b, torch.float32)
+    assert torch.allclose(out, ref, rtol=1e-6, atol=1e-6)
+
+
+# (tokens T, in, out): M past the 128-row tile and not a multiple of it; the smallest K (16, 48, 64)
+LINEAR_SHAPES = [(200, 512, 96), (37, 16, 48), (130, 48, 272), (64, 64, 32)]
+
+
+@needs_interpreted_dot_scaled
+@pytest.mark.parametrize("T,n_in,n_out", LINEAR_SHAPES)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_blackwell_linear_forward(blackwell_route, T, n_in, n_out, out_dtype):
+    """Y = Q1x16(X) Q16x16(W)^T, RTN (4/6 as nvfp4_46 uses it)."""
+    xq = nvfp4.quantize(randn(T, n_in, seed=T), (1, 16), "rtn", four_over_six=True)
+    w = randn(n_out, n_in, seed=n_out, scale=0.02)
+    wq = nvfp4.quantize(w, (16, 16), "rtn", four_over_six=True)
+    check_product(blackwell_route, xq, wq, out_dtype=out_dtype)
+
+
+@needs_interpreted_dot_scaled
+@pytest.mark.parametrize("T,n_in,n_out", LINEAR_SHAPES)
+def test_blackwell_linear_dgrad(blackwell_route, T, n_in, n_out):
+    """dX = Q1x16(dY, SR) Q16x16(W): W's forward quantization, stored (out, in), read
+    transposed."""
+    g = torch.Generator().manual_seed(T + n_in)
+    dyq = nvfp4.quantize(randn(T, n_out, seed=T + 1, scale=1e-3), (1, 16), "sr", generator=g)
+    wq = nvfp4.quantize(randn(n_out, n_in, seed=n_out, scale=0.02), (16, 16), "rtn")
+    check_product(blackwell_route, dyq, wq, trans_b=True, out_dtype=torch.bfloat16)
+
+
+@needs_interpreted_dot_scaled
+@pytest.mark.parametrize("T,n_in,n_out",
+                         [(512, 96, 200), (16, 48, 32), (48, 272, 130), (64, 32, 64)])
+def test_blackwell_linear_wgrad(blackwell_route, T, n_in, n_out):
+    """Eq. 2, dW = Q1x16(dY^T H) Q16x1(H^T X_hat): both operands quantized as stored, (T, out)
+    and (T, in), with 16x1 blocks along T (SR, one random Hadamard), read transposed; K = T."""
+    g = torch.Generator().manual_seed(T + n_out)
+    H = nvfp4.random_hadamard(generator=g)
+    dy = randn(T, n_out, seed=T, scale=1e-3)
+    dyq = nvfp4.quantize(dy, (16, 1), "sr", generator=g, hadamard=H)
+    xq = nvfp4.quantize(randn(T, n_in, seed=T + 2), (16, 1), "sr", generator=g, hadamard=H)
+    check_product(blackwell_route, dyq, xq, trans_a=True, trans_b=True)
+
+
+@needs_interpreted_dot_scaled
+@pytest.mark.parametrize("T,n_in,n_out,rank", [(200, 256, 96, 16), (37, 64, 48, 8)])
+def test_blackwell_lora_svd_residual(blackwell_route, T, n_in, n_out, rank):
+    """LoRA-SVD (§3.2): the NVFP4 residual W_res = W - L2 L1 on the FP4 MMA, forward and dgrad
+    (the BF16 branch (beta X L1^T) L2^T is a bf16 GEMM beside it, not an FP4 product)."""
+    import lora_svd
+    W = randn(n_out, n_in, seed=n_in, scale=0.02)
+    U, S, Vh = lora_svd.top_r_svd(W, rank)
+    W_res, L1, L2 = lora_svd.split_from_svd(W, U, S, Vh, 1.0)
+    wq = nvfp4.quantize(W_res, (16, 16), "rtn", four_over_six=True)
+    xq = nvfp4.quantize(randn(T, n_in, seed=T), (1, 16), "rtn", four_over_six=True)
+    check_product(blackwell_route, xq, wq, out_dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(T)
+    dyq = nvfp4.quantize(randn(T, n_out, seed=T + 3, scale=1e-3), (1, 16), "sr", generator=g)
+    check_product(blackwell_route, dyq, wq, trans_b=True)
+
+
+@needs_interpreted_dot_scaled
+@pytest.mark.parametrize("m,n", [(48, 80), (64, 64), (144, 272)])
+def test_blackwell_newton_schulz_gemms(blackwell_route, m, n):
+    """Root's NVFP4 Newton-Schulz step (optim._ns_step_nvfp4, §3.4), X (m, n), m <= n, every
+    operand Q1x16(. H) with RTN + 4/6: A = qX qX^T, qA qA'^T, qB qX'^T."""
+    g = torch.Generator().manual_seed(m * n)
+    H = nvfp4.random_hadamard(generator=g)
+    q = lambda t: nvfp4.quantize(t, (1, 16), "rtn", four_over_six=True, hadamard=H)
+    X = randn(m, n, seed=m + n)
+    X = X / X.norm()
+    qX = q(X)
+    A = check_product(blackwell_route, qX, qX)                                # (m, m), K = n
+    B = 2.0 * A + check_product(blackwell_route, q(A), q(A.t()))              # K = m
+    check_product(blackwell_route, q(B), q(X.t()))                            # (m, n), K = m
+
+
+def _first_columns(t, n):
+    """The first n (a multiple of 16) logical columns of a packed t blocked along them, as
+    strided views."""
+    return nvfp4.NVFP4Tensor(t.codes[:, :n // 2], t.scales[:, :n // 16], t.global_scale,
+                             (t.shape[0], n), t.block)
+
+
+@needs_interpreted_dot_scaled
+def test_blackwell_route_takes_strided_operands_and_checks_blocks(blackwell_route):
+    """Non-contiguous stored operands (their strides go to the kernel), and the entry's error for an
+    operand not blocked along K."""
+    xq = _first_columns(nvfp4.quantize(randn(64, 192, seed=5), (1, 16)), 96)
+    wq = _first_columns(nvfp4.quantize(randn(160, 192, seed=6), (16, 16)), 96)
+    assert not xq.codes.is_contiguous() and not wq.scales.is_contiguous()
+    check_product(blackwell_route, xq, wq)
+    with pytest.raises(ValueError, match="blocked along K"):
+        blackwell_route(xq, nvfp4.quantize(randn(96, 64, seed=7), (16, 1)))
+
+
+# --------------------------------------------------------------------------------------------
+# Lowering for sm_100a
 
 def compile_for(which):
-    """Lines "<kernel> <arch> <MMA instructions>" from tests/compile_for_target.py (a subprocess: the suite runs
-    in the interpreter, which cannot compile)."""
+    """Lines "<kernel> <arch> <MMA instructions> [<product>]" from tests/compile_for_target.py (a
+    subprocess: the suite runs in the interpreter, which cannot compile)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, SCRIPT, which], env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, SCRIPT, which], env=env, capture_output=True, text=True,
+                         timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return [line.split(" ") for line in out.stdout.splitlines()]
 
@@ -35,9 +203,14 @@ def _can_target_blackwell():
     return (major, minor) >= (3, 3)  # tcgen05 block-scaled MMA lowering
 
 
-@pytest.mark.skipif(not _can_target_blackwell(), reason="this Triton cannot compile tl.dot_scaled for sm_100a "
-                    "(needs Triton >= 3.3 with its NVIDIA backend)")
-def test_blackwell_nvfp4_gemm_lowers_to_the_block_scaled_fp4_mma():
-    (kernel, arch, mma), = compile_for("blackwell")
-    assert kernel == "_nvfp4_gemm_sm100_kernel" and arch == "sm_100a"
-    assert mma.split(",") == ["tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale.scale_vec::4X"]
+@pytest.mark.skipif(not _can_target_blackwell(), reason="this Triton cannot compile "
+                    "tl.dot_scaled for sm_100a (needs Triton >= 3.3 with its NVIDIA backend)")
+def test_every_blackwell_product_lowers_to_the_block_scaled_fp4_mma():
+    """forward, dgrad (W read transposed), wgrad (both read transposed), Newton-Schulz's X X^T
+    (LoRA-SVD's residual and the other NS GEMMs are the same specializations) and the smallest
+    K (BK = 64)."""
+    lines = compile_for("blackwell")
+    assert [line[3] for line in lines] == ["forward", "dgrad", "wgrad", "ns_xxt", "small_k"]
+    for kernel, arch, mma, product in lines:
+        assert kernel == "_nvfp4_gemm_sm100_kernel" and arch == "sm_100a", (product, kernel, arch)
+        assert len(mma.split(",")) == 1 and FP4_MMA.fullmatch(mma), (product, mma)
