@@ -60,7 +60,8 @@ def micro1(micro, monkeypatch):
 def run(byte_data, out_dir, *flags):
     train.main(["--config", "micro", "--data", byte_data, "--out_dir", str(out_dir), "--device", "cpu",
                 "--no_progress", *flags])
-    return train.read_metrics(os.path.join(out_dir, "metrics.jsonl"))
+    rows = train.read_metrics(os.path.join(out_dir, "metrics.jsonl"))
+    return [r for r in rows if "settings" not in r and "resumed" not in r]  # the steps and evals
 
 
 def train_losses(rows):
@@ -69,6 +70,8 @@ def train_losses(rows):
 
 def test_loss_falls_and_outputs_are_written(byte_data, micro, tmp_path):
     rows = run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "40")
+    header = train.read_metrics(tmp_path / "metrics.jsonl")[0]
+    assert header["step"] == 0 and header["settings"]["recipe"] == "bf16"
     losses = train_losses(rows)
     assert len(losses) == 40 and all(math.isfinite(l) for l in losses)
     assert 4.0 < losses[0] < math.log(256) + 0.3  # near uniform over bytes (tied embeddings favour repeats)
@@ -80,8 +83,9 @@ def test_loss_falls_and_outputs_are_written(byte_data, micro, tmp_path):
     with open(tmp_path / "summary.json") as f:
         summary = json.load(f)
     assert summary["recipe"] == "bf16" and summary["optimizer"] == "adamw" and summary["seed"] == 0
-    assert summary["precision"] == dict(linear="bf16", four_over_six=False, attention="bf16", optim_states="fp32",
-                                  sr_rounding="sr")
+    fields = dict(linear="bf16", four_over_six=False, attention="bf16", optim_states="fp32")
+    assert {k: summary["precision"][k] for k in fields} == fields
+    assert summary["settings"] == header["settings"] and summary["checkpoint"] == str(tmp_path / "ckpt.pt")
     assert summary["steps"] == 40 and summary["tokens"] == 40 * 8 * 64
     assert summary["final_loss"] == losses[-1] and summary["final_val_loss"] == rows[-1]["val_loss"]
     assert summary["params"] == sum(p.numel() for p in model.GPT(model.GPTConfig(**MICRO)).parameters())
@@ -146,9 +150,21 @@ def test_every_recipe_trains(byte_data, micro1, tmp_path, recipe, optimizer):
         assert summary["optimizer_bytes_per_param"] < 3
 
 
-def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(byte_data, micro, tmp_path, capsys):
+def poison_forward(monkeypatch, at_call, make=lambda loss: loss * float("nan")):
+    """GPT.forward's `at_call`-th call (counting from 1) returns make(loss): a NaN by default."""
+    forward, calls = model.GPT.forward, []
+
+    def poisoned(self, idx, targets=None):
+        logits, loss = forward(self, idx, targets)
+        calls.append(1)
+        return logits, make(loss) if len(calls) == at_call else loss
+    monkeypatch.setattr(model.GPT, "forward", poisoned)
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(byte_data, micro, tmp_path, capsys, monkeypatch):
+    poison_forward(monkeypatch, at_call=5)  # step 5's loss (grad_accum 1, no eval before step 10)
     with pytest.raises(SystemExit) as e:
-        run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "10", "--save_every", "2", "--nan_at_step", "5")
+        run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "10", "--save_every", "2")
     assert e.value.code == 1
     err = capsys.readouterr().err
     assert "non-finite loss nan" in err and "at step 5" in err and "step 4" in err
@@ -167,10 +183,13 @@ BAD_FLAGS = [
     (["--batch_size", "0"], "--batch_size 0: must be >= 1"),
     (["--max_steps", "abc"], "--max_steps: invalid int value"),
     (["--data", "/nonexistent/dir"], "--data /nonexistent/dir: token shard"),
-    (["--resume"], "--resume: no checkpoint at"),
     (["--fsdp"], "--fsdp: shards over the ranks of a torchrun launch"),
     (["--attn_policy", "fp8"], "--attn_policy 'fp8': expected one of bf16, fp4,"),
-    (["--sr_rounding", "up"], "--sr_rounding 'up': expected one of sr, sr_up"),
+    (["--recipe", "lora_svd", "--lora_rank", "0"],
+     "--lora_rank 0: recipe lora_svd's LoRA branch needs a rank in [1, 64] for config micro"),
+    (["--recipe", "fullstack", "--lora_rank", "500"], "--lora_rank 500: recipe fullstack's LoRA branch needs"),
+    (["--grad_accum", "10000"], "--batch_size 8 x --grad_accum 10000 x --seq_len 64 = 5,120,000 tokens a step: "
+     "more than the"),
     (["--resume", "--overwrite"], "--resume and --overwrite: "),
     (["--max_steps", "5", "--max_tokens", "1e4"], "--max_steps and --max_tokens: give one"),
     (["--max_tokens", "0"], "--max_tokens 0: must be >= 1"),
@@ -302,8 +321,9 @@ def test_a_run_that_dies_while_saving_resumes_from_the_last_complete_save(byte_d
         raise KeyboardInterrupt  # stands for the kill
 
     monkeypatch.setattr(torch, "save", dies_on_the_second_save)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit) as e:
         run(byte_data, tmp_path / "killed", *flags)
+    assert e.value.code == 130
     monkeypatch.setattr(torch, "save", real_save)
     assert train.load_checkpoint(str(tmp_path / "killed" / "ckpt.pt"))["step"] == 2
     assert not os.path.exists(tmp_path / "killed" / "ckpt.pt.tmp")
@@ -339,7 +359,7 @@ def test_no_progress_prints_a_line_per_logged_step_and_the_evals(byte_data, micr
     assert all(re.fullmatch(line_format, line) for line in steps), steps
     evals = [line for line in out if "val loss" in line]
     assert [line.split(":")[0] for line in evals] == ["step 3", "step 6"]
-    assert out[0].startswith("config micro") and out[-1].startswith("done: 6 steps")
+    assert out[0].startswith("run: config micro") and out[-1].startswith("done: 6 steps")
 
 
 def test_a_log_file_gets_plain_lines_without_the_flag(byte_data, tmp_path):
@@ -415,3 +435,110 @@ def test_too_little_val_data_is_one_line(micro, tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "seq_len + 1 = 65 tokens do not fit in shard" in err and "val.bin" in err
+
+
+# ---------------------------------------------------------------------------------------------------
+# Issue 29's first hour: interrupted runs, the run's settings, a batch that cannot fit
+
+def interrupt_at(monkeypatch, at_call):
+    def ctrl_c(loss):
+        raise KeyboardInterrupt
+    poison_forward(monkeypatch, at_call, make=ctrl_c)
+
+
+def test_ctrl_c_before_the_first_checkpoint_then_resume_restarts(byte_data, micro, tmp_path, capsys,
+                                                                monkeypatch):
+    flags = ["--recipe", "bf16", "--max_steps", "4", "--eval_every", "0", "--save_every", "0"]
+    fresh = train_losses(run(byte_data, tmp_path / "fresh", *flags))
+    interrupt_at(monkeypatch, at_call=3)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        run(byte_data, tmp_path / "x", *flags)
+    assert e.value.code == 130
+    err = capsys.readouterr().err
+    assert err == "train.py: interrupted at step 2; no checkpoint was written yet: --resume starts the run " \
+                  "again\n", err
+    assert os.listdir(tmp_path / "x") == ["metrics.jsonl"]
+    monkeypatch.undo()
+    monkeypatch.setitem(model.CONFIGS, "micro", MICRO)
+    monkeypatch.setitem(train.CONFIG_DEFAULTS, "micro", MICRO_DEFAULTS)
+    with pytest.raises(SystemExit) as e:  # a plain rerun refuses, without pushing --resume first
+        run(byte_data, tmp_path / "x", *flags)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1
+    assert f"--out_dir {tmp_path / 'x'} holds a run stopped before its first checkpoint (metrics.jsonl): " \
+           "--overwrite (or --resume) starts it again" in err, err
+    resumed = train_losses(run(byte_data, tmp_path / "x", *flags, "--resume"))
+    out = capsys.readouterr().out
+    assert f"--resume: no checkpoint at {tmp_path / 'x' / 'ckpt.pt'} (it stopped before its first checkpoint): " \
+           "starting the run at step 0" in out, out
+    assert resumed == fresh  # a clean restart: the interrupted rows are gone
+
+
+def test_ctrl_c_after_a_checkpoint_then_resume_continues(byte_data, micro, tmp_path, capsys, monkeypatch):
+    flags = ["--recipe", "bf16", "--max_steps", "6", "--eval_every", "0", "--save_every", "2"]
+    full = train_losses(run(byte_data, tmp_path / "full", *flags))
+    interrupt_at(monkeypatch, at_call=4)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        run(byte_data, tmp_path / "x", *flags)
+    assert e.value.code == 130
+    assert capsys.readouterr().err == (f"train.py: interrupted at step 3; --resume continues from "
+                                       f"{tmp_path / 'x' / 'ckpt.pt'} (step 2)\n")
+    monkeypatch.undo()
+    monkeypatch.setitem(model.CONFIGS, "micro", MICRO)
+    monkeypatch.setitem(train.CONFIG_DEFAULTS, "micro", MICRO_DEFAULTS)
+    assert train_losses(run(byte_data, tmp_path / "x", *flags, "--resume")) == full
+    assert "resumed from" in capsys.readouterr().out
+
+
+def test_save_every_minus_one_writes_no_checkpoint_and_resume_says_so(byte_data, micro, tmp_path, capsys):
+    flags = ["--recipe", "bf16", "--max_steps", "2", "--eval_every", "0", "--save_every", "-1"]
+    run(byte_data, tmp_path, *flags)
+    assert not os.path.exists(tmp_path / "ckpt.pt")
+    assert "; no checkpoint (--save_every -1))" in capsys.readouterr().out
+    assert json.load(open(tmp_path / "summary.json"))["checkpoint"] is None
+    with pytest.raises(SystemExit) as e:
+        run(byte_data, tmp_path, *flags[:3], "4", "--resume")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1
+    assert f"--resume: {tmp_path} holds a finished run without a checkpoint (--save_every -1 writes none)" in err
+
+
+def test_every_resolved_setting_and_the_commit_are_recorded(byte_data, micro1, tmp_path, capsys):
+    run(byte_data, tmp_path, "--recipe", "lora_svd", "--lora_rank", "8", "--max_steps", "2", "--eval_every", "0",
+        "--lr", "2e-3")
+    first = capsys.readouterr().out.splitlines()[0]
+    s = json.load(open(tmp_path / "summary.json"))["settings"]
+    expected = dict(config="micro", recipe="lora_svd", lora_rank=8, lr=2e-3, lora_lr=4e-3, min_lr=2e-4,
+                    batch_size=8, grad_accum=1, seq_len=64, warmup=5, lr_decay_steps=2, max_steps=2, seed=0,
+                    optimizer="adamw", tokens_per_step=512, world_size=1)
+    assert {k: s[k] for k in expected} == expected
+    assert s["precision"]["linear"] == "lora_svd" and s["precision"]["four_over_six"] is True
+    commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    assert s["commit"].split("+")[0] == commit and s["commit"] in (commit, commit + "+dirty")
+    assert train.read_metrics(tmp_path / "metrics.jsonl")[0] == {"step": 0, "settings": s}
+    assert first == (f"run: config micro | recipe lora_svd | lora_rank 8 | optimizer adamw | lr 0.002 (lora 0.004), "
+                     f"warmup 5, cosine to 0.0002 at step 2 | batch 8 x grad_accum 1 x seq_len 64 = 512 "
+                     f"tokens/step | 2 steps | seed 0 | commit {s['commit']}")
+
+
+def test_a_batch_that_cannot_fit_memory_stops_before_training(byte_data, micro, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(train, "available_memory_bytes", lambda device: 2**20)  # a 1 MiB machine
+    with pytest.raises(SystemExit) as e:
+        run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "2")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1
+    assert "--batch_size 8 x --seq_len 64: a micro-step needs at least 0.0 GiB (weights + grads" in err, err
+    assert "this machine has 0.0 GiB free; lower --batch_size (raise --grad_accum" in err
+    assert not os.path.exists(tmp_path / "metrics.jsonl")  # before anything was written
+
+
+def test_the_issue_batch_is_refused_by_the_memory_bound():
+    """Issue 29: tiny at --batch_size 512 --seq_len 256 died minutes in, in a 26 GB allocation (the fp32 logits,
+    512 x 256 x 50304 x 4 bytes). The lower bound counts them with their gradient."""
+    args = train.parse_args(["--config", "tiny", "--device", "cpu", "--batch_size", "512", "--seq_len", "256"])
+    recipe = train.resolve_args(args, 1)
+    need, parts = train.memory_lower_bound(args, model.config_from_name("tiny", recipe=recipe), 1)
+    assert need > 512 * 256 * 50304 * 12 and "logits 73.7" in parts, parts
