@@ -1,8 +1,11 @@
 """
-The whole speed table in one command: every public call a training step makes against what a user would run
-instead (bench/layers.py), then train.py end to end at the paper's 1M-token step (bench/end_to_end.py). Prints the
-tables and writes the record: results/speed/speed.json (every row, with the device, versions, date and commit it
-was measured with) and results/speed/speed.md (the tables). A partial run replaces only the rows it measured.
+The whole speed table in one command: every public call a training step makes against what a user
+would run instead (bench/layers.py), then train.py end to end at the paper's 1M-token step
+(bench/end_to_end.py). Prints the tables and writes the record: results/speed/speed.json (every row,
+with the device, versions, date and commit it was measured with, and the NVFP4 GEMM route: "hopper
+grid-values" or, on a Blackwell GPU, "blackwell dot_scaled") and results/speed/speed.md (the
+tables). A partial run replaces only the rows it measured. On a Blackwell GPU the same command
+measures the FP4 tensor-core route (docs/blackwell.md: what it should reach).
 
     python bench/run.py                                   # everything, one GPU (the end-to-end rows take longest)
     python bench/run.py --only attention,linear,optim,quantize          # the layer rows: a couple of minutes
@@ -74,6 +77,15 @@ def parse_args(argv=None):
     return args
 
 
+def gemm_route():
+    """The NVFP4 GEMM route this machine's runs take (kernels/nvfp4_gemm.py picks it per GPU):
+    Blackwell's FP4 tensor cores through tl.dot_scaled, or the bf16 grid values through cuBLAS."""
+    if not torch.cuda.is_available():
+        return "cpu reference"
+    from kernels.nvfp4_gemm import use_dot_scaled
+    return "blackwell dot_scaled" if use_dot_scaled(torch.device("cuda")) else "hopper grid-values"
+
+
 def measured_with():
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
@@ -85,7 +97,13 @@ def measured_with():
     import triton
     return {"date": datetime.date.today().isoformat(), "commit": commit + ("+changes" if dirty else ""),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "torch": torch.__version__, "triton": triton.__version__}
+            "torch": torch.__version__, "triton": triton.__version__, "gemm_route": gemm_route()}
+
+
+def when(r):
+    """The table's "measured" cell: date, commit and the GEMM route of the row."""
+    m = r["measured"]
+    return f"{m['date']} {m['commit']}" + (f" {m['gemm_route']}" if "gemm_route" in m else "")
 
 
 def merge(path, new_rows):
@@ -100,7 +118,7 @@ def tables(rows):
     for r in rows:
         if r["section"] != "train":
             out.append(f"| {r['section']} | {r['name']} | {r['ms']:.3f} | {r['baseline']} | {r['baseline_ms']:.3f} "
-                       f"| **{r['speed_vs_baseline']:.2f}x** | {r['measured']['date']} {r['measured']['commit']} |")
+                       f"| **{r['speed_vs_baseline']:.2f}x** | {when(r)} |")
     train = [r for r in rows if r["section"] == "train"]
     if train:
         out += ["", "| config | recipe | optimizer | --compile | tokens/s | vs bf16 | vs bf16 --compile | peak mem "
@@ -112,7 +130,7 @@ def tables(rows):
                        f"{r['peak_mem_gib']:.1f} GiB | {r['optimizer_bytes_per_param']:.2f}") if "error" not in r \
                 else f"failed: {r['error'].strip().splitlines()[-1][:100]} | | | | "
             out.append(f"| {r['config']} | `{r['recipe']}` | {r['optimizer']} | {'yes' if r['compile'] else ''} | "
-                       f"{numbers} | {r['measured']['date']} {r['measured']['commit']} |")
+                       f"{numbers} | {when(r)} |")
     return "\n".join(out) + "\n"
 
 
