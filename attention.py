@@ -58,44 +58,48 @@ POLICIES = {
 }
 HEAD_DIMS = (64, 128)
 LOG2E = 1.4426950408889634
-P_GLOBAL_SCALE = 1.0 / (nvfp4.E4M3_MAX * nvfp4.FP4_MAX)   # s_g of P: amax(P) <= 1
+P_GLOBAL_SCALE = nvfp4.global_scales(torch.tensor(1.0))[1].item()  # S_dec of P: amax(P) <= 1
 M32 = 0xFFFFFFFF
 
 
 def _use_kernels(x, impl):
     """The seam: True runs the Triton kernels (kernels/flash_attention.py; CPU tensors run in the Triton
-    interpreter), False this file's tiled PyTorch reference. impl "auto" takes the kernels on CUDA unless
-    nvfp4.use_reference() (NANOFP4_REFERENCE=1, the project-wide switch)."""
+    interpreter), False this file's tiled PyTorch reference. impl "auto" asks the project's seam,
+    nvfp4.use_kernels (NANOFP4_ROUTE)."""
     if impl == "auto":
-        return x.is_cuda and not nvfp4.use_reference()
+        return nvfp4.use_kernels(x)
     return impl == "triton"
 
 
 # ----------------------------------------------------------------------------------------------------------
 # NVFP4 pieces the fused kernels do in registers (torch mirrors of kernels/flash_attention.py)
 
-def fake_quantize_rows16(x, s_g, rounding="rtn", rand=None):
-    """q * s_b of x (..., N) in 1x16 blocks along the last dim with a GIVEN global scale s_g (a tensor that
-    broadcasts against x, e.g. (B, H, 1, 1)); multiply by s_g for the dequantized value. Same formulas as
-    nvfp4.quantize (which derives s_g from amax(x)); N is zero-padded to a multiple of 16 (exact: zeros change
-    no block's amax). rand: uniforms like x for rounding="sr"."""
+def fake_quantize_rows16(x, amax, rounding="rtn", rand=None):
+    """(q * s_b, S_dec) of x (..., N) in 1x16 blocks along the last dim, the global scales derived from a GIVEN
+    amax (a bound on |x|: a tensor that broadcasts against x, e.g. (B, H, 1, 1)); q * s_b * S_dec is the
+    dequantized value. nvfp4's formulas (global_scales, block_scale, element_scale, rtn_e2m1, sr_e2m1); N is
+    zero-padded to a multiple of 16 (exact: zeros change no block's amax). rand: uniforms like x for "sr"."""
     N = x.shape[-1]
     pad = -N % 16
     xp = torch.nn.functional.pad(x.float(), (0, pad))
     xb = xp.reshape(*xp.shape[:-1], -1, 16)                                    # (..., N/16, 16)
-    s_g = torch.as_tensor(s_g, dtype=torch.float32, device=x.device).unsqueeze(-1)
-    amax = xb.abs().amax(-1, keepdim=True)
-    six = torch.full((), nvfp4.FP4_MAX, device=x.device)   # a tensor: torch on CUDA divides by a Python scalar
-    s_b = nvfp4.to_e4m3(amax / six / s_g).float()           # as a multiply by its reciprocal (not bit-exact)
-    denom = s_b * s_g
-    a = torch.where(denom > 0, xb.abs() / torch.where(denom > 0, denom, 1.0), 0.0).clamp(max=nvfp4.FP4_MAX)
+    s_enc, s_dec = nvfp4.global_scales(torch.as_tensor(amax, dtype=torch.float32, device=x.device))
+    s_enc = s_enc.unsqueeze(-1)
+    s_b = nvfp4.block_scale(xb.abs().amax(-1, keepdim=True), s_enc)
+    scaled = xb * nvfp4.element_scale(s_b, s_dec.unsqueeze(-1))
+    a = scaled.abs().clamp(max=nvfp4.FP4_MAX)
     if rounding == "rtn":
         idx = nvfp4.rtn_e2m1(a)
     else:
         idx = nvfp4.sr_e2m1(a, torch.nn.functional.pad(rand, (0, pad)).reshape(xb.shape))
     q = nvfp4.E2M1_VALUES.to(x.device)[idx.long()]
-    q = torch.where(xb < 0, -q, q) * s_b
-    return q.reshape(xp.shape)[..., :N]
+    q = torch.where(scaled < 0, -q, q) * s_b.float()
+    return q.reshape(xp.shape)[..., :N], s_dec
+
+
+def _dequantized(values_and_scale):
+    values, s_dec = values_and_scale
+    return values * s_dec
 
 
 def _fmix32(x):
@@ -124,15 +128,15 @@ def sr_uniforms(keys, rows, cols, T, query_pairs=False):
     return torch.where(odd.bool(), x >> 16, x & 0xFFFF).float() * 2.0 ** -16
 
 
-def ds_global_scale(do_eff_norm, v_amax, delta, D, G):
-    """s_g(dS) per (batch, head) from |dS_ij| <= max_i ||dO_i|| * sqrt(D) * amax(V) + max_i |D_i|.
+def ds_bound(do_eff_norm, v_amax, delta, D, G):
+    """A bound on |dS| per (batch, head), dS's amax for its global scales: |dS_ij| <= max_i ||dO_i|| *
+    sqrt(D) * amax(V) + max_i |D_i|.
     do_eff_norm (B, H, T): row norms of the dO that enters dP; v_amax: amax of V's operand (0-d, or (B, Hkv)
     for the unquantized policies); delta (B, H, T). -> (B, H) fp32."""
     v_amax = torch.as_tensor(v_amax, dtype=torch.float32, device=delta.device)
     if v_amax.dim() == 2:
         v_amax = v_amax.repeat_interleave(G, 1)
-    bound = do_eff_norm.amax(-1) * (math.sqrt(D) * v_amax) + delta.abs().amax(-1)
-    return nvfp4.global_scale(bound)
+    return do_eff_norm.amax(-1) * (math.sqrt(D) * v_amax) + delta.abs().amax(-1)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -161,7 +165,7 @@ def reference_forward(q, k, v, causal, quant_p, sm_scale, dtype):
         alpha = torch.exp2(m - m_new)
         l = l * alpha + p.sum(-1)                                                 # exact P~ in the normalizer
         if quant_p:
-            p = fake_quantize_rows16(p, P_GLOBAL_SCALE) * P_GLOBAL_SCALE          # 1x16 along keys, RTN
+            p = _dequantized(fake_quantize_rows16(p, 1.0))                         # 1x16 along keys, RTN
         else:
             p = p.to(dtype).float()
         acc = acc * alpha[..., None] + p @ v[:, :, cols]
@@ -169,11 +173,11 @@ def reference_forward(q, k, v, causal, quant_p, sm_scale, dtype):
     return acc / l[..., None], m + torch.log2(l)
 
 
-def reference_backward(q, k, v, o, lse, do, causal, sm_scale, dtype, do_dov=None, do_pdo=None, ds_scale=None,
+def reference_backward(q, k, v, o, lse, do, causal, sm_scale, dtype, do_dov=None, do_pdo=None, ds_amax=None,
                        keys=None):
     """App. 11's backward: recompute S and P = exp2(S2 - lse2) per key tile, D = rowsum(dO o O).
     q, k, v: fp32 operand values (the forward's); do: the incoming gradient (dtype); do_dov / do_pdo: the
-    dequantized NVFP4 dO for dO V^T / P^T dO (or None: BF16); ds_scale (B, H) and keys (B, H, 2): dS in NVFP4
+    dequantized NVFP4 dO for dO V^T / P^T dO (or None: BF16); ds_amax (B, H) and keys (B, H, 2): dS in NVFP4
     (or None: BF16). Returns dq (B, H, T, D), dk, dv (B, Hkv, T, D), fp32. Any key tile gives the same numbers."""
     block_n = 64
     B, H, T, D = q.shape
@@ -185,8 +189,8 @@ def reference_backward(q, k, v, o, lse, do, causal, sm_scale, dtype, do_dov=None
     rows = torch.arange(T, device=q.device)
     dq = torch.zeros(B, H, T, D, device=q.device)
     dk, dv = torch.zeros_like(dq), torch.zeros_like(dq)
-    if ds_scale is not None:
-        sg = ds_scale[..., None, None]                                            # (B, H, 1, 1)
+    if ds_amax is not None:
+        bound = ds_amax[..., None, None]                                         # (B, H, 1, 1)
     for j0 in range(0, T, block_n):
         cols = rows[j0:j0 + block_n]
         s = (q @ k[:, :, cols].transpose(-1, -2)) * (sm_scale * LOG2E)
@@ -194,18 +198,18 @@ def reference_backward(q, k, v, o, lse, do, causal, sm_scale, dtype, do_dov=None
         if causal:
             p = p.masked_fill(cols[None, :] > rows[:, None], 0.0)
         if do_pdo is not None:   # P^T dO in NVFP4: P^T in 1x16 blocks along the queries (contraction), RTN
-            pT = fake_quantize_rows16(p.transpose(-1, -2), P_GLOBAL_SCALE) * P_GLOBAL_SCALE
+            pT = _dequantized(fake_quantize_rows16(p.transpose(-1, -2), 1.0))
             dv[:, :, cols] = pT @ do_pdo
         else:
             dv[:, :, cols] = p.to(dtype).float().transpose(-1, -2) @ do           # dV = P^T dO
         dp = (do if do_dov is None else do_dov) @ v[:, :, cols].transpose(-1, -2)  # dP = dO V^T
         ds = p * (dp - delta[..., None])                                          # dS = P o (dP - D)
-        if ds_scale is not None:
+        if ds_amax is not None:
             # dQ = dS K: 1x16 along the keys; dK = dS^T Q: 1x16 along the queries. SR, the kernels' uniforms.
             u = sr_uniforms(keys[..., 0], rows, cols, T)
-            ds_q = fake_quantize_rows16(ds, sg, "sr", u) * sg
+            ds_q = _dequantized(fake_quantize_rows16(ds, bound, "sr", u))
             u = sr_uniforms(keys[..., 1], rows, cols, T, query_pairs=True).transpose(-1, -2)
-            ds_kT = fake_quantize_rows16(ds.transpose(-1, -2), sg, "sr", u) * sg
+            ds_kT = _dequantized(fake_quantize_rows16(ds.transpose(-1, -2), bound, "sr", u))
         else:
             ds_q = ds.to(dtype).float()
             ds_kT = ds_q.transpose(-1, -2)
@@ -289,14 +293,14 @@ class _Attention(torch.autograd.Function):
         else:
             delta = (o.float() * do.float()).sum(-1)
             do_norm = do.float().norm(dim=-1)
-        ds_scale = keys = None
+        ds_amax = keys = None
         if pol["ds"]:
             vq = ctx.fp4[2]
             seed = int(torch.randint(0, 2**31 - 1, ()))
             keys = sr_keys(seed, B * H, device=do.device).reshape(B, H, 2)
             do_eff_norm = do_dov.dequantize().norm(dim=-1) if pol["dov"] else do_norm
             v_amax = vq.global_scale * (nvfp4.E4M3_MAX * nvfp4.FP4_MAX)   # >= every |V_hat| (s_b <= 448)
-            ds_scale = ds_global_scale(do_eff_norm, v_amax, delta, D, H // vq.shape[1])
+            ds_amax = ds_bound(do_eff_norm, v_amax, delta, D, H // vq.shape[1])
         if kernels:
             if pol["qkv"]:
                 ops = [grid_values_bf16(t) for t in ctx.fp4]
@@ -310,7 +314,7 @@ class _Attention(torch.autograd.Function):
                 *ops, scales, do, lse, delta,
                 do_dov.grid_values().to(dtype) if pol["dov"] else None,
                 do_pdo.grid_values()[:, :, :T].to(dtype) if pol["pdo"] else None,
-                None if ds_scale is None else ds_scale.reshape(-1),
+                None if ds_amax is None else ds_amax.reshape(-1),
                 None if keys is None else keys.reshape(-1, 2), ctx.causal, sm_scale, dtype)
         else:
             ops = [t.dequantize() for t in ctx.fp4] if pol["qkv"] else [x.float() for x in qkv]
@@ -318,7 +322,7 @@ class _Attention(torch.autograd.Function):
                 *ops, o, lse, do, ctx.causal, sm_scale, dtype,
                 do_dov=do_dov.dequantize() if pol["dov"] else None,
                 do_pdo=do_pdo.dequantize()[:, :, :T] if pol["pdo"] else None,
-                ds_scale=ds_scale, keys=keys)
+                ds_amax=ds_amax, keys=keys)
         ctx.fp4 = None
         return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None
 
@@ -371,7 +375,7 @@ def simplex_violation(p):
     simplex. Returns row_sum_dev_mean / _max (|1 - sum_j P_hat_ij|), zeroed_mass (mean per row of the
     probability mass in entries that quantize to 0) and rel_mse (of P_hat against P)."""
     p = p.float()
-    p_hat = fake_quantize_rows16(p, P_GLOBAL_SCALE) * P_GLOBAL_SCALE
+    p_hat = _dequantized(fake_quantize_rows16(p, 1.0))
     dev = (1.0 - p_hat.double().sum(-1)).abs()
     zeroed = torch.where((p_hat == 0) & (p > 0), p, 0.0).double().sum(-1)
     return {"row_sum_dev_mean": dev.mean().item(), "row_sum_dev_max": dev.max().item(),

@@ -24,8 +24,7 @@ before gradient clipping and optimizer.step(). Every few thousand steps `realign
 re-derives (W_res, L1, L2) from a randomized SVD of the total weight (subspace drift, §3.2).
 
 On CUDA the branch rides on the NVFP4 GEMMs (App. 9, kernels/lora_fused.py): r extra columns of the residual's
-bf16 grid-value GEMM, so Y and dX are written once. The seam is `_use_kernels` below; NANOFP4_REFERENCE=1
-(nvfp4.use_reference) forces the reference path.
+bf16 grid-value GEMM, so Y and dX are written once. The seam is nvfp4.use_kernels (NANOFP4_ROUTE).
 Parameters may be FSDP2 DTensors: projection and realignment gather them and write back the local shards.
 
 NaiveLoRALinear is the ablation baseline (Table 3, "naive LoRA"): an NVFP4 main weight plus an ordinary
@@ -118,83 +117,84 @@ def shard_like(t, full):
 # eqs. 1-2: the LoRA-SVD linear as one autograd function
 
 
-def _use_kernels(x, fused):
-    """The seam: kernels/lora_fused.py on CUDA (unless `fused` is off or NANOFP4_REFERENCE=1), else the
-    reference below, which runs the quantize, the NVFP4 GEMM and the BF16 branch apart."""
-    return fused and x.is_cuda and not nvfp4.use_reference()
+# The precision contract of eq. 1: the NVFP4 residual's three GEMMs are nvfp4.LINEAR's entries (the direct
+# layer's); the rank-r branch (beta X L1^T) L2^T and dX's (beta dY L2) L1 run on BRANCH operands (X or dY, L1, L2
+# and the rank-r intermediate) with fp32 accumulation, on every route.
+BRANCH = "bf16"
+BRANCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def branch_dtype(x):
-    # "BF16" branch of eq. 1 on the GPU; fp32 on the CPU, where bf16 matmuls are slow and the reference
-    # tests want fp32 tolerance.
-    return torch.bfloat16 if x.is_cuda else torch.float32
+def branch_dtype():
+    if BRANCH not in BRANCH_DTYPES:
+        raise ValueError(f"lora_svd.BRANCH must be one of {', '.join(BRANCH_DTYPES)}, got {BRANCH!r}")
+    return BRANCH_DTYPES[BRANCH]
+
+
+def _branch(x, A, B, dt):
+    """(x A^T) B^T on dt operands (the intermediate rounded to dt too), fp32 accumulation: the GPU's BF16 GEMMs."""
+    t = (x.to(dt).float() @ A.to(dt).float().t()).to(dt)
+    return t.float() @ B.to(dt).float().t()
 
 
 class LoRASVDFunction(torch.autograd.Function):
     """eqs. 1-2. Inputs x (..., in), weight_res (out, in), L1 (r, in), L2 (out, r). Returns y (..., out)
     (leading dims are flattened into tokens T inside, so the output is not a view: FSDP2 wants that).
 
-    The residual path is NVFP4Linear's (nvfp4._NVFP4LinearFn): same quantizers, the packed Q1x16(X) and
-    Q16x16(W_res) saved for backward, nvfp4.wgrad for eq. 2, and torch's global RNG for SR and the random
-    Hadamard (so a saved RNG state replays a backward). Saved besides: L1, L2; neither X nor X L1^T, since
-    dX needs only dY, W_res, L1, L2 and the LoRA gradients come from dW (App. 8).
-    Gradients returned: dX, dW for weight_res, and zeros for L1 and L2. The zeros keep every parameter
-    "used" for DDP (no find_unused_parameters) and give project_gradients a grad to add into; the true
-    dL1, dL2 are produced by project_gradients (eqs. 3-4) once per optimizer step.
+    The residual path is NVFP4Linear's (nvfp4._NVFP4LinearFn): the same contract (nvfp4.LINEAR), the packed
+    Q1x16(X) and Q16x16(W_res) saved for backward, nvfp4.wgrad for eq. 2, the same random draws
+    (nvfp4.backward_draws). Saved besides: L1, L2; neither X nor X L1^T, since dX needs only dY, W_res, L1, L2
+    and the LoRA gradients come from dW (App. 8). Gradients returned: dX, dW for weight_res, and zeros for L1
+    and L2. The zeros keep every parameter "used" for DDP (no find_unused_parameters) and give
+    project_gradients a grad to add into; the true dL1, dL2 come from project_gradients (eqs. 3-4).
     """
 
     @staticmethod
-    def forward(ctx, x, weight_res, L1, L2, beta, four_over_six, fused, sr_rounding):
+    def forward(ctx, x, weight_res, L1, L2, beta, four_over_six):
         ctx.x_shape = x.shape
         x = x.reshape(-1, x.shape[-1])  # (T, in)
-        bdt = branch_dtype(x)
-        qw = nvfp4.quantize(weight_res.detach(), (16, 16), "rtn", four_over_six, name="weight W_res")
-        if _use_kernels(x, fused):  # App. 9: the branch rides the residual's GEMM, Y is written once
-            y, qx = lora_fused.forward(x, qw, L1.to(bdt), L2.to(bdt), beta, four_over_six, x.dtype)
+        c, bdt = nvfp4.linear_contract(four_over_six), branch_dtype()
+        seed_x, seed_w = nvfp4.draws(c["forward.x"]), nvfp4.draws(c["forward.w"])
+        qw = nvfp4.quantize_as(weight_res.detach(), c["forward.w"], seed_w, name="weight W_res")
+        if nvfp4.use_kernels(x):  # App. 9: the branch rides the residual's GEMM, Y is written once
+            y, qx = lora_fused.forward(x, qw, L1, L2, beta, c["forward.x"], seed_x, bdt, x.dtype)
             qx = nvfp4.NVFP4Tensor(*qx, x.shape, (1, 16))
         else:
-            qx = nvfp4.quantize(x, (1, 16), "rtn", four_over_six, name="activation X")  # Q1x16(X), RTN
-            xl1 = x.to(bdt) @ L1.to(bdt).t()  # (T, r)
-            y = nvfp4.nvfp4_matmul(qx, qw, out_dtype=x.dtype)  # (T, out)
-            y = y.add_((xl1 @ L2.to(bdt).t()).to(x.dtype), alpha=beta)
-        ctx.qx, ctx.qw, ctx.beta, ctx.four_over_six, ctx.fused = qx, qw, beta, four_over_six, fused
-        ctx.sr_rounding = sr_rounding
+            qx = nvfp4.quantize_as(x, c["forward.x"], seed_x, name="activation X")  # Q1x16(X)
+            y = nvfp4.nvfp4_matmul(qx, qw, out_dtype=torch.float32)  # (T, out)
+            y = (y + beta * _branch(x, L1, L2, bdt)).to(x.dtype)
+        ctx.qx, ctx.qw, ctx.beta, ctx.c = qx, qw, beta, c
         ctx.save_for_backward(L1, L2)
         return y.reshape(*ctx.x_shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
         L1, L2 = ctx.saved_tensors
-        qx, qw, beta, fos, sr = ctx.qx, ctx.qw, ctx.beta, ctx.four_over_six, ctx.sr_rounding
+        qx, qw, beta, c, bdt = ctx.qx, ctx.qw, ctx.beta, ctx.c, branch_dtype()
         dy = dy.reshape(-1, dy.shape[-1])  # (T, out)
-        bdt = branch_dtype(dy)
-        need_dx, need_dw = ctx.needs_input_grad[:2]
-        if _use_kernels(dy, ctx.fused):  # the same draws in the same order as NVFP4Linear's backward
-            dx, dw = lora_fused.backward(dy, qx, qw, L1.to(bdt), L2.to(bdt), beta, fos,
-                                         *nvfp4.backward_draws(need_dx, need_dw, dy.device), rounding=sr)
+        need = ctx.needs_input_grad[:2]
+        seed_dx, H, seeds_dw = nvfp4.backward_draws(c, *need, dy.device)
+        if nvfp4.use_kernels(dy):
+            dx, dw = lora_fused.backward(dy, qx, qw, L1, L2, beta, c, need, seed_dx, H, seeds_dw, bdt)
         else:
             dx = dw = None
-            if need_dx:  # eq. 1's dX, the forward's Q16x16(W_res) reused (read transposed, not requantized)
-                q_dy = nvfp4.quantize(dy, (1, 16), sr, fos, name="gradient dY")  # Q1x16(dY), SR
-                dx = nvfp4.nvfp4_matmul(q_dy, qw, out_dtype=dy.dtype, trans_b=True)  # (T, in)
-                dx = dx.add_(((dy.to(bdt) @ L2.to(bdt)) @ L1.to(bdt)).to(dy.dtype), alpha=beta)
-            if need_dw:
-                dw = nvfp4.wgrad(dy, qx, fos, rounding=sr)  # eq. 2, (out, in) fp32
+            if need[0]:  # eq. 1's dX, the forward's Q16x16(W_res) reused (read transposed, not requantized)
+                q_dy = nvfp4.quantize_as(dy, c["dgrad.dy"], seed_dx, name="gradient dY")  # Q1x16(dY)
+                dx = nvfp4.nvfp4_matmul(q_dy, qw, out_dtype=torch.float32, trans_b=True)  # (T, in)
+                dx = (dx + beta * _branch(dy, L2.t(), L1.t(), bdt)).to(dy.dtype)
+            if need[1]:
+                dw = nvfp4.wgrad(dy, qx, c, H, seeds_dw)  # eq. 2, (out, in) fp32
         dx = dx.reshape(ctx.x_shape) if dx is not None else None
         ctx.qx = ctx.qw = None
         zero = lambda L, i: torch.zeros_like(L) if ctx.needs_input_grad[i] else None
-        return dx, dw, zero(L1, 2), zero(L2, 3), None, None, None, None
+        return dx, dw, zero(L1, 2), zero(L2, 3), None, None
 
 
-def lora_svd_linear(x, weight_res, L1, L2, beta=1.0, four_over_six=True, fused=True, sr_rounding="sr"):
-    """Functional LoRASVDLinear (no bias): x (..., in) -> (..., out). The backward's gradients are rounded by
-    sr_rounding ("sr" or "sr_up", nvfp4.quantize). Under autocast X is cast to the autocast dtype, as in
-    nvfp4.nvfp4_linear."""
-    if sr_rounding not in nvfp4.SR_MODES:
-        raise ValueError(f"lora_svd_linear: sr_rounding must be one of {nvfp4.SR_MODES}, got {sr_rounding!r}")
+def lora_svd_linear(x, weight_res, L1, L2, beta=1.0, four_over_six=True):
+    """Functional LoRASVDLinear (no bias): x (..., in) -> (..., out). Under autocast X is cast to the autocast
+    dtype, as in nvfp4.nvfp4_linear."""
     if torch.is_autocast_enabled(x.device.type):
         x = x.to(torch.get_autocast_dtype(x.device.type))
-    return LoRASVDFunction.apply(x, weight_res, L1, L2, float(beta), four_over_six, fused, sr_rounding)
+    return LoRASVDFunction.apply(x, weight_res, L1, L2, float(beta), four_over_six)
 
 
 # -----------------------------------------------------------------------------
@@ -209,16 +209,14 @@ class LoRASVDLinear(nn.Module):
     Init: the dense W (`weight`, else nn.Linear's kaiming-uniform init) split by its exact top-r SVD. That SVD
     is O(out * in * min(out, in)): seconds per 2048-wide layer on a CPU, so build big models on the GPU.
     To re-initialize from another dense weight, call `layer.set_weight(W)`.
-    `fused` (default True) uses the App. 9 kernels on CUDA; False runs quantize, GEMM and BF16 branch apart.
-    `sr_rounding`: the backward's stochastic rounding, "sr" (Transformer Engine's) or "sr_up" (nvfp4.quantize).
     """
 
     def __init__(self, in_features, out_features, rank, beta=1.0, bias=False, four_over_six=True, weight=None,
-                 device=None, sr_rounding="sr"):
+                 device=None):
         super().__init__()
         check_shape(rank, in_features, out_features)
         self.in_features, self.out_features, self.rank = in_features, out_features, rank
-        self.beta, self.four_over_six, self.fused, self.sr_rounding = float(beta), four_over_six, True, sr_rounding
+        self.beta, self.four_over_six = float(beta), four_over_six
         if weight is None:
             weight = torch.empty(out_features, in_features, device=device)
             nn.init.kaiming_uniform_(weight, a=math.sqrt(5))  # nn.Linear's default
@@ -230,9 +228,9 @@ class LoRASVDLinear(nn.Module):
         self.set_weight(weight)
 
     @classmethod
-    def from_linear(cls, linear, rank, beta=1.0, four_over_six=True, sr_rounding="sr"):
+    def from_linear(cls, linear, rank, beta=1.0, four_over_six=True):
         layer = cls(linear.in_features, linear.out_features, rank, beta=beta, bias=linear.bias is not None,
-                    four_over_six=four_over_six, weight=linear.weight.detach(), sr_rounding=sr_rounding)
+                    four_over_six=four_over_six, weight=linear.weight.detach())
         if linear.bias is not None:
             with torch.no_grad():
                 layer.bias.copy_(linear.bias.float())
@@ -257,8 +255,7 @@ class LoRASVDLinear(nn.Module):
         return W_res + self.beta * (L2 @ L1)
 
     def forward(self, x):
-        y = lora_svd_linear(x, self.weight_res, self.L1, self.L2, self.beta, self.four_over_six, self.fused,
-                            self.sr_rounding)
+        y = lora_svd_linear(x, self.weight_res, self.L1, self.L2, self.beta, self.four_over_six)
         if y.requires_grad:  # this backward adds a new dW to weight_res.grad: it needs eqs. 3-4 again
             y.register_hook(self._new_gradient)
         return y if self.bias is None else y + self.bias.to(y.dtype)
@@ -268,21 +265,20 @@ class LoRASVDLinear(nn.Module):
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
-                f"beta={self.beta}, bias={self.bias is not None}, four_over_six={self.four_over_six}, "
-                f"sr_rounding={self.sr_rounding}")
+                f"beta={self.beta}, bias={self.bias is not None}, four_over_six={self.four_over_six}")
 
 
 class NaiveLoRALinear(nn.Module):
     """Ablation baseline ("naive LoRA", Table 3): y = NVFP4Linear(x; weight) + (x L1^T) L2^T, the branch in
-    BF16 (fp32 on CPU) with ordinary autograd, so dL1, dL2 use the high-precision X it saves. Standard LoRA
+    BF16 (lora_svd.BRANCH) with ordinary autograd, so dL1, dL2 use the high-precision X it saves. Standard LoRA
     init: L1 like nn.Linear (kaiming-uniform, a=sqrt(5)), L2 = 0, so the layer starts equal to its main
     weight. The main weight is trained too; no SVD, projection or realignment."""
 
-    def __init__(self, in_features, out_features, rank, four_over_six=True, bias=False, sr_rounding="sr"):
+    def __init__(self, in_features, out_features, rank, four_over_six=True, bias=False):
         super().__init__()
         check_shape(rank, in_features, out_features)
         self.in_features, self.out_features, self.rank = in_features, out_features, rank
-        self.four_over_six, self.sr_rounding = four_over_six, sr_rounding
+        self.four_over_six = four_over_six
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.L1 = nn.Parameter(torch.empty(rank, in_features))
         self.L2 = nn.Parameter(torch.zeros(out_features, rank))
@@ -291,9 +287,9 @@ class NaiveLoRALinear(nn.Module):
         nn.init.kaiming_uniform_(self.L1, a=math.sqrt(5))
 
     @classmethod
-    def from_linear(cls, linear, rank, four_over_six=True, sr_rounding="sr"):
+    def from_linear(cls, linear, rank, four_over_six=True):
         layer = cls(linear.in_features, linear.out_features, rank, four_over_six=four_over_six,
-                    bias=linear.bias is not None, sr_rounding=sr_rounding).to(linear.weight.device)
+                    bias=linear.bias is not None).to(linear.weight.device)
         with torch.no_grad():
             layer.weight.copy_(linear.weight.float())
             if linear.bias is not None:
@@ -301,9 +297,8 @@ class NaiveLoRALinear(nn.Module):
         return layer
 
     def forward(self, x):
-        y = nvfp4.nvfp4_linear(x, self.weight, self.four_over_six, self.sr_rounding)
-        bdt = branch_dtype(x)
-        y = y + ((x.to(bdt) @ self.L1.to(bdt).t()) @ self.L2.to(bdt).t()).to(y.dtype)
+        y = nvfp4.nvfp4_linear(x, self.weight, self.four_over_six)
+        y = y + _branch(x, self.L1, self.L2, branch_dtype()).to(y.dtype)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self):

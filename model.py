@@ -30,20 +30,15 @@ class Recipe:
     four_over_six: bool = False  # 4/6 scaling of the linear layers' NVFP4 blocks (each block maps its max to 6 or 4)
     attention: str = "bf16"  # a key of attention.POLICIES: bf16, fp4 (§3.5), or one of Fig. 5's variants
     optim_states: str = "fp32"  # optim.STATES: fp32 | nvfp4 (§3.3 states, §3.4 NVFP4 NS) | direct (App. 13)
-    # the linear layers' gradient SR (eq. 2): "sr" as Transformer Engine (a block max may clamp: slightly biased
-    # toward zero) or "sr_up" (block scales rounded up, nothing clamps: unbiased); docs/nvfp4_kernels.md
-    sr_rounding: str = "sr"
 
     def __post_init__(self):  # optim.build_optimizer checks optim_states
         for name, value, allowed in (("linear", self.linear, LINEAR_KINDS),
-                                     ("attention", self.attention, tuple(attention.POLICIES)),
-                                     ("sr_rounding", self.sr_rounding, nvfp4.SR_MODES)):
+                                     ("attention", self.attention, tuple(attention.POLICIES))):
             if value not in allowed:
                 raise ValueError(f"Recipe.{name} {value!r}: expected one of {', '.join(allowed)}")
 
     def describe(self):
         linear = self.linear + (" + 4/6" if self.four_over_six else "")
-        linear += f" (gradients {self.sr_rounding})" if self.sr_rounding != "sr" and self.linear != "bf16" else ""
         return f"linear {linear}, attention {self.attention}, optimizer states {self.optim_states}"
 
 
@@ -102,11 +97,11 @@ def make_linear(in_f, out_f, recipe, std=0.02, lora_rank=32, lora_beta=1.0):
     if recipe.linear == "bf16":
         return lin  # fp32 master weight; BF16 compute comes from autocast
     if recipe.linear == "nvfp4":  # direct NVFP4, eqs. 1-2 without the LoRA branch
-        return nvfp4.NVFP4Linear.from_linear(lin, recipe.four_over_six, recipe.sr_rounding)
+        return nvfp4.NVFP4Linear.from_linear(lin, recipe.four_over_six)
     if recipe.linear == "lora_naive":  # NVFP4 main weight + a plain BF16 LoRA branch (the ablation's "naive LoRA")
-        return lora_svd.NaiveLoRALinear.from_linear(lin, lora_rank, recipe.four_over_six, recipe.sr_rounding)
+        return lora_svd.NaiveLoRALinear.from_linear(lin, lora_rank, recipe.four_over_six)
     # lora_svd, §3.2: the top-r SVD of the init in the BF16 branch, the residual in NVFP4
-    return lora_svd.LoRASVDLinear.from_linear(lin, lora_rank, lora_beta, recipe.four_over_six, recipe.sr_rounding)
+    return lora_svd.LoRASVDLinear.from_linear(lin, lora_rank, lora_beta, recipe.four_over_six)
 
 
 def attention_core(q, k, v, policy):

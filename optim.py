@@ -2,21 +2,18 @@
 Optimizers in NVFP4 (paper §3.3-3.4): quantized-state AdamW and the NVFP4 Root (Muon) optimizer.
 
 §3.3, states. AdamW keeps two moments per weight; with states="nvfp4" both live in real 4-bit storage
-(uint8 codes + E4M3 block scales + an fp32 global scale, nvfp4.NVFP4Tensor's layout):
+(uint8 codes + E4M3 block scales + an fp32 global scale, nvfp4.NVFP4Tensor's layout), as CONTRACT says:
     m (first moment)   m H16 -> NVFP4, stochastic rounding, 4/6 scaling              (unbiased, signed)
-    v (second moment)  sqrt -> minus tile mean -> H16 -> NVFP4 (SR, 4/6), decoded as max((s q) H16 + mu, mu/4)^2
+    v (second moment)  sqrt -> minus tile mean -> H16 -> NVFP4 (SR, 4/6), decoded as max((s q) H16 + mu, floor mu)^2
 The square root flattens v's heavy tail, the tile mean removes the large positive offset (after it the
 residual is centred, so a block's 4-bit grid spends its levels on the variation, not on the offset) and the
 Hadamard rotation spreads outliers over the 16 elements of a block. Squaring the decoded root keeps v >= 0,
-and a floor on the decoded root (FLOOR_FRACTION of the tile mean) keeps every positive v away from 0, so
+and a floor on the decoded root (a fraction of the tile mean) keeps every positive v away from 0, so
 1/sqrt(v) never blows up (the failure of direct 4-bit v that 4-bit Adam work reported).
 states="direct" is App. 13's naive baseline: plain NVFP4 (RTN) of m and v, no rotation, no transform.
 states="fp32" keeps full-precision states (the paper's high-precision baseline).
-The paper fixes neither v's rounding, nor its tile, nor a floor; we chose them by measurement (docs/optim.md,
-tools/optim_states_study.py): AdamW on an ill-conditioned least-squares problem, 3 seeds, excess over fp32 AdamW's
-loss after 600 steps: RTN v +14% (seed spread 0.0014), SR v +3% (0.00005); 64-element tiles with RTN +4%,
-16-element tiles (over the 1.2 byte/param budget) no better; without the floor the run diverges. An easy MLP
-cannot tell any of them from fp32. So: SR, 128-element tiles (1.16 bytes/param with m), floor mu/4.
+The paper fixes neither v's rounding, nor its tile, nor a floor: CONTRACT holds our choices, made by
+measurement (docs/optim.md, tools/optim_states_study.py).
 
 §3.4, Root. Momentum (stored like AdamW's m), Nesterov, soft-thresholding of outliers, then Newton-Schulz
 orthogonalization whose matmuls run in NVFP4 exactly as the paper's three equations (RTN + 4/6, a fresh
@@ -42,18 +39,39 @@ STATES = ("fp32", "nvfp4", "direct")  # model.Recipe.optim_states
 OPTIMIZERS = ("adamw", "root")
 
 
-def use_kernels(p):
-    """The seam: the fused Triton AdamW step for a parameter on CUDA, this file's reference otherwise (and
-    everywhere when NANOFP4_REFERENCE=1, nvfp4.use_reference). Root's NS reaches the kernels through nvfp4."""
-    return p.is_cuda and not nvfp4.use_reference()
-
-
 # ----------------------------------------------------------------------------------------------------------
-# Defaults (the paper does not give these; our choices, measured in docs/optim.md)
+# The precision contract of states="nvfp4" (§3.3-3.4), read at call time by the reference and the fused kernel.
+# The paper fixes m's pipeline and v's transform; v's rounding, tile and floor are our choices (docs/optim.md).
 
-V_TILE = 128           # elements per tile mean of sqrt(v) along the last dim: 4 bytes / 128 = 0.03 byte/param
-FLOOR_FRACTION = 1 / 4  # decoded sqrt(v) >= FLOOR_FRACTION * tile mean (power of two: exact in the kernel too)
-V_ROUNDING = "sr"      # v's rounding: SR, unbiased; RTN's deterministic error lagged fp32 AdamW (docs/optim.md)
+_STATE = nvfp4.Quant((1, 16), "sr", "fixed", four_over_six=True)  # x H16 -> NVFP4, SR (unbiased), 4/6
+CONTRACT = {
+    "adamw.m": _STATE,                  # AdamW's m
+    "adamw.v": _STATE,                  # (sqrt(v) - tile mean) H16; SR: RTN's repeated error lagged fp32 AdamW
+    "adamw.v.tile": 128,                # elements per tile mean of sqrt(v): 4 bytes / 128 = 0.03 byte/param
+    "adamw.v.floor": 1 / 4,             # decoded sqrt(v) >= floor * tile mean (a power of two)
+    "root.momentum": _STATE,            # Root's momentum buffer; "fp32" keeps it in full precision
+    "newton_schulz": nvfp4.Quant((1, 16), "rtn", "random", four_over_six=True),  # §3.4's GEMMs; or "fp32"
+}
+
+
+def _entry(name):
+    """CONTRACT[name], checked: a Quant in 1x16 blocks (the states rotated by the fixed H16 or not at all, NS
+    by a random Hadamard or not at all), or "fp32" for Root's momentum and NS."""
+    e = CONTRACT[name]
+    if e == "fp32" and name in ("root.momentum", "newton_schulz"):
+        return e
+    want = "random" if name == "newton_schulz" else "fixed"
+    if not isinstance(e, nvfp4.Quant) or tuple(e.block) != (1, 16) or e.hadamard not in (want, "none"):
+        raise ValueError(f"optim.CONTRACT[{name!r}]: expected nvfp4.Quant((1, 16), rounding, {want!r} or "
+                         f"'none', four_over_six), got {e!r}")
+    return e.resolved(False)
+
+
+def use_kernels(p):
+    """The seam (nvfp4.use_kernels): the fused Triton AdamW step, where it implements the contract."""
+    return nvfp4.use_kernels(p)
+
+
 MIN_QUANT_NUMEL = 4096  # smaller tensors keep fp32 states (their bytes do not matter, their precision might)
 MAX_ROOT_ASPECT = 8.0   # Root for 2-D hidden weights with max(m,n)/min(m,n) <= 8 (the widest published
                         # coefficient set is 2048x16384); narrower matrices go to AdamW (§3.4 "narrow-shaped")
@@ -108,18 +126,21 @@ def check_quantizable(x, name):
 # ----------------------------------------------------------------------------------------------------------
 # §3.3 state encodings
 
-def encode_first_moment(m, generator=None):
-    """m -> NVFP4 of m H16 with stochastic rounding and 4/6 scaling. m is signed and roughly symmetric, so a
-    rotation (outliers spread over the block) plus unbiased rounding is enough: E[decode(encode(m))] = m,
-    and the EMA does not drift when it is re-encoded every step. Returns a dict of packed tensors."""
+def encode_first_moment(m, generator=None, seed=None, entry="adamw.m"):
+    """m -> NVFP4 of m H16 as CONTRACT[entry] says (SR and 4/6 by default). m is signed and roughly symmetric,
+    so a rotation (outliers spread over the block) plus unbiased rounding is enough: E[decode(encode(m))] = m,
+    and the EMA does not drift when it is re-encoded every step. SR's seed: `seed`, else one draw from
+    `generator`. Returns a dict of packed tensors."""
     check_quantizable(m, "first moment m")
-    t = nvfp4.quantize(fwht16(m.float()), (1, 16), "sr", four_over_six=True, generator=generator,
-                       name="first moment m H")
-    return _as_state(t)
+    e = _entry(entry)
+    x = fwht16(m.float()) if e.hadamard == "fixed" else m.float()
+    return _as_state(nvfp4.quantize(x, e.block, e.rounding, e.four_over_six, generator=generator, seed=seed,
+                                    name=f"{entry} (H16)"))
 
 
-def decode_first_moment(state):
-    return fwht16(_packed(state, _shape(state)).dequantize())  # (s q) H16, H16 = H16^-1
+def decode_first_moment(state, entry="adamw.m"):
+    x = _packed(state, _shape(state)).dequantize()
+    return fwht16(x) if _entry(entry).hadamard == "fixed" else x  # (s q) H16, H16 = H16^-1
 
 
 def _tile(n, tile):
@@ -139,7 +160,7 @@ def tile_mean(s, tile):
     return x[..., 0] * (1.0 / tile)  # (R, C // tile)
 
 
-def encode_second_moment(v, tile=V_TILE, rounding=V_ROUNDING, generator=None):
+def encode_second_moment(v, tile=None, rounding=None, generator=None, seed=None):
     """§3.3's pipeline: 1) r = sqrt(v); 2) r -= mean over its tile; 3) r H16; 4) NVFP4 (4/6 scaling).
 
     Stochastic rounding (the paper does not say which). RTN has the lower error per encoding (at most half a grid
@@ -147,20 +168,23 @@ def encode_second_moment(v, tile=V_TILE, rounding=V_ROUNDING, generator=None):
     whose root sits between grid points is pulled the same way step after step, so its 1/sqrt(v) stays off in one
     direction for as long as its neighbours keep the grid where it is. SR's error averages out over the EMA. In
     training that decided it: on an ill-conditioned least-squares problem RTN ended 14% above fp32 AdamW's loss,
-    SR 3% (tools/optim_states_study.py, docs/optim.md). rounding="rtn" is kept for that comparison."""
+    SR 3% (tools/optim_states_study.py, docs/optim.md). tile and rounding default to CONTRACT's entries."""
     check_quantizable(v, "second moment v")
+    e = _entry("adamw.v")
+    tile = CONTRACT["adamw.v.tile"] if tile is None else tile
+    rounding = e.rounding if rounding is None else rounding
     if not (v >= 0).all():
         raise ValueError("second moment v: has negative entries (v is a running mean of g^2)")
     tile = _tile(v.shape[-1], tile)
     r = sqrt_rn(v.float())                                            # (R, C)
     mu = tile_mean(r, tile)                                           # (R, C // tile) fp32
     r = (r.reshape(*mu.shape, tile) - mu[..., None]).reshape(v.shape)
-    t = nvfp4.quantize(fwht16(r), (1, 16), rounding, four_over_six=True, generator=generator,
-                       name="second moment (sqrt(v) - mu) H")
+    t = nvfp4.quantize(fwht16(r) if e.hadamard == "fixed" else r, (1, 16), rounding, e.four_over_six,
+                       generator=generator, seed=seed, name="second moment (sqrt(v) - mu) H")
     return {**_as_state(t), "tile_mean": mu}
 
 
-def decode_second_moment(state, floor=FLOOR_FRACTION):
+def decode_second_moment(state, floor=None):
     """v_hat = max((s q) H16 + mu, floor * mu)^2.
 
     Squaring makes v_hat >= 0 whatever the rounding did. The floor: a positive v makes its tile mean mu > 0,
@@ -170,10 +194,13 @@ def decode_second_moment(state, floor=FLOOR_FRACTION):
     exceeds 3/4 of the tile mean); raising their denominator shrinks their update (safe), while a denominator
     near 0 would multiply it without bound. 1/4 gave the lowest error of the Adam update m/sqrt(v) among
     1/32, 1/8, 1/4, 1/2 on synthetic heavy-tailed v (row/column log-normal scales): see docs/optim.md."""
+    floor = CONTRACT["adamw.v.floor"] if floor is None else floor
     mu = state["tile_mean"]                                           # (R, C // tile)
     shape = _shape(state)
     tile = shape[-1] // mu.shape[-1]
-    r = fwht16(_packed(state, shape).dequantize()).reshape(*mu.shape, tile) + mu[..., None]
+    r = _packed(state, shape).dequantize()
+    r = fwht16(r) if _entry("adamw.v").hadamard == "fixed" else r
+    r = r.reshape(*mu.shape, tile) + mu[..., None]
     r = torch.maximum(r, mu[..., None] * floor)
     return (r * r).reshape(shape)
 
@@ -191,7 +218,8 @@ def decode_direct(state):
 
 ENCODERS = {  # states -> (encode m, decode m, encode v, decode v)
     "nvfp4": (encode_first_moment, decode_first_moment, encode_second_moment, decode_second_moment),
-    "direct": (lambda m, generator=None: encode_direct(m), decode_direct, encode_direct, decode_direct),
+    "direct": (lambda m, seed=None: encode_direct(m), decode_direct, lambda v, seed=None: encode_direct(v),
+               decode_direct),
 }
 
 
@@ -312,15 +340,12 @@ class QuantizedAdamW(_StateMixin, torch.optim.Optimizer):
     one pass that decodes, updates, writes the parameter and re-encodes.
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, states="nvfp4",
-                 v_tile=V_TILE, seed=0):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, states="nvfp4", seed=0):
         if states not in STATES:
             raise ValueError(f"QuantizedAdamW: states must be one of {', '.join(STATES)}; got {states!r}")
-        if v_tile < 16 or v_tile & (v_tile - 1):
-            raise ValueError(f"QuantizedAdamW: v_tile must be a power of two >= 16, got {v_tile}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
-        self.states, self.v_tile, self.seed = states, v_tile, seed
+        self.states, self.seed = states, seed
         self._generators, self._warned = {}, set()
 
     def _quantized(self, p):
@@ -357,24 +382,38 @@ class QuantizedAdamW(_StateMixin, torch.optim.Optimizer):
 
     def _step_packed(self, p, g, state, lr, beta1, beta2, eps, wd):
         enc_m, dec_m, enc_v, dec_v = ENCODERS[self.states]
-        gen = _generator(self._generators, p.device, self.seed)
         if "m.codes" not in state:  # zero moments, encoded (all-zero blocks: zero scales and codes)
             zeros = torch.zeros(p.shape, device=p.device)
-            _store(state, "m", enc_m(zeros, generator=gen))
-            _store(state, "v", enc_v(zeros) if self.states == "direct" else enc_v(zeros, tile=self.v_tile))
+            _store(state, "m", enc_m(zeros, seed=0))
+            _store(state, "v", enc_v(zeros, seed=0))
         state["step"] += 1
         step = state["step"].item()
-        if self.states == "nvfp4" and use_kernels(p) and p.dtype == torch.float32 and p.is_contiguous():
-            # the kernel's tl.rand seed, drawn on the CPU (no GPU sync), from a saved generator: resumable
-            cpu_gen = _generator(self._generators, torch.device("cpu"), self.seed, "seed")
-            seed_m, seed_v = torch.randint(0, 2**31 - 1, (2,), generator=cpu_gen).tolist()
-            fused_adamw_step(p, g, state, lr, beta1, beta2, eps, wd, step, seed_m, seed_v, FLOOR_FRACTION)
+        # SR seeds for m and v from a saved CPU generator (no GPU sync; resumable), the same on either route
+        seed_m, seed_v = _seeds(self._generators, self.seed, 2)
+        if self.states == "nvfp4" and use_kernels(p) and self._fused(p):
+            fused_adamw_step(p, g, state, lr, beta1, beta2, eps, wd, step, seed_m, seed_v,
+                             CONTRACT["adamw.v.floor"], CONTRACT["adamw.m"].rounding, CONTRACT["adamw.v"].rounding)
             return
         m, v = dec_m(_prefixed(state, "m")), dec_v(_prefixed(state, "v"))
         p_new, m, v = adamw_update_math(p.float(), g.float(), m, v, lr, beta1, beta2, eps, wd, step)
         p.copy_(p_new)
-        _store(state, "m", enc_m(m, generator=gen))
-        _store(state, "v", enc_v(v) if self.states == "direct" else enc_v(v, tile=self.v_tile, generator=gen))
+        _store(state, "m", enc_m(m, seed=seed_m))
+        _store(state, "v", enc_v(v, seed=seed_v))
+
+    def _fused(self, p):
+        """Does the fused kernel implement CONTRACT for p? (It rotates both states by H16 and uses 4/6; any
+        rounding, tile and floor.) If not, the reference runs on the GPU too, and says so once."""
+        fits = all(_entry(k).hadamard == "fixed" and _entry(k).four_over_six for k in ("adamw.m", "adamw.v"))
+        if not fits and "contract" not in self._warned:
+            self._warned.add("contract")
+            warnings.warn("QuantizedAdamW: the fused kernel implements adamw.m / adamw.v with hadamard 'fixed' "
+                          "and 4/6 only; running optim.py's reference for this CONTRACT")
+        return fits and p.dtype == torch.float32 and p.is_contiguous()
+
+
+def _seeds(gens, seed, n):
+    """n SR seeds from the optimizer's saved CPU generator."""
+    return torch.randint(0, 2**31 - 1, (n,), generator=_generator(gens, torch.device("cpu"), seed, "seed")).tolist()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -445,10 +484,13 @@ def _ns_step_nvfp4(X, a, b, c, H):
         qX = Q1x16(X H),  A = qX qX^T
         qA = Q1x16(A H),  qA' = Q16x1(H^T A),  B = b A + c qA qA'
         qB = Q1x16(B H),  qX' = Q16x1(H^T X),  X_next = a X + qB qX'
-    every quantization RTN + 4/6 with one fresh random Hadamard H per step (H H^T = I, so each product is
-    unbiased in the rotation). The NT GEMM takes both operands blocked along K; a 16x1 quantization of Y is
-    the 1x16 quantization of Y^T (same blocks, same amax), so Q16x1(H^T Y) enters as Q1x16(Y^T H)."""
-    q = lambda t, name: nvfp4.quantize(t, (1, 16), "rtn", four_over_six=True, hadamard=H, name=name)
+    every quantization as CONTRACT["newton_schulz"] says (RTN + 4/6 with one fresh random Hadamard H per step:
+    H H^T = I, so each product is unbiased in the rotation). The NT GEMM takes both operands blocked along K; a
+    16x1 quantization of Y is the 1x16 quantization of Y^T (same blocks, same amax), so Q16x1(H^T Y) enters as
+    Q1x16(Y^T H)."""
+    e = _entry("newton_schulz")
+    q = lambda t, name: nvfp4.quantize(t, (1, 16), e.rounding, e.four_over_six, name=name,
+                                       hadamard=H if e.hadamard == "random" else None)
     qX = q(X, "NS X")                                      # (m, n) blocked along n
     A = nvfp4.nvfp4_matmul(qX, qX)                         # (m, m) fp32
     qA, qA_t = q(A, "NS A"), q(A.t(), "NS A^T")            # (m, m), both blocked along the contraction dim
@@ -555,7 +597,7 @@ class Root(_StateMixin, torch.optim.Optimizer):
                  threshold_quantile=0.9, seed=0, cuda_graphs=True):
         if states not in STATES:
             raise ValueError(f"Root: states must be one of {', '.join(STATES)}; got {states!r}")
-        quantized = states != "fp32"  # NVFP4 states come with the NVFP4 NS (§3.4)
+        quantized = states != "fp32"  # NVFP4 states come with the NVFP4 NS (§3.4), unless CONTRACT says fp32
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay)
         super().__init__(params, defaults)
         for group in self.param_groups:
@@ -564,24 +606,34 @@ class Root(_StateMixin, torch.optim.Optimizer):
                     raise ValueError(f"Root: parameters must be 2-D matrices, got shape {tuple(p.shape)}")
                 if quantized and (p.shape[0] % 16 or p.shape[1] % 16):
                     raise ValueError(f"Root: NVFP4 NS needs both dims multiples of 16, got {tuple(p.shape)}")
-        self.states, self.quantized, self.ns_steps = states, quantized, ns_steps
+        self.states, self.ns_steps = states, ns_steps
         self.threshold_quantile, self.seed = threshold_quantile, seed
         self.cuda_graphs = cuda_graphs  # NVFP4 NS on CUDA replayed from one captured graph per shape
         self._generators, self._graphs = {}, {}
 
+    @property
+    def quantized(self):
+        """NVFP4 Newton-Schulz: NVFP4 states (or the direct baseline) and CONTRACT["newton_schulz"] not fp32."""
+        return self.states != "fp32" and _entry("newton_schulz") != "fp32"
+
     def _momentum(self, g, state, mu, gen):
         """buf <- mu buf + g (stored packed or fp32); returns the Nesterov M = g + mu buf."""
-        packed = self.quantized and g.dim() == 2 and g.shape[-1] % 16 == 0 and g.numel() > 0
+        packed = self.states != "fp32" and _entry("root.momentum") != "fp32" and g.dim() == 2 \
+            and g.shape[-1] % 16 == 0 and g.numel() > 0
         if not packed:
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(g, dtype=torch.float32)
             buf = state["momentum_buffer"]
             buf.mul_(mu).add_(g)
             return g.float().add(buf, alpha=mu)
-        enc, dec = ENCODERS[self.states][:2]
+        if self.states == "direct":
+            enc, dec = (lambda x, seed: encode_direct(x)), decode_direct
+        else:
+            enc = lambda x, seed: encode_first_moment(x, seed=seed, entry="root.momentum")
+            dec = lambda st: decode_first_moment(st, entry="root.momentum")
         buf = dec(_prefixed(state, "m")) if "m.codes" in state else torch.zeros(g.shape, device=g.device)
         buf = mu * buf + g.float()
-        _store(state, "m", enc(buf, generator=gen))
+        _store(state, "m", enc(buf, _seeds(self._generators, self.seed, 1)[0]))
         return g.float() + mu * buf
 
     def _direction(self, M, gen):

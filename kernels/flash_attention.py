@@ -53,8 +53,7 @@ def _patch_interpreter_loop_bounds():
 
 if _interpreting():
     _patch_interpreter_loop_bounds()
-# Markstein's fma-corrected division (nvfp4_quant._div_by) needs a true fma: the GPU, not the interpreter
-EXACT_FMA = tl.constexpr(nvfp4_quant._exact_fma())
+P_S_ENC = tl.constexpr(448.0 * 6.0)  # P's encode scale: amax(P) <= 1 (attention.P_SCALES)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -118,14 +117,15 @@ def _ds_random_words(key, rows, c0, T, R: tl.constexpr, C: tl.constexpr, QUERY_P
 
 
 @triton.jit
-def _fake_quant_rows16(x, s_g, r, R: tl.constexpr, C: tl.constexpr, SR: tl.constexpr):
-    """NVFP4 quantize-dequantize of an (R, C) fp32 tile in 1x16 blocks along its last dim, with global scale
-    s_g: returns q * s_b (the caller applies s_g). nvfp4_quant's own block scale, division and E2M1 rounding
-    (so the formulas are nvfp4.quantize's): s_b = e4m3(min(amax/6/s_g, 448)), a = |x| / (s_b s_g) clamped to 6,
-    RTN ties-to-even or SR from the random words r (R, C) (up iff (r >> 8) * 2^-24 < the fractional distance)."""
+def _fake_quant_rows16(x, s_enc, s_dec, r, R: tl.constexpr, C: tl.constexpr, SR: tl.constexpr):
+    """NVFP4 quantize-dequantize of an (R, C) fp32 tile in 1x16 blocks along its last dim, with global scales
+    (S_enc, S_dec): returns q * s_b (the caller applies S_dec). nvfp4_quant's own block scale and E2M1 rounding
+    (so the formulas are nvfp4.quantize's): s_b = e4m3(amax_b * S_enc / 6), a = |x| * RN(1 / (s_b S_dec))
+    clamped to 6, RTN ties-to-even or SR from the random words r (R, C) (up iff (r >> 8) * 2^-24 < the
+    fractional distance)."""
     xb = tl.reshape(x, (R, C // 16, 16))
-    s_b, _, den, inv = nvfp4_quant._block_scale(tl.max(tl.abs(xb), axis=2), s_g, 6.0, EXACT_FMA)
-    a = tl.minimum(nvfp4_quant._div_by(tl.abs(xb), den[:, :, None], inv[:, :, None], EXACT_FMA), 6.0)
+    s_b, _, den, inv = nvfp4_quant._block_scale(tl.max(tl.abs(xb), axis=2), s_enc, s_dec, 6.0)
+    a = tl.minimum(tl.abs(xb) * inv[:, :, None], 6.0)
     # Rounded in the value domain (nvfp4_quant's _sr_e2m1 / _rtn_e2m1 make code indices, which a tile that is
     # multiplied right away would have to decode again). E2M1's grid has step p / 2 with p = 2^floor(log2 max(a, 1)),
     # read off the exponent bits: 0.5 on [0, 2), 1 on [2, 4), 2 on [4, 6].
@@ -139,7 +139,7 @@ def _fake_quant_rows16(x, s_g, r, R: tl.constexpr, C: tl.constexpr, SR: tl.const
         c = (pbits + (22 << 23)).to(tl.float32, bitcast=True)
         v = (a + c) - c
     v = v * s_b[:, :, None]
-    v = tl.where(xb < 0, -v, v)
+    v = tl.where((xb < 0) & (a > 0), -v, v)
     return tl.reshape(v, (R, C))
 
 
@@ -167,7 +167,7 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, start, end, offs_m, T, s_scale, sg_p,
         acc = acc * alpha[:, None]
         v = _load_tile(V, offs_n, T, D, MASK, DTYPE)                                   # (N, D)
         if QUANT_P:
-            p = _fake_quant_rows16(p, sg_p, p, BLOCK_M, BLOCK_N, False)              # 1x16 along keys, RTN
+            p = _fake_quant_rows16(p, P_S_ENC, sg_p, p, BLOCK_M, BLOCK_N, False)              # 1x16 along keys, RTN
         acc = tl.dot(_op(p, DTYPE, EMU), v, acc, input_precision=PREC)
         m_i = m_new
     return acc, l_i, m_i
@@ -214,8 +214,8 @@ def _attn_fwd(Q, K, V, SG, O, LSE, T, H, G, qk_scale,
 # backward: dK, dV for one key tile of one kv head (loops over its G query heads and all query tiles)
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, Q, DO, DOQ, DOT, LSE, DELTA, key, start, end, offs_n, T, s_scale, sg_dp, sg_ds,
-                sg_p, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+def _dkdv_inner(dk, dv, k, v, Q, DO, DOQ, DOT, LSE, DELTA, key, start, end, offs_n, T, s_scale, sg_dp, se_ds,
+                sg_ds, sg_p, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
                 CAUSAL: tl.constexpr, QUANT_DS: tl.constexpr, QUANT_DOV: tl.constexpr, QUANT_PDO: tl.constexpr,
                 DTYPE: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
     cols = tl.arange(0, D)
@@ -235,7 +235,7 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, DOQ, DOT, LSE, DELTA, key, start, end, offs
             pT = tl.where(offs_n[:, None] < T, pT, 0.0)
         if QUANT_PDO:   # fp4_all: P^T dO with P in 1x16 blocks along the queries (its contraction dim)
             doT = tl.load(DOT + offs_m[:, None] * D + cols[None, :], mask=rmask[:, None], other=0.0).to(DTYPE)
-            pq = _fake_quant_rows16(pT, sg_p, pT, BLOCK_N, BLOCK_M, False)
+            pq = _fake_quant_rows16(pT, P_S_ENC, sg_p, pT, BLOCK_N, BLOCK_M, False)
             dv = tl.dot(_op(pq, DTYPE, EMU), doT, dv, input_precision=PREC)
         else:
             dv = tl.dot(_op(pT, DTYPE, EMU), do, dv, input_precision=PREC)                  # dV += P^T dO
@@ -247,7 +247,7 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, DOQ, DOT, LSE, DELTA, key, start, end, offs
         dsT = pT * (dpT - delta[None, :])                                            # dS = P (dP - D)
         if QUANT_DS:   # dK = dS^T Q contracts over queries: 1x16 blocks of dS^T along the queries, SR
             r = _ds_random_words(key, offs_n, start_m, T, BLOCK_N, BLOCK_M, True)
-            dsT = _fake_quant_rows16(dsT, sg_ds, r, BLOCK_N, BLOCK_M, True)
+            dsT = _fake_quant_rows16(dsT, se_ds, sg_ds, r, BLOCK_N, BLOCK_M, True)
         dk = tl.dot(_op(dsT, DTYPE, EMU), q, dk, input_precision=PREC)
     return dk, dv
 
@@ -286,24 +286,24 @@ def _attn_bwd_dkdv(Q, K, V, SG, DO, DOQ, DOT, LSE, DELTA, SGDS, KEYS, DK, DV, T,
     # dK = sum_g s_g(dS_g) (dS_g^T Q_g) over the G query heads of this kv head. One accumulator for all of them
     # (a second BLOCK_N x D fp32 one makes the kernel spill): dk holds the sum in units of the current head's
     # s_g(dS), rescaled by s_g(previous) / s_g(current) at each head boundary.
-    sg_prev = tl.load(SGDS + b * H + g0)
+    _, sg_prev = nvfp4_quant._global_scales(tl.load(SGDS + b * H + g0), 448.0)
     for g in range(G):
         bh = b * H + g0 + g
         q_ptr = Q + bh.to(tl.int64) * T * D
         row = bh.to(tl.int64) * T * D
-        sg_ds = tl.load(SGDS + bh)
+        se_ds, sg_ds = nvfp4_quant._global_scales(tl.load(SGDS + bh), 448.0)  # from dS's bound
         key = tl.load(KEYS + 2 * bh + 1).to(tl.uint32, bitcast=True)
         dk = dk * tl.div_rn(sg_prev, sg_ds)
         sg_prev = sg_ds
         # the queries of the causal band (masked), then whole query tiles, then a partial last tile (masked)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, DO + row, DOQ + row, DOT + row, LSE + bh * T, DELTA + bh * T,
-                             key, lo, mid, offs_n, T, s_scale, sg_dp, sg_ds, sg_p, D, BLOCK_M, BLOCK_N, True,
+                             key, lo, mid, offs_n, T, s_scale, sg_dp, se_ds, sg_ds, sg_p, D, BLOCK_M, BLOCK_N, True,
                              CAUSAL, QUANT_DS, QUANT_DOV, QUANT_PDO, DTYPE, PREC, EMU)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, DO + row, DOQ + row, DOT + row, LSE + bh * T, DELTA + bh * T,
-                             key, mid, n_full, offs_n, T, s_scale, sg_dp, sg_ds, sg_p, D, BLOCK_M, BLOCK_N, False,
+                             key, mid, n_full, offs_n, T, s_scale, sg_dp, se_ds, sg_ds, sg_p, D, BLOCK_M, BLOCK_N, False,
                              CAUSAL, QUANT_DS, QUANT_DOV, QUANT_PDO, DTYPE, PREC, EMU)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, DO + row, DOQ + row, DOT + row, LSE + bh * T, DELTA + bh * T,
-                             key, n_full, T, offs_n, T, s_scale, sg_dp, sg_ds, sg_p, D, BLOCK_M, BLOCK_N, True,
+                             key, n_full, T, offs_n, T, s_scale, sg_dp, se_ds, sg_ds, sg_p, D, BLOCK_M, BLOCK_N, True,
                              CAUSAL, QUANT_DS, QUANT_DOV, QUANT_PDO, DTYPE, PREC, EMU)
     dk = dk * (sg_prev * sm_scale * sg_q)
     dv = dv * (sg_p * sg_pdo)                 # 1 unless QUANT_PDO
@@ -318,7 +318,7 @@ def _attn_bwd_dkdv(Q, K, V, SG, DO, DOQ, DOT, LSE, DELTA, SGDS, KEYS, DK, DV, T,
 # backward: dQ for one query tile of one query head
 
 @triton.jit
-def _dq_inner(dq, q, do, lse, delta, K, V, key, start, end, offs_m, T, s_scale, sg_dp, sg_ds,
+def _dq_inner(dq, q, do, lse, delta, K, V, key, start, end, offs_m, T, s_scale, sg_dp, se_ds, sg_ds,
               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
               CAUSAL: tl.constexpr, QUANT_DS: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr,
               EMU: tl.constexpr):
@@ -337,7 +337,7 @@ def _dq_inner(dq, q, do, lse, delta, K, V, key, start, end, offs_m, T, s_scale, 
         ds = p * (dp - delta[:, None])
         if QUANT_DS:   # dQ = dS K contracts over keys: 1x16 blocks of dS along the keys, SR
             r = _ds_random_words(key, offs_m, start_n, T, BLOCK_M, BLOCK_N, False)
-            ds = _fake_quant_rows16(ds, sg_ds, r, BLOCK_M, BLOCK_N, True)
+            ds = _fake_quant_rows16(ds, se_ds, sg_ds, r, BLOCK_M, BLOCK_N, True)
         dq = tl.dot(_op(ds, DTYPE, EMU), k, dq, input_precision=PREC)
     return dq
 
@@ -354,7 +354,7 @@ def _attn_bwd_dq(Q, K, V, SG, DO, LSE, DELTA, SGDS, KEYS, DQ, T, H, G, qk_scale,
     sg_v = tl.load(SG + 2)
     sg_dov = tl.load(SG + 4)
     sg_dp = sg_v * sg_dov
-    sg_ds = tl.load(SGDS + bh)                # 1 unless QUANT_DS
+    se_ds, sg_ds = nvfp4_quant._global_scales(tl.load(SGDS + bh), 448.0)  # (1, 1) unless QUANT_DS
     key = tl.load(KEYS + 2 * bh).to(tl.uint32, bitcast=True)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = offs_m < T
@@ -375,9 +375,9 @@ def _attn_bwd_dq(Q, K, V, SG, DO, LSE, DELTA, SGDS, KEYS, DQ, T, H, G, qk_scale,
     else:
         lo = (T // BLOCK_N) * BLOCK_N
         hi = T
-    dq = _dq_inner(dq, q, do, lse, delta, K, V, key, 0, lo, offs_m, T, s_scale, sg_dp, sg_ds,
+    dq = _dq_inner(dq, q, do, lse, delta, K, V, key, 0, lo, offs_m, T, s_scale, sg_dp, se_ds, sg_ds,
                    D, BLOCK_M, BLOCK_N, False, CAUSAL, QUANT_DS, DTYPE, PREC, EMU)
-    dq = _dq_inner(dq, q, do, lse, delta, K, V, key, lo, hi, offs_m, T, s_scale, sg_dp, sg_ds,
+    dq = _dq_inner(dq, q, do, lse, delta, K, V, key, lo, hi, offs_m, T, s_scale, sg_dp, se_ds, sg_ds,
                    D, BLOCK_M, BLOCK_N, True, CAUSAL, QUANT_DS, DTYPE, PREC, EMU)
     dq = dq * (sm_scale * sg_k * sg_ds)
     tl.store(DQ + row + offs_m[:, None] * D + cols[None, :], _round_bf16(dq, EMU).to(DQ.dtype.element_ty),
@@ -452,34 +452,34 @@ def flash_forward(q, k, v, scales, causal, sm_scale, quant_p, dtype):
     return o, lse
 
 
-def flash_backward(q, k, v, scales, do, lse, delta, do_dov, do_pdo, ds_scale, keys, causal, sm_scale, dtype):
+def flash_backward(q, k, v, scales, do, lse, delta, do_dov, do_pdo, ds_amax, keys, causal, sm_scale, dtype):
     """dq (B, H, T, D), dk, dv (B, Hkv, T, D) in dtype. q, k, v, scales: as flash_forward's. do_dov / do_pdo:
-    dO's NVFP4 grid values (q * s_b) for dO V^T / P^T dO (fp4_dov, fp4_all), or None; ds_scale: (B*H,) fp32
-    global scales of dS, or None (dS in BF16); keys: (B*H, 2) uint32 values (int64) of the SR streams of the dQ
+    dO's NVFP4 grid values (q * s_b) for dO V^T / P^T dO (fp4_dov, fp4_all), or None; ds_amax: (B*H,) fp32
+    bounds on |dS| (attention.ds_bound: its global scales derive from them), or None (dS in BF16); keys: (B*H, 2) uint32 values (int64) of the SR streams of the dQ
     and dK passes."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     dev = q.device
-    quant_ds, quant_dov, quant_pdo = ds_scale is not None, do_dov is not None, do_pdo is not None
+    quant_ds, quant_dov, quant_pdo = ds_amax is not None, do_dov is not None, do_pdo is not None
     do_dov = do_dov.contiguous() if quant_dov else do
     do_pdo = do_pdo.contiguous() if quant_pdo else do
     if quant_ds:
-        ds_scale, keys = ds_scale.contiguous(), as_int32(keys)
+        ds_amax, keys = ds_amax.contiguous(), as_int32(keys)
     else:
-        ds_scale = torch.ones(B * H, device=dev, dtype=torch.float32)
+        ds_amax = torch.full((B * H,), 448.0 * 6.0, device=dev)  # a bound whose scales are (1, 1)
         keys = torch.zeros(B * H, 2, device=dev, dtype=torch.int32)
     dq = torch.empty(B, H, T, D, device=dev, dtype=dtype)
     dk = torch.empty(B, Hkv, T, D, device=dev, dtype=dtype)
     dv = torch.empty(B, Hkv, T, D, device=dev, dtype=dtype)
     meta = _meta(dtype, "dkdv", DKDV_CONFIG_QUANT_DS if quant_ds else DKDV_CONFIG, D)
     grid = (triton.cdiv(T, meta["BLOCK_N"]), B * Hkv)
-    _attn_bwd_dkdv[grid](q, k, v, scales, do, do_dov, do_pdo, lse, delta, ds_scale, keys, dk, dv,
+    _attn_bwd_dkdv[grid](q, k, v, scales, do, do_dov, do_pdo, lse, delta, ds_amax, keys, dk, dv,
                          T, H, H // Hkv, sm_scale * LOG2E, sm_scale, CAUSAL=causal, QUANT_DS=quant_ds,
                          QUANT_DOV=quant_dov, QUANT_PDO=quant_pdo, **meta)
     meta = _meta(dtype, "dq", DQ_CONFIG_QUANT_DS if quant_ds else DQ_CONFIG, D)
     grid = (triton.cdiv(T, meta["BLOCK_M"]), B * H)
-    _attn_bwd_dq[grid](q, k, v, scales, do_dov, lse, delta, ds_scale, keys, dq,
+    _attn_bwd_dq[grid](q, k, v, scales, do_dov, lse, delta, ds_amax, keys, dq,
                        T, H, H // Hkv, sm_scale * LOG2E, sm_scale, CAUSAL=causal, QUANT_DS=quant_ds, **meta)
     return dq, dk, dv
 

@@ -11,14 +11,14 @@ K + r columns writes Y once, for ~r/K more FLOPs. (A Triton kernel that quantize
 read, and a GEMM whose epilogue added the up-projection, were slower on Hopper: docs/nvfp4_kernels.md.)
 eq. 2's dW is the direct layer's (nvfp4_linear.wgrad): App. 8 takes the LoRA gradients from it later.
 
-The branch is BF16 on the GPU (bf16 operands, fp32 accumulation, beta x L^T / s_g rounded to bf16 once) and
-fp32 on the CPU; it equals the unfused torch branch up to those roundings.
+The branch is BF16 (lora_svd.BRANCH: bf16 operands, fp32 accumulation, beta x L^T / s_g rounded to bf16 once);
+it equals the reference's branch up to where that intermediate is rounded.
 """
 
 import torch
 
 from kernels.nvfp4_gemm import grid_values_mm, mm_fp32
-from kernels.nvfp4_linear import wgrad
+from kernels.nvfp4_linear import _check, wgrad
 from kernels.nvfp4_quant import global_amax_pair, grid_values_bf16, quantize_dequant
 
 
@@ -38,29 +38,40 @@ def _operand(x, L, beta, rounding, four_over_six, seed, s_g_other, name, return_
     return torch.cat((xv, branch), dim=1), s_g, packed
 
 
-def forward(x, qw, L1, L2, beta, four_over_six, out_dtype):
+def _check_branch(dtype):
+    if dtype != torch.bfloat16:
+        raise ValueError(f"kernels/lora_fused: the fused branch runs in bf16 (lora_svd.BRANCH 'bf16'), got {dtype}")
+
+
+def forward(x, qw, L1, L2, beta, ex, seed, branch_dtype, out_dtype):
     """eq. 1's Y = Q1x16(X) Q16x16(W_res)^T + (beta X L1^T) L2^T. x (T, in); qw the packed Q16x16(W_res)
-    (out, in) (an nvfp4.NVFP4Tensor); L1 (r, in), L2 (out, r) in the branch dtype.
-    Returns (Y, Q1x16(X) as (codes, scales, global_scale) for eq. 2)."""
-    abuf, s_gx, (xc, xs) = _operand(x, L1, beta, "rtn", four_over_six, 0, qw.global_scale, "activation X",
-                                    return_tensor=True)                   # [X_hat | beta X L1^T / s_g]
-    wbuf = torch.cat((grid_values_bf16(qw), L2.to(torch.bfloat16)), dim=1)  # (out, K + r) = [W_hat | L2]
+    (out, in) (an nvfp4.NVFP4Tensor); L1 (r, in), L2 (out, r); ex: X's contract entry (nvfp4.LINEAR's
+    forward.x) and seed its SR seed. Returns (Y, Q1x16(X) as (codes, scales, global_scale) for eq. 2)."""
+    _check_branch(branch_dtype)
+    ex = _check(ex, "forward.x", (1, 16))
+    L1, L2 = L1.to(torch.bfloat16), L2.to(torch.bfloat16)
+    abuf, s_gx, (xc, xs) = _operand(x, L1, beta, ex.rounding, ex.four_over_six, seed, qw.global_scale,
+                                    "activation X", return_tensor=True)   # [X_hat | beta X L1^T / s_g]
+    wbuf = torch.cat((grid_values_bf16(qw), L2), dim=1)                   # (out, K + r) = [W_hat | L2]
     return grid_values_mm(abuf, wbuf.t(), s_gx, qw.global_scale, out_dtype), (xc, xs, s_gx)
 
 
-def backward(dy, xq, qw, L1, L2, beta, four_over_six, seed_dx, hadamard, seeds_dw, rounding="sr"):
-    """eq. 1's dX = Q1x16(dY, SR) Q16x16(W_res) + (beta dY L2) L1, reusing the forward's packed qw, and eq. 2's
-    dW (fp32). seed_dx: dX's SR seed, None when dX is not needed; hadamard, seeds_dw: eq. 2's H and SR seeds,
-    None when dW is not needed (nvfp4.backward_draws); rounding: "sr" or "sr_up". -> (dX in dY's dtype, dW)."""
+def backward(dy, xq, qw, L1, L2, beta, c, need, seed_dx, hadamard, seeds_dw, branch_dtype):
+    """eq. 1's dX = Q1x16(dY) Q16x16(W_res) + (beta dY L2) L1, reusing the forward's packed qw, and eq. 2's
+    dW (fp32), each operand as the resolved contract c (nvfp4.linear_contract) says. need: (dX, dW) wanted;
+    seed_dx, hadamard, seeds_dw: the draws (nvfp4.backward_draws). -> (dX in dY's dtype, dW)."""
+    _check_branch(branch_dtype)
+    edy = _check(c["dgrad.dy"], "dgrad.dy", (1, 16))
+    L1, L2 = L1.to(torch.bfloat16), L2.to(torch.bfloat16)
     amax_dy = amax_dyh = None
-    if seed_dx is not None and hadamard is not None:  # one read of dY for both of its global amaxes
+    if all(need) and hadamard is not None:  # one read of dY for both of its global amaxes
         amax_dy, amax_dyh = global_amax_pair(dy, hadamard, name="gradient dY")
     dx = dw = None
-    if seed_dx is not None:
-        abuf, s_g, _ = _operand(dy, L2.t(), beta, rounding, four_over_six, seed_dx, qw.global_scale, "gradient dY",
-                                global_amax=amax_dy)                      # [dY_hat | beta dY L2 / s_g]
-        wbuf = torch.cat((grid_values_bf16(qw), L1.to(torch.bfloat16)), dim=0)  # (out + r, in) = [W_hat ; L1]
+    if need[0]:
+        abuf, s_g, _ = _operand(dy, L2.t(), beta, edy.rounding, edy.four_over_six, seed_dx, qw.global_scale,
+                                "gradient dY", global_amax=amax_dy)       # [dY_hat | beta dY L2 / s_g]
+        wbuf = torch.cat((grid_values_bf16(qw), L1), dim=0)              # (out + r, in) = [W_hat ; L1]
         dx = grid_values_mm(abuf, wbuf, s_g, qw.global_scale, dy.dtype)
-    if hadamard is not None:
-        dw = wgrad(dy, xq, four_over_six, hadamard, seeds_dw, amax_dyh, rounding=rounding)
+    if need[1]:
+        dw = wgrad(dy, xq, c, hadamard, seeds_dw, amax_dyh)
     return dx, dw

@@ -1,9 +1,11 @@
 """
 The three GEMMs of a direct-NVFP4 linear layer (paper eqs. 1-2 without the LoRA branch) on the GPU:
 
-    Y  = Q1x16(X) Q16x16(W)^T                          RTN
-    dX = Q1x16(dY) Q16x16(W)                           SR, W's forward quantization reused
-    dW = Q1x16(dY^T H) Q16x1(H^T Q1x16(X))             SR, eq. 2's random Hadamard H
+    Y  = Q1x16(X) Q16x16(W)^T                          forward.x, forward.w
+    dX = Q1x16(dY) Q16x16(W)                           dgrad.dy, W's forward quantization reused
+    dW = Q1x16(dY^T H) Q16x1(H^T Q1x16(X))             wgrad.dy, wgrad.x (eq. 2's random Hadamard H)
+
+each operand quantized as its entry of nvfp4.LINEAR (the precision contract) says: rounding, Hadamard, 4/6.
 
 nvfp4.py's autograd function calls `forward` and `backward`; which route multiplies is decided here:
   * Hopper (no FP4 tensor cores): every quantize pass writes the bf16 grid values q * s_b (exact) and cuBLAS
@@ -12,7 +14,7 @@ nvfp4.py's autograd function calls `forward` and `backward`; which route multipl
     4-bit X for eq. 2.
   * Blackwell: the forward's packed X and W meet in tl.dot_scaled (nvfp4_gemm); dX and dW read their operands
     transposed, which that kernel does not, so they take the grid-value route too.
-Random draws (SR seeds, H) are made by the caller, so that the reference's generator order is kept.
+Random draws (SR seeds, H) are made by the caller (nvfp4.backward_draws), the same for either route.
 """
 
 import collections
@@ -26,46 +28,61 @@ from kernels.nvfp4_quant import dequantize, global_amax_pair, quantize, quantize
 Packed = collections.namedtuple("Packed", "codes scales global_scale shape block")
 
 
-def forward(x, w, four_over_six):
-    """x (T, in), w (out, in) -> (Y (T, out) in x's dtype, Q1x16(X) as (codes, scales, global_scale) for eq. 2,
+def _check(entry, name, block):
+    """The GPU routes quantize every operand in the block shape eqs. 1-2 give it (nvfp4.linear_contract checks
+    that too); rounding, Hadamard and 4/6 they take from the entry."""
+    if tuple(entry.block) != block:
+        raise ValueError(f"kernels/nvfp4_linear: {name} is quantized in {block} blocks here, got {entry.block}")
+    return entry
+
+
+def forward(x, w, ex, ew, seeds=(0, 0)):
+    """x (T, in), w (out, in); ex, ew: the contract entries of X and W (nvfp4.LINEAR's forward.x, forward.w);
+    seeds: their SR seeds. -> (Y (T, out) in x's dtype, Q1x16(X) as (codes, scales, global_scale) for eq. 2,
     W's quantization as dX multiplies it: (bf16 grid values (out, in), global scale))."""
+    ex, ew = _check(ex, "forward.x", (1, 16)), _check(ew, "forward.w", (16, 16))
     if use_dot_scaled(x.device):
-        xq = Packed(*quantize(x, (1, 16), "rtn", four_over_six, name="activation X"), x.shape, (1, 16))
-        wv, s_gw, wc, ws = quantize_dequant(w, (16, 16), "rtn", four_over_six, return_tensor=True, name="weight W")
+        xq = Packed(*quantize(x, (1, 16), ex.rounding, ex.four_over_six, seeds[0], name="activation X"),
+                    x.shape, (1, 16))
+        wv, s_gw, wc, ws = quantize_dequant(w, (16, 16), ew.rounding, ew.four_over_six, seeds[1],
+                                            return_tensor=True, name="weight W")
         y = nvfp4_gemm(xq, Packed(wc, ws, s_gw, w.shape, (16, 16)), x.dtype)
         return y, xq[:3], (wv, s_gw)
     # one pass writes the packed X (kept) and its bf16 grid values (multiplied)
-    xv, s_gx, xc, xs = quantize_dequant(x, (1, 16), "rtn", four_over_six, return_tensor=True, name="activation X")
-    wv, s_gw = quantize_dequant(w, (16, 16), "rtn", four_over_six, name="weight W")
+    xv, s_gx, xc, xs = quantize_dequant(x, (1, 16), ex.rounding, ex.four_over_six, seeds[0],
+                                        return_tensor=True, name="activation X")
+    wv, s_gw = quantize_dequant(w, (16, 16), ew.rounding, ew.four_over_six, seeds[1], name="weight W")
     return grid_values_mm(xv, wv.t(), s_gx, s_gw, x.dtype), (xc, xs, s_gx), (wv, s_gw)
 
 
-def backward(dy, xq, w_used, four_over_six, seed_dx, hadamard, seeds_dw, dw_dtype, rounding="sr"):
+def backward(dy, xq, w_used, c, need, seed_dx, hadamard, seeds_dw, dw_dtype):
     """dy (T, out); xq the forward's packed Q1x16(X) (codes, scales, global_scale, shape, block: an
-    nvfp4.NVFP4Tensor); w_used the forward's (W grid values, global scale). seed_dx: dX's SR seed, None when dX is
-    not needed; hadamard, seeds_dw: eq. 2's H and its two SR seeds, None when dW is not needed; rounding: "sr" or
-    "sr_up" (nvfp4_quant.SR_MODES). -> (dX, dW)."""
+    nvfp4.NVFP4Tensor); w_used the forward's (W grid values, global scale); c the resolved contract
+    (nvfp4.linear_contract); need: (dX, dW) wanted; seed_dx, hadamard, seeds_dw: the draws
+    (nvfp4.backward_draws). -> (dX, dW)."""
+    edy = _check(c["dgrad.dy"], "dgrad.dy", (1, 16))
     amax_dy = amax_dyh = None
-    if seed_dx is not None and hadamard is not None:  # one read of dY for both of its global amaxes
+    if all(need) and hadamard is not None:  # one read of dY for both of its global amaxes
         amax_dy, amax_dyh = global_amax_pair(dy, hadamard, name="gradient dY")
     dx = dw = None
-    if seed_dx is not None:
-        dyv, s_g = quantize_dequant(dy, (1, 16), rounding, four_over_six, seed=seed_dx, global_amax=amax_dy,
-                                    name="gradient dY")
+    if need[0]:
+        dyv, s_g = quantize_dequant(dy, (1, 16), edy.rounding, edy.four_over_six, seed=seed_dx,
+                                    global_amax=amax_dy, name="gradient dY")
         dx = grid_values_mm(dyv, w_used[0], s_g, w_used[1], dy.dtype)                # Q16x16(W) reused
-    if hadamard is not None:
-        dw = wgrad(dy, xq, four_over_six, hadamard, seeds_dw, amax_dyh, dw_dtype, rounding)
+    if need[1]:
+        dw = wgrad(dy, xq, c, hadamard, seeds_dw, amax_dyh, dw_dtype)
     return dx, dw
 
 
-def wgrad(dy, xq, four_over_six, hadamard, seeds, dy_global_amax=None, out_dtype=torch.float32, rounding="sr"):
-    """Eq. 2, dW = Q1x16(dY^T H) Q16x1(H^T X_hat) (out, in), both operands quantized as stored, (T, out) and
-    (T, in) with 16x1 blocks along T, and read transposed by the GEMM. X_hat = the packed xq dequantized in dY's
-    dtype (the precision the activations had). seeds: the two SR seeds (dY's, X_hat's); dy_global_amax:
-    max |H^T dY| if the caller has it."""
-    dyv, s_gdy = quantize_dequant(dy, (16, 1), rounding, four_over_six, seed=seeds[0], hadamard=hadamard,
-                                  global_amax=dy_global_amax, name="gradient dY")                  # (T, out)
+def wgrad(dy, xq, c, hadamard, seeds, dy_global_amax=None, out_dtype=torch.float32):
+    """Eq. 2, dW = Q(dY^T H) Q(H^T X_hat) (out, in), both operands quantized as stored, (T, out) and (T, in)
+    with 16x1 blocks along T (c["wgrad.dy"], c["wgrad.x"]), and read transposed by the GEMM. X_hat = the packed
+    xq dequantized in dY's dtype (the precision the activations had). hadamard: H, or None without a rotation;
+    seeds: the two SR seeds (dY's, X_hat's); dy_global_amax: max |H^T dY| if the caller has it."""
+    edy, ex = _check(c["wgrad.dy"], "wgrad.dy", (16, 1)), _check(c["wgrad.x"], "wgrad.x", (16, 1))
+    dyv, s_gdy = quantize_dequant(dy, (16, 1), edy.rounding, edy.four_over_six, seed=seeds[0],
+                                  hadamard=hadamard, global_amax=dy_global_amax, name="gradient dY")  # (T, out)
     x_hat = dequantize(xq.codes, xq.scales, xq.global_scale, xq.shape, xq.block, dy.dtype)
-    xv, s_gx = quantize_dequant(x_hat, (16, 1), rounding, four_over_six, seed=seeds[1], hadamard=hadamard,
-                                name="activation Q(X)")                                             # (T, in)
+    xv, s_gx = quantize_dequant(x_hat, (16, 1), ex.rounding, ex.four_over_six, seed=seeds[1],
+                                hadamard=hadamard, name="activation Q(X)")                         # (T, in)
     return grid_values_mm(dyv.t(), xv, s_gdy, s_gx, out_dtype)                                     # (out, in)

@@ -1,8 +1,8 @@
 """
 NVFP4 arithmetic as Triton device functions (paper §2; the numerics of the reference nvfp4.py, bit for bit):
-E4M3 block scales, E2M1 round-to-nearest and stochastic rounding from fp32 bits, correctly rounded division by
-Markstein's step, Philox words for SR, the 16-point Hadamard butterfly, and the fixed summation tree 4/6
-compares errors with. Every quantizing kernel (nvfp4_quant, flash_attention, optim_fused) builds on these, so
+Transformer Engine's global and block scales (one reciprocal per block, a multiply per element), E4M3 rounding,
+E2M1 round-to-nearest and stochastic rounding from fp32 bits, Philox words for SR, the 16-point Hadamard
+butterfly, and the fixed summation tree 4/6 compares errors with. Every quantizing kernel (nvfp4_quant, flash_attention, optim_fused) builds on these, so
 they all round alike. kernels/nvfp4_quant.py re-exports them under the same names.
 """
 
@@ -53,40 +53,50 @@ def _rtn_e2m1(a):
     return tl.where(a < 1.0, sub, normal)
 
 
+FLT_MAX = tl.constexpr(3.4028234663852886e38)  # the element scale's cap (TE's: an all-zero block's 1/0)
+RCP_6 = tl.constexpr(0.1666666716337204)       # RN(1/6) in fp32 (0x3E2AAAAB), Transformer Engine's
+
+
+@triton.jit
+def _global_scales(amax, FP8_BOUND: tl.constexpr):
+    """Transformer Engine's global scales from a tensor's amax: the encode scale S_enc = RN(bound * 6 / amax),
+    capped at FLT_MAX (1 when amax is 0: zeros encode to zeros with any scale), and the decode scale
+    S_dec = RN(1 / S_enc), the NVFP4Tensor's global_scale (nvfp4.global_scales)."""
+    s_enc = tl.where(amax > 0, tl.minimum(tl.div_rn(FP8_BOUND * 6.0, tl.where(amax > 0, amax, 1.0)), FLT_MAX),
+                     1.0)
+    return s_enc, tl.div_rn(1.0, s_enc)
+
+
+@triton.jit
+def _block_scale(block_amax, s_enc, s_dec, MAX_Q: tl.constexpr, UP: tl.constexpr = False):
+    """A block scale candidate with the block's max mapped to MAX_Q (6; 4 for 4/6's second candidate), in
+    Transformer Engine's arithmetic (nvfp4.block_scale, nvfp4.element_scale):
+    s_b = e4m3(min(amax_b * (S_enc * RN(1 / MAX_Q)), 448)) (RNE, or up with UP: nvfp4's "sr_up"), its uint8 bits,
+    den = s_b * S_dec (fp32) and the element scale inv = min(RN(1 / den), FLT_MAX), by which every element is
+    multiplied: one correctly rounded reciprocal per block, a multiply per element."""
+    if MAX_Q == 6.0:
+        rcp: tl.constexpr = RCP_6
+    else:
+        rcp: tl.constexpr = 1.0 / MAX_Q   # 1/4: exact
+    s, bits = _round_to_e4m3(tl.minimum(block_amax * (s_enc * rcp), 448.0), UP)
+    den = s * s_dec
+    inv = tl.where(den > 0, tl.div_rn(1.0, tl.where(den > 0, den, 1.0)), FLT_MAX)
+    return s, bits, den, tl.minimum(inv, FLT_MAX)
+
+
 @triton.jit
 def _div_by(x, den, inv, EXACT_FMA: tl.constexpr):
-    """x / den rounded to nearest (what tl.div_rn and torch give) for x >= 0, with inv = RN(1 / den) per block
-    (inv = 0 where den == 0, which returns 0 like the reference). On the GPU, Markstein's correction step:
+    """x / den rounded to nearest (what tl.div_rn and torch give) for x >= 0, with inv = RN(1 / den) given
+    (the AdamW update's division by a per-program value). On the GPU, Markstein's correction step:
     q = RN(x * inv) is within an ulp, r = x - q * den is exact with an fma, and RN(q + r * inv) is the correctly
-    rounded quotient (Markstein 1990; Muller et al., Handbook of Floating-Point Arithmetic, ch. 4): a mul and two
-    fmas per element instead of div.rn's reciprocal + refinement. The interpreter's fma rounds twice, so there
-    it is tl.div_rn (the GPU tests check the fma path bit for bit at full size)."""
+    rounded quotient (Markstein 1990; Muller et al., Handbook of Floating-Point Arithmetic, ch. 4). The
+    interpreter's fma rounds twice, so there it is tl.div_rn."""
     if EXACT_FMA:
         q = x * inv
-        r = tl.fma(q, -den, x)  # the same exact product; -den is per block (-q would be 0 - q per element)
+        r = tl.fma(q, -den, x)
         return tl.fma(r, inv, q)
     else:
-        return tl.where(den > 0, tl.div_rn(x, tl.where(den > 0, den, 1.0)), 0.0)
-
-
-@triton.jit
-def _block_scale(block_amax, s_g, MAX_Q: tl.constexpr, EXACT_FMA: tl.constexpr, inv_g=None, UP: tl.constexpr = False):
-    """A block scale candidate with the block's max mapped to MAX_Q (6; 4 for 4/6's second candidate):
-    s_b = e4m3(min(amax_b / MAX_Q / s_g, 448)) (two correctly rounded divisions, RNE to E4M3), its uint8 bits,
-    den = s_b * s_g (the elements' divisor, rounded to fp32 first as in the reference) and inv = RN(1 / den) for
-    _div_by (0 where den == 0: an all-zero block gives zero codes). The divisors MAX_Q and s_g are the same for
-    every block, so both divisions are _div_by's Markstein step on one reciprocal (a division per block costs
-    ~4x more: where a thread holds 4 elements of a block, as in the attention kernels' MMA tiles, that mattered).
-    s_g > 0 (nvfp4.global_scale gives 1 for an all-zero tensor); inv_g: RN(1 / s_g) if the caller has it.
-    UP: the E4M3 rounding goes up (nvfp4's "sr_up": the block max then never clamps at 6)."""
-    if inv_g is None:
-        inv_g = tl.div_rn(1.0, s_g)
-    t = _div_by(block_amax, MAX_Q, 1.0 / MAX_Q, EXACT_FMA)   # 1 / MAX_Q: RN(1/6) = 0x3E2AAAAB, 1/4 exact
-    t = _div_by(t, s_g, inv_g, EXACT_FMA)
-    s, bits = _round_to_e4m3(tl.minimum(t, 448.0), UP)
-    den = s * s_g
-    inv = tl.where(den > 0, tl.div_rn(1.0, tl.where(den > 0, den, 1.0)), 0.0)
-    return s, bits, den, inv
+        return tl.div_rn(x, den)
 
 
 @triton.jit
@@ -114,10 +124,10 @@ def _decode_codes(code, s_b):
 
 
 @triton.jit
-def _with_sign(q, x):
-    """q >= 0 with x's sign as the reference decodes it (the code's sign bit is x < 0): -q is 0 - q in Triton,
-    which turns a negative code's -0.0 into +0.0, so set the fp32 sign bit instead."""
-    return (q.to(tl.int32, bitcast=True) | ((x < 0).to(tl.int32) << 31)).to(tl.float32, bitcast=True)
+def _with_sign(q, neg):
+    """q >= 0 with the sign bit set where `neg` (the code's sign bit): -q is 0 - q in Triton, which turns a
+    negative code's -0.0 into +0.0, so set the fp32 sign bit instead."""
+    return (q.to(tl.int32, bitcast=True) | (neg.to(tl.int32) << 31)).to(tl.float32, bitcast=True)
 
 
 @triton.jit

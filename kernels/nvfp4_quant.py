@@ -5,25 +5,21 @@ fused 16-point (random) Hadamard rotation. Tensors in, tensors out: nvfp4.py wra
 scale into its NVFP4Tensor. (Decoding lives in kernels/nvfp4_dequant.py; `dequantize` and `grid_values_bf16`
 are importable from here too.)
 
-It reproduces the reference `nvfp4._quantize_reference` (the spec) bit for bit, with the device arithmetic of
-kernels/nvfp4_math.py:
-  s_g = amax / (448 * 6)                     correctly rounded fp32 division (tl.div_rn; torch on CPU divides alike)
-  s_b = e4m3(min(amax_b / 6 / s_g, 448))     two correctly rounded divisions, then RNE to E4M3 (up for "sr_up")
-                                             with explicit arithmetic (the interpreter's fp32->fp8 cast is wrong
-                                             on ties)
-  a   = min(|x| / (s_b * s_g), 6)            the product rounded to fp32 first, then a correctly rounded division
-  q   = RTN ties-to-even on the E2M1 grid, or SR: up with probability (a - lo) / (hi - lo)
-  sign = x < 0                               (-0.0 gets a + code, as in the reference)
+It reproduces the reference `nvfp4.quantize` (the spec: Transformer Engine's arithmetic) bit for bit, with the
+device arithmetic of kernels/nvfp4_math.py:
+  S_enc = min(bound * 6 / amax, FLT_MAX), S_dec = 1 / S_enc     correctly rounded (tl.div_rn); 1, 1 if amax == 0
+  s_b = e4m3(min(amax_b * (S_enc * RN(1/6)), 448))              RNE to E4M3 (up for "sr_up") with explicit
+                                                                arithmetic (the interpreter's fp32->fp8 cast
+                                                                is wrong on ties)
+  a   = min(|x| * min(RN(1 / (s_b * S_dec)), FLT_MAX), 6)       one reciprocal per block, a multiply per element
+  q   = RTN ties-to-even on the E2M1 grid, or SR: up iff u < (a - lo) / (hi - lo), u from Philox (nvfp4.sr_uniforms)
+  sign = x * scale < 0                                          (-0.0 and underflow to -0.0 get a + code)
+SR's uniforms are Philox words, 4 per tl.randint4x call (1x16 blocks: counter element index // 4, 4 neighbours
+in a row; 16x1 and 16x16 blocks: counter (row // 4) * N + column, 4 neighbours in a column): the reference's
+nvfp4.sr_uniforms draws the same words in PyTorch, so a seed gives the same codes on both routes.
 Where it can differ from the reference:
-  * SR draws its uniforms from Philox, 4 words per tl.randint4x call (1x16 blocks: counter element index // 4,
-    4 neighbours in a row; 16x1 and 16x16 blocks: counter (row // 4) * N + column, 4 neighbours in a column),
-    instead of torch's generator: same distribution, not the same numbers. Tests pass the reference's uniforms
-    through `noise=` to check the arithmetic bit for bit, and check the Philox path statistically.
   * With `hadamard`, x·H sums 16 exact products in one fixed butterfly order (_hadamard16, the same in every
     kernel), the reference's torch matmul in its own: bit-exact where the sums are exact, else within an ulp.
-Note: torch on CUDA divides by a Python scalar as a multiply by the fp32 reciprocal, so the reference run on a
-CUDA tensor can differ from the reference on CPU in the last bit of `amax_b / 6`; these kernels follow the CPU
-reference (true division) everywhere, and the GPU tests compare against the reference on CPU.
 
 Three quantize kernels, each the fastest layout for its case (the same arithmetic, the same bits):
   _quantize_rows_kernel  1x16 blocks of a contiguous x: one block per thread
@@ -37,9 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.nvfp4_math import (E4M3_MAX, E4M3_MAX_46, FP4_MAX, _block_scale, _column_pair_sum,  # noqa: F401
+from kernels.nvfp4_math import (E4M3_MAX, E4M3_MAX_46, FLT_MAX, FP4_MAX, _block_scale, _global_scales, _column_pair_sum,  # noqa: F401
                                 _column_random_words, _block_random_words, _decode_codes, _div_by, _e2m1_bits,
-                                _e2m1_value, _half_pair_sum, _hadamard16, _load_tile, _noise_bits,
+                                _e2m1_value, _half_pair_sum, _hadamard16, _load_tile,
                                 _pairwise_block_sum, _random_words, _rotate, _round_to_bf16, _round_to_e4m3,
                                 _rtn_e2m1, _sr_e2m1, _with_sign)
 from kernels.nvfp4_dequant import dequantize, grid_values_bf16  # noqa: F401  (their home: nvfp4_dequant.py)
@@ -98,41 +94,41 @@ def _amax_kernel(x_ptr, h_ptr, part_ptr, M, N, stride_xb, stride_xm, stride_xn,
 # seed: not specialized. Triton specializes int arguments on "== 1" and "% 16 == 0"; with a fresh random seed
 # per call that would recompile the SR kernels whenever a seed first fell into a new class.
 @triton.jit(do_not_specialize=["seed"])
-def _quantize_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr,
+def _quantize_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr,
                      values_ptr, M, N, stride_xb, stride_xm, stride_xn, seed,
                      BM: tl.constexpr, BN: tl.constexpr, SBM: tl.constexpr, SBN: tl.constexpr,
                      FP8_BOUND: tl.constexpr, FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr,
-                     SCALE_UP: tl.constexpr, USE_NOISE: tl.constexpr, HAD_DIM: tl.constexpr,
-                     WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr, EXACT_FMA: tl.constexpr):
+                     SCALE_UP: tl.constexpr, HAD_DIM: tl.constexpr,
+                     WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr):
     """One (BM, BN) tile: block amax -> E4M3 block scale -> E2M1 codes (packed 2/byte, even element low) and/or
     bf16 values q * s_b. Blocks are (SBM, SBN) = (1, 16), (16, 1) or (16, 16)."""
     pid_m, pid_n, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # rows on axis 0: no 65535 cap
     m0, n0 = pid_m * BM, pid_n * BN
     x, offs_m, offs_n, mask = _load_tile(x_ptr, h_ptr, pid_b, m0, n0, M, N, stride_xb, stride_xm, stride_xn,
                                          BM, BN, HAD_DIM)
-    # global scale s_g = amax / (bound * 6), 1 when amax == 0 (nvfp4.global_scale)
+    # global scales S_enc = bound * 6 / amax, S_dec = 1 / S_enc (nvfp4.global_scales)
     amax = tl.load(amax_ptr).to(tl.float32)  # fp32, or bf16 straight from torch's amax of a bf16 x (exact)
-    s_g = tl.where(amax > 0, tl.div_rn(amax, FP8_BOUND * 6.0), 1.0)
-    if (pid_m == 0) & (pid_n == 0) & (pid_b == 0):  # the tensor's s_g for the host: no extra torch kernels
-        tl.store(gs_out_ptr, s_g)
+    s_enc, s_dec = _global_scales(amax, FP8_BOUND)
+    if (pid_m == 0) & (pid_n == 0) & (pid_b == 0):  # the tensor's S_dec for the host: no extra torch kernels
+        tl.store(gs_out_ptr, s_dec)
 
     ax = tl.abs(x)
     xb = ax.reshape(BM // SBM, SBM, BN // SBN, SBN)                    # (bm-groups, bm, bn-groups, bn)
     block_amax = tl.max(tl.max(xb, axis=3), axis=1)                    # (BM // SBM, BN // SBN)
 
-    # candidate "max -> 6": s_b = e4m3(min(amax_b / 6 / s_g, 448)); a = min(|x| / (s_b * s_g), 6)
-    s6, bits6, den6, inv6 = _block_scale(block_amax, s_g, 6.0, EXACT_FMA, UP=SCALE_UP)
+    # candidate "max -> 6": s_b = e4m3(amax_b * S_enc / 6); a = min(|x| * RN(1 / (s_b * S_dec)), 6)
+    s6, bits6, den6, inv6 = _block_scale(block_amax, s_enc, s_dec, 6.0, SCALE_UP)
     den6, inv6 = den6[:, None, :, None], inv6[:, None, :, None]
-    a6 = tl.minimum(_div_by(xb, den6, inv6, EXACT_FMA), 6.0)
+    a6 = tl.minimum(xb * inv6, 6.0)
     a = a6
     s_b = s6
     bits = bits6
     if FOUR_OVER_SIX:
-        # 4/6 (paper §2; docs/nvfp4_format.md): also try "max -> 4" (its own E4M3 rounding of amax_b / 4 / s_g)
+        # 4/6 (paper §2; docs/nvfp4_format.md): also try "max -> 4" (its own E4M3 rounding of amax_b * S_enc / 4)
         # and keep the candidate whose RTN reconstruction has the lower squared error, ties to 6.
-        s4, bits4, den4, inv4 = _block_scale(block_amax, s_g, 4.0, EXACT_FMA, UP=SCALE_UP)
+        s4, bits4, den4, inv4 = _block_scale(block_amax, s_enc, s_dec, 4.0, SCALE_UP)
         den4, inv4 = den4[:, None, :, None], inv4[:, None, :, None]
-        a4 = tl.minimum(_div_by(xb, den4, inv4, EXACT_FMA), 6.0)
+        a4 = tl.minimum(xb * inv4, 6.0)
         i6, i4 = _rtn_e2m1(a6), _rtn_e2m1(a4)
         d6 = _e2m1_value(i6) * den6 - xb
         d4 = _e2m1_value(i4) * den4 - xb
@@ -145,16 +141,12 @@ def _quantize_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_ptr, s
         rtn_idx = tl.where(use4[:, None, :, None], i4, i6)                # = _rtn_e2m1(a), already computed
 
     if SR:
-        if USE_NOISE:  # the reference's uniforms (tests): noise has x's logical shape, contiguous
-            nptrs = noise_ptr + (pid_b.to(tl.int64) * M + offs_m[:, None]) * N + offs_n[None, :]
-            rand = _noise_bits(tl.load(nptrs, mask=mask, other=0.0))
-        else:
-            if SBM == 16:  # 16x1 and 16x16 blocks: four rows of a column per Philox call (_column_random_words)
-                quad = (pid_b.to(tl.int64) * M + m0) // 4 + tl.arange(0, BM // 4)                 # BM % 16 == 0
-                rand = _column_random_words(seed, quad[:, None] * N + offs_n[None, :])       # (BM / 4, BN, 2, 2)
-                rand = tl.permute(rand, (0, 2, 3, 1)).reshape(BM, BN)
-            else:  # counter-based: independent of the tiling
-                rand = _random_words(seed, pid_b * M + offs_m, n0, N, BM, BN)
+        if SBM == 16:  # 16x1 and 16x16 blocks: four rows of a column per Philox call (_column_random_words)
+            quad = (pid_b.to(tl.int64) * M + m0) // 4 + tl.arange(0, BM // 4)                 # BM % 16 == 0
+            rand = _column_random_words(seed, quad[:, None] * N + offs_n[None, :])       # (BM / 4, BN, 2, 2)
+            rand = tl.permute(rand, (0, 2, 3, 1)).reshape(BM, BN)
+        else:  # counter-based: independent of the tiling
+            rand = _random_words(seed, pid_b * M + offs_m, n0, N, BM, BN)
         idx = _sr_e2m1(a, rand.reshape(BM // SBM, SBM, BN // SBN, SBN))
     elif FOUR_OVER_SIX:
         idx = rtn_idx
@@ -163,7 +155,7 @@ def _quantize_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_ptr, s
     idx = idx.reshape(BM, BN)
 
     if WRITE_CODES:
-        code = (idx | ((x < 0).to(tl.int32) << 3)).to(tl.uint8)
+        code = (idx | (((x < 0) & (a.reshape(BM, BN) > 0)).to(tl.int32) << 3)).to(tl.uint8)
         lo, hi = tl.split(code.reshape(BM, BN // 2, 2))                # even / odd elements along the row
         packed = lo | (hi << 4)
         offs_c = n0 // 2 + tl.arange(0, BN // 2)
@@ -176,17 +168,17 @@ def _quantize_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_ptr, s
     if WRITE_VALUES:
         # q * s_b: at most 6 significant bits and within bf16's range, so the bf16 store is exact
         q = _e2m1_value(idx).reshape(BM // SBM, SBM, BN // SBN, SBN) * s_b[:, None, :, None]
-        q = _with_sign(q.reshape(BM, BN), x)
+        q = _with_sign(q.reshape(BM, BN), (x < 0) & (a.reshape(BM, BN) > 0))
         vptrs = values_ptr + (pid_b.to(tl.int64) * M + offs_m[:, None]) * N + offs_n[None, :]
         tl.store(vptrs, q.to(tl.bfloat16), mask=mask)
 
 
 @triton.jit(do_not_specialize=["seed"])
-def _quantize_rows_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, values_ptr, part_ptr,
+def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, values_ptr, part_ptr,
                           n_blocks, seed, NB: tl.constexpr, CHUNKS: tl.constexpr, FP8_BOUND: tl.constexpr,
                           FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr, SCALE_UP: tl.constexpr,
-                          USE_NOISE: tl.constexpr, HADAMARD: tl.constexpr, WRITE_CODES: tl.constexpr,
-                          WRITE_VALUES: tl.constexpr, EXACT_FMA: tl.constexpr, AMAX_ONLY: tl.constexpr):
+                          HADAMARD: tl.constexpr, WRITE_CODES: tl.constexpr,
+                          WRITE_VALUES: tl.constexpr, AMAX_ONLY: tl.constexpr):
     """_quantize_kernel's arithmetic for the common case, 1x16 blocks of a contiguous x: CHUNKS chunks of NB
     consecutive blocks per program, each held as an (NB, 2, 8) tile (the two 8-element halves of each block) so that
     the compiler puts one block on each thread: both halves of a block in one thread's registers, its amax, scale
@@ -206,10 +198,9 @@ def _quantize_rows_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_p
     first = pid.to(tl.int64) * (NB * CHUNKS)                                     # first block of this program
     if not AMAX_ONLY:
         amax = tl.load(amax_ptr).to(tl.float32)  # fp32, or bf16 from torch's amax of a bf16 x (exact)
-        s_g = tl.where(amax > 0, tl.div_rn(amax, FP8_BOUND * 6.0), 1.0)
-        inv_g = tl.div_rn(1.0, s_g)
+        s_enc, s_dec = _global_scales(amax, FP8_BOUND)
         if pid == 0:
-            tl.store(gs_out_ptr, s_g)
+            tl.store(gs_out_ptr, s_dec)
     else:
         run_max = tl.zeros((NB,), dtype=tl.float32)
     x_next = tl.load(x_ptr + first * 16 + offs, mask=(blk < n_blocks - first)[:, None, None], other=0.0)
@@ -228,11 +219,11 @@ def _quantize_rows_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_p
         if AMAX_ONLY:  # (an else branch, not an early return: Triton would still compile the rest for this launch)
             run_max = tl.maximum(run_max, block_amax)
         else:
-            s_b, bits, den, inv = _block_scale(block_amax, s_g, 6.0, EXACT_FMA, inv_g, SCALE_UP)
-            a = tl.minimum(_div_by(ax, den[:, None, None], inv[:, None, None], EXACT_FMA), 6.0)
+            s_b, bits, den, inv = _block_scale(block_amax, s_enc, s_dec, 6.0, SCALE_UP)
+            a = tl.minimum(ax * inv[:, None, None], 6.0)
             if FOUR_OVER_SIX:  # as in _quantize_kernel: the "max -> 4" candidate wins on a lower RTN error, ties to 6
-                s4, bits4, den4, inv4 = _block_scale(block_amax, s_g, 4.0, EXACT_FMA, inv_g, SCALE_UP)
-                a4 = tl.minimum(_div_by(ax, den4[:, None, None], inv4[:, None, None], EXACT_FMA), 6.0)
+                s4, bits4, den4, inv4 = _block_scale(block_amax, s_enc, s_dec, 4.0, SCALE_UP)
+                a4 = tl.minimum(ax * inv4[:, None, None], 6.0)
                 i6, i4 = _rtn_e2m1(a), _rtn_e2m1(a4)
                 d6 = _e2m1_value(i6) * den[:, None, None] - ax
                 d4 = _e2m1_value(i4) * den4[:, None, None] - ax
@@ -242,34 +233,32 @@ def _quantize_rows_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_p
                 a = tl.where(use4[:, None, None], a4, a)
                 rtn_idx = tl.where(use4[:, None, None], i4, i6)                      # = _rtn_e2m1(a), already computed
             if SR:
-                if USE_NOISE:
-                    rand = _noise_bits(tl.load(noise_ptr + base * 16 + offs, mask=mask, other=0.0))
-                else:  # the flat tensor as rows of 16 elements: the same counters (element index // 4)
-                    rand = _block_random_words(seed, base + blk, NB)
+                # the flat tensor as rows of 16 elements: the same counters (element index // 4)
+                rand = _block_random_words(seed, base + blk, NB)
                 idx = _sr_e2m1(a, rand)
             elif FOUR_OVER_SIX:
                 idx = rtn_idx
             else:
                 idx = _rtn_e2m1(a)
             if WRITE_CODES:
-                code = idx | ((x < 0).to(tl.int32) << 3)
+                code = idx | (((x < 0) & (a > 0)).to(tl.int32) << 3)
                 words = tl.sum(code << (tl.arange(0, 8) * 4)[None, None, :], axis=2)                  # (NB, 2)
                 tl.store(codes_ptr + base * 2 + blk[:, None] * 2 + tl.arange(0, 2)[None, :], words,
                          mask=bmask[:, None])
                 tl.store(scales_ptr + base + blk, bits, mask=bmask)
             if WRITE_VALUES:
-                q = _with_sign(_e2m1_value(idx) * s_b[:, None, None], x)
+                q = _with_sign(_e2m1_value(idx) * s_b[:, None, None], (x < 0) & (a > 0))
                 tl.store(values_ptr + base * 16 + offs, q.to(tl.bfloat16), mask=mask)
     if AMAX_ONLY:
         tl.store(part_ptr + pid, tl.max(run_max, axis=0))
 
 
 @triton.jit(do_not_specialize=["seed"])
-def _quantize_cols_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, values_ptr, part_ptr,
+def _quantize_cols_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, values_ptr, part_ptr,
                           M, N, stride_xb, stride_xm, seed, C: tl.constexpr,
                           FP8_BOUND: tl.constexpr, FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr,
-                          SCALE_UP: tl.constexpr, USE_NOISE: tl.constexpr, HADAMARD: tl.constexpr,
-                          WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr, EXACT_FMA: tl.constexpr,
+                          SCALE_UP: tl.constexpr, HADAMARD: tl.constexpr,
+                          WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr,
                           AMAX_ONLY: tl.constexpr, PLAIN_TOO: tl.constexpr):
     """_quantize_kernel's arithmetic for 16x1 blocks of a row-major x (eq. 2's wgrad operands, Q16x1(H^T dY) and
     Q16x1(H^T X-hat)): a (16, 2C) tile held as (C, 16, 2), i.e. each thread holds two whole column blocks (16 rows
@@ -298,15 +287,15 @@ def _quantize_cols_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_p
         tl.store(part_ptr + pid, tl.max(tl.max(tl.max(ax, axis=2), axis=1), axis=0))
     else:
         amax = tl.load(amax_ptr).to(tl.float32)  # fp32, or bf16 from torch's amax of a bf16 x (exact)
-        s_g = tl.where(amax > 0, tl.div_rn(amax, FP8_BOUND * 6.0), 1.0)
+        s_enc, s_dec = _global_scales(amax, FP8_BOUND)
         if (pid_m == 0) & (pid_n == 0) & (pid_b == 0):
-            tl.store(gs_out_ptr, s_g)
+            tl.store(gs_out_ptr, s_dec)
         block_amax = tl.max(ax, axis=1)                                                # (C, 2)
-        s_b, bits, den, inv = _block_scale(block_amax, s_g, 6.0, EXACT_FMA, UP=SCALE_UP)
-        a = tl.minimum(_div_by(ax, den[:, None, :], inv[:, None, :], EXACT_FMA), 6.0)
+        s_b, bits, den, inv = _block_scale(block_amax, s_enc, s_dec, 6.0, SCALE_UP)
+        a = tl.minimum(ax * inv[:, None, :], 6.0)
         if FOUR_OVER_SIX:  # as in _quantize_kernel: the "max -> 4" candidate wins on a lower RTN error, ties to 6
-            s4, bits4, den4, inv4 = _block_scale(block_amax, s_g, 4.0, EXACT_FMA, UP=SCALE_UP)
-            a4 = tl.minimum(_div_by(ax, den4[:, None, :], inv4[:, None, :], EXACT_FMA), 6.0)
+            s4, bits4, den4, inv4 = _block_scale(block_amax, s_enc, s_dec, 4.0, SCALE_UP)
+            a4 = tl.minimum(ax * inv4[:, None, :], 6.0)
             i6, i4 = _rtn_e2m1(a), _rtn_e2m1(a4)
             d6 = _e2m1_value(i6) * den[:, None, :] - ax
             d4 = _e2m1_value(i4) * den4[:, None, :] - ax
@@ -316,26 +305,23 @@ def _quantize_cols_kernel(x_ptr, h_ptr, noise_ptr, amax_ptr, gs_out_ptr, codes_p
             a = tl.where(use4[:, None, :], a4, a)
             rtn_idx = tl.where(use4[:, None, :], i4, i6)                         # = _rtn_e2m1(a), already computed
         if SR:
-            if USE_NOISE:  # the reference's uniforms (tests): x's logical shape, contiguous
-                rand = _noise_bits(tl.load(noise_ptr + rows * N + col, mask=mask, other=0.0))
-            else:
-                quad = (pid_b.to(tl.int64) * M + m0) // 4 + tl.arange(0, 4)[None, :, None]      # (1, 4, 1)
-                rand = _column_random_words(seed, quad * N + col)                            # (C, 4, 2, 2, 2)
-                rand = tl.permute(rand, (0, 1, 3, 4, 2)).reshape(C, 16, 2)              # row 4i + 2a + b
+            quad = (pid_b.to(tl.int64) * M + m0) // 4 + tl.arange(0, 4)[None, :, None]      # (1, 4, 1)
+            rand = _column_random_words(seed, quad * N + col)                            # (C, 4, 2, 2, 2)
+            rand = tl.permute(rand, (0, 1, 3, 4, 2)).reshape(C, 16, 2)              # row 4i + 2a + b
             idx = _sr_e2m1(a, rand)
         elif FOUR_OVER_SIX:
             idx = rtn_idx
         else:
             idx = _rtn_e2m1(a)
         if WRITE_CODES:
-            code = idx | ((xr < 0).to(tl.int32) << 3)
+            code = idx | (((xr < 0) & (a > 0)).to(tl.int32) << 3)
             lo, hi = tl.split(code)                                                    # even / odd column: (C, 16)
             tl.store(codes_ptr + rows.reshape(1, 16) * (N // 2) + (n0 // 2 + pair.reshape(C, 1)),
                      (lo | (hi << 4)).to(tl.uint8), mask=(n0 // 2 + pair.reshape(C, 1)) < N // 2)
             scol = col.reshape(C, 2)
             tl.store(scales_ptr + (pid_b.to(tl.int64) * (M // 16) + pid_m) * N + scol, bits, mask=scol < N)
         if WRITE_VALUES:  # q * s_b, exact in bf16
-            q = _with_sign(_e2m1_value(idx) * s_b[:, None, :], xr)
+            q = _with_sign(_e2m1_value(idx) * s_b[:, None, :], (xr < 0) & (a > 0))
             tl.store(values_ptr + rows * N + col, q.to(tl.bfloat16), mask=mask)
 
 
@@ -396,7 +382,7 @@ def _fp8_bound(four_over_six):
     return E4M3_MAX_46 if four_over_six else E4M3_MAX
 
 
-def _rows_launch(x3, amax, hadamard, noise, four_over_six, seed, rounding="rtn", codes=None,
+def _rows_launch(x3, amax, hadamard, four_over_six, seed, rounding="rtn", codes=None,
                  scales=None, values=None, gs_out=None, amax_only=False):
     """_quantize_rows_kernel over x3's B*M*N/16 blocks (or its amax pre-pass: returns the global amax)."""
     NB, warps, chunks = ROWS_LAUNCH_SR if rounding in SR_MODES or four_over_six else ROWS_LAUNCH
@@ -405,19 +391,19 @@ def _rows_launch(x3, amax, hadamard, noise, four_over_six, seed, rounding="rtn",
     partial = torch.empty(grid[0], device=x3.device, dtype=torch.float32) if amax_only else None
     dummy = partial if amax_only else gs_out  # an fp32 tensor for unused pointers
     _quantize_rows_kernel[grid](
-        x3, hadamard if hadamard is not None else dummy, noise if noise is not None else dummy,
+        x3, hadamard if hadamard is not None else dummy,
         amax if amax is not None else dummy, gs_out if gs_out is not None else dummy,
         codes.view(torch.int32) if codes is not None else dummy, scales if scales is not None else dummy,
         values if values is not None else dummy, partial if partial is not None else dummy, n_blocks, int(seed),
         NB=NB, CHUNKS=chunks, FP8_BOUND=_fp8_bound(four_over_six), FOUR_OVER_SIX=bool(four_over_six),
-        SR=rounding in SR_MODES, SCALE_UP=rounding == "sr_up", USE_NOISE=noise is not None,
+        SR=rounding in SR_MODES, SCALE_UP=rounding == "sr_up",
         HADAMARD=hadamard is not None,
-        WRITE_CODES=codes is not None, WRITE_VALUES=values is not None, EXACT_FMA=_exact_fma(),
+        WRITE_CODES=codes is not None, WRITE_VALUES=values is not None,
         AMAX_ONLY=amax_only, num_warps=warps, enable_fp_fusion=False)  # no FMA contraction: roundings as the reference
     return partial.amax() if amax_only else None
 
 
-def _cols_launch(x3, amax, hadamard, noise, four_over_six, seed, rounding="rtn", codes=None, scales=None,
+def _cols_launch(x3, amax, hadamard, four_over_six, seed, rounding="rtn", codes=None, scales=None,
                  values=None, gs_out=None, amax_only=False, plain_too=False):
     """_quantize_cols_kernel over x3 (B, M, N). amax_only: returns (max |H^T x|,) or with plain_too
     (max |H^T x|, max |x|)."""
@@ -428,15 +414,15 @@ def _cols_launch(x3, amax, hadamard, noise, four_over_six, seed, rounding="rtn",
     partial = torch.empty((2 if plain_too else 1) * n, device=x3.device, dtype=torch.float32) if amax_only else None
     dummy = partial if amax_only else gs_out  # an fp32 tensor for unused pointers
     _quantize_cols_kernel[grid](
-        x3, hadamard if hadamard is not None else dummy, noise if noise is not None else dummy,
+        x3, hadamard if hadamard is not None else dummy,
         amax if amax is not None else dummy, gs_out if gs_out is not None else dummy,
         codes if codes is not None else dummy, scales if scales is not None else dummy,
         values if values is not None else dummy, partial if partial is not None else dummy,
         M, N, x3.stride(0), x3.stride(1), int(seed),
         C=C, FP8_BOUND=_fp8_bound(four_over_six), FOUR_OVER_SIX=bool(four_over_six), SR=rounding in SR_MODES,
         SCALE_UP=rounding == "sr_up",
-        USE_NOISE=noise is not None, HADAMARD=hadamard is not None, WRITE_CODES=codes is not None,
-        WRITE_VALUES=values is not None, EXACT_FMA=_exact_fma(), AMAX_ONLY=amax_only, PLAIN_TOO=plain_too,
+        HADAMARD=hadamard is not None, WRITE_CODES=codes is not None,
+        WRITE_VALUES=values is not None, AMAX_ONLY=amax_only, PLAIN_TOO=plain_too,
         num_warps=COLS_WARPS, maxnreg=COLS_MAXNREG, enable_fp_fusion=False)
     return partial.view(-1, n).amax(1).unbind() if amax_only else None
 
@@ -460,9 +446,9 @@ def _global_amax(x3, hadamard, had_dim, tiles):
     if had_dim == 0:  # max |x| without an |x| temporary
         return torch.linalg.vector_norm(x3, ord=float("inf"))
     if _use_rows(x3, (1, 16) if had_dim == 1 else (16, 1)):  # the quantize kernel's own pass over x
-        return _rows_launch(x3, None, hadamard, None, False, 0, amax_only=True)
+        return _rows_launch(x3, None, hadamard, False, 0, amax_only=True)
     if _use_cols(x3, (16, 1) if had_dim == 2 else (1, 16)):
-        return _cols_launch(x3, None, hadamard, None, False, 0, amax_only=True)[0]
+        return _cols_launch(x3, None, hadamard, False, 0, amax_only=True)[0]
     return _amax_launch(x3, hadamard, had_dim, tiles, plain_too=False)[0]
 
 
@@ -472,13 +458,13 @@ def global_amax_pair(x, hadamard, name="x"):
     quantize(x, ...) computes itself."""
     x3, block, had_dim, hadamard = _prepare(x, (16, 1), "sr", hadamard, name)
     if _use_cols(x3, block):
-        rotated, plain = _cols_launch(x3, None, hadamard, None, False, 0, amax_only=True, plain_too=True)
+        rotated, plain = _cols_launch(x3, None, hadamard, False, 0, amax_only=True, plain_too=True)
     else:
         rotated, plain = _amax_launch(x3, hadamard, had_dim, _tiles(block, x3), plain_too=True)
     return plain, rotated
 
 
-def _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, noise, write_codes, write_values, name):
+def _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, write_codes, write_values, name):
     """Shared host side of quantize / quantize_dequant -> (codes, scales, values, s_g), None where not written."""
     x3, block, had_dim, hadamard = _prepare(x, block, rounding, hadamard, name)
     device, shape = x3.device, x.shape
@@ -489,56 +475,52 @@ def _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, noise, 
         global_amax = torch.as_tensor(global_amax, dtype=torch.float32, device=device)
     amax = global_amax.reshape(1)
     gs_out = torch.empty((), device=device, dtype=torch.float32)
-    if noise is not None:
-        if tuple(noise.shape) != tuple(shape):
-            raise ValueError(f"{name}: noise must have x's shape {tuple(shape)}, got {tuple(noise.shape)}")
-        noise = noise.to(device=device, dtype=torch.float32).contiguous()
     bm, bn = block
     lead = shape[:-2]  # outputs allocated in their final shapes (contiguous: the kernels see (B, M, .) rows)
     codes = torch.empty((*lead, M, N // 2), device=device, dtype=torch.uint8) if write_codes else None
     scales = torch.empty((*lead, M // bm, N // bn), device=device, dtype=torch.uint8) if write_codes else None
     values = torch.empty(shape, device=device, dtype=torch.bfloat16) if write_values else None
     if _use_cols(x3, block):
-        _cols_launch(x3, amax, hadamard, noise, four_over_six, seed, rounding, codes, scales, values, gs_out)
+        _cols_launch(x3, amax, hadamard, four_over_six, seed, rounding, codes, scales, values, gs_out)
     elif _use_rows(x3, block):
-        _rows_launch(x3, amax, hadamard, noise, four_over_six, seed, rounding, codes, scales, values, gs_out)
+        _rows_launch(x3, amax, hadamard, four_over_six, seed, rounding, codes, scales, values, gs_out)
     else:
         BM, BN, warps = _tiles(block, x3)
         dummy = gs_out  # an fp32 tensor for unused pointers
         _quantize_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN), x3.shape[0])](
-            x3, hadamard if hadamard is not None else dummy, noise if noise is not None else dummy, amax, gs_out,
+            x3, hadamard if hadamard is not None else dummy, amax, gs_out,
             codes if codes is not None else dummy, scales if scales is not None else dummy,
             values if values is not None else dummy,
             M, N, x3.stride(0), x3.stride(1), x3.stride(2), int(seed),
             BM=BM, BN=BN, SBM=bm, SBN=bn, FP8_BOUND=_fp8_bound(four_over_six),
             FOUR_OVER_SIX=bool(four_over_six), SR=rounding in SR_MODES, SCALE_UP=rounding == "sr_up",
-            USE_NOISE=noise is not None, HAD_DIM=had_dim,
-            WRITE_CODES=write_codes, WRITE_VALUES=write_values, EXACT_FMA=_exact_fma(),
+            HAD_DIM=had_dim,
+            WRITE_CODES=write_codes, WRITE_VALUES=write_values,
             num_warps=warps, enable_fp_fusion=False)  # no FMA contraction: every rounding as in the reference
-    # gs_out: s_g = amax / (bound * 6) by tl.div_rn (a true division, like nvfp4.global_scale on the CPU), or 1
+    # gs_out: S_dec = 1 / S_enc (nvfp4.global_scales), the tensor's global (decode) scale
     return codes, (scales.view(torch.float8_e4m3fn) if write_codes else None), values, gs_out
 
 
 def quantize(x, block=(1, 16), rounding="rtn", four_over_six=False, seed=0, hadamard=None, global_amax=None,
-             noise=None, name="x"):
+             name="x"):
     """Fused NVFP4 quantization of x (*, M, N) -> (codes uint8 (*, M, N/2), scales float8_e4m3fn (*, M/bm, N/bn),
     global_scale fp32 0-d). block (1, 16) | (16, 1) | (16, 16) on the last two dims.
-    rounding "rtn" | "sr" | "sr_up" (Philox uniforms keyed by (seed, element index), or the uniforms in `noise`,
+    rounding "rtn" | "sr" | "sr_up" (Philox words keyed by (seed, element position): nvfp4.sr_uniforms
     x's shape, for tests; "sr_up" rounds the block scales up, see SR_MODES).
     hadamard: (16, 16) matrix of nvfp4.random_hadamard's form (diag(+-1) H16 / 4) applied first along the
     block's 16-long dim (x·H for 1x16, H^T·x for 16x1).
     global_amax: max |x| (of x·H with hadamard) if the caller already has it; else one extra read pass."""
-    codes, scales, _, s_g = _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, noise,
+    codes, scales, _, s_g = _run(x, block, rounding, four_over_six, seed, hadamard, global_amax,
                                  True, False, name)
     return codes, scales, s_g
 
 
 def quantize_dequant(x, block=(1, 16), rounding="rtn", four_over_six=False, seed=0, hadamard=None,
-                     global_amax=None, noise=None, return_tensor=False, name="x"):
+                     global_amax=None, return_tensor=False, name="x"):
     """Same quantization, but writes the bf16 values q * s_b (exactly on the NVFP4 grid, without the global
     scale) for a bf16 GEMM: returns (values_bf16, global_scale), or with return_tensor=True
     (values_bf16, global_scale, codes, scales), the packed form written by the same pass (the forward keeps the
     packed X for the backward and multiplies the bf16 values)."""
-    codes, scales, values, s_g = _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, noise,
+    codes, scales, values, s_g = _run(x, block, rounding, four_over_six, seed, hadamard, global_amax,
                                       return_tensor, True, name)
     return (values, s_g, codes, scales) if return_tensor else (values, s_g)

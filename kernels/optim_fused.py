@@ -2,7 +2,7 @@
 Fused quantized-state AdamW step (paper §3.3) for a 2-D fp32 parameter with packed NVFP4 states:
 decode m and v, AdamW update, write the parameter, re-encode m and v, in one pass over the tensor.
 
-The exact per-tensor global scale s_g = amax / (256 * 6) of the NEW m H and (sqrt(v) - mu) H is needed before
+The exact per-tensor global scales (S_enc = 256 * 6 / amax) of the NEW m H and (sqrt(v) - mu) H are needed before
 any block can be encoded, and it depends on every element. So there are two launches:
   1. `_amax_pass`:   decode, update (registers only), per-program max |m H| and |(sqrt(v) - mu) H|.
                      Reads g and the packed states (~5.2 bytes/param), writes nothing but the partial maxima.
@@ -11,7 +11,7 @@ any block can be encoded, and it depends on every element. So there are two laun
 Bytes per parameter (fp32 p and g): pass 2 reads 4 + 4 + 2 x 0.5625 + 4/128 and writes 4 + 2 x 0.5625 +
 4/128 (~14.3 B, the useful traffic); pass 1 adds ~5.2 B of re-reads.
 
-Program tile: BM rows x T columns where T = gcd(C, 128) is the v tile (optim.V_TILE): one tile mean per row.
+Program tile: BM rows x T columns where T = gcd(C, 128) is the v tile (optim.CONTRACT's adamw.v.tile): one tile mean per row.
 Same arithmetic as optim.py's reference (decode_first_moment / decode_second_moment, adamw_update_math,
 encode_first_moment / encode_second_moment), op for op, compiled with enable_fp_fusion=False:
   - the 16-point Hadamard is the same 4-stage butterfly as optim.fwht16, the tile mean the same pairwise tree;
@@ -33,7 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.nvfp4_quant import (_block_scale, _div_by, _e2m1_bits, _e2m1_value, _exact_fma, _pairwise_block_sum,
+from kernels.nvfp4_quant import (_block_scale, _div_by, _e2m1_bits, _e2m1_value, _exact_fma, _global_scales,
+                                 _pairwise_block_sum,
                                  _rtn_e2m1, _sr_e2m1, _random_words)
 
 
@@ -155,16 +156,17 @@ def _amax_pass(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, gs_m_ptr, g
 
 
 @triton.jit
-def _encode(x, s_g, rand, codes_ptr, scales_ptr, blk, rmask, SR: tl.constexpr, EXACT_FMA: tl.constexpr,
+def _encode(x, s_enc, s_dec, rand, codes_ptr, scales_ptr, blk, rmask, SR: tl.constexpr, UP: tl.constexpr,
             BM: tl.constexpr, BN: tl.constexpr):
-    """nvfp4.quantize(x, (1, 16), rtn|sr, four_over_six=True) of a (BM, BN) tile given s_g; stores in place."""
+    """nvfp4.quantize(x, (1, 16), rtn | sr | sr_up (SR, UP), four_over_six=True) of a (BM, BN) tile given its
+    global scales; stores in place."""
     ax = tl.abs(x)
     xb = ax.reshape(BM, BN // 16, 16)
     block_amax = tl.max(xb, axis=2)                                            # (BM, BN // 16)
-    s6, bits6, den6, inv6 = _block_scale(block_amax, s_g, 6.0, EXACT_FMA)
-    s4, bits4, den4, inv4 = _block_scale(block_amax, s_g, 4.0, EXACT_FMA)
-    a6 = tl.minimum(_div_by(xb, den6[:, :, None], inv6[:, :, None], EXACT_FMA), 6.0)
-    a4 = tl.minimum(_div_by(xb, den4[:, :, None], inv4[:, :, None], EXACT_FMA), 6.0)
+    s6, bits6, den6, inv6 = _block_scale(block_amax, s_enc, s_dec, 6.0, UP)
+    s4, bits4, den4, inv4 = _block_scale(block_amax, s_enc, s_dec, 4.0, UP)
+    a6 = tl.minimum(xb * inv6[:, :, None], 6.0)
+    a4 = tl.minimum(xb * inv4[:, :, None], 6.0)
     i6, i4 = _rtn_e2m1(a6), _rtn_e2m1(a4)
     d6 = _e2m1_value(i6) * den6[:, :, None] - xb
     d4 = _e2m1_value(i4) * den4[:, :, None] - xb
@@ -176,7 +178,7 @@ def _encode(x, s_g, rand, codes_ptr, scales_ptr, blk, rmask, SR: tl.constexpr, E
         idx = _sr_e2m1(a, rand.reshape(BM, BN // 16, 16))
     else:
         idx = tl.where(use4[:, :, None], i4, i6)                               # = _rtn_e2m1(a), already computed
-    code = (idx.reshape(BM, BN) | ((x < 0).to(tl.int32) << 3)).to(tl.uint32)
+    code = (idx.reshape(BM, BN) | (((x < 0) & (a.reshape(BM, BN) > 0)).to(tl.int32) << 3)).to(tl.uint32)
     # a block's 16 codes -> one int64, low nibble first (what _decode reads), by splits: a block stays in a thread
     a, b = tl.split(code.reshape(BM, BN // 16, 8, 2))
     a, b = tl.split((a | (b << 4)).reshape(BM, BN // 16, 4, 2))
@@ -192,7 +194,8 @@ def _update_pass(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, gs_m_ptr,
                  R, C, seed_m, seed_v,
                  wd_factor, beta1, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, step_size,
                  FLOOR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LOG2_BN: tl.constexpr,
-                 EXACT_FMA: tl.constexpr):
+                 EXACT_FMA: tl.constexpr, SR_M: tl.constexpr, UP_M: tl.constexpr, SR_V: tl.constexpr,
+                 UP_V: tl.constexpr):
     p_t, g_t, mc_t, ms_t, vc_t, vs_t, mu_t, offs, blk, mu_offs, mask_r, rows, cols = _tile_setup(
         p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, R, C, BM, BN)
     p, m, r, mu = _decode_update(p_t, g_t, mc_t, ms_t, vc_t, vs_t, mu_t, gs_m_ptr, gs_v_ptr, offs, blk,
@@ -200,15 +203,14 @@ def _update_pass(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, gs_m_ptr,
                                  wd_factor, beta1, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps,
                                  step_size, FLOOR, EXACT_FMA, BM, BN, LOG2_BN)
     tl.store(p_t + offs, p, mask=mask_r[:, None])
-    # global scales s_g = amax / (256 * 6) (nvfp4.global_scale with 4/6), 1 when amax == 0
-    amax_m, amax_v = tl.load(amax_ptr), tl.load(amax_ptr + 1)
-    gs_m = tl.where(amax_m > 0, tl.div_rn(amax_m, 1536.0), 1.0)
-    gs_v = tl.where(amax_v > 0, tl.div_rn(amax_v, 1536.0), 1.0)
+    # global scales (nvfp4.global_scales with 4/6: bound 256)
+    se_m, gs_m = _global_scales(tl.load(amax_ptr), 256.0)
+    se_v, gs_v = _global_scales(tl.load(amax_ptr + 1), 256.0)
     # Philox keyed by element index (a uint32: int32 rows suffice); m and v draw independent words (own seeds)
     rand = _random_words(seed_m, rows, cols, C, BM, BN)
-    _encode(_fwht16(m, BM, BN), gs_m, rand, mc_t, ms_t, blk, mask_r[:, None], True, EXACT_FMA, BM, BN)
+    _encode(_fwht16(m, BM, BN), se_m, gs_m, rand, mc_t, ms_t, blk, mask_r[:, None], SR_M, UP_M, BM, BN)
     rand = _random_words(seed_v, rows, cols, C, BM, BN)
-    _encode(_fwht16(r, BM, BN), gs_v, rand, vc_t, vs_t, blk, mask_r[:, None], True, EXACT_FMA, BM, BN)
+    _encode(_fwht16(r, BM, BN), se_v, gs_v, rand, vc_t, vs_t, blk, mask_r[:, None], SR_V, UP_V, BM, BN)
     tl.store(mu_t + mu_offs, mu, mask=mask_r)
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         tl.store(new_gs_ptr, gs_m)
@@ -221,11 +223,12 @@ def _rows_per_program(R, T, elements):
 
 
 def fused_adamw_step(p, g, state, lr, beta1, beta2, eps, weight_decay, step, seed_m, seed_v, floor,
-                     elements_per_program=2048, num_warps=4):
+                     rounding_m="sr", rounding_v="sr", elements_per_program=2048, num_warps=4):
     """One QuantizedAdamW step on p (R, C) fp32 with optim.py's packed "nvfp4" state (keys m.codes,
     m.scales, m.global_scale, v.codes, v.scales, v.global_scale, v.tile_mean), updated in place.
     seed_m, seed_v: the stochastic-rounding seeds of m's and v's encodings (one pair per step).
-    floor: the decoded sqrt(v) is at least floor * its tile mean (optim.FLOOR_FRACTION; a power of two).
+    floor: the decoded sqrt(v) is at least floor * its tile mean (optim.ADAMW["v.floor"]; a power of two).
+    rounding_m, rounding_v: "rtn" | "sr" | "sr_up", the states' contract entries' rounding.
     elements_per_program / num_warps: launch shape (the results do not depend on it)."""
     if p.dtype != torch.float32 or p.dim() != 2 or not p.is_contiguous():
         raise ValueError(f"fused_adamw_step: p must be a contiguous 2-D fp32 tensor, got {p.dtype} {tuple(p.shape)}")
@@ -245,5 +248,7 @@ def fused_adamw_step(p, g, state, lr, beta1, beta2, eps, weight_decay, step, see
     amax = partial.view(-1, 2).amax(0)
     new_gs = torch.empty(2, device=p.device, dtype=torch.float32)
     _update_pass[grid](*tensors, amax, new_gs, R, C, int(seed_m), int(seed_v), *scalars, FLOOR=floor, BM=BM, BN=T,
-                       LOG2_BN=T.bit_length() - 1, EXACT_FMA=_exact_fma(), num_warps=num_warps, enable_fp_fusion=False)
+                       LOG2_BN=T.bit_length() - 1, EXACT_FMA=_exact_fma(), num_warps=num_warps,
+                       SR_M=rounding_m != "rtn", UP_M=rounding_m == "sr_up", SR_V=rounding_v != "rtn",
+                       UP_V=rounding_v == "sr_up", enable_fp_fusion=False)
     state["m.global_scale"], state["v.global_scale"] = new_gs[0], new_gs[1]  # views: no copy kernels

@@ -12,7 +12,7 @@ import triton.language as tl
 import attention
 import nvfp4
 from kernels import flash_attention as fa
-from kernels import nvfp4_quant as nq
+from kernels import nvfp4_math as nm
 
 FP4_POLICIES = ["fp4", "fp4_pv", "fp4_dov", "fp4_all"]
 
@@ -32,6 +32,11 @@ def _run(fn, q, k, v, do):
     xs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     o = fn(*xs)
     return (o, *torch.autograd.grad(o, xs, do))
+
+
+def _dequantized(values_and_scale):
+    values, s_dec = values_and_scale
+    return values * s_dec
 
 
 def _rel_mse(ours, ref):
@@ -137,12 +142,13 @@ def test_fp4_gradients_vs_float64_fake_quantized(impl):
     # dS quantized as the policy says: 1x16 along keys (dQ) / queries (dK), SR with the kernels' uniforms
     delta = (o.double() * do.double()).sum(-1)
     v_amax = nvfp4.quantize(v, (1, 16)).global_scale * 2688.0   # the bound's amax(V_hat)
-    sg = attention.ds_global_scale(do.norm(dim=-1), v_amax, delta.float(), D, G)[..., None, None]
+    bound = attention.ds_bound(do.norm(dim=-1), v_amax, delta.float(), D, G)[..., None, None]
     keys = attention.sr_keys(seed, B * H).reshape(B, H, 2)
     rows = torch.arange(T)
-    ds_q = attention.fake_quantize_rows16(ds64, sg, "sr", attention.sr_uniforms(keys[..., 0], rows, rows, T)) * sg
+    fq = lambda x, u: _dequantized(attention.fake_quantize_rows16(x, bound, "sr", u))
+    ds_q = fq(ds64, attention.sr_uniforms(keys[..., 0], rows, rows, T))
     u_k = attention.sr_uniforms(keys[..., 1], rows, rows, T, query_pairs=True).transpose(-1, -2)
-    ds_k = (attention.fake_quantize_rows16(ds64.transpose(-1, -2), sg, "sr", u_k) * sg).transpose(-1, -2)
+    ds_k = fq(ds64.transpose(-1, -2), u_k).transpose(-1, -2)
     k64 = kh.detach().repeat_interleave(G, 1)
     dq64 = ds_q.double() @ k64 / math.sqrt(D)
     dk64 = (ds_k.double().transpose(-1, -2) @ qh.detach() / math.sqrt(D)).reshape(B, Hkv, G, T, D).sum(2)
@@ -150,7 +156,7 @@ def test_fp4_gradients_vs_float64_fake_quantized(impl):
     # the test can fail: unquantized dS, or another SR stream, are far from what the policy computes
     dq_exact = ds64 @ k64 / math.sqrt(D)
     assert _rel_mse(dq, dq_exact) > 1e4 * _rel_mse(dq, dq64)
-    other = attention.fake_quantize_rows16(ds64, sg, "sr", attention.sr_uniforms(keys[..., 1], rows, rows, T)) * sg
+    other = fq(ds64, attention.sr_uniforms(keys[..., 1], rows, rows, T))
     assert _rel_mse(dq, other.double() @ k64 / math.sqrt(D)) > 1e4 * _rel_mse(dq, dq64)
 
 
@@ -176,10 +182,11 @@ def test_forward_backward_consistency():
 # the in-register quantizer and its torch mirror
 
 @triton.jit
-def _quant_tile_kernel(X, U, OUT, SG, R: tl.constexpr, C: tl.constexpr, SR: tl.constexpr):
+def _quant_tile_kernel(X, U, OUT, AMAX, R: tl.constexpr, C: tl.constexpr, SR: tl.constexpr):
     r = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
+    s_enc, s_dec = nm._global_scales(tl.load(AMAX), 448.0)
     # uniforms on torch.rand's 2^-24 grid -> the random words the kernels draw (exactly the same decisions)
-    out = fa._fake_quant_rows16(tl.load(X + r), tl.load(SG), nq._noise_bits(tl.load(U + r)), R, C, SR)
+    out = fa._fake_quant_rows16(tl.load(X + r), s_enc, s_dec, nm._noise_bits(tl.load(U + r)), R, C, SR)
     tl.store(OUT + r, out)
 
 
@@ -208,24 +215,24 @@ def _hard_tile(R=8, C=64, seed=0, device="cpu"):
 @pytest.mark.parametrize("rounding", ["rtn", "sr"])
 def test_kernel_quantizer_matches_torch_mirror_bitwise(rounding):
     x = _hard_tile()
-    s_g = nvfp4.global_scale(x.abs().amax())
+    amax = x.abs().amax()
     u = torch.rand(x.shape, generator=torch.Generator().manual_seed(1))
     out = torch.empty_like(x)
-    _quant_tile_kernel[(1,)](x, u, out, s_g.reshape(1), 8, 64, rounding == "sr")
-    mirror = attention.fake_quantize_rows16(x, s_g, rounding, u)
+    _quant_tile_kernel[(1,)](x, u, out, amax.reshape(1), 8, 64, rounding == "sr")
+    mirror, s_dec = attention.fake_quantize_rows16(x, amax, rounding, u)
     assert torch.equal(out, mirror)
-    if rounding == "rtn":   # and the mirror is nvfp4.quantize when s_g is nvfp4's own
-        assert torch.equal(mirror * s_g, nvfp4.fake_quantize(x, (1, 16), "rtn"))
+    if rounding == "rtn":   # and the mirror is nvfp4.quantize when the amax is the tensor's own
+        assert torch.equal(mirror * s_dec, nvfp4.fake_quantize(x, (1, 16), "rtn"))
 
 
 def test_ties_round_to_even_with_unit_scale():
-    # s_g chosen so the tie block's scale is exactly 1: midpoints must go to the even code
+    # amax 448 * 6, so S_enc = 1 and the tie block's scale is exactly 1: midpoints must go to the even code
     x = torch.tensor([[0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2])
-    s_g = torch.tensor(1.0)
+    amax = torch.tensor(2688.0)
     out = torch.empty_like(x)
-    _quant_tile_kernel[(1,)](x, torch.zeros_like(x), out, s_g.reshape(1), 1, 16, False)
+    _quant_tile_kernel[(1,)](x, torch.zeros_like(x), out, amax.reshape(1), 1, 16, False)
     expected = torch.tensor([[0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0] * 2])
-    assert torch.equal(out, expected) and torch.equal(attention.fake_quantize_rows16(x, s_g), expected)
+    assert torch.equal(out, expected) and torch.equal(attention.fake_quantize_rows16(x, amax)[0], expected)
 
 
 def test_sr_uniforms_kernel_equals_torch_and_unbiased():
@@ -246,19 +253,18 @@ def test_sr_uniforms_kernel_equals_torch_and_unbiased():
     x = torch.rand(1, 16) * 6
     x[0, 0] = 6.0
     u = attention.sr_uniforms(keys[:, 0], torch.arange(4096), torch.arange(256), 256).reshape(-1)[:2**20]
-    many = attention.fake_quantize_rows16(x.expand(2**16, 16), torch.tensor(1.0), "sr", u.reshape(2**16, 16))
+    many = attention.fake_quantize_rows16(x.expand(2**16, 16), torch.tensor(2688.0), "sr", u.reshape(2**16, 16))[0]
     assert (many.mean(0) - x[0]).abs().max() < 0.02
 
 
-def test_ds_global_scale_bounds_ds():
+def test_ds_bound_bounds_ds():
     q, k, v, do = _inputs(T=64, seed=41, scale=3.0)
     o, p = attention.exact_attention(q, k, v)
     G = q.shape[1] // k.shape[1]
     dp = do.double() @ v.double().repeat_interleave(G, 1).transpose(-1, -2)
     delta = (o * do.double()).sum(-1)
     ds = p * (dp - delta[..., None])
-    sg = attention.ds_global_scale(do.norm(dim=-1), v.abs().amax(), delta.float(), 64, G)
-    bound = sg * 448 * 6
+    bound = attention.ds_bound(do.norm(dim=-1), v.abs().amax(), delta.float(), 64, G)
     assert (ds.abs().amax((-1, -2)) <= bound).all()
     assert (ds.abs().amax((-1, -2)) > bound / 1000).all()   # and not uselessly loose
 
@@ -367,9 +373,9 @@ def test_gpu_triton_equals_reference(policy):
 @pytest.mark.parametrize("rounding", ["rtn", "sr"])
 def test_gpu_kernel_quantizer_bitwise(rounding):
     x = _hard_tile(device="cuda")
-    s_g = nvfp4.global_scale(x.abs().amax())
+    amax = x.abs().amax()
     u = torch.rand(x.shape, device="cuda")
     out = torch.empty_like(x)
-    _quant_tile_kernel[(1,)](x, u, out, s_g.reshape(1), 8, 64, rounding == "sr")
-    assert torch.equal(out, attention.fake_quantize_rows16(x, s_g, rounding, u))            # mirror on the GPU
-    assert torch.equal(out.cpu(), attention.fake_quantize_rows16(x.cpu(), s_g.cpu(), rounding, u.cpu()))
+    _quant_tile_kernel[(1,)](x, u, out, amax.reshape(1), 8, 64, rounding == "sr")
+    assert torch.equal(out, attention.fake_quantize_rows16(x, amax, rounding, u)[0])         # mirror on the GPU
+    assert torch.equal(out.cpu(), attention.fake_quantize_rows16(x.cpu(), amax.cpu(), rounding, u.cpu())[0])

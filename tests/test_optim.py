@@ -10,6 +10,7 @@ import torch.nn as nn
 import lora_svd
 import nvfp4
 import optim
+from oracles import transposed
 from tools.fit_root_coefficients import ns_error, polar_error
 
 
@@ -80,11 +81,14 @@ def test_second_moment_never_negative_and_positive_never_zero():
 
 def test_second_moment_pipeline_beats_direct_and_layout():
     v = heavy_tailed_v()
-    st = optim.encode_second_moment(v)
-    assert st["tile_mean"].shape == (64, 256 // optim.V_TILE) and st["tile_mean"].dtype == torch.float32
-    v_hat, v_dir = optim.decode_second_moment(st), optim.decode_direct(optim.encode_direct(v))
+    st = optim.encode_second_moment(v, seed=0)
+    tile = optim.CONTRACT["adamw.v.tile"]
+    assert st["tile_mean"].shape == (64, 256 // tile) and st["tile_mean"].dtype == torch.float32
+    v_dir = optim.decode_direct(optim.encode_direct(v))
     err = lambda a: ((a.clamp(min=0).sqrt() - v.sqrt()).norm() / v.sqrt().norm()).item()
-    assert err(v_hat) < 0.1 and err(v_hat) < 0.4 * err(v_dir)  # ~0.06 vs ~0.24
+    # SR's error varies from draw to draw: the mean over 8 fixed seeds
+    e = sum(err(optim.decode_second_moment(optim.encode_second_moment(v, seed=s))) for s in range(8)) / 8
+    assert e < 0.1 and e < 0.4 * err(v_dir)
     with pytest.raises(ValueError, match="negative"):
         optim.encode_second_moment(-v)
     with pytest.raises(ValueError, match="multiple of 16"):
@@ -219,7 +223,7 @@ def test_quantized_adamw_bias_correction_matches_the_closed_form_kernel_path():
             state = {key: x.to(DEV) for key, x in state.items()}
         p_k = p.to(DEV, copy=True)
         fused_adamw_step(p_k, g.to(DEV), state, lr, b1, b2, eps, 0.0, k, seed_m=k, seed_v=k + 100,
-                         floor=optim.FLOOR_FRACTION)
+                         floor=optim.CONTRACT["adamw.v.floor"])
         return p_k.cpu()
 
     check_bias_correction(constant_gradient_steps(step))
@@ -270,7 +274,7 @@ def test_quantized_ns_step_is_the_papers_three_equations():
     X1 = a * X + fq(B, (1, 16)) @ fq(X, (16, 1))
     torch.testing.assert_close(optim._ns_step_nvfp4(X, a, b, c, H), X1, atol=1e-5, rtol=1e-4)
     # the transposed-operand trick: Q16x1(H^T Y) is Q1x16(Y^T H), bit for bit
-    q16x1 = nvfp4.quantize(X, (16, 1), "rtn", True, hadamard=H).t()
+    q16x1 = transposed(nvfp4.quantize(X, (16, 1), "rtn", True, hadamard=H))
     q1x16 = nvfp4.quantize(X.t().contiguous(), (1, 16), "rtn", True, hadamard=H)
     assert torch.equal(q16x1.codes, q1x16.codes) and torch.equal(q16x1.scales.float(), q1x16.scales.float())
 
@@ -499,39 +503,22 @@ def decoded_root_residual(st):
     return (r.reshape(*mu.shape, -1) + mu[..., None]).reshape(shape)
 
 
-def assert_stochastic_rounding_neighbours(st, x):
-    """Every code of the packed state st is one of the two E2M1 neighbours of x / (s_b s_g): what SR may pick."""
-    s = st["global_scale"] * st["scales"].float().repeat_interleave(16, -1)
-    a = (x / s).abs().clamp(max=6.0)
-    q = (optim._packed(st, optim._shape(st)).dequantize() / s).abs()
-    grid = nvfp4.E2M1_VALUES
-    below = torch.where(grid <= a[..., None] * (1 + 1e-5), grid, -1.0).amax(-1)
-    above = torch.where(grid >= a[..., None] * (1 - 1e-5), grid, 7.0).amin(-1)
-    assert ((q >= below - 1e-6) & (q <= above + 1e-6)).all()
-
-
 @pytest.mark.parametrize("shape", [(24, 256), (40, 48)])  # v tiles of 128 / gcd(48, 128) = 16; masked rows
 def test_fused_kernel_equals_reference(shape):
     from kernels.optim_fused import fused_adamw_step
     R, C = shape
     st, p, g = fused_case(R, C, seed=20)
     p_ref, m_ref, v_ref = reference_step(p, g, st, 3, HP)
-    v_enc = optim.encode_second_moment(v_ref, generator=gen(22))
-    m_enc = optim.encode_first_moment(m_ref, gen(23))
+    v_enc = optim.encode_second_moment(v_ref, seed=456)  # the kernel's seeds: the reference's Philox words
+    m_enc = optim.encode_first_moment(m_ref, seed=123)
     p_k, st_k = p.to(DEV), {k: x.to(DEV) for k, x in st.items()}
-    fused_adamw_step(p_k, g.to(DEV), st_k, *HP, step=3, seed_m=123, seed_v=456, floor=optim.FLOOR_FRACTION)
+    fused_adamw_step(p_k, g.to(DEV), st_k, *HP, step=3, seed_m=123, seed_v=456, floor=optim.CONTRACT["adamw.v.floor"])
     p_k, st_k = p_k.cpu(), {k: x.cpu() for k, x in st_k.items()}
     assert torch.equal(p_k, p_ref)                                      # RTN / exact parts: bit for bit
-    for key in ("scales", "global_scale", "tile_mean"):                 # (4/6 picks the scales by RTN error)
+    for key in ("codes", "scales", "global_scale", "tile_mean"):        # SR too: the same seeds, the same bits
         assert torch.equal(as_bits(st_k["v." + key]), as_bits(v_enc[key])), key
-    for key in ("scales", "global_scale"):
+    for key in ("codes", "scales", "global_scale"):
         assert torch.equal(as_bits(st_k["m." + key]), as_bits(m_enc[key])), key
-    # the codes: SR with Philox vs torch's generator, so each must be one of its value's two grid neighbours
-    assert_stochastic_rounding_neighbours(optim._prefixed(st_k, "m"), optim.fwht16(m_ref))
-    root = optim.sqrt_rn(v_ref)
-    mu = v_enc["tile_mean"]
-    assert_stochastic_rounding_neighbours(optim._prefixed(st_k, "v"), optim.fwht16(
-        (root.reshape(*mu.shape, -1) - mu[..., None]).reshape(root.shape)))
     assert not torch.equal(st_k["m.codes"], st_k["v.codes"])
 
 
@@ -545,7 +532,7 @@ def test_fused_kernel_stochastic_rounding_of_m_and_v_is_unbiased():
     for seed in range(n):
         st_k = {k: x.to(DEV, copy=True) for k, x in st.items()}  # copies: the kernel updates p and the state in place
         fused_adamw_step(p.to(DEV, copy=True), g.to(DEV), st_k, *HP, step=2, seed_m=seed, seed_v=seed + 100,
-                         floor=optim.FLOOR_FRACTION)
+                         floor=optim.CONTRACT["adamw.v.floor"])
         st_k = {k: x.cpu() for k, x in st_k.items()}
         total_m = total_m + optim.decode_first_moment(optim._prefixed(st_k, "m"))
         total_r = total_r + decoded_root_residual(optim._prefixed(st_k, "v"))
@@ -564,7 +551,7 @@ def test_fused_kernel_on_gpu_matches_cpu_reference():
     v_enc = optim.encode_second_moment(v_ref)
     from kernels.optim_fused import fused_adamw_step
     p_k, st_k = p.cuda(), {k: x.cuda() for k, x in st.items()}
-    fused_adamw_step(p_k, g.cuda(), st_k, *HP, step=5, seed_m=7, seed_v=8, floor=optim.FLOOR_FRACTION)
+    fused_adamw_step(p_k, g.cuda(), st_k, *HP, step=5, seed_m=7, seed_v=8, floor=optim.CONTRACT["adamw.v.floor"])
     assert torch.equal(p_k.cpu(), p_ref)
     assert torch.equal(as_bits(st_k["v.scales"].cpu()), as_bits(v_enc["scales"]))
     assert torch.equal(st_k["v.tile_mean"].cpu(), v_enc["tile_mean"])

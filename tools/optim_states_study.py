@@ -54,7 +54,8 @@ VARIANTS = {
     "sr 128 1/16": ("sr", v_pipeline("sr", 128, 1 / 16)),
     "sr 128 0": ("sr", v_pipeline("sr", 128, 0.0)),
 }
-assert VARIANTS["sr 128 1/4"][1] == v_pipeline(optim.V_ROUNDING, optim.V_TILE, optim.FLOOR_FRACTION)
+assert VARIANTS["sr 128 1/4"][1] == v_pipeline(optim.CONTRACT["adamw.v"].rounding, optim.CONTRACT["adamw.v.tile"],
+                                               optim.CONTRACT["adamw.v.floor"])
 
 
 class StudyAdamW:

@@ -1,0 +1,11 @@
+"""Test oracles that the product does not need (the layers read stored operands transposed instead)."""
+
+import nvfp4
+
+
+def transposed(t):
+    """The transpose of a packed NVFP4Tensor's last two dims, re-packed: exact, no requantization ((1, 16)
+    blocks become (16, 1), (16, 16) stay): the oracle for the GEMMs' transposed reads."""
+    codes = t.unpack_codes().transpose(-1, -2).contiguous()
+    return nvfp4.NVFP4Tensor(codes[..., 0::2] | (codes[..., 1::2] << 4), t.scales.transpose(-1, -2).contiguous(),
+                             t.global_scale, codes.shape, t.block[::-1])
