@@ -16,6 +16,7 @@ before its first checkpoint), --overwrite replaces it.
 import argparse
 import contextlib
 import dataclasses
+import fractions
 import glob
 import json
 import math
@@ -30,6 +31,7 @@ import torch
 import attention
 import data
 import lora_svd
+import nvfp4
 import optim
 from model import CONFIGS, GPT, GPTConfig, RECIPES, compile_model, config_from_name
 
@@ -138,6 +140,10 @@ def parse_args(argv=None):
     add("--data", default=data.DEFAULT_DIR, help="directory with train.bin / val.bin from data.py "
         "(default: %(default)s, built on first use)")
     add("--seed", type=int, default=0, help="(default: %(default)s)")
+    add("--numerics", action="append", default=[], metavar="KEY=VALUE",
+        help="change one precision-contract entry (repeatable): linear.<entry>.<field> "
+        "(nvfp4.LINEAR, e.g. linear.wgrad.dy.rounding=rtn), optim.<entry>[.<field>] "
+        "(optim.CONTRACT, e.g. optim.root.momentum=fp32), lora.branch=bf16|fp32")
     add("--compile", action="store_true",
         help="torch.compile the model (the FP4 layers stay eager)")
     add("--fsdp", action="store_true", help="FSDP2 under torchrun (default there: DDP)")
@@ -187,7 +193,47 @@ def resolve_args(args, world_size):
         if getattr(args, key) is None:
             setattr(args, key, value)
     check_sizes(args, recipe, world_size)
+    for spec in args.numerics:
+        set_numerics(spec)
     return recipe
+
+
+def set_numerics(spec):
+    """One --numerics KEY=VALUE: an entry of a module's precision contract (docs/nvfp4_format.md), changed
+    before anything is built, as a fork would edit the table."""
+    key, sep, value = spec.partition("=")
+    module, _, rest = key.partition(".")
+    tables = {"linear": nvfp4.LINEAR, "optim": optim.CONTRACT}
+    if not sep or (module not in tables and key != "lora.branch"):
+        die(f"--numerics {spec!r}: expected KEY=VALUE with KEY linear.<entry>.<field>, "
+            "optim.<entry>[.<field>] or lora.branch")
+    if key == "lora.branch":
+        if value not in lora_svd.BRANCH_DTYPES:
+            die(f"--numerics {spec!r}: lora.branch is one of {', '.join(lora_svd.BRANCH_DTYPES)}")
+        lora_svd.BRANCH = value
+        return
+    table = tables[module]
+    if rest in table:  # a whole entry: "fp32", or a number (v's tile and floor)
+        old = table[rest]
+        try:
+            table[rest] = value if not isinstance(old, (int, float)) else type(old)(fractions.Fraction(value))
+        except ValueError:
+            die(f"--numerics {spec!r}: {rest} takes a number")
+        return
+    entry, _, field = rest.rpartition(".")
+    fields = [f.name for f in dataclasses.fields(nvfp4.Quant)]
+    if entry not in table or field not in fields:
+        die(f"--numerics {spec!r}: {module}'s entries are {', '.join(table)}; an nvfp4.Quant entry's "
+            f"fields are {', '.join(fields)}")
+    if not isinstance(table[entry], nvfp4.Quant):
+        die(f"--numerics {spec!r}: {entry} is {table[entry]!r}, not an nvfp4.Quant: set the whole entry")
+    current = table[entry]
+    parsed = {"block": lambda v: tuple(int(d) for d in v.split("x")),
+              "four_over_six": lambda v: {"true": True, "false": False, "none": None}[v.lower()]}
+    try:
+        table[entry] = dataclasses.replace(current, **{field: parsed.get(field, str)(value)})
+    except (ValueError, KeyError) as e:
+        die(f"--numerics {spec!r}: {e}")
 
 
 def check_sizes(args, recipe, world_size):

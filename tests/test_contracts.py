@@ -352,3 +352,24 @@ def test_all_zero_tensor_encodes_to_zeros_with_unit_scales():
 def test_suite_draws_are_seeded():
     """conftest seeds torch's global RNG before every test, so its draws repeat run after run."""
     assert torch.equal(torch.rand(4), torch.rand(4, generator=torch.Generator().manual_seed(0)))
+
+
+def test_train_numerics_flag_changes_one_entry_and_refuses_bad_ones(monkeypatch, capsys):
+    """train.py --numerics KEY=VALUE: the ablation's rows change contract entries, not code paths."""
+    import train
+    monkeypatch.setattr(nvfp4, "LINEAR", dict(DEFAULT_LINEAR))
+    monkeypatch.setattr(optim, "CONTRACT", dict(DEFAULT_CONTRACT))
+    monkeypatch.setattr(lora_svd, "BRANCH", lora_svd.BRANCH)
+    for spec in ("linear.wgrad.dy.rounding=rtn", "linear.forward.w.four_over_six=false",
+                 "optim.root.momentum=fp32", "optim.adamw.v.floor=1/8", "lora.branch=fp32"):
+        train.set_numerics(spec)
+    assert nvfp4.LINEAR["wgrad.dy"] == nvfp4.Quant((16, 1), "rtn", "random")
+    assert nvfp4.LINEAR["forward.w"].four_over_six is False
+    assert optim.CONTRACT["root.momentum"] == "fp32" and optim.CONTRACT["adamw.v.floor"] == 0.125
+    assert lora_svd.BRANCH == "fp32"
+    for bad in ("linear.foo.rounding=rtn", "linear.dgrad.dy.rounding=nearest", "optim.adamw.v.tile=big",
+                "optim.root.momentum.rounding=rtn", "nothing"):
+        with pytest.raises(SystemExit) as e:
+            train.set_numerics(bad)
+        assert e.value.code == 2
+        assert capsys.readouterr().err.count("\n") == 1  # one line
