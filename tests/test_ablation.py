@@ -1,5 +1,6 @@
-"""tools/ablation.py: the grid, real tiny train.py runs aggregated into the record, skipping finished runs, and
-the verdict rules on rows whose answer is known."""
+"""tools/ablation.py: the grids, real tiny train.py runs aggregated into the record, skipping
+finished runs, the verdict rules on rows whose answer is known, and the split and width grids'
+commands (--dry_run)."""
 import json
 import os
 
@@ -7,31 +8,38 @@ import pytest
 
 from tools import ablation
 
-TINY = ["--config", "tiny", "--lr", "3e-3", "--max_steps", "3", "--batch_size", "2", "--seq_len", "32", "--warmup", "1",
-        "--eval_every", "3", "--eval_iters", "1", "--log_every", "1", "--seeds", "0", "--cpu_jobs", "2",
-        "--gpus", ""]
+TINY = ["--config", "tiny", "--lr", "3e-3", "--max_steps", "3", "--batch_size", "2", "--seq_len",
+        "32", "--warmup", "1", "--eval_every", "3", "--eval_iters", "1", "--log_every", "1",
+        "--seeds", "0", "--cpu_jobs", "2", "--gpus", ""]
 
 
 def test_grid_is_the_issue_grid():
     jobs = ablation.grid([0, 1, 2])
     assert len(jobs) == len(set(jobs)) == 6 * 2 * 3 + 2  # 38 runs
-    assert {(r, o) for r, o, s in jobs if r == "naive_fp4"} == {("naive_fp4", "adamw"), ("naive_fp4", "root")}
+    assert {(r, o) for r, o, s in jobs if r == "naive_fp4"} == {("naive_fp4", "adamw"),
+                                                               ("naive_fp4", "root")}
     assert all(s == 0 for r, o, s in jobs if r == "naive_fp4")
-    assert [s for _, _, s in jobs] == sorted(s for _, _, s in jobs)  # seed by seed: a partial grid has every row
+    # seed by seed: a partial grid has every row
+    assert [s for _, _, s in jobs] == sorted(s for _, _, s in jobs)
     pick = lambda pats: {ablation.run_name(*j) for j in jobs if ablation.selected(j, pats)}
     assert pick(["nvfp4_root"]) == {"nvfp4_root_s0", "nvfp4_root_s1", "nvfp4_root_s2"}
-    assert pick(["nvfp4"]) == {f"nvfp4_{o}_s{s}" for o in ("adamw", "root") for s in (0, 1, 2)}  # not nvfp4_46
+    assert pick(["nvfp4"]) == {f"nvfp4_{o}_s{s}" for o in ("adamw", "root")
+                               for s in (0, 1, 2)}  # not nvfp4_46
     assert pick(["lora_*_adamw_s1"]) == {"lora_naive_adamw_s1", "lora_svd_adamw_s1"}
     args = ablation.parse_args(["--lr", "adamw=2e-3,root=4e-3", "--max_steps", "7"])
-    assert ablation.train_command(args, "bf16", "root", 1)[-4:] == ["--max_steps", "7", "--lr", "0.004"]
-    assert ablation.train_command(args, "lora_naive", "adamw", 1)[-4:] == ["--lr", "0.002", "--lora_lr", "0.002"]
+    assert ablation.train_command(args, "bf16", "root", 1)[-4:] == ["--max_steps", "7", "--lr",
+                                                                    "0.004"]
+    assert ablation.train_command(args, "lora_naive", "adamw", 1)[-4:] == ["--lr", "0.002",
+                                                                           "--lora_lr", "0.002"]
     args = ablation.parse_args(["--lr", "1e-3", "--lora_lr_scale", "2"])
     assert ablation.train_command(args, "fullstack", "root", 0)[-2:] == ["--lora_lr", "0.002"]
 
 
 def test_bad_input_is_one_line_exit_2(capsys):
-    for argv in (["--seeds", "a"], ["--shard", "2/2"], ["--rows", "nope", "--dry_run", "--lr", "1e-3"], ["--lr", "root=1e-3"], ["--dry_run"],
-                 ["--lr", "adamw=x,root=1"]):
+    for argv in (["--seeds", "a"], ["--shard", "2/2"],
+                 ["--rows", "nope", "--dry_run", "--lr", "1e-3"],
+                 ["--lr", "root=1e-3"], ["--dry_run"], ["--lr", "adamw=x,root=1"],
+                 ["--grid", "nope", "--lr", "1e-3"], ["--widths", "100", "--lr", "1e-3"]):
         with pytest.raises(SystemExit) as e:
             ablation.main(argv)
         assert e.value.code == 2
@@ -41,16 +49,23 @@ def test_bad_input_is_one_line_exit_2(capsys):
 
 def test_tiny_runs_aggregate_and_skip(tmp_path, capsys):
     runs, results = tmp_path / "runs", tmp_path / "results"
-    argv = TINY + ["--rows", "bf16_adamw,nvfp4_adamw", "--runs", str(runs), "--results", str(results)]
+    argv = TINY + ["--rows", "bf16_adamw,nvfp4_adamw", "--runs", str(runs), "--results",
+                   str(results)]
     ablation.main(argv)
     rows = json.loads((results / "summary.json").read_text())
-    assert sorted((r["recipe"], r["optimizer"], r["seed"]) for r in rows) == [("bf16", "adamw", 0), ("nvfp4", "adamw", 0)]
+    assert sorted((r["recipe"], r["optimizer"], r["seed"]) for r in rows) == [
+        ("bf16", "adamw", 0), ("nvfp4", "adamw", 0)]
     for r in rows:
-        assert {"recipe", "optimizer", "seed", "val_loss", "train_loss", "tokens", "params", "steps"} <= set(r)
-        assert r["steps"] == 3 and r["tokens"] == 3 * 2 * 32 and r["params"] > 1e6 and r["status"] == "ok"
-        metrics = [json.loads(x) for x in (runs / f"{r['recipe']}_adamw_s0" / "metrics.jsonl").read_text().split("\n") if x]
-        assert r["val_loss"] == pytest.approx([m["val_loss"] for m in metrics if "val_loss" in m][-1])
-        assert 0 < r["epochs"] < 1e-3 and r["tokens_per_param"] == pytest.approx(r["tokens"] / r["params"])
+        assert {"recipe", "optimizer", "seed", "val_loss", "train_loss", "tokens", "params",
+                "steps"} <= set(r)
+        assert r["steps"] == 3 and r["tokens"] == 3 * 2 * 32 and r["params"] > 1e6
+        assert r["status"] == "ok"
+        lines = (runs / f"{r['recipe']}_adamw_s0" / "metrics.jsonl").read_text().split("\n")
+        metrics = [json.loads(x) for x in lines if x]
+        val = [m["val_loss"] for m in metrics if "val_loss" in m]
+        assert r["val_loss"] == pytest.approx(val[-1])
+        assert 0 < r["epochs"] < 1e-3
+        assert r["tokens_per_param"] == pytest.approx(r["tokens"] / r["params"])
     table = (results / "table.md").read_text()
     bf16, nvfp4 = (next(r["val_loss"] for r in rows if r["recipe"] == k) for k in ("bf16", "nvfp4"))
     assert f"{100 * (nvfp4 - bf16) / bf16:+.2f}%" in table  # the gap column comes from the rows
@@ -58,11 +73,13 @@ def test_tiny_runs_aggregate_and_skip(tmp_path, capsys):
     assert (results / "loss_curves.png").stat().st_size > 10_000
 
     # finished runs are skipped; --force reruns only the rows it names
-    stamp = {k: (runs / f"{k}_adamw_s0" / "summary.json").stat().st_mtime_ns for k in ("bf16", "nvfp4")}
+    stamp = {k: (runs / f"{k}_adamw_s0" / "summary.json").stat().st_mtime_ns
+             for k in ("bf16", "nvfp4")}
     capsys.readouterr()
     ablation.main(argv)
     assert "2 runs selected, 2 finished earlier (skipped)" in capsys.readouterr().out
-    ablation.main(argv[:-4] + ["--rows", "nvfp4_adamw_s0", "--force", "--runs", str(runs), "--results", str(results)])
+    ablation.main(argv[:-4] + ["--rows", "nvfp4_adamw_s0", "--force", "--runs", str(runs),
+                               "--results", str(results)])
     assert (runs / "bf16_adamw_s0" / "summary.json").stat().st_mtime_ns == stamp["bf16"]
     assert (runs / "nvfp4_adamw_s0" / "summary.json").stat().st_mtime_ns != stamp["nvfp4"]
     assert len(json.loads((results / "summary.json").read_text())) == 2
@@ -70,7 +87,7 @@ def test_tiny_runs_aggregate_and_skip(tmp_path, capsys):
 
 def test_a_diverged_run_is_a_finished_result(tmp_path, capsys):
     runs = tmp_path / "runs"
-    argv = TINY + ["--rows", "bf16_root", "--train_args", "--nan_at_step 2", "--runs", str(runs),
+    argv = TINY + ["--rows", "bf16_root", "--train_args", "--lr 1e30", "--runs", str(runs),
                    "--results", str(tmp_path / "results")]
     ablation.main(argv)
     rows = json.loads((tmp_path / "results" / "summary.json").read_text())
@@ -83,25 +100,28 @@ def test_a_diverged_run_is_a_finished_result(tmp_path, capsys):
 def synthetic_rows(val):
     """val: {(recipe, optimizer): [val loss per seed]} -> rows as collect_rows makes them."""
     return ablation.mark_collapsed([
-        {"recipe": r, "optimizer": o, "seed": s, "val_loss": v, "train_loss": v, "best_train_loss": v,
-         "status": "ok" if v is not None else "diverged"}
+        {"recipe": r, "optimizer": o, "seed": s, "val_loss": v, "train_loss": v,
+         "best_train_loss": v, "status": "ok" if v is not None else "diverged"}
         for (r, o), losses in val.items() for s, v in enumerate(losses)])
 
 
 def verdict_of(rows, claim, optimizer):
-    return next(v for c, o, v, _ in ablation.verdicts(rows) if c.startswith(claim) and o == optimizer)
+    return next(v for c, o, v, _ in ablation.verdicts(rows)
+                if c.startswith(claim) and o == optimizer)
 
 
 def test_verdicts_follow_the_numbers():
     base = [3.00, 3.03, 2.97]  # bf16 seed std 0.03
     shift = lambda d: [b + d for b in base]  # a recipe that tracks bf16's seed noise, offset by d
-    paper = {("bf16", "adamw"): base, ("nvfp4", "adamw"): shift(0.12), ("nvfp4_46", "adamw"): shift(0.06),
-             ("lora_svd", "adamw"): shift(0.02), ("fullstack", "adamw"): shift(0.025),
-             ("naive_fp4", "adamw"): [None]}
+    paper = {("bf16", "adamw"): base, ("nvfp4", "adamw"): shift(0.12),
+             ("nvfp4_46", "adamw"): shift(0.06), ("lora_svd", "adamw"): shift(0.02),
+             ("fullstack", "adamw"): shift(0.025), ("naive_fp4", "adamw"): [None]}
     rows = synthetic_rows(paper)
-    for claim in ("gap resolvable", "nvfp4 gap > nvfp4_46 gap > lora_svd gap", "fullstack close", "naive_fp4"):
+    for claim in ("gap resolvable", "nvfp4 gap > nvfp4_46 gap > lora_svd gap", "fullstack close",
+                  "naive_fp4"):
         assert verdict_of(rows, claim, "adamw") == "confirmed", claim
-    assert verdict_of(rows, "gap resolvable", "root") == "not resolvable at this scale"  # no root runs
+    no_root_runs = verdict_of(rows, "gap resolvable", "root")
+    assert no_root_runs == "not resolvable at this scale"
 
     swapped = {**paper, ("nvfp4_46", "adamw"): shift(0.15), ("fullstack", "adamw"): shift(0.3),
                ("naive_fp4", "adamw"): shift(0.01), ("nvfp4", "adamw"): shift(0.05)}
@@ -115,14 +135,99 @@ def test_verdicts_follow_the_numbers():
     assert verdict_of(blown_up, "naive_fp4", "adamw") == "confirmed"
     assert "| `naive_fp4` | adamw | 1 | 50.0000 ± n/a |" in ablation.table(blown_up)
 
-    noisy = {**paper, ("nvfp4_46", "adamw"): [3.30, 2.90, 3.10]}  # per-seed gaps scatter by +-4 points
-    assert verdict_of(synthetic_rows(noisy), "nvfp4 gap > nvfp4_46", "adamw") == "not resolvable at this scale"
+    noisy = {**paper, ("nvfp4_46", "adamw"): [3.30, 2.90, 3.10]}  # per-seed gaps scatter by +-4
+    verdict = verdict_of(synthetic_rows(noisy), "nvfp4 gap > nvfp4_46", "adamw")
+    assert verdict == "not resolvable at this scale"
 
 
 def test_grid_time_adds_startup_and_steps():
     rows = [{"recipe": r, "optimizer": o, "seed": s, "status": "ok", "tokens": 100, "steps": 10,
-             "tokens_per_s": 10.0 * (2 if r == "bf16" else 1), "wall_s": 15.0} for r, o, s in ablation.grid([0])]
+             "tokens_per_s": 10.0 * (2 if r == "bf16" else 1), "wall_s": 15.0}
+            for r, o, s in ablation.grid([0])]
     startup, per_step = ablation.grid_time(rows)  # seeds 1, 2 are projected from seed 0's runs
     assert per_step == pytest.approx(38 - 6 * 0.5)  # 6 bf16 runs at 0.5 s a step, 32 others at 1 s
     assert startup == pytest.approx(6 * 10 + 32 * 5)
     assert ablation.grid_time([r for r in rows if r["recipe"] != "fullstack"]) is None
+
+
+SPLIT = ["--grid", "split", "--config", "tiny", "--lr", "adamw=3e-3,root=6e-3", "--max_steps",
+         "1000", "--dry_run"]
+
+
+def test_split_grid_dry_run_prints_one_command_per_run(tmp_path, capsys):
+    ablation.main(SPLIT + ["--runs", str(tmp_path / "runs")])
+    out = capsys.readouterr().out.strip().splitlines()
+    commands = [line for line in out if line.startswith("train.py")]
+    assert len(commands) == len(ablation.SPLIT_ROWS) * 3 == 24
+    assert "estimated" in out[-1] and "min of one H200" in out[-1]
+    one = next(c for c in commands if "/lora_svd_momentum_nvfp4_root_s1 " in c)
+    assert "--recipe lora_svd --optimizer root --seed 1" in one
+    assert one.count("--numerics") == 1 and f"--numerics {ablation.ROOT_MOMENTUM_NVFP4}" in one
+    states = next(c for c in commands if "/lora_svd_states_nvfp4_adamw_s0 " in c)
+    assert states.count("--numerics") == 2 and "--lr 0.003 " in states
+    refs = [c for c in commands if "/lora_svd_root_s" in c or "/lora_svd_adamw_s" in c]
+    assert len(refs) == 6 and not any("--numerics" in c for c in refs)  # plain lora_svd
+    capsys.readouterr()
+    ablation.main(SPLIT + ["--runs", str(tmp_path / "runs"), "--rows",
+                           "fullstack_momentum_residual"])
+    out = [x for x in capsys.readouterr().out.splitlines() if x.startswith("train.py")]
+    assert len(out) == 3 and all(f"--numerics {ablation.ROOT_MOMENTUM_FIX}" in c for c in out)
+
+
+def test_width_grid_dry_run_keeps_tokens_per_non_embedding_parameter(tmp_path, capsys):
+    ablation.main(["--grid", "width", "--config", "tiny", "--lr", "3e-3", "--max_steps", "768",
+                   "--seq_len", "256", "--dry_run", "--runs", str(tmp_path / "runs")])
+    commands = [x.split() for x in capsys.readouterr().out.splitlines() if x.startswith("train.py")]
+    assert len(commands) == 3 * 3 * 3
+    flag = lambda c, f: int(c[c.index(f) + 1])
+    ratio = {}
+    for c in commands:
+        w = flag(c, "--n_embd")
+        _, non_embedding, _ = ablation.width_shape(w)
+        tokens = flag(c, "--max_steps") * flag(c, "--batch_size") * flag(c, "--grad_accum") * 256
+        ratio[w] = tokens / non_embedding
+        assert flag(c, "--batch_size") <= ablation.MAX_MICRO_BATCH
+        assert flag(c, "--ffn_hidden") == 3 * w and flag(c, "--n_head") == w // 64
+        if "lora_svd" in c:
+            assert flag(c, "--lora_rank") == w // 4
+    assert sorted(ratio) == [64, 128, 256]
+    assert max(ratio.values()) / min(ratio.values()) < 1.1  # tokens per non-embedding parameter
+    with pytest.raises(SystemExit):
+        ablation.main(["--grid", "width", "--lr", "3e-3", "--batch_size", "8", "--dry_run"])
+
+
+def test_width_shape_counts_the_models_non_embedding_parameters():
+    import torch
+    from model import GPT, config_from_name
+    for width in (64, 128, 256):
+        shape, non_embedding, embedding = ablation.width_shape(width)
+        with torch.device("meta"):
+            m = GPT(config_from_name("tiny", **shape))
+        assert m.num_params() - m.wte.weight.numel() == non_embedding
+        assert m.wte.weight.numel() == embedding
+    tiny = config_from_name("tiny").__dict__
+    assert ablation.width_shape(128)[0] == {k: tiny[k] for k in ("n_embd", "n_head", "n_kv_head",
+                                                                 "ffn_hidden")}
+
+
+def test_split_and_width_verdicts_follow_the_numbers():
+    rows = ablation.mark_collapsed([
+        {"recipe": row, "optimizer": opt, "seed": s, "val_loss": v, "train_loss": v,
+         "best_train_loss": v, "status": "ok"}
+        for row, opt, vals in (("lora_svd", "root", [2.30, 2.26, 2.27]),
+                               ("lora_svd_momentum_nvfp4", "root", [2.34, 2.30, 2.31]),
+                               ("fullstack_momentum_residual", "root", [2.301, 2.258, 2.272]))
+        for s, v in enumerate(vals)])
+    text = "\n".join(ablation.split_tables(rows))
+    assert "| `lora_svd_momentum_nvfp4` | root |" in text and "| costs |" in text
+    assert "**confirmed**" in text  # the residual row sits within 2 SE of lora_svd
+    base = [3.0, 3.1, 2.9]
+    grow = {64: 1.0, 128: 2.0, 256: 3.0}  # nvfp4_46's gap in % grows by 1 point per doubling
+    rows = [{"recipe": f"{r}_w{w}", "optimizer": "adamw", "seed": s,
+             "val_loss": b * (1 + f * g / 100), "status": "ok", "tokens": 1, "train_loss": 0,
+             "best_train_loss": 0}
+            for w, g in grow.items() for s, b in enumerate(base)
+            for r, f in (("bf16", 0), ("nvfp4_46", 1), ("lora_svd", 0.5 + 0.01 * s))]
+    text = "\n".join(ablation.width_tables(rows, [64, 128, 256]))
+    assert "| the nvfp4_46 gap grows with width | **confirmed** | +1.00" in text
+    assert "grows with width | **confirmed** | +0.49 ± 0.01" in text.split("\n")[-1]
