@@ -45,7 +45,7 @@ OPTIMIZERS = ("adamw", "root")
 
 _STATE = nvfp4.Quant((1, 16), "sr", "fixed", four_over_six=True)  # x H16 -> NVFP4, SR (unbiased), 4/6
 CONTRACT = {
-    "adamw.m": _STATE,                  # AdamW's m
+    "adamw.m": _STATE,                  # AdamW's m ("fp32" here or for v: both moments stay fp32)
     "adamw.v": _STATE,                  # (sqrt(v) - tile mean) H16; SR: RTN's repeated error lagged fp32 AdamW
     "adamw.v.tile": 128,                # elements per tile mean of sqrt(v): 4 bytes / 128 = 0.03 byte/param
     "adamw.v.floor": 1 / 4,             # decoded sqrt(v) >= floor * tile mean (a power of two)
@@ -56,9 +56,9 @@ CONTRACT = {
 
 def _entry(name):
     """CONTRACT[name], checked: a Quant in 1x16 blocks (the states rotated by the fixed H16 or not at all, NS
-    by a random Hadamard or not at all), or "fp32" for Root's momentum and NS."""
+    by a random Hadamard or not at all), or "fp32" (full precision)."""
     e = CONTRACT[name]
-    if e == "fp32" and name in ("root.momentum", "newton_schulz"):
+    if e == "fp32":
         return e
     want = "random" if name == "newton_schulz" else "fixed"
     if not isinstance(e, nvfp4.Quant) or tuple(e.block) != (1, 16) or e.hadamard not in (want, "none"):
@@ -133,6 +133,8 @@ def encode_first_moment(m, generator=None, seed=None, entry="adamw.m"):
     `generator`. Returns a dict of packed tensors."""
     check_quantizable(m, "first moment m")
     e = _entry(entry)
+    if e == "fp32":
+        raise ValueError(f"encode_first_moment: CONTRACT[{entry!r}] is 'fp32': nothing to encode")
     x = fwht16(m.float()) if e.hadamard == "fixed" else m.float()
     return _as_state(nvfp4.quantize(x, e.block, e.rounding, e.four_over_six, generator=generator, seed=seed,
                                     name=f"{entry} (H16)"))
@@ -356,7 +358,8 @@ class QuantizedAdamW(_StateMixin, torch.optim.Optimizer):
             self._warned.add(id(p))
             warnings.warn(f"QuantizedAdamW: local shard {tuple(local.shape)} of a {tuple(p.shape)} parameter does "
                           "not fit 16-element blocks / the size threshold: fp32 states for it")
-        return ok and self.states != "fp32"
+        fp32 = self.states == "fp32" or "fp32" in (CONTRACT["adamw.m"], CONTRACT["adamw.v"])
+        return ok and not fp32
 
     @torch.no_grad()
     def step(self, closure=None):

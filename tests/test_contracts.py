@@ -222,9 +222,17 @@ def test_optim_contract_refuses_what_the_states_cannot_store(monkeypatch):
     monkeypatch.setitem(optim.CONTRACT, "adamw.v", nvfp4.Quant((16, 1), "sr"))
     with pytest.raises(ValueError, match=r"CONTRACT\['adamw.v'\]"):
         optim.encode_second_moment(torch.rand(32, 64))
-    monkeypatch.setitem(optim.CONTRACT, "adamw.m", "fp32")
+    monkeypatch.setitem(optim.CONTRACT, "adamw.m", "int8")
     with pytest.raises(ValueError, match=r"CONTRACT\['adamw.m'\]"):
         optim.encode_first_moment(torch.randn(32, 64))
+
+
+def test_fp32_adamw_states_by_contract(monkeypatch):
+    """CONTRACT["adamw.m"] (or "adamw.v") = "fp32": QuantizedAdamW keeps both moments in fp32, exactly
+    torch.optim.AdamW's update (the ablation's "NVFP4 Root momentum only" row)."""
+    monkeypatch.setitem(optim.CONTRACT, "adamw.v", "fp32")
+    p, state = adamw_steps()
+    assert "exp_avg" in state and "m.codes" not in state
 
 
 # ----------------------------------------------------------------------------------------------------------
