@@ -13,13 +13,18 @@ eq. 2's dW is the direct layer's (nvfp4_linear.wgrad): App. 8 takes the LoRA gra
 
 The branch is BF16 (lora_svd.BRANCH: bf16 operands, fp32 accumulation, beta x L^T / s_g rounded to bf16 once);
 it equals the reference's branch up to where that intermediate is rounded.
+
+On Blackwell the residual runs on the FP4 tensor cores instead (nvfp4_gemm's tl.dot_scaled
+kernel, on the packed Q1x16(X) and Q16x16(W_res); dX reads W_res transposed) and the branch is
+two bf16 GEMMs beside it, as the reference computes it (lora_svd._branch), added to the
+residual's fp32 result.
 """
 
 import torch
 
-from kernels.nvfp4_gemm import grid_values_mm, mm_fp32
-from kernels.nvfp4_linear import _check, wgrad
-from kernels.nvfp4_quant import global_amax_pair, grid_values_bf16, quantize_dequant
+from kernels.nvfp4_gemm import grid_values_mm, mm_fp32, nvfp4_gemm, use_dot_scaled
+from kernels.nvfp4_linear import Packed, _check, wgrad
+from kernels.nvfp4_quant import global_amax_pair, grid_values_bf16, quantize, quantize_dequant
 
 
 def _operand(x, L, beta, rounding, four_over_six, seed, s_g_other, name, return_tensor=False, global_amax=None):
@@ -38,6 +43,18 @@ def _operand(x, L, beta, rounding, four_over_six, seed, s_g_other, name, return_
     return torch.cat((xv, branch), dim=1), s_g, packed
 
 
+def _mm(a, b):
+    """a @ b with an fp32 result: cuBLAS's fp32 accumulator for bf16 CUDA operands, else in fp32."""
+    out = mm_fp32(a, b) if a.is_cuda else None
+    return a.float() @ b.float() if out is None else out
+
+
+def _branch(x, A, B):
+    """Blackwell's branch (x A^T) B^T beside the FP4 residual: bf16 operands, fp32 accumulation,
+    the rank-r intermediate rounded to bf16 once (lora_svd._branch). -> fp32."""
+    return _mm(_mm(x.to(torch.bfloat16), A.t()).to(torch.bfloat16), B.t())
+
+
 def _check_branch(dtype):
     if dtype != torch.bfloat16:
         raise ValueError(f"kernels/lora_fused: the fused branch runs in bf16 (lora_svd.BRANCH 'bf16'), got {dtype}")
@@ -50,6 +67,11 @@ def forward(x, qw, L1, L2, beta, ex, seed, branch_dtype, out_dtype):
     _check_branch(branch_dtype)
     ex = _check(ex, "forward.x", (1, 16))
     L1, L2 = L1.to(torch.bfloat16), L2.to(torch.bfloat16)
+    if use_dot_scaled(x.device):  # the residual on the FP4 MMA, the bf16 branch beside it
+        xc, xs, s_gx = quantize(x, (1, 16), ex.rounding, ex.four_over_six, seed,
+                                name="activation X")
+        y = nvfp4_gemm(Packed(xc, xs, s_gx, x.shape, (1, 16)), qw, torch.float32)
+        return (y + beta * _branch(x, L1, L2)).to(out_dtype), (xc, xs, s_gx)
     abuf, s_gx, (xc, xs) = _operand(x, L1, beta, ex.rounding, ex.four_over_six, seed, qw.global_scale,
                                     "activation X", return_tensor=True)   # [X_hat | beta X L1^T / s_g]
     wbuf = torch.cat((grid_values_bf16(qw), L2), dim=1)                   # (out, K + r) = [W_hat | L2]
@@ -67,7 +89,12 @@ def backward(dy, xq, qw, L1, L2, beta, c, need, seed_dx, hadamard, seeds_dw, bra
     if all(need) and hadamard is not None:  # one read of dY for both of its global amaxes
         amax_dy, amax_dyh = global_amax_pair(dy, hadamard, name="gradient dY")
     dx = dw = None
-    if need[0]:
+    if need[0] and use_dot_scaled(dy.device):  # dY_hat W_res on the FP4 MMA (W_res read transposed)
+        dc, ds, s_g = quantize(dy, (1, 16), edy.rounding, edy.four_over_six, seed=seed_dx,
+                               global_amax=amax_dy, name="gradient dY")
+        dx = nvfp4_gemm(Packed(dc, ds, s_g, dy.shape, (1, 16)), qw, torch.float32, trans_b=True)
+        dx = (dx + beta * _branch(dy, L2.t(), L1.t())).to(dy.dtype)
+    elif need[0]:
         abuf, s_g, _ = _operand(dy, L2.t(), beta, edy.rounding, edy.four_over_six, seed_dx, qw.global_scale,
                                 "gradient dY", global_amax=amax_dy)       # [dY_hat | beta dY L2 / s_g]
         wbuf = torch.cat((grid_values_bf16(qw), L1), dim=0)              # (out + r, in) = [W_hat ; L1]

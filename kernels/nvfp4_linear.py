@@ -12,8 +12,9 @@ nvfp4.py's autograd function calls `forward` and `backward`; which route multipl
     multiplies them (nvfp4_gemm.grid_values_mm). The forward keeps W's grid values for dX (2 bytes/param until
     the backward, like autocast's cached bf16 weight copies: no packed W, no second decoding pass) and the packed
     4-bit X for eq. 2.
-  * Blackwell: the forward's packed X and W meet in tl.dot_scaled (nvfp4_gemm); dX and dW read their operands
-    transposed, which that kernel does not, so they take the grid-value route too.
+  * Blackwell: every quantize pass writes the packed form only, and all three GEMMs run on the
+    FP4 tensor cores (nvfp4_gemm's tl.dot_scaled kernel): dX reads the forward's packed
+    Q16x16(W) transposed, dW both of its 16x1 operands as stored.
 Random draws (SR seeds, H) are made by the caller (nvfp4.backward_draws), the same for either route.
 """
 
@@ -39,15 +40,15 @@ def _check(entry, name, block):
 def forward(x, w, ex, ew, seeds=(0, 0)):
     """x (T, in), w (out, in); ex, ew: the contract entries of X and W (nvfp4.LINEAR's forward.x, forward.w);
     seeds: their SR seeds. -> (Y (T, out) in x's dtype, Q1x16(X) as (codes, scales, global_scale) for eq. 2,
-    W's quantization as dX multiplies it: (bf16 grid values (out, in), global scale))."""
+    W's quantization as dX multiplies it: (bf16 grid values (out, in), global scale), on
+    Blackwell the packed Q16x16(W))."""
     ex, ew = _check(ex, "forward.x", (1, 16)), _check(ew, "forward.w", (16, 16))
-    if use_dot_scaled(x.device):
+    if use_dot_scaled(x.device):  # W's quantization kept packed for dX (Packed, not grid values)
         xq = Packed(*quantize(x, (1, 16), ex.rounding, ex.four_over_six, seeds[0], name="activation X"),
                     x.shape, (1, 16))
-        wv, s_gw, wc, ws = quantize_dequant(w, (16, 16), ew.rounding, ew.four_over_six, seeds[1],
-                                            return_tensor=True, name="weight W")
-        y = nvfp4_gemm(xq, Packed(wc, ws, s_gw, w.shape, (16, 16)), x.dtype)
-        return y, xq[:3], (wv, s_gw)
+        wq = Packed(*quantize(w, (16, 16), ew.rounding, ew.four_over_six, seeds[1],
+                              name="weight W"), w.shape, (16, 16))
+        return nvfp4_gemm(xq, wq, x.dtype), xq[:3], wq
     # one pass writes the packed X (kept) and its bf16 grid values (multiplied)
     xv, s_gx, xc, xs = quantize_dequant(x, (1, 16), ex.rounding, ex.four_over_six, seeds[0],
                                         return_tensor=True, name="activation X")
@@ -57,7 +58,7 @@ def forward(x, w, ex, ew, seeds=(0, 0)):
 
 def backward(dy, xq, w_used, c, need, seed_dx, hadamard, seeds_dw, dw_dtype):
     """dy (T, out); xq the forward's packed Q1x16(X) (codes, scales, global_scale, shape, block: an
-    nvfp4.NVFP4Tensor); w_used the forward's (W grid values, global scale); c the resolved contract
+    nvfp4.NVFP4Tensor); w_used the forward's W as forward returned it; c the resolved contract
     (nvfp4.linear_contract); need: (dX, dW) wanted; seed_dx, hadamard, seeds_dw: the draws
     (nvfp4.backward_draws). -> (dX, dW)."""
     edy = _check(c["dgrad.dy"], "dgrad.dy", (1, 16))
@@ -65,7 +66,11 @@ def backward(dy, xq, w_used, c, need, seed_dx, hadamard, seeds_dw, dw_dtype):
     if all(need) and hadamard is not None:  # one read of dY for both of its global amaxes
         amax_dy, amax_dyh = global_amax_pair(dy, hadamard, name="gradient dY")
     dx = dw = None
-    if need[0]:
+    if need[0] and use_dot_scaled(dy.device):  # w_used: the packed Q16x16(W), read transposed
+        dyq = Packed(*quantize(dy, (1, 16), edy.rounding, edy.four_over_six, seed=seed_dx,
+                               global_amax=amax_dy, name="gradient dY"), dy.shape, (1, 16))
+        dx = nvfp4_gemm(dyq, w_used, dy.dtype, trans_b=True)
+    elif need[0]:
         dyv, s_g = quantize_dequant(dy, (1, 16), edy.rounding, edy.four_over_six, seed=seed_dx,
                                     global_amax=amax_dy, name="gradient dY")
         dx = grid_values_mm(dyv, w_used[0], s_g, w_used[1], dy.dtype)                # Q16x16(W) reused
@@ -80,6 +85,14 @@ def wgrad(dy, xq, c, hadamard, seeds, dy_global_amax=None, out_dtype=torch.float
     xq dequantized in dY's dtype (the precision the activations had). hadamard: H, or None without a rotation;
     seeds: the two SR seeds (dY's, X_hat's); dy_global_amax: max |H^T dY| if the caller has it."""
     edy, ex = _check(c["wgrad.dy"], "wgrad.dy", (16, 1)), _check(c["wgrad.x"], "wgrad.x", (16, 1))
+    if use_dot_scaled(dy.device):  # both packed as stored (T, .), 16x1, read transposed
+        dyq = Packed(*quantize(dy, (16, 1), edy.rounding, edy.four_over_six, seed=seeds[0],
+                               hadamard=hadamard, global_amax=dy_global_amax, name="gradient dY"),
+                     dy.shape, (16, 1))
+        x_hat = dequantize(xq.codes, xq.scales, xq.global_scale, xq.shape, xq.block, dy.dtype)
+        xhq = Packed(*quantize(x_hat, (16, 1), ex.rounding, ex.four_over_six, seed=seeds[1],
+                               hadamard=hadamard, name="activation Q(X)"), x_hat.shape, (16, 1))
+        return nvfp4_gemm(dyq, xhq, out_dtype, trans_a=True, trans_b=True)           # (out, in)
     dyv, s_gdy = quantize_dequant(dy, (16, 1), edy.rounding, edy.four_over_six, seed=seeds[0],
                                   hadamard=hadamard, global_amax=dy_global_amax, name="gradient dY")  # (T, out)
     x_hat = dequantize(xq.codes, xq.scales, xq.global_scale, xq.shape, xq.block, dy.dtype)

@@ -184,6 +184,118 @@ def test_blackwell_route_takes_strided_operands_and_checks_blocks(blackwell_rout
 
 
 # --------------------------------------------------------------------------------------------
+# The layers on the Blackwell route: NANOFP4_ROUTE=kernels with use_dot_scaled forced, in the
+# interpreter, against the reference route (nvfp4.py, lora_svd.py, optim.py) with the same draws
+
+@pytest.fixture
+def blackwell_gpu(monkeypatch):
+    """The kernel routes as a Blackwell GPU takes them; counts the FP4 GEMM launches, and fails any
+    call to the grid-value route (Hopper's)."""
+    from kernels import lora_fused, nvfp4_linear
+    calls = []
+    sm100 = nvfp4_gemm._gemm_sm100
+
+    def counted(*args, **kwargs):
+        calls.append(args[3:5] if len(args) > 3 else (kwargs.get("trans_a"), kwargs.get("trans_b")))
+        return sm100(*args, **kwargs)
+
+    def hopper(*args, **kwargs):
+        raise AssertionError("the grid-value GEMM ran on the Blackwell route")
+
+    for module in (nvfp4_gemm, nvfp4_linear, lora_fused):
+        monkeypatch.setattr(module, "use_dot_scaled", lambda device: True)
+        monkeypatch.setattr(module, "grid_values_mm", hopper)
+    monkeypatch.setattr(nvfp4_gemm, "_gemm_sm100", counted)
+    with e4m3_dot_scaled_scales():
+        yield calls
+
+
+def on_grid(shape, seed, scale=8.0):
+    """Seeded values k / scale, |k| <= 127: exact in bf16, and 16-term Hadamard sums of them are
+    exact in fp32 in any order (the kernels' butterfly and the reference's matmul agree)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-127, 128, shape, generator=g).float() / scale
+
+
+def routes(monkeypatch, step, calls):
+    """step() on the reference route, then on the Blackwell route, from the same global RNG state
+    (the same SR seeds and Hadamard signs); -> (reference outputs, Blackwell outputs, FP4 GEMMs)."""
+    out = []
+    for route in ("reference", "kernels"):
+        monkeypatch.setenv("NANOFP4_ROUTE", route)
+        torch.manual_seed(7)
+        calls.clear()
+        out.append(step())
+    return out[0], out[1], list(calls)
+
+
+def close(a, b, rel):
+    err = (a.double() - b.double()).abs().max().item()
+    assert err <= rel * b.double().abs().max().item(), (err, b.double().abs().max().item())
+
+
+def backward_step(layer, weight, x, dy):
+    x = x.clone().requires_grad_()
+    layer.zero_grad(set_to_none=True)
+    y = layer(x)
+    y.backward(dy)
+    return y.detach(), x.grad, weight.grad
+
+
+@needs_interpreted_dot_scaled
+@pytest.mark.parametrize("T,n_in,n_out", [(80, 48, 32), (144, 64, 160)])
+def test_blackwell_nvfp4_linear_layer_equals_the_reference(blackwell_gpu, monkeypatch, T, n_in,
+                                                           n_out):
+    """nvfp4.NVFP4Linear (4/6) forward and backward: Y, dX (W's packed forward quantization read
+    transposed) and eq. 2's dW (both 16x1 operands read transposed), all three on the FP4 MMA."""
+    torch.manual_seed(T)
+    layer = nvfp4.NVFP4Linear(n_in, n_out, four_over_six=True)
+    x, dy = on_grid((T, n_in), T), on_grid((T, n_out), T + 1, scale=64.0)
+    ref, bw, calls = routes(monkeypatch, lambda: backward_step(layer, layer.weight, x, dy),
+                            blackwell_gpu)
+    assert calls == [(False, False), (False, True), (True, True)]
+    for name, r, b in zip(("Y", "dX", "dW"), ref, bw):
+        assert r.dtype == b.dtype and r.shape == b.shape, name
+        close(b, r, rel=1e-6)
+
+
+@needs_interpreted_dot_scaled
+def test_blackwell_lora_svd_layer_equals_the_reference(blackwell_gpu, monkeypatch):
+    """lora_svd.LoRASVDLinear: the NVFP4 residual's Y, dX and dW on the FP4 MMA, the BF16 branch
+    as two bf16 GEMMs beside it, as the reference computes it."""
+    import lora_svd
+    torch.manual_seed(3)
+    layer = lora_svd.LoRASVDLinear(48, 32, rank=8, beta=0.5)
+    x, dy = on_grid((64, 48), 11), on_grid((64, 32), 12, scale=64.0)
+    ref, bw, calls = routes(monkeypatch, lambda: backward_step(layer, layer.weight_res, x, dy),
+                            blackwell_gpu)
+    assert calls == [(False, False), (False, True), (True, True)]
+    for name, r, b in zip(("Y", "dX", "dW"), ref, bw):
+        assert r.dtype == b.dtype and r.shape == b.shape, name
+        close(b, r, rel=1e-6)
+
+
+@needs_interpreted_dot_scaled
+def test_blackwell_root_step_equals_the_reference(blackwell_gpu, monkeypatch):
+    """optim.Root with NVFP4 Newton-Schulz (§3.4): 5 NS steps x 3 GEMMs per matrix on the FP4 MMA;
+    the parameter after two steps equals the reference's up to summation order."""
+    import optim
+
+    def root_steps():
+        g = torch.Generator().manual_seed(9)
+        p = torch.nn.Parameter(torch.randn(64, 128, generator=g) * 0.02)
+        opt = optim.Root([p], lr=1e-2, states="nvfp4", cuda_graphs=False)
+        for _ in range(2):
+            p.grad = torch.randn(64, 128, generator=g)
+            opt.step()
+        return p.detach().clone()
+
+    ref, bw, calls = routes(monkeypatch, root_steps, blackwell_gpu)
+    assert calls == [(False, False)] * 30
+    close(bw, ref, rel=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
 # Lowering for sm_100a
 
 def compile_for(which):
