@@ -60,3 +60,15 @@ def test_fast_mode_is_deterministic_and_shows_the_effect(capsys):
     assert m["root_update_error"] > 2 * m["M_error"]  # Root amplifies M's error, SGD passes it
     assert abs(m["sgd_update_error"] - m["M_error"]) < 0.1 * m["M_error"]
     assert res["M_error"] < m["M_error"] / 5
+
+
+def test_root_with_the_nvfp4_newton_schulz_steps():
+    torch.manual_seed(0)
+    W = torch.randn(32, 64, requires_grad=True)
+    opt = study.StudyRoot([W], study.CANDIDATES["nvfp4_residual"], direction="root_nvfp4")
+    W.grad = torch.randn(32, 64)
+    before = W.detach().clone()
+    opt.step(1e-2)
+    step = (W.detach() - before) / (1e-2 * 0.2 * 8)  # lr * ROOT_SCALE * sqrt(max(m, n))
+    assert torch.isfinite(step).all() and 0.3 < torch.linalg.matrix_norm(step, 2) < 1.5
+    assert opt.bytes_per_param() == 1.125 + 8 / W.numel()

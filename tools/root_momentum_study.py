@@ -214,8 +214,9 @@ class StudyRoot:
         self.state = {}
 
     def direction_of(self, M):
-        if self.direction == "root":
-            return optim.root_direction(M, quantized=False)
+        if self.direction.startswith("root"):  # "root_nvfp4": §3.4's NVFP4 Newton-Schulz
+            quantized = self.direction == "root_nvfp4"
+            return optim.root_direction(M, quantized=quantized, generator=self.gen)
         return M * (math.sqrt(min(M.shape)) / (M.norm() + 1e-7))
 
     @torch.no_grad()
@@ -358,7 +359,7 @@ def run_job(job):
     start = time.time()
     if kind == "train":
         direction, steps = rest
-        lr = PROBLEMS_LR[problem] if direction == "root" else SGD_LR[problem]
+        lr = PROBLEMS_LR[problem] if direction.startswith("root") else SGD_LR[problem]
         loss, nb = PROBLEMS[problem](CANDIDATES[candidate], seed, steps=steps, lr=lr,
                                      direction=direction)
         return job, {"loss": loss, "bytes_per_param": nb, "seconds": time.time() - start}
@@ -375,8 +376,8 @@ def run_job(job):
 PROBLEMS_LR = {"lsq": 8e-2, "mlp": 2e-2}
 
 
-def jobs_for(candidates, problems, seeds, steps, open_seeds, sgd_candidates):
-    jobs = [("train", p, c, s, "root", steps) for p in problems for c in candidates for s in seeds]
+def jobs_for(candidates, problems, seeds, steps, open_seeds, sgd_candidates, root="root"):
+    jobs = [("train", p, c, s, root, steps) for p in problems for c in candidates for s in seeds]
     jobs += [("train", p, c, s, "sgd", steps)
              for p in problems for c in sgd_candidates for s in seeds]
     jobs += [("open", p, c, s, steps) for p in problems for s in open_seeds for c in candidates
@@ -402,22 +403,22 @@ def pm(mean, se, digits=2):
     return f"{mean:+.{digits}f}" + (f" ± {se:.{digits}f}" if se is not None else "")
 
 
-def tables(results, candidates, problems, seeds, open_seeds, sgd_candidates):
+def tables(results, candidates, problems, seeds, open_seeds, sgd_candidates, root="root"):
     lines = ["| candidate | bytes/param | " + " | ".join(f"{p} excess %" for p in problems) + " | "
              + " | ".join(f"{p} M err / Root update err" for p in problems) + " |",
              "|---|---|" + "---|" * 2 * len(problems)]
     for c in candidates:
-        nb = results[("train", problems[0], c, seeds[0], "root")]["bytes_per_param"]
+        nb = results[("train", problems[0], c, seeds[0], root)]["bytes_per_param"]
         cells = [f"{nb:.3f}"]
         for p in problems:
-            cells.append("–" if c == "fp32" else pm(*excess(results, p, c, seeds)[:2]))
+            cells.append("–" if c == "fp32" else pm(*excess(results, p, c, seeds, root)[:2]))
         for p in problems:
             o = [results[("open", p, c, s)] for s in open_seeds if ("open", p, c, s) in results]
             cells.append("–" if not o else f"{statistics.fmean(r['M_error'] for r in o):.3f} / "
                          f"{statistics.fmean(r['root_update_error'] for r in o):.3f}")
         lines.append(f"| `{c}` | " + " | ".join(cells) + " |")
-    noise = ", ".join(f"{p} {seed_std(results, p, seeds):.2f}%" for p in problems
-                      if seed_std(results, p, seeds) is not None)
+    noise = ", ".join(f"{p} {seed_std(results, p, seeds, root):.2f}%" for p in problems
+                      if seed_std(results, p, seeds, root) is not None)
     lines += ["", f"fp32 momentum's seed-to-seed std of the loss: {noise or 'n/a (one seed)'}."]
     if sgd_candidates:
         lines += ["", "| problem | candidate | Root excess % | SGD-Nesterov excess % |",
@@ -425,7 +426,7 @@ def tables(results, candidates, problems, seeds, open_seeds, sgd_candidates):
         for p in problems:
             for c in sgd_candidates:
                 if c != "fp32":
-                    lines.append(f"| {p} | `{c}` | {pm(*excess(results, p, c, seeds)[:2])} | "
+                    lines.append(f"| {p} | `{c}` | {pm(*excess(results, p, c, seeds, root)[:2])} | "
                                  f"{pm(*excess(results, p, c, seeds, 'sgd')[:2])} |")
     keys = ("M_error", "sgd_update_error", "root_update_error", "weak_directions",
             "weak_share_of_M", "weak_share_of_root_update", "weak_share_of_root_error")
@@ -440,7 +441,7 @@ def tables(results, candidates, problems, seeds, open_seeds, sgd_candidates):
     return "\n".join(lines)
 
 
-def plot(results, candidates, problems, seeds, path):
+def plot(results, candidates, problems, seeds, path, root="root"):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -448,13 +449,13 @@ def plot(results, candidates, problems, seeds, path):
     fig, axes = plt.subplots(1, len(problems), figsize=(6 * len(problems), 0.35 * len(names) + 1.5),
                              sharey=True, squeeze=False)
     for ax, p in zip(axes[0], problems):
-        ex = [excess(results, p, c, seeds) for c in names]
-        nb = [results[("train", p, c, seeds[0], "root")]["bytes_per_param"] for c in names]
+        ex = [excess(results, p, c, seeds, root) for c in names]
+        nb = [results[("train", p, c, seeds[0], root)]["bytes_per_param"] for c in names]
         colors = ["tab:green" if b <= 1.2 else "tab:gray" for b in nb]
         ax.barh(range(len(names)), [e[0] for e in ex], xerr=[e[1] or 0 for e in ex], color=colors)
         for i, (e, b) in enumerate(zip(ex, nb)):
             ax.text(max(e[0], 0) + 0.2, i, f"{b:.2f} B", va="center", fontsize=7)
-        std = seed_std(results, p, seeds)
+        std = seed_std(results, p, seeds, root)
         if std is not None:
             ax.axvspan(-std, std, color="tab:blue", alpha=0.15, label="fp32 seed std")
             ax.legend(fontsize=8, loc="lower right")
@@ -479,6 +480,9 @@ def main(argv=None):
     parser.add_argument("--sgd", default="fp32,m_pipeline",
                         help="candidates also trained with SGD-Nesterov ('' for none)")
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--ns", default="fp32", choices=("fp32", "nvfp4"),
+                        help="Root's Newton-Schulz: fp32 (the buffer's storage the only "
+                        "difference) or §3.4's NVFP4 iteration (as in fullstack)")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes (one thread each)")
     parser.add_argument("--out", default=None,
                         help="write study.json, table.md, study.png into this folder")
@@ -503,7 +507,8 @@ def main(argv=None):
         open_seeds = [int(s) for s in split(args.open_seeds)]
     except ValueError:
         parser.error("--seeds / --open_seeds: comma-separated integers")
-    jobs = jobs_for(candidates, problems, seeds, args.steps, open_seeds, sgd)
+    root = "root" if args.ns == "fp32" else "root_nvfp4"
+    jobs = jobs_for(candidates, problems, seeds, args.steps, open_seeds, sgd, root)
     start = time.time()
     cpu0 = sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
                                                    resource.getrusage(resource.RUSAGE_CHILDREN)))
@@ -514,7 +519,7 @@ def main(argv=None):
     else:
         done = [run_job(j) for j in jobs]
     results = {j[:5] if j[0] == "train" else j[:4]: r for j, r in done}
-    text = tables(results, candidates, problems, seeds, open_seeds, sgd)
+    text = tables(results, candidates, problems, seeds, open_seeds, sgd, root)
     wall = time.time() - start
     usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
     cpu = sum(u.ru_utime + u.ru_stime for u in usage) - cpu0
@@ -525,7 +530,7 @@ def main(argv=None):
         command = "python tools/root_momentum_study.py " + " ".join(argv or sys.argv[1:])
         record = {"command": command,
                   "date": time.strftime("%Y-%m-%d"), "wall_s": round(wall, 1), "steps": args.steps,
-                  "mu": MU, "lr_root": PROBLEMS_LR, "lr_sgd": SGD_LR, "seeds": seeds,
+                  "mu": MU, "ns": args.ns, "lr_root": PROBLEMS_LR, "lr_sgd": SGD_LR, "seeds": seeds,
                   "open_seeds": open_seeds, "hardware": f"CPU ({os.cpu_count()} cores)",
                   "cpu_s": round(cpu, 1),
                   "runs": [{"job": list(j), **{k: round(v, 6) for k, v in r.items()}}
@@ -534,7 +539,7 @@ def main(argv=None):
             json.dump(record, f, indent=1)
         with open(os.path.join(args.out, "table.md"), "w") as f:
             f.write(text + "\n")
-        plot(results, candidates, problems, seeds, os.path.join(args.out, "study.png"))
+        plot(results, candidates, problems, seeds, os.path.join(args.out, "study.png"), root)
     return results
 
 
