@@ -105,13 +105,36 @@ def record_blackwell_gemms():
     return labels
 
 
+def record_blackwell_layers():
+    """Every launch the layers' kernel routes make on a Blackwell GPU (use_dot_scaled forced): the
+    direct NVFP4 linear and LoRA-SVD, forward and backward, with the contract's 4/6, SR and
+    Hadamard (the packed-only quantize passes, the X_hat decode, the GEMMs)."""
+    import nvfp4
+    from kernels import lora_fused, nvfp4_linear
+    for module in (nvfp4_gemm, nvfp4_linear, lora_fused):
+        module.use_dot_scaled = lambda device: True
+    decode = nvfp4_linear.dequantize  # recorded, not run: its output is garbage, the checks see zeros
+    nvfp4_linear.dequantize = lambda *args: decode(*args).zero_()
+    c = nvfp4.linear_contract(True)
+    x, w, dy = torch.zeros(64, 256), torch.zeros(128, 256), torch.zeros(64, 128)
+    H, need, n = torch.eye(16), (True, True), len(LAUNCHES)
+    y, xq, w_used = nvfp4_linear.forward(x, w, c["forward.x"], c["forward.w"], (1, 2))
+    xq = Packed(*xq, x.shape, (1, 16))
+    nvfp4_linear.backward(dy, xq, w_used, c, need, 3, H, (4, 5), torch.float32)
+    qw, L1, L2 = Packed(*w_used[:3], w.shape, (16, 16)), torch.zeros(8, 256), torch.zeros(128, 8)
+    lora_fused.forward(x, qw, L1, L2, 0.5, c["forward.x"], 1, torch.bfloat16, torch.float32)
+    lora_fused.backward(dy, xq, qw, L1, L2, 0.5, c, need, 3, H, (4, 5), torch.bfloat16)
+    return ["layers"] * (len(LAUNCHES) - n)
+
+
 if __name__ == "__main__":
     which = sys.argv[1]
     if which == "hopper":
         record_quantize_launches()
         labels, target = [None] * len(LAUNCHES), GPUTarget("cuda", 90, 32)
     else:
-        labels, target = record_blackwell_gemms(), GPUTarget("cuda", 100, 32)
+        labels = record_blackwell_gemms() + record_blackwell_layers()
+        target = GPUTarget("cuda", 100, 32)
     seen = set()
     for (fn, args, kwargs), label in zip(LAUNCHES, labels):
         options = tuple(sorted((k, str(v)) for k, v in kwargs.items()))

@@ -320,9 +320,17 @@ def _can_target_blackwell():
 def test_every_blackwell_product_lowers_to_the_block_scaled_fp4_mma():
     """forward, dgrad (W read transposed), wgrad (both read transposed), Newton-Schulz's X X^T
     (LoRA-SVD's residual and the other NS GEMMs are the same specializations) and the smallest
-    K (BK = 64)."""
+    K (BK = 64); then every launch of the two layers' Blackwell routes (quantize passes, X_hat's
+    decode, GEMMs) compiles for sm_100a too."""
     lines = compile_for("blackwell")
-    assert [line[3] for line in lines] == ["forward", "dgrad", "wgrad", "ns_xxt", "small_k"]
+    products = [line[3] for line in lines if line[3] != "layers"]
+    assert products == ["forward", "dgrad", "wgrad", "ns_xxt", "small_k"]
     for kernel, arch, mma, product in lines:
-        assert kernel == "_nvfp4_gemm_sm100_kernel" and arch == "sm_100a", (product, kernel, arch)
-        assert len(mma.split(",")) == 1 and FP4_MMA.fullmatch(mma), (product, mma)
+        assert arch == "sm_100a", (product, kernel, arch)
+        if kernel == "_nvfp4_gemm_sm100_kernel":
+            assert len(mma.split(",")) == 1 and FP4_MMA.fullmatch(mma), (product, mma)
+        else:
+            assert product == "layers" and mma == "-", (product, kernel, mma)
+    assert {line[0] for line in lines if line[3] == "layers"} == {
+        "_nvfp4_gemm_sm100_kernel", "_quantize_rows_kernel", "_quantize_cols_kernel",
+        "_quantize_kernel", "_dequantize_rows_kernel"}
