@@ -49,7 +49,11 @@ CONTRACT = {
     "adamw.v": _STATE,                  # (sqrt(v) - tile mean) H16; SR: RTN's repeated error lagged fp32 AdamW
     "adamw.v.tile": 128,                # elements per tile mean of sqrt(v): 4 bytes / 128 = 0.03 byte/param
     "adamw.v.floor": 1 / 4,             # decoded sqrt(v) >= floor * tile mean (a power of two)
-    "root.momentum": _STATE,            # Root's momentum buffer; "fp32" keeps it in full precision
+    # Root's momentum buffer: two levels (the second stores the first's error), RTN. One level of any NVFP4
+    # encoding cost Root 2-15%; Newton-Schulz turns the noise in M's weak directions into full-size steps
+    # (docs/optim.md). "fp32" keeps it in full precision.
+    "root.momentum": nvfp4.Quant((1, 16), "rtn", "fixed", four_over_six=True),
+    "root.momentum.levels": 2,
     "newton_schulz": nvfp4.Quant((1, 16), "rtn", "random", four_over_six=True),  # §3.4's GEMMs; or "fp32"
 }
 
@@ -126,22 +130,32 @@ def check_quantizable(x, name):
 # ----------------------------------------------------------------------------------------------------------
 # §3.3 state encodings
 
-def encode_first_moment(m, generator=None, seed=None, entry="adamw.m"):
-    """m -> NVFP4 of m H16 as CONTRACT[entry] says (SR and 4/6 by default). m is signed and roughly symmetric,
-    so a rotation (outliers spread over the block) plus unbiased rounding is enough: E[decode(encode(m))] = m,
-    and the EMA does not drift when it is re-encoded every step. SR's seed: `seed`, else one draw from
-    `generator`. Returns a dict of packed tensors."""
+def encode_first_moment(m, generator=None, seed=None, entry="adamw.m", levels=1):
+    """m -> NVFP4 of m H16 as CONTRACT[entry] says (SR and 4/6 for AdamW's m). m is signed and roughly
+    symmetric, so a rotation (outliers spread over the block) plus unbiased rounding is enough for AdamW:
+    E[decode(encode(m))] = m, and the EMA does not drift when it is re-encoded every step. levels=2 (Root's
+    momentum): the first level's error x - decode(x) is quantized again and stored beside it ("res_" keys),
+    error feedback kept in the same format, 2 x 0.5625 bytes/param. SR's seed: `seed` (level k: seed + k), else
+    a draw from `generator`. Returns a dict of packed tensors."""
     check_quantizable(m, "first moment m")
     e = _entry(entry)
     if e == "fp32":
         raise ValueError(f"encode_first_moment: CONTRACT[{entry!r}] is 'fp32': nothing to encode")
     x = fwht16(m.float()) if e.hadamard == "fixed" else m.float()
-    return _as_state(nvfp4.quantize(x, e.block, e.rounding, e.four_over_six, generator=generator, seed=seed,
-                                    name=f"{entry} (H16)"))
+    state = {}
+    for level in range(levels):
+        t = nvfp4.quantize(x, e.block, e.rounding, e.four_over_six, generator=generator, name=f"{entry} (H16)",
+                           seed=None if seed is None else seed + level)
+        state.update({("res_" if level else "") + k: v for k, v in _as_state(t).items()})
+        x = x - t.dequantize() if level + 1 < levels else x
+    return state
 
 
 def decode_first_moment(state, entry="adamw.m"):
     x = _packed(state, _shape(state)).dequantize()
+    second = {k[len("res_"):]: v for k, v in state.items() if k.startswith("res_")}
+    if second:  # the second level: the first one's error
+        x = x + _packed(second, _shape(state)).dequantize()
     return fwht16(x) if _entry(entry).hadamard == "fixed" else x  # (s q) H16, H16 = H16^-1
 
 
@@ -632,7 +646,8 @@ class Root(_StateMixin, torch.optim.Optimizer):
         if self.states == "direct":
             enc, dec = (lambda x, seed: encode_direct(x)), decode_direct
         else:
-            enc = lambda x, seed: encode_first_moment(x, seed=seed, entry="root.momentum")
+            enc = lambda x, seed: encode_first_moment(x, seed=seed, entry="root.momentum",
+                                                      levels=CONTRACT["root.momentum.levels"])
             dec = lambda st: decode_first_moment(st, entry="root.momentum")
         buf = dec(_prefixed(state, "m")) if "m.codes" in state else torch.zeros(g.shape, device=g.device)
         buf = mu * buf + g.float()

@@ -161,17 +161,18 @@ def test_split_grid_dry_run_prints_one_command_per_run(tmp_path, capsys):
     assert len(commands) == len(ablation.SPLIT_ROWS) * 3 == 24
     assert "estimated" in out[-1] and "min of one H200" in out[-1]
     one = next(c for c in commands if "/lora_svd_momentum_nvfp4_root_s1 " in c)
-    assert "--recipe lora_svd --optimizer root --seed 1" in one
-    assert one.count("--numerics") == 1 and f"--numerics {ablation.ROOT_MOMENTUM_NVFP4}" in one
+    assert "--recipe fullstack --optimizer root --seed 1" in one and "--attn_policy bf16" in one
+    assert one.count("--numerics") == 4 and f"--numerics {ablation.NS_FP32}" in one
+    assert all(f"--numerics {e}" in one for e in ablation.MOMENTUM_1LEVEL)
     states = next(c for c in commands if "/lora_svd_states_nvfp4_adamw_s0 " in c)
-    assert states.count("--numerics") == 2 and "--lr 0.003 " in states
+    assert "--recipe fullstack" in states and "--attn_policy bf16" in states and "--lr 0.003 " in states
     refs = [c for c in commands if "/lora_svd_root_s" in c or "/lora_svd_adamw_s" in c]
     assert len(refs) == 6 and not any("--numerics" in c for c in refs)  # plain lora_svd
     capsys.readouterr()
     ablation.main(SPLIT + ["--runs", str(tmp_path / "runs"), "--rows",
                            "fullstack_momentum_residual"])
     out = [x for x in capsys.readouterr().out.splitlines() if x.startswith("train.py")]
-    assert len(out) == 3 and all(f"--numerics {ablation.ROOT_MOMENTUM_FIX}" in c for c in out)
+    assert len(out) == 3 and all("--recipe fullstack" in c and "--numerics" not in c for c in out)
 
 
 def test_width_grid_dry_run_keeps_tokens_per_non_embedding_parameter(tmp_path, capsys):

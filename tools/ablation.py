@@ -71,22 +71,25 @@ SIGNIFICANT_SES = 2.0  # an ordering is resolved when its mean difference exceed
 # --------------------------------------------------------------------------------------------------
 # Two more grids (--grid), each row one recipe plus precision-contract overrides (train.py
 # --numerics KEY=VALUE, one entry each: the rows are entries of the contracts, not code paths).
-ATTN_FP4 = "attention=fp4"                          # §3.5's mixed FP4 attention (fullstack's)
-ROOT_MOMENTUM_NVFP4 = "optim.root.momentum=nvfp4"   # AdamW's m pipeline, H16 + SR + 4/6
-ROOT_MOMENTUM_FIX = "optim.root.momentum=nvfp4_residual"  # two NVFP4 levels (results/root_momentum)
-NS_NVFP4 = "optim.newton_schulz=nvfp4"              # §3.4's NVFP4 Newton-Schulz (fullstack's)
-ADAMW_STATES_NVFP4 = ("optim.adamw.m=nvfp4", "optim.adamw.v=nvfp4")  # §3.3's states (fullstack's)
-# split: which part of fullstack costs Root. (row, recipe, optimizer, numerics); the first row of
-# each optimizer is the reference the others are paired with, seed by seed
+BF16_ATTN = {"attn_policy": "bf16"}                  # fullstack's other parts without FP4 attention
+MOMENTUM_1LEVEL = ("optim.root.momentum.rounding=sr",  # AdamW's m pipeline (H16 + SR + 4/6), one
+                   "optim.root.momentum.levels=1")     # level: fullstack's momentum until Dec 2026
+MOMENTUM_FP32 = "optim.root.momentum=fp32"
+NS_FP32 = "optim.newton_schulz=fp32"
+ADAMW_FP32 = "optim.adamw.m=fp32"                    # AdamW's moments (embeddings, norms) in fp32
+# split: which part of fullstack costs Root. (row, recipe, optimizer, numerics, flags); the first
+# row of each optimizer is the reference the others are paired with, seed by seed. A row with one
+# part of fullstack on lora_svd is fullstack (bf16 attention) with every other part back in fp32.
 SPLIT_ROWS = (
-    ("lora_svd", "lora_svd", "root", ()),
-    ("lora_svd_attn_fp4", "lora_svd", "root", (ATTN_FP4,)),
-    ("lora_svd_momentum_nvfp4", "lora_svd", "root", (ROOT_MOMENTUM_NVFP4,)),
-    ("lora_svd_ns_nvfp4", "lora_svd", "root", (NS_NVFP4,)),
-    ("fullstack", "fullstack", "root", ()),
-    ("fullstack_momentum_residual", "fullstack", "root", (ROOT_MOMENTUM_FIX,)),
-    ("lora_svd", "lora_svd", "adamw", ()),
-    ("lora_svd_states_nvfp4", "lora_svd", "adamw", ADAMW_STATES_NVFP4),
+    ("lora_svd", "lora_svd", "root", (), {}),
+    ("lora_svd_attn_fp4", "lora_svd", "root", (), {"attn_policy": "fp4"}),
+    ("lora_svd_momentum_nvfp4", "fullstack", "root", (*MOMENTUM_1LEVEL, NS_FP32, ADAMW_FP32),
+     BF16_ATTN),
+    ("lora_svd_ns_nvfp4", "fullstack", "root", (MOMENTUM_FP32, ADAMW_FP32), BF16_ATTN),
+    ("fullstack_momentum_1level", "fullstack", "root", MOMENTUM_1LEVEL, {}),
+    ("fullstack_momentum_residual", "fullstack", "root", (), {}),  # as shipped: two levels
+    ("lora_svd", "lora_svd", "adamw", (), {}),
+    ("lora_svd_states_nvfp4", "fullstack", "adamw", (), BF16_ATTN),
 )
 # width: App. 7's claim (direct NVFP4 error grows with the hidden dim) in training. Same depth as
 # tiny, head_dim 64, GQA 2:1 where there are 2+ heads, SwiGLU 3x, LoRA rank width/4 (tiny's
@@ -101,8 +104,7 @@ MAX_MICRO_BATCH = 64  # sequences per micro-step at most (memory, ~12 runs a GPU
 STEP_MS = {("bf16", "adamw"): 10, ("nvfp4_46", "adamw"): 11, ("lora_svd", "adamw"): 22,
            ("fullstack", "adamw"): 26, ("bf16", "root"): 18, ("lora_svd", "root"): 15,
            ("fullstack", "root"): 22}
-EXTRA_MS = {ATTN_FP4: 3, ROOT_MOMENTUM_NVFP4: 1, ROOT_MOMENTUM_FIX: 2, NS_NVFP4: 4,
-            ADAMW_STATES_NVFP4[0]: 4}
+EXTRA_MS = {NS_FP32: -4, MOMENTUM_FP32: -1}
 FLOP_RATE = 3e14
 GRID_DIRS = {"table3": ("runs/ablation", "results/ablation"),
              "split": ("runs/ablation_split", "results/ablation/split"),
@@ -286,9 +288,9 @@ def width_flags(args, recipe, width):
 def row_spec(args, row, optimizer):
     """(recipe, numerics entries, flags that replace the grid's) of one row of args.grid."""
     if args.grid == "split":
-        for name, recipe, opt, numerics in SPLIT_ROWS:
+        for name, recipe, opt, numerics, flags in SPLIT_ROWS:
             if (name, opt) == (row, optimizer):
-                return recipe, numerics, {}
+                return recipe, numerics, dict(flags)
         die(f"row {row}_{optimizer}: not in the split grid")
     if args.grid == "width":
         m = WIDTH_ROW.match(row)
@@ -305,7 +307,7 @@ def jobs_of(args):
         return grid(args.seeds)
     if args.grid == "split":
         order = sorted(SPLIT_ROWS, key=lambda r: -row_ms(r[1], r[2], r[3]))
-        return [(row, opt, seed) for seed in args.seeds for row, _, opt, _ in order]
+        return [(row, opt, seed) for seed in args.seeds for row, _, opt, _, _ in order]
     return [(f"{recipe}_w{w}", WIDTH_OPTIMIZER, seed) for seed in args.seeds
             for w in reversed(args.widths) for recipe in WIDTH_RECIPES]
 
@@ -866,7 +868,7 @@ def split_tables(rows):
     lines = ["| row | optimizer | numerics | seeds | val loss (mean ± std) | "
              "vs lora_svd (paired) | seeds worse | verdict |", "|---|---|---|---|---|---|---|---|"]
     refs = {}
-    for row, recipe, opt, numerics in SPLIT_ROWS:
+    for row, recipe, opt, numerics, flags in SPLIT_ROWS:
         refs.setdefault(opt, row)
         own, base = val_by_seed(rows, row, opt), val_by_seed(rows, refs[opt], opt)
         if not own:
@@ -879,7 +881,8 @@ def split_tables(rows):
             verdict, m, se, k = verdict_of_difference(d, "costs")
             worse = sum(v > 0 for v in d.values())
             cells = (f"{fmt(m, 2, True)} ± {fmt(se, 2)}% (n={k})", f"{worse}/{k}", verdict)
-        entries = ", ".join(f"`{e}`" for e in numerics) or recipe
+        entries = ", ".join([f"`{e}`" for e in numerics]
+                            + [f"`--{k} {v}`" for k, v in flags.items()]) or recipe
         lines.append(f"| `{row}` | {opt} | {entries} | {n} | {fmt(mean, 4)} ± {fmt(std, 4)} | "
                      + " | ".join(cells) + " |")
     fix = paired(val_by_seed(rows, "fullstack_momentum_residual", "root"),
@@ -970,7 +973,7 @@ def aggregate_grid(args):
     if args.grid == "split":
         title, body = "Split of fullstack/Root: its parts one at a time on lora_svd", \
             split_tables(rows)
-        panels = [(opt, [(row, o) for row, _, o, _ in SPLIT_ROWS if o == opt])
+        panels = [(opt, [(row, o) for row, _, o, _, _ in SPLIT_ROWS if o == opt])
                   for opt in OPTIMIZERS]
     else:
         title, body = "Width scaling (App. 7's claim in training)", width_tables(rows, args.widths)
