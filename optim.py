@@ -183,8 +183,8 @@ def encode_second_moment(v, tile=None, rounding=None, generator=None, seed=None)
     step against up to a full one), but v is re-encoded every step, and RTN's error is deterministic: an entry
     whose root sits between grid points is pulled the same way step after step, so its 1/sqrt(v) stays off in one
     direction for as long as its neighbours keep the grid where it is. SR's error averages out over the EMA. In
-    training that decided it: on an ill-conditioned least-squares problem RTN ended 14% above fp32 AdamW's loss,
-    SR 3% (tools/optim_states_study.py, docs/optim.md). tile and rounding default to CONTRACT's entries."""
+    training that decided it (tools/optim_states_study.py, docs/optim.md). tile and rounding default to
+    CONTRACT's entries."""
     check_quantizable(v, "second moment v")
     e = _entry("adamw.v")
     tile = CONTRACT["adamw.v.tile"] if tile is None else tile
