@@ -19,10 +19,13 @@ states="fp32" keeps full-precision states (the paper's high-precision baseline).
 The paper fixes neither v's rounding, nor its tile, nor a floor: CONTRACT holds our choices, made by
 measurement (docs/optim.md, tools/optim_states_study.py).
 
-§3.4, Root. Momentum (stored like AdamW's m), Nesterov, soft-thresholding of outliers, then
-Newton-Schulz orthogonalization whose matmuls run in NVFP4 exactly as the paper's three equations
-(RTN + 4/6, a fresh random Hadamard each step), with (a, b, c) coefficients specialised to the
-matrix shape, read from root_coefficients.json (written by tools/fit_root_coefficients.py).
+§3.4, Root. Momentum, Nesterov, soft-thresholding of outliers, then Newton-Schulz
+orthogonalization whose matmuls run in NVFP4 exactly as the paper's three equations (RTN + 4/6, a
+fresh random Hadamard each step), with (a, b, c) coefficients specialised to the matrix shape, read
+from root_coefficients.json (written by tools/fit_root_coefficients.py). The momentum buffer is
+stored in two NVFP4 levels (m H16, then the first level's error; RTN, 4/6): Newton-Schulz gives
+every direction of M the same weight, so one level's noise in M's weak directions became full-size
+steps; the second level removes it for 0.56 more bytes/param (docs/optim.md).
 
 build_optimizer(model, optimizer="adamw"|"root", states="fp32"|"nvfp4"|"direct", ...) routes every
 parameter (Root for 2-D hidden weights, AdamW for the rest) and returns ONE object that train.py
