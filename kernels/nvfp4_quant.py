@@ -1,29 +1,36 @@
 """
-Triton NVFP4 quantization (paper §2): one pass that reads bf16/fp32 and writes packed E2M1 codes + E4M3 block
-scales and/or the bf16 grid values q * s_b, for 1x16, 16x1 and 16x16 blocks, RTN or SR, optional 4/6, optional
-fused 16-point (random) Hadamard rotation. Tensors in, tensors out: nvfp4.py wraps the codes, scales and global
-scale into its NVFP4Tensor. (Decoding lives in kernels/nvfp4_dequant.py; `dequantize` and `grid_values_bf16`
-are importable from here too.)
+Triton NVFP4 quantization (paper §2): one pass that reads bf16/fp32 and writes packed E2M1 codes +
+E4M3 block scales and/or the bf16 grid values q * s_b, for 1x16, 16x1 and 16x16 blocks, RTN or SR,
+optional 4/6, optional fused 16-point (random) Hadamard rotation. Tensors in, tensors out: nvfp4.py
+wraps the codes, scales and global scale into its NVFP4Tensor. (Decoding lives in
+kernels/nvfp4_dequant.py; `dequantize` and `grid_values_bf16` are importable from here too.)
 
-It reproduces the reference `nvfp4.quantize` (the spec: Transformer Engine's arithmetic) bit for bit, with the
-device arithmetic of kernels/nvfp4_math.py:
-  S_enc = min(bound * 6 / amax, FLT_MAX), S_dec = 1 / S_enc     correctly rounded (tl.div_rn); 1, 1 if amax == 0
-  s_b = e4m3(min(amax_b * (S_enc * RN(1/6)), 448))              RNE to E4M3 (up for "sr_up") with explicit
-                                                                arithmetic (the interpreter's fp32->fp8 cast
-                                                                is wrong on ties)
-  a   = min(|x| * min(RN(1 / (s_b * S_dec)), FLT_MAX), 6)       one reciprocal per block, a multiply per element
-  q   = RTN ties-to-even on the E2M1 grid, or SR: up iff u < (a - lo) / (hi - lo), u from Philox (nvfp4.sr_uniforms)
-  sign = x * scale < 0                                          (-0.0 and underflow to -0.0 get a + code)
-SR's uniforms are Philox words, 4 per tl.randint4x call (1x16 blocks: counter element index // 4, 4 neighbours
-in a row; 16x1 and 16x16 blocks: counter (row // 4) * N + column, 4 neighbours in a column): the reference's
-nvfp4.sr_uniforms draws the same words in PyTorch, so a seed gives the same codes on both routes.
+It reproduces the reference `nvfp4.quantize` (the spec: Transformer Engine's arithmetic) bit for
+bit, with the device arithmetic of kernels/nvfp4_math.py:
+  S_enc = min(bound * 6 / amax, FLT_MAX), S_dec = 1 / S_enc   correctly rounded (tl.div_rn);
+                                                              1, 1 if amax == 0
+  s_b = e4m3(min(amax_b * (S_enc * RN(1/6)), 448))            RNE to E4M3 (up for "sr_up") with
+                                                              explicit arithmetic (the interpreter's
+                                                              fp32->fp8 cast is wrong on ties)
+  a   = min(|x| * min(RN(1 / (s_b * S_dec)), FLT_MAX), 6)     one reciprocal per block, a multiply
+                                                              per element
+  q   = RTN ties-to-even on the E2M1 grid, or SR: up iff u < (a - lo) / (hi - lo), u from Philox
+        (nvfp4.sr_uniforms)
+  sign = x * scale < 0                                        (-0.0 and underflow to -0.0 get
+                                                              a + code)
+SR's uniforms are Philox words, 4 per tl.randint4x call (1x16 blocks: counter element index // 4, 4
+neighbours in a row; 16x1 and 16x16 blocks: counter (row // 4) * N + column, 4 neighbours in a
+column): the reference's nvfp4.sr_uniforms draws the same words in PyTorch, so a seed gives the same
+codes on both routes.
 Where it can differ from the reference:
-  * With `hadamard`, x·H sums 16 exact products in one fixed butterfly order (_hadamard16, the same in every
-    kernel), the reference's torch matmul in its own: bit-exact where the sums are exact, else within an ulp.
+  * With `hadamard`, x·H sums 16 exact products in one fixed butterfly order (_hadamard16, the same
+    in every kernel), the reference's torch matmul in its own: bit-exact where the sums are exact,
+    else within an ulp.
 
 Three quantize kernels, each the fastest layout for its case (the same arithmetic, the same bits):
   _quantize_rows_kernel  1x16 blocks of a contiguous x: one block per thread
-  _quantize_cols_kernel  16x1 blocks of a row-major x (eq. 2's wgrad operands): two column blocks per thread
+  _quantize_cols_kernel  16x1 blocks of a row-major x (eq. 2's wgrad operands): two column blocks
+                         per thread
   _quantize_kernel       everything else (16x16 weight blocks, transposed views): (BM, BN) tiles
 """
 
@@ -33,56 +40,66 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.nvfp4_math import (E4M3_MAX, E4M3_MAX_46, FLT_MAX, FP4_MAX, _block_scale, _global_scales, _column_pair_sum,  # noqa: F401
-                                _column_random_words, _block_random_words, _decode_codes, _div_by, _e2m1_bits,
-                                _e2m1_value, _half_pair_sum, _hadamard16, _load_tile,
-                                _pairwise_block_sum, _random_words, _rotate, _round_to_bf16, _round_to_e4m3,
-                                _rtn_e2m1, _sr_e2m1, _with_sign)
-from kernels.nvfp4_dequant import dequantize, grid_values_bf16  # noqa: F401  (their home: nvfp4_dequant.py)
+from kernels.nvfp4_math import (  # noqa: F401
+    E4M3_MAX, E4M3_MAX_46, FLT_MAX, FP4_MAX, _block_scale, _global_scales, _column_pair_sum,
+    _column_random_words, _block_random_words, _decode_codes, _div_by, _e2m1_bits,
+    _e2m1_value, _half_pair_sum, _hadamard16, _load_tile,
+    _pairwise_block_sum, _random_words, _rotate, _round_to_bf16, _round_to_e4m3,
+    _rtn_e2m1, _sr_e2m1, _with_sign)
+# re-exported (their home: nvfp4_dequant.py)
+from kernels.nvfp4_dequant import dequantize, grid_values_bf16  # noqa: F401
 
 BLOCKS = ((1, 16), (16, 1), (16, 16))
-# "sr_up": SR with the block scale rounded up to E4M3 instead of to nearest, so that the block max never lands
-# above 6 and is clamped (which biases "sr", Transformer Engine's SR, toward zero on the block maxima)
+# "sr_up": SR with the block scale rounded up to E4M3 instead of to nearest, so that the block max
+# never lands above 6 and is clamped (which biases "sr", Transformer Engine's SR, toward zero on the
+# block maxima)
 SR_MODES = ("sr", "sr_up")
 ROUNDINGS = ("rtn", *SR_MODES)
 
 
 def check_blocks(x, block, name):
-    """The checks every NVFP4 quantization makes (reference and kernels): one clear error naming the tensor."""
+    """The checks every NVFP4 quantization makes (reference and kernels): one clear error naming the
+    tensor."""
     if block not in BLOCKS:
         raise ValueError(f"{name}: block must be one of {BLOCKS}, got {block}")
     if not x.is_floating_point():
         raise ValueError(f"{name}: expected a floating-point tensor, got {x.dtype}")
     if x.dim() < 2:
-        raise ValueError(f"{name}: NVFP4 blocks apply to the last two dims; got shape {tuple(x.shape)}")
+        raise ValueError(f"{name}: NVFP4 blocks apply to the last two dims; "
+                         f"got shape {tuple(x.shape)}")
     M, N = x.shape[-2:]
     bm, bn = block
     if M % bm or N % bn or N % 2:
-        raise ValueError(f"{name}: shape {tuple(x.shape)} does not fit NVFP4 block {block}: the last two dims "
-                         f"must be multiples of ({bm}, {max(bn, 2)})")
-    # On CUDA this check would cost a host sync and an extra pass per quantization: there a non-finite input
-    # gives a NaN global scale instead, and train.py's non-finite loss/gradient check stops the run.
+        raise ValueError(f"{name}: shape {tuple(x.shape)} does not fit NVFP4 block {block}: "
+                         f"the last two dims must be multiples of ({bm}, {max(bn, 2)})")
+    # On CUDA this check would cost a host sync and an extra pass per quantization: there a
+    # non-finite input gives a NaN global scale instead, and train.py's non-finite loss/gradient
+    # check stops the run.
     if not x.is_cuda and not torch.isfinite(x).all():
         raise ValueError(f"{name}: non-finite values (NaN/Inf) in tensor of shape {tuple(x.shape)}")
 
 
 def _exact_fma():
-    # Markstein's division step needs a true fma: the GPU has one, the interpreter's rounds twice (tl.div_rn there)
+    # Markstein's division step needs a true fma: the GPU has one, the interpreter's rounds twice
+    # (tl.div_rn there)
     return os.environ.get("TRITON_INTERPRET") != "1"
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Kernels
 
 @triton.jit
 def _amax_kernel(x_ptr, h_ptr, part_ptr, M, N, stride_xb, stride_xm, stride_xn,
-                 BM: tl.constexpr, BN: tl.constexpr, HAD_DIM: tl.constexpr, PLAIN_TOO: tl.constexpr):
-    """Per-program max |x| (of the rotated x if HAD_DIM): the global amax is the max of these partials.
-    Same rotation code as the quantize pass, so both see bit-identical rotated values. PLAIN_TOO: also the
-    unrotated max |x|, stored after the rotated partials (one read of x for both global amaxes)."""
-    pid_m, pid_n, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # rows on axis 0: no 65535 cap
-    x, _, _, _ = _load_tile(x_ptr, h_ptr, pid_b, pid_m * BM, pid_n * BN, M, N, stride_xb, stride_xm, stride_xn,
-                            BM, BN, 0)                                           # fp32, not rotated
+                 BM: tl.constexpr, BN: tl.constexpr, HAD_DIM: tl.constexpr,
+                 PLAIN_TOO: tl.constexpr):
+    """Per-program max |x| (of the rotated x if HAD_DIM): the global amax is the max of these
+    partials. Same rotation code as the quantize pass, so both see bit-identical rotated values.
+    PLAIN_TOO: also the unrotated max |x|, stored after the rotated partials (one read of x for both
+    global amaxes)."""
+    # rows on axis 0: no 65535 cap
+    pid_m, pid_n, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    x, _, _, _ = _load_tile(x_ptr, h_ptr, pid_b, pid_m * BM, pid_n * BN, M, N,
+                            stride_xb, stride_xm, stride_xn, BM, BN, 0)  # fp32, not rotated
     n_programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
     pid = (pid_b * tl.num_programs(1) + pid_n) * tl.num_programs(0) + pid_m
     if PLAIN_TOO:
@@ -91,8 +108,9 @@ def _amax_kernel(x_ptr, h_ptr, part_ptr, M, N, stride_xb, stride_xm, stride_xn,
     tl.store(part_ptr + pid, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
 
 
-# seed: not specialized. Triton specializes int arguments on "== 1" and "% 16 == 0"; with a fresh random seed
-# per call that would recompile the SR kernels whenever a seed first fell into a new class.
+# seed: not specialized. Triton specializes int arguments on "== 1" and "% 16 == 0"; with a fresh
+# random seed per call that would recompile the SR kernels whenever a seed first fell into a new
+# class.
 @triton.jit(do_not_specialize=["seed"])
 def _quantize_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr,
                      values_ptr, M, N, stride_xb, stride_xm, stride_xn, seed,
@@ -100,20 +118,23 @@ def _quantize_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr,
                      FP8_BOUND: tl.constexpr, FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr,
                      SCALE_UP: tl.constexpr, HAD_DIM: tl.constexpr,
                      WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr):
-    """One (BM, BN) tile: block amax -> E4M3 block scale -> E2M1 codes (packed 2/byte, even element low) and/or
-    bf16 values q * s_b. Blocks are (SBM, SBN) = (1, 16), (16, 1) or (16, 16)."""
-    pid_m, pid_n, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # rows on axis 0: no 65535 cap
+    """One (BM, BN) tile: block amax -> E4M3 block scale -> E2M1 codes (packed 2/byte, even element
+    low) and/or bf16 values q * s_b. Blocks are (SBM, SBN) = (1, 16), (16, 1) or (16, 16)."""
+    # rows on axis 0: no 65535 cap
+    pid_m, pid_n, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m0, n0 = pid_m * BM, pid_n * BN
-    x, offs_m, offs_n, mask = _load_tile(x_ptr, h_ptr, pid_b, m0, n0, M, N, stride_xb, stride_xm, stride_xn,
-                                         BM, BN, HAD_DIM)
+    x, offs_m, offs_n, mask = _load_tile(x_ptr, h_ptr, pid_b, m0, n0, M, N,
+                                         stride_xb, stride_xm, stride_xn, BM, BN, HAD_DIM)
     # global scales S_enc = bound * 6 / amax, S_dec = 1 / S_enc (nvfp4.global_scales)
-    amax = tl.load(amax_ptr).to(tl.float32)  # fp32, or bf16 straight from torch's amax of a bf16 x (exact)
+    # fp32, or bf16 straight from torch's amax of a bf16 x (exact)
+    amax = tl.load(amax_ptr).to(tl.float32)
     s_enc, s_dec = _global_scales(amax, FP8_BOUND)
-    if (pid_m == 0) & (pid_n == 0) & (pid_b == 0):  # the tensor's S_dec for the host: no extra torch kernels
+    # the tensor's S_dec for the host: no extra torch kernels
+    if (pid_m == 0) & (pid_n == 0) & (pid_b == 0):
         tl.store(gs_out_ptr, s_dec)
 
     ax = tl.abs(x)
-    xb = ax.reshape(BM // SBM, SBM, BN // SBN, SBN)                    # (bm-groups, bm, bn-groups, bn)
+    xb = ax.reshape(BM // SBM, SBM, BN // SBN, SBN)  # (bm-groups, bm, bn-groups, bn)
     block_amax = tl.max(tl.max(xb, axis=3), axis=1)                    # (BM // SBM, BN // SBN)
 
     # candidate "max -> 6": s_b = e4m3(amax_b * S_enc / 6); a = min(|x| * RN(1 / (s_b * S_dec)), 6)
@@ -124,8 +145,9 @@ def _quantize_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr,
     s_b = s6
     bits = bits6
     if FOUR_OVER_SIX:
-        # 4/6 (paper §2; docs/nvfp4_format.md): also try "max -> 4" (its own E4M3 rounding of amax_b * S_enc / 4)
-        # and keep the candidate whose RTN reconstruction has the lower squared error, ties to 6.
+        # 4/6 (paper §2; docs/nvfp4_format.md): also try "max -> 4" (its own E4M3 rounding of
+        # amax_b * S_enc / 4) and keep the candidate whose RTN reconstruction has the lower squared
+        # error, ties to 6.
         s4, bits4, den4, inv4 = _block_scale(block_amax, s_enc, s_dec, 4.0, SCALE_UP)
         den4, inv4 = den4[:, None, :, None], inv4[:, None, :, None]
         a4 = tl.minimum(xb * inv4, 6.0)
@@ -138,12 +160,14 @@ def _quantize_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr,
         s_b = tl.where(use4, s4, s6)
         bits = tl.where(use4, bits4, bits6)
         a = tl.where(use4[:, None, :, None], a4, a6)
-        rtn_idx = tl.where(use4[:, None, :, None], i4, i6)                # = _rtn_e2m1(a), already computed
+        rtn_idx = tl.where(use4[:, None, :, None], i4, i6)  # = _rtn_e2m1(a), already computed
 
     if SR:
-        if SBM == 16:  # 16x1 and 16x16 blocks: four rows of a column per Philox call (_column_random_words)
-            quad = (pid_b.to(tl.int64) * M + m0) // 4 + tl.arange(0, BM // 4)                 # BM % 16 == 0
-            rand = _column_random_words(seed, quad[:, None] * N + offs_n[None, :])       # (BM / 4, BN, 2, 2)
+        # 16x1 and 16x16 blocks: four rows of a column per Philox call (_column_random_words)
+        if SBM == 16:
+            quad = (pid_b.to(tl.int64) * M + m0) // 4 + tl.arange(0, BM // 4)  # BM % 16 == 0
+            # (BM / 4, BN, 2, 2)
+            rand = _column_random_words(seed, quad[:, None] * N + offs_n[None, :])
             rand = tl.permute(rand, (0, 2, 3, 1)).reshape(BM, BN)
         else:  # counter-based: independent of the tiling
             rand = _random_words(seed, pid_b * M + offs_m, n0, N, BM, BN)
@@ -156,14 +180,15 @@ def _quantize_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr,
 
     if WRITE_CODES:
         code = (idx | (((x < 0) & (a.reshape(BM, BN) > 0)).to(tl.int32) << 3)).to(tl.uint8)
-        lo, hi = tl.split(code.reshape(BM, BN // 2, 2))                # even / odd elements along the row
+        lo, hi = tl.split(code.reshape(BM, BN // 2, 2))  # even / odd elements along the row
         packed = lo | (hi << 4)
         offs_c = n0 // 2 + tl.arange(0, BN // 2)
         cptrs = codes_ptr + (pid_b.to(tl.int64) * M + offs_m[:, None]) * (N // 2) + offs_c[None, :]
         tl.store(cptrs, packed, mask=(offs_m[:, None] < M) & (offs_c[None, :] < N // 2))
         offs_sm = m0 // SBM + tl.arange(0, BM // SBM)
         offs_sn = n0 // SBN + tl.arange(0, BN // SBN)
-        sptrs = scales_ptr + (pid_b.to(tl.int64) * (M // SBM) + offs_sm[:, None]) * (N // SBN) + offs_sn[None, :]
+        sptrs = (scales_ptr + (pid_b.to(tl.int64) * (M // SBM) + offs_sm[:, None]) * (N // SBN)
+                 + offs_sn[None, :])
         tl.store(sptrs, bits, mask=(offs_sm[:, None] < M // SBM) & (offs_sn[None, :] < N // SBN))
     if WRITE_VALUES:
         # q * s_b: at most 6 significant bits and within bf16's range, so the bf16 store is exact
@@ -174,36 +199,42 @@ def _quantize_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr,
 
 
 @triton.jit(do_not_specialize=["seed"])
-def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, values_ptr, part_ptr,
-                          n_blocks, seed, NB: tl.constexpr, CHUNKS: tl.constexpr, FP8_BOUND: tl.constexpr,
+def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, values_ptr,
+                          part_ptr, n_blocks, seed, NB: tl.constexpr, CHUNKS: tl.constexpr,
+                          FP8_BOUND: tl.constexpr,
                           FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr, SCALE_UP: tl.constexpr,
                           HADAMARD: tl.constexpr, WRITE_CODES: tl.constexpr,
                           WRITE_VALUES: tl.constexpr, AMAX_ONLY: tl.constexpr):
-    """_quantize_kernel's arithmetic for the common case, 1x16 blocks of a contiguous x: CHUNKS chunks of NB
-    consecutive blocks per program, each held as an (NB, 2, 8) tile (the two 8-element halves of each block) so that
-    the compiler puts one block on each thread: both halves of a block in one thread's registers, its amax, scale
-    and division constants computed once (with the blocks as (NB, 16) rows a block spanned two threads, which both
-    computed its scale), its 16 codes stored as two int32 words (8 codes each, element 0 in the low nibble:
-    little-endian, the same bytes) without a shared-memory shuffle. The chunk loop (unrolled) issues the
-    next chunk's load before this chunk's arithmetic (the kernel is arithmetic-bound: the loads' latency hides
-    behind it), and the global scale's two divisions are done once per program, not once per chunk. Same results bit for
-    bit (same operations per element; SR: the same Philox counters, element index // 4). AMAX_ONLY: the
-    global-amax pre-pass over the same (rotated) values."""
+    """_quantize_kernel's arithmetic for the common case, 1x16 blocks of a contiguous x: CHUNKS
+    chunks of NB consecutive blocks per program, each held as an (NB, 2, 8) tile (the two 8-element
+    halves of each block) so that the compiler puts one block on each thread: both halves of a block
+    in one thread's registers, its amax, scale and division constants computed once (with the blocks
+    as (NB, 16) rows a block spanned two threads, which both computed its scale), its 16 codes
+    stored as two int32 words (8 codes each, element 0 in the low nibble: little-endian, the same
+    bytes) without a shared-memory shuffle. The chunk loop (unrolled) issues the next chunk's load
+    before this chunk's arithmetic (the kernel is arithmetic-bound: the loads' latency hides behind
+    it), and the global scale's two divisions are done once per program, not once per chunk. Same
+    results bit for bit (same operations per element; SR: the same Philox counters,
+    element index // 4). AMAX_ONLY: the global-amax pre-pass over the same (rotated) values."""
     pid = tl.program_id(0)
     blk = tl.arange(0, NB)
-    # (NB, 2, 8): the halves' dim after the blocks' dim, so Triton's coalescing (dims ordered by contiguity, ties by
-    # index) spreads the blocks over the threads and keeps both halves of a block in one thread
+    # (NB, 2, 8): the halves' dim after the blocks' dim, so Triton's coalescing (dims ordered by
+    # contiguity, ties by index) spreads the blocks over the threads and keeps both halves of a
+    # block in one thread
     half = tl.arange(0, 2)[None, :, None]
-    offs = blk[:, None, None] * 16 + half * 8 + tl.arange(0, 8)[None, None, :]  # (NB, 2, 8) int32: element offsets
-    first = pid.to(tl.int64) * (NB * CHUNKS)                                     # first block of this program
+    # (NB, 2, 8) int32: element offsets
+    offs = blk[:, None, None] * 16 + half * 8 + tl.arange(0, 8)[None, None, :]
+    first = pid.to(tl.int64) * (NB * CHUNKS)  # first block of this program
     if not AMAX_ONLY:
-        amax = tl.load(amax_ptr).to(tl.float32)  # fp32, or bf16 from torch's amax of a bf16 x (exact)
+        # fp32, or bf16 from torch's amax of a bf16 x (exact)
+        amax = tl.load(amax_ptr).to(tl.float32)
         s_enc, s_dec = _global_scales(amax, FP8_BOUND)
         if pid == 0:
             tl.store(gs_out_ptr, s_dec)
     else:
         run_max = tl.zeros((NB,), dtype=tl.float32)
-    x_next = tl.load(x_ptr + first * 16 + offs, mask=(blk < n_blocks - first)[:, None, None], other=0.0)
+    x_next = tl.load(x_ptr + first * 16 + offs, mask=(blk < n_blocks - first)[:, None, None],
+                     other=0.0)
     for c in tl.range(0, CHUNKS, loop_unroll_factor=CHUNKS):
         base = first + c * NB
         bmask = blk < n_blocks - base
@@ -216,12 +247,14 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
             x = _hadamard16(x.reshape(NB, 16, 1), h_ptr, NB, 1).reshape(NB, 2, 8)
         ax = tl.abs(x)
         block_amax = tl.max(tl.max(ax, axis=2), axis=1)                             # (NB,)
-        if AMAX_ONLY:  # (an else branch, not an early return: Triton would still compile the rest for this launch)
+        # (an else branch, not an early return: Triton would still compile the rest for this launch)
+        if AMAX_ONLY:
             run_max = tl.maximum(run_max, block_amax)
         else:
             s_b, bits, den, inv = _block_scale(block_amax, s_enc, s_dec, 6.0, SCALE_UP)
             a = tl.minimum(ax * inv[:, None, None], 6.0)
-            if FOUR_OVER_SIX:  # as in _quantize_kernel: the "max -> 4" candidate wins on a lower RTN error, ties to 6
+            # as in _quantize_kernel: the "max -> 4" candidate wins on a lower RTN error, ties to 6
+            if FOUR_OVER_SIX:
                 s4, bits4, den4, inv4 = _block_scale(block_amax, s_enc, s_dec, 4.0, SCALE_UP)
                 a4 = tl.minimum(ax * inv4[:, None, None], 6.0)
                 i6, i4 = _rtn_e2m1(a), _rtn_e2m1(a4)
@@ -231,7 +264,7 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
                 s_b = tl.where(use4, s4, s_b)
                 bits = tl.where(use4, bits4, bits)
                 a = tl.where(use4[:, None, None], a4, a)
-                rtn_idx = tl.where(use4[:, None, None], i4, i6)                      # = _rtn_e2m1(a), already computed
+                rtn_idx = tl.where(use4[:, None, None], i4, i6)  # = _rtn_e2m1(a), already computed
             if SR:
                 # the flat tensor as rows of 16 elements: the same counters (element index // 4)
                 rand = _block_random_words(seed, base + blk, NB)
@@ -242,7 +275,7 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
                 idx = _rtn_e2m1(a)
             if WRITE_CODES:
                 code = idx | (((x < 0) & (a > 0)).to(tl.int32) << 3)
-                words = tl.sum(code << (tl.arange(0, 8) * 4)[None, None, :], axis=2)                  # (NB, 2)
+                words = tl.sum(code << (tl.arange(0, 8) * 4)[None, None, :], axis=2)  # (NB, 2)
                 tl.store(codes_ptr + base * 2 + blk[:, None] * 2 + tl.arange(0, 2)[None, :], words,
                          mask=bmask[:, None])
                 tl.store(scales_ptr + base + blk, bits, mask=bmask)
@@ -254,46 +287,51 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
 
 
 @triton.jit(do_not_specialize=["seed"])
-def _quantize_cols_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, values_ptr, part_ptr,
-                          M, N, stride_xb, stride_xm, seed, C: tl.constexpr,
+def _quantize_cols_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, values_ptr,
+                          part_ptr, M, N, stride_xb, stride_xm, seed, C: tl.constexpr,
                           FP8_BOUND: tl.constexpr, FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr,
                           SCALE_UP: tl.constexpr, HADAMARD: tl.constexpr,
                           WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr,
                           AMAX_ONLY: tl.constexpr, PLAIN_TOO: tl.constexpr):
-    """_quantize_kernel's arithmetic for 16x1 blocks of a row-major x (eq. 2's wgrad operands, Q16x1(H^T dY) and
-    Q16x1(H^T X-hat)): a (16, 2C) tile held as (C, 16, 2), i.e. each thread holds two whole column blocks (16 rows
-    x 2 adjacent columns: 4-byte loads, 128 bytes per row and warp, one code byte per row). So the rotation H^T x
-    is a butterfly in registers, a block's amax needs no shuffle and its scale is computed once; in the (16, BN)
-    tile kernel a column block spanned several threads, which each recomputed its scale. Same results bit for bit
-    as the tile kernel (same operations per element, same Philox counters: _column_random_words). AMAX_ONLY: the
-    global-amax pre-pass over the same rotated values (with PLAIN_TOO also max |x|, stored after the rotated
-    partials: dY's two global amaxes in one read)."""
-    pid_m, pid_n, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # rows on axis 0: no 65535 cap
+    """_quantize_kernel's arithmetic for 16x1 blocks of a row-major x (eq. 2's wgrad operands,
+    Q16x1(H^T dY) and Q16x1(H^T X-hat)): a (16, 2C) tile held as (C, 16, 2), i.e. each thread holds
+    two whole column blocks (16 rows x 2 adjacent columns: 4-byte loads, 128 bytes per row and warp,
+    one code byte per row). So the rotation H^T x is a butterfly in registers, a block's amax needs
+    no shuffle and its scale is computed once; in the (16, BN) tile kernel a column block spanned
+    several threads, which each recomputed its scale. Same results bit for bit as the tile kernel
+    (same operations per element, same Philox counters: _column_random_words). AMAX_ONLY: the
+    global-amax pre-pass over the same rotated values (with PLAIN_TOO also max |x|, stored after the
+    rotated partials: dY's two global amaxes in one read)."""
+    # rows on axis 0: no 65535 cap
+    pid_m, pid_n, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m0, n0 = pid_m * 16, pid_n * (2 * C)
     pair = tl.arange(0, C)[:, None, None]
     row = tl.arange(0, 16)[None, :, None]
     col = n0 + pair * 2 + tl.arange(0, 2)[None, None, :]                               # (C, 1, 2)
     mask = (col < N) & (row < 16)                                                      # (C, 16, 2)
-    rows = pid_b.to(tl.int64) * M + m0 + row                                           # row index in (B * M, N)
-    x = tl.load(x_ptr + pid_b.to(tl.int64) * stride_xb + (m0 + row).to(tl.int64) * stride_xm + col, mask=mask,
-                other=0.0).to(tl.float32)
-    xr = _hadamard16(x, h_ptr, C, 2) if HADAMARD else x                               # H^T x along the rows
+    rows = pid_b.to(tl.int64) * M + m0 + row  # row index in (B * M, N)
+    x = tl.load(x_ptr + pid_b.to(tl.int64) * stride_xb + (m0 + row).to(tl.int64) * stride_xm + col,
+                mask=mask, other=0.0).to(tl.float32)
+    xr = _hadamard16(x, h_ptr, C, 2) if HADAMARD else x  # H^T x along the rows
     ax = tl.abs(xr)
     if AMAX_ONLY:
         n_programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
         pid = (pid_b * tl.num_programs(1) + pid_n) * tl.num_programs(0) + pid_m
         if PLAIN_TOO:
-            tl.store(part_ptr + n_programs + pid, tl.max(tl.max(tl.max(tl.abs(x), axis=2), axis=1), axis=0))
+            tl.store(part_ptr + n_programs + pid,
+                     tl.max(tl.max(tl.max(tl.abs(x), axis=2), axis=1), axis=0))
         tl.store(part_ptr + pid, tl.max(tl.max(tl.max(ax, axis=2), axis=1), axis=0))
     else:
-        amax = tl.load(amax_ptr).to(tl.float32)  # fp32, or bf16 from torch's amax of a bf16 x (exact)
+        # fp32, or bf16 from torch's amax of a bf16 x (exact)
+        amax = tl.load(amax_ptr).to(tl.float32)
         s_enc, s_dec = _global_scales(amax, FP8_BOUND)
         if (pid_m == 0) & (pid_n == 0) & (pid_b == 0):
             tl.store(gs_out_ptr, s_dec)
         block_amax = tl.max(ax, axis=1)                                                # (C, 2)
         s_b, bits, den, inv = _block_scale(block_amax, s_enc, s_dec, 6.0, SCALE_UP)
         a = tl.minimum(ax * inv[:, None, :], 6.0)
-        if FOUR_OVER_SIX:  # as in _quantize_kernel: the "max -> 4" candidate wins on a lower RTN error, ties to 6
+        # as in _quantize_kernel: the "max -> 4" candidate wins on a lower RTN error, ties to 6
+        if FOUR_OVER_SIX:
             s4, bits4, den4, inv4 = _block_scale(block_amax, s_enc, s_dec, 4.0, SCALE_UP)
             a4 = tl.minimum(ax * inv4[:, None, :], 6.0)
             i6, i4 = _rtn_e2m1(a), _rtn_e2m1(a4)
@@ -303,11 +341,11 @@ def _quantize_cols_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
             s_b = tl.where(use4, s4, s_b)
             bits = tl.where(use4, bits4, bits)
             a = tl.where(use4[:, None, :], a4, a)
-            rtn_idx = tl.where(use4[:, None, :], i4, i6)                         # = _rtn_e2m1(a), already computed
+            rtn_idx = tl.where(use4[:, None, :], i4, i6)  # = _rtn_e2m1(a), already computed
         if SR:
-            quad = (pid_b.to(tl.int64) * M + m0) // 4 + tl.arange(0, 4)[None, :, None]      # (1, 4, 1)
-            rand = _column_random_words(seed, quad * N + col)                            # (C, 4, 2, 2, 2)
-            rand = tl.permute(rand, (0, 1, 3, 4, 2)).reshape(C, 16, 2)              # row 4i + 2a + b
+            quad = (pid_b.to(tl.int64) * M + m0) // 4 + tl.arange(0, 4)[None, :, None]  # (1, 4, 1)
+            rand = _column_random_words(seed, quad * N + col)  # (C, 4, 2, 2, 2)
+            rand = tl.permute(rand, (0, 1, 3, 4, 2)).reshape(C, 16, 2)  # row 4i + 2a + b
             idx = _sr_e2m1(a, rand)
         elif FOUR_OVER_SIX:
             idx = rtn_idx
@@ -315,22 +353,25 @@ def _quantize_cols_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
             idx = _rtn_e2m1(a)
         if WRITE_CODES:
             code = idx | (((xr < 0) & (a > 0)).to(tl.int32) << 3)
-            lo, hi = tl.split(code)                                                    # even / odd column: (C, 16)
+            lo, hi = tl.split(code)  # even / odd column: (C, 16)
             tl.store(codes_ptr + rows.reshape(1, 16) * (N // 2) + (n0 // 2 + pair.reshape(C, 1)),
                      (lo | (hi << 4)).to(tl.uint8), mask=(n0 // 2 + pair.reshape(C, 1)) < N // 2)
             scol = col.reshape(C, 2)
-            tl.store(scales_ptr + (pid_b.to(tl.int64) * (M // 16) + pid_m) * N + scol, bits, mask=scol < N)
+            tl.store(scales_ptr + (pid_b.to(tl.int64) * (M // 16) + pid_m) * N + scol, bits,
+                     mask=scol < N)
         if WRITE_VALUES:  # q * s_b, exact in bf16
             q = _with_sign(_e2m1_value(idx) * s_b[:, None, :], (xr < 0) & (a > 0))
             tl.store(values_ptr + rows * N + col, q.to(tl.bfloat16), mask=mask)
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Host side
 
-AMAX_DTYPES = (torch.float32, torch.bfloat16)  # global amaxes the kernels read as they are (no conversion op)
-# _quantize_rows_kernel: (blocks per chunk, num_warps, chunks per program). RTN hides its loads behind four
-# unrolled chunks; SR and 4/6 keep one chunk (their longer code per element would spill with more).
+# global amaxes the kernels read as they are (no conversion op)
+AMAX_DTYPES = (torch.float32, torch.bfloat16)
+# _quantize_rows_kernel: (blocks per chunk, num_warps, chunks per program). RTN hides its loads
+# behind four unrolled chunks; SR and 4/6 keep one chunk (their longer code per element would spill
+# with more).
 ROWS_LAUNCH = (128, 4, 4)
 ROWS_LAUNCH_SR = (128, 4, 1)
 COLS_WARPS = 4  # _quantize_cols_kernel: (16, 64 * warps) tiles, 2 column blocks per thread
@@ -338,9 +379,9 @@ COLS_MAXNREG = 168  # the register cap that fits 3 programs of SR + Hadamard per
 
 
 def _tiles(block, x):
-    """_quantize_kernel's (BM, BN, num_warps): 16 rows keep every block shape whole; 16 x 128 tiles for 1-D
-    blocks and 16 x 256 for 16x16 blocks were the fastest measured; 64 x 64 for inputs contiguous along rows (a
-    transposed view such as dY.t()) keep the column reads at 128 bytes."""
+    """_quantize_kernel's (BM, BN, num_warps): 16 rows keep every block shape whole; 16 x 128 tiles
+    for 1-D blocks and 16 x 256 for 16x16 blocks were the fastest measured; 64 x 64 for inputs
+    contiguous along rows (a transposed view such as dY.t()) keep the column reads at 128 bytes."""
     if x.stride(-1) != 1 and x.stride(-2) == 1:
         return 64, 64, 4
     return (16, 256, 4) if tuple(block) == (16, 16) else (16, 128, 4)
@@ -355,8 +396,8 @@ def _use_cols(x3, block):
 
 
 def _prepare(x, block, rounding, hadamard, name):
-    """Checks -> x as (B, M, N), block, the Hadamard's dim (0: none, 1: along rows' 16-element blocks, 2: along
-    columns') and the Hadamard as contiguous fp32 on x's device."""
+    """Checks -> x as (B, M, N), block, the Hadamard's dim (0: none, 1: along rows' 16-element
+    blocks, 2: along columns') and the Hadamard as contiguous fp32 on x's device."""
     block = tuple(block)
     if rounding not in ROUNDINGS:
         raise ValueError(f"{name}: rounding must be one of {ROUNDINGS}, got {rounding!r}")
@@ -365,7 +406,8 @@ def _prepare(x, block, rounding, hadamard, name):
         if block == (16, 16):
             raise ValueError(f"{name}: a Hadamard rotation needs a 1-D block, (1, 16) or (16, 1)")
         if tuple(hadamard.shape) != (16, 16):
-            raise ValueError(f"{name}: hadamard must be a (16, 16) matrix, got {tuple(hadamard.shape)}")
+            raise ValueError(f"{name}: hadamard must be a (16, 16) matrix, "
+                             f"got {tuple(hadamard.shape)}")
         had_dim = 1 if block == (1, 16) else 2
         hadamard = hadamard.to(device=x.device, dtype=torch.float32).contiguous()
     check_blocks(x, block, name)
@@ -374,7 +416,8 @@ def _prepare(x, block, rounding, hadamard, name):
     M, N = x.shape[-2:]
     if x.dtype == torch.float16:
         x = x.float()
-    x3 = x.reshape(-1, M, N)  # a view when the leading dims allow (keeps dY.t()'s strides), else a copy
+    # a view when the leading dims allow (keeps dY.t()'s strides), else a copy
+    x3 = x.reshape(-1, M, N)
     return x3, block, had_dim, hadamard
 
 
@@ -384,7 +427,8 @@ def _fp8_bound(four_over_six):
 
 def _rows_launch(x3, amax, hadamard, four_over_six, seed, rounding="rtn", codes=None,
                  scales=None, values=None, gs_out=None, amax_only=False):
-    """_quantize_rows_kernel over x3's B*M*N/16 blocks (or its amax pre-pass: returns the global amax)."""
+    """_quantize_rows_kernel over x3's B*M*N/16 blocks (or its amax pre-pass: returns the global
+    amax)."""
     NB, warps, chunks = ROWS_LAUNCH_SR if rounding in SR_MODES or four_over_six else ROWS_LAUNCH
     n_blocks = x3.numel() // 16
     grid = (triton.cdiv(n_blocks, NB * chunks),)
@@ -393,13 +437,17 @@ def _rows_launch(x3, amax, hadamard, four_over_six, seed, rounding="rtn", codes=
     _quantize_rows_kernel[grid](
         x3, hadamard if hadamard is not None else dummy,
         amax if amax is not None else dummy, gs_out if gs_out is not None else dummy,
-        codes.view(torch.int32) if codes is not None else dummy, scales if scales is not None else dummy,
-        values if values is not None else dummy, partial if partial is not None else dummy, n_blocks, int(seed),
-        NB=NB, CHUNKS=chunks, FP8_BOUND=_fp8_bound(four_over_six), FOUR_OVER_SIX=bool(four_over_six),
+        codes.view(torch.int32) if codes is not None else dummy,
+        scales if scales is not None else dummy,
+        values if values is not None else dummy, partial if partial is not None else dummy,
+        n_blocks, int(seed),
+        NB=NB, CHUNKS=chunks, FP8_BOUND=_fp8_bound(four_over_six),
+        FOUR_OVER_SIX=bool(four_over_six),
         SR=rounding in SR_MODES, SCALE_UP=rounding == "sr_up",
         HADAMARD=hadamard is not None,
         WRITE_CODES=codes is not None, WRITE_VALUES=values is not None,
-        AMAX_ONLY=amax_only, num_warps=warps, enable_fp_fusion=False)  # no FMA contraction: roundings as the reference
+        # no FMA contraction: roundings as the reference
+        AMAX_ONLY=amax_only, num_warps=warps, enable_fp_fusion=False)
     return partial.amax() if amax_only else None
 
 
@@ -411,7 +459,8 @@ def _cols_launch(x3, amax, hadamard, four_over_six, seed, rounding="rtn", codes=
     C = 32 * COLS_WARPS
     grid = (M // 16, triton.cdiv(N, 2 * C), B)
     n = grid[0] * grid[1] * grid[2]
-    partial = torch.empty((2 if plain_too else 1) * n, device=x3.device, dtype=torch.float32) if amax_only else None
+    partial = (torch.empty((2 if plain_too else 1) * n, device=x3.device, dtype=torch.float32)
+               if amax_only else None)
     dummy = partial if amax_only else gs_out  # an fp32 tensor for unused pointers
     _quantize_cols_kernel[grid](
         x3, hadamard if hadamard is not None else dummy,
@@ -419,8 +468,8 @@ def _cols_launch(x3, amax, hadamard, four_over_six, seed, rounding="rtn", codes=
         codes if codes is not None else dummy, scales if scales is not None else dummy,
         values if values is not None else dummy, partial if partial is not None else dummy,
         M, N, x3.stride(0), x3.stride(1), int(seed),
-        C=C, FP8_BOUND=_fp8_bound(four_over_six), FOUR_OVER_SIX=bool(four_over_six), SR=rounding in SR_MODES,
-        SCALE_UP=rounding == "sr_up",
+        C=C, FP8_BOUND=_fp8_bound(four_over_six), FOUR_OVER_SIX=bool(four_over_six),
+        SR=rounding in SR_MODES, SCALE_UP=rounding == "sr_up",
         HADAMARD=hadamard is not None, WRITE_CODES=codes is not None,
         WRITE_VALUES=values is not None, AMAX_ONLY=amax_only, PLAIN_TOO=plain_too,
         num_warps=COLS_WARPS, maxnreg=COLS_MAXNREG, enable_fp_fusion=False)
@@ -428,8 +477,9 @@ def _cols_launch(x3, amax, hadamard, four_over_six, seed, rounding="rtn", codes=
 
 
 def _amax_launch(x3, hadamard, had_dim, tiles, plain_too):
-    """_amax_kernel over x3 -> (max |x H|,) or with plain_too (max |x H|, max |x|). Every kernel rotates with
-    the same butterfly (_hadamard16), so any kernel and tiling gives the quantize pass's maximum."""
+    """_amax_kernel over x3 -> (max |x H|,) or with plain_too (max |x H|, max |x|). Every kernel
+    rotates with the same butterfly (_hadamard16), so any kernel and tiling gives the quantize
+    pass's maximum."""
     B, M, N = x3.shape
     BM, BN, warps = tiles
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN), B)
@@ -441,8 +491,9 @@ def _amax_launch(x3, hadamard, had_dim, tiles, plain_too):
 
 
 def _global_amax(x3, hadamard, had_dim, tiles):
-    """max |x| (of x·H when rotating): one read of x, per-program partial maxima, then a tiny torch max. Without
-    a rotation in x's dtype (exact: a maximum of x's values; the kernels read either dtype)."""
+    """max |x| (of x·H when rotating): one read of x, per-program partial maxima, then a tiny torch
+    max. Without a rotation in x's dtype (exact: a maximum of x's values; the kernels read either
+    dtype)."""
     if had_dim == 0:  # max |x| without an |x| temporary
         return torch.linalg.vector_norm(x3, ord=float("inf"))
     if _use_rows(x3, (1, 16) if had_dim == 1 else (16, 1)):  # the quantize kernel's own pass over x
@@ -453,9 +504,9 @@ def _global_amax(x3, hadamard, had_dim, tiles):
 
 
 def global_amax_pair(x, hadamard, name="x"):
-    """(max |x|, max |H^T x| over groups of 16 rows) of a 2-D x in one read: the global amaxes of Q1x16(dY) (dX)
-    and of eq. 2's Q16x1(H^T dY) (dW), which the backward would otherwise read dY twice for. Each equals what
-    quantize(x, ...) computes itself."""
+    """(max |x|, max |H^T x| over groups of 16 rows) of a 2-D x in one read: the global amaxes of
+    Q1x16(dY) (dX) and of eq. 2's Q16x1(H^T dY) (dW), which the backward would otherwise read dY
+    twice for. Each equals what quantize(x, ...) computes itself."""
     x3, block, had_dim, hadamard = _prepare(x, (16, 1), "sr", hadamard, name)
     if _use_cols(x3, block):
         rotated, plain = _cols_launch(x3, None, hadamard, False, 0, amax_only=True, plain_too=True)
@@ -464,26 +515,34 @@ def global_amax_pair(x, hadamard, name="x"):
     return plain, rotated
 
 
-def _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, write_codes, write_values, name):
-    """Shared host side of quantize / quantize_dequant -> (codes, scales, values, s_g), None where not written."""
+def _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, write_codes, write_values,
+         name):
+    """Shared host side of quantize / quantize_dequant -> (codes, scales, values, s_g), None where
+    not written."""
     x3, block, had_dim, hadamard = _prepare(x, block, rounding, hadamard, name)
     device, shape = x3.device, x.shape
     M, N = shape[-2:]
     if global_amax is None:
         global_amax = _global_amax(x3, hadamard, had_dim, _tiles(block, x3))
-    if not (torch.is_tensor(global_amax) and global_amax.device == device and global_amax.dtype in AMAX_DTYPES):
+    if not (torch.is_tensor(global_amax) and global_amax.device == device
+            and global_amax.dtype in AMAX_DTYPES):
         global_amax = torch.as_tensor(global_amax, dtype=torch.float32, device=device)
     amax = global_amax.reshape(1)
     gs_out = torch.empty((), device=device, dtype=torch.float32)
     bm, bn = block
-    lead = shape[:-2]  # outputs allocated in their final shapes (contiguous: the kernels see (B, M, .) rows)
-    codes = torch.empty((*lead, M, N // 2), device=device, dtype=torch.uint8) if write_codes else None
-    scales = torch.empty((*lead, M // bm, N // bn), device=device, dtype=torch.uint8) if write_codes else None
+    # outputs allocated in their final shapes (contiguous: the kernels see (B, M, .) rows)
+    lead = shape[:-2]
+    codes = (torch.empty((*lead, M, N // 2), device=device, dtype=torch.uint8)
+             if write_codes else None)
+    scales = (torch.empty((*lead, M // bm, N // bn), device=device, dtype=torch.uint8)
+              if write_codes else None)
     values = torch.empty(shape, device=device, dtype=torch.bfloat16) if write_values else None
     if _use_cols(x3, block):
-        _cols_launch(x3, amax, hadamard, four_over_six, seed, rounding, codes, scales, values, gs_out)
+        _cols_launch(x3, amax, hadamard, four_over_six, seed, rounding, codes, scales, values,
+                     gs_out)
     elif _use_rows(x3, block):
-        _rows_launch(x3, amax, hadamard, four_over_six, seed, rounding, codes, scales, values, gs_out)
+        _rows_launch(x3, amax, hadamard, four_over_six, seed, rounding, codes, scales, values,
+                     gs_out)
     else:
         BM, BN, warps = _tiles(block, x3)
         dummy = gs_out  # an fp32 tensor for unused pointers
@@ -493,23 +552,26 @@ def _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, write_c
             values if values is not None else dummy,
             M, N, x3.stride(0), x3.stride(1), x3.stride(2), int(seed),
             BM=BM, BN=BN, SBM=bm, SBN=bn, FP8_BOUND=_fp8_bound(four_over_six),
-            FOUR_OVER_SIX=bool(four_over_six), SR=rounding in SR_MODES, SCALE_UP=rounding == "sr_up",
-            HAD_DIM=had_dim,
+            FOUR_OVER_SIX=bool(four_over_six), SR=rounding in SR_MODES,
+            SCALE_UP=rounding == "sr_up", HAD_DIM=had_dim,
             WRITE_CODES=write_codes, WRITE_VALUES=write_values,
-            num_warps=warps, enable_fp_fusion=False)  # no FMA contraction: every rounding as in the reference
+            # no FMA contraction: every rounding as in the reference
+            num_warps=warps, enable_fp_fusion=False)
     # gs_out: S_dec = 1 / S_enc (nvfp4.global_scales), the tensor's global (decode) scale
     return codes, (scales.view(torch.float8_e4m3fn) if write_codes else None), values, gs_out
 
 
-def quantize(x, block=(1, 16), rounding="rtn", four_over_six=False, seed=0, hadamard=None, global_amax=None,
-             name="x"):
-    """Fused NVFP4 quantization of x (*, M, N) -> (codes uint8 (*, M, N/2), scales float8_e4m3fn (*, M/bm, N/bn),
-    global_scale fp32 0-d). block (1, 16) | (16, 1) | (16, 16) on the last two dims.
-    rounding "rtn" | "sr" | "sr_up" (Philox words keyed by (seed, element position): nvfp4.sr_uniforms
-    x's shape, for tests; "sr_up" rounds the block scales up, see SR_MODES).
-    hadamard: (16, 16) matrix of nvfp4.random_hadamard's form (diag(+-1) H16 / 4) applied first along the
-    block's 16-long dim (x·H for 1x16, H^T·x for 16x1).
-    global_amax: max |x| (of x·H with hadamard) if the caller already has it; else one extra read pass."""
+def quantize(x, block=(1, 16), rounding="rtn", four_over_six=False, seed=0, hadamard=None,
+             global_amax=None, name="x"):
+    """Fused NVFP4 quantization of x (*, M, N) -> (codes uint8 (*, M, N/2),
+    scales float8_e4m3fn (*, M/bm, N/bn), global_scale fp32 0-d). block (1, 16) | (16, 1) | (16, 16)
+    on the last two dims.
+    rounding "rtn" | "sr" | "sr_up" (Philox words keyed by (seed, element position):
+    nvfp4.sr_uniforms x's shape, for tests; "sr_up" rounds the block scales up, see SR_MODES).
+    hadamard: (16, 16) matrix of nvfp4.random_hadamard's form (diag(+-1) H16 / 4) applied first
+    along the block's 16-long dim (x·H for 1x16, H^T·x for 16x1).
+    global_amax: max |x| (of x·H with hadamard) if the caller already has it; else one extra read
+    pass."""
     codes, scales, _, s_g = _run(x, block, rounding, four_over_six, seed, hadamard, global_amax,
                                  True, False, name)
     return codes, scales, s_g
@@ -517,10 +579,10 @@ def quantize(x, block=(1, 16), rounding="rtn", four_over_six=False, seed=0, hada
 
 def quantize_dequant(x, block=(1, 16), rounding="rtn", four_over_six=False, seed=0, hadamard=None,
                      global_amax=None, return_tensor=False, name="x"):
-    """Same quantization, but writes the bf16 values q * s_b (exactly on the NVFP4 grid, without the global
-    scale) for a bf16 GEMM: returns (values_bf16, global_scale), or with return_tensor=True
-    (values_bf16, global_scale, codes, scales), the packed form written by the same pass (the forward keeps the
-    packed X for the backward and multiplies the bf16 values)."""
-    codes, scales, values, s_g = _run(x, block, rounding, four_over_six, seed, hadamard, global_amax,
-                                      return_tensor, True, name)
+    """Same quantization, but writes the bf16 values q * s_b (exactly on the NVFP4 grid, without the
+    global scale) for a bf16 GEMM: returns (values_bf16, global_scale), or with return_tensor=True
+    (values_bf16, global_scale, codes, scales), the packed form written by the same pass
+    (the forward keeps the packed X for the backward and multiplies the bf16 values)."""
+    codes, scales, values, s_g = _run(x, block, rounding, four_over_six, seed, hadamard,
+                                      global_amax, return_tensor, True, name)
     return (values, s_g, codes, scales) if return_tensor else (values, s_g)
