@@ -1,9 +1,10 @@
 """
-NVFP4 arithmetic as Triton device functions (paper §2; the numerics of the reference nvfp4.py, bit for bit):
-Transformer Engine's global and block scales (one reciprocal per block, a multiply per element), E4M3 rounding,
-E2M1 round-to-nearest and stochastic rounding from fp32 bits, Philox words for SR, the 16-point Hadamard
-butterfly, and the fixed summation tree 4/6 compares errors with. Every quantizing kernel (nvfp4_quant, flash_attention, optim_fused) builds on these, so
-they all round alike. kernels/nvfp4_quant.py re-exports them under the same names.
+NVFP4 arithmetic as Triton device functions (paper §2; the numerics of the reference nvfp4.py, bit
+for bit): Transformer Engine's global and block scales (one reciprocal per block, a multiply per
+element), E4M3 rounding, E2M1 round-to-nearest and stochastic rounding from fp32 bits, Philox words
+for SR, the 16-point Hadamard butterfly, and the fixed summation tree 4/6 compares errors with.
+Every quantizing kernel (nvfp4_quant, flash_attention, optim_fused) builds on these, so they all
+round alike. kernels/nvfp4_quant.py re-exports them under the same names.
 """
 
 import triton
@@ -11,25 +12,28 @@ import triton.language as tl
 
 FP4_MAX = 6.0          # largest E2M1 magnitude
 E4M3_MAX = 448.0       # largest E4M3 block scale
-E4M3_MAX_46 = 256.0    # the global scale's bound with 4/6: the x1.5 candidate (max -> 4) must still fit E4M3
+# the global scale's bound with 4/6: the x1.5 candidate (max -> 4) must still fit E4M3
+E4M3_MAX_46 = 256.0
 
 
 @triton.jit
 def _round_to_e4m3(s, UP: tl.constexpr = False):
     """fp32 s in [0, 448] -> (the nearest E4M3 value, ties to even, as fp32; its uint8 bit pattern).
-    Rounds to a multiple of the E4M3 quantum at s's binade (2^(e-3), but at least 2^-9 for subnormals) with the
-    2^23 magic-number trick, which is exact RNE for 0 <= t < 2^22. UP: the smallest E4M3 value >= s instead
-    (nvfp4.to_e4m3(s, up=True))."""
+    Rounds to a multiple of the E4M3 quantum at s's binade (2^(e-3), but at least 2^-9 for
+    subnormals) with the 2^23 magic-number trick, which is exact RNE for 0 <= t < 2^22. UP: the
+    smallest E4M3 value >= s instead (nvfp4.to_e4m3(s, up=True))."""
     bits = s.to(tl.int32, bitcast=True)
-    e = tl.maximum((bits >> 23) & 0xFF, 127 - 6)                       # biased fp32 exponent, floored at 2^-6
+    e = tl.maximum((bits >> 23) & 0xFF, 127 - 6)  # biased fp32 exponent, floored at 2^-6
     quantum = ((e - 3) << 23).to(tl.float32, bitcast=True)             # 2^(e-127-3)
-    t = s * ((254 - (e - 3)) << 23).to(tl.float32, bitcast=True)       # s / quantum, exact (a power of two)
+    # s / quantum, exact (a power of two)
+    t = s * ((254 - (e - 3)) << 23).to(tl.float32, bitcast=True)
     if UP:
         t = tl.ceil(t)
     else:
         t = (t + 8388608.0) - 8388608.0                                # RNE to an integer (0..16)
     v = t * quantum
-    # E4M3 bit pattern of v: normal (exp >= 1): (biased exp << 3) | top 3 mantissa bits; subnormal: v / 2^-9
+    # E4M3 bit pattern of v: normal (exp >= 1): (biased exp << 3) | top 3 mantissa bits;
+    # subnormal: v / 2^-9
     vbits = v.to(tl.int32, bitcast=True)
     ve = (vbits >> 23) & 0xFF
     normal = ((ve - 120) << 3) | ((vbits >> 20) & 7)
@@ -40,40 +44,45 @@ def _round_to_e4m3(s, UP: tl.constexpr = False):
 
 @triton.jit
 def _rtn_e2m1(a):
-    """Index 0..7 of the nearest E2M1 magnitude for a in [0, 6], ties to the even index (nvfp4.rtn_e2m1), from
-    a's fp32 bits instead of a compare tree. For a >= 1 the E2M1 code is the
-    fp32 exponent and the top mantissa bit: round the mantissa to one bit, ties to even (the carry of 1.75 -> 2
-    moves into the exponent), and (bits >> 22) - (126 << 1) is the index (1.0 -> 2, 6.0 -> 7; a <= 6 cannot round
-    past 6). Below 1 the grid is 0, 0.5, 1 (quantum 0.5): RNE of 2a with the 2^23 magic number, whose low bits
-    are then the index. Both are exact RNE, so the index equals the compare tree's on every fp32 (tested on every
-    tie and its neighbours)."""
+    """Index 0..7 of the nearest E2M1 magnitude for a in [0, 6], ties to the even index
+    (nvfp4.rtn_e2m1), from a's fp32 bits instead of a compare tree. For a >= 1 the E2M1 code is the
+    fp32 exponent and the top mantissa bit: round the mantissa to one bit, ties to even
+    (the carry of 1.75 -> 2 moves into the exponent), and (bits >> 22) - (126 << 1) is the index
+    (1.0 -> 2, 6.0 -> 7; a <= 6 cannot round past 6). Below 1 the grid is 0, 0.5, 1 (quantum 0.5):
+    RNE of 2a with the 2^23 magic number, whose low bits are then the index. Both are exact RNE, so
+    the index equals the compare tree's on every fp32 (tested on every tie and its neighbours)."""
     bits = a.to(tl.int32, bitcast=True)
     normal = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252
-    sub = tl.fma(a, 2.0, 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000  # a * 2 is exact: one rounding either way
+    # a * 2 is exact: one rounding either way
+    sub = tl.fma(a, 2.0, 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
     return tl.where(a < 1.0, sub, normal)
 
 
-FLT_MAX = tl.constexpr(3.4028234663852886e38)  # the element scale's cap (TE's: an all-zero block's 1/0)
+# the element scale's cap (TE's: an all-zero block's 1/0)
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
 RCP_6 = tl.constexpr(0.1666666716337204)       # RN(1/6) in fp32 (0x3E2AAAAB), Transformer Engine's
 
 
 @triton.jit
 def _global_scales(amax, FP8_BOUND: tl.constexpr):
-    """Transformer Engine's global scales from a tensor's amax: the encode scale S_enc = RN(bound * 6 / amax),
-    capped at FLT_MAX (1 when amax is 0: zeros encode to zeros with any scale), and the decode scale
-    S_dec = RN(1 / S_enc), the NVFP4Tensor's global_scale (nvfp4.global_scales)."""
-    s_enc = tl.where(amax > 0, tl.minimum(tl.div_rn(FP8_BOUND * 6.0, tl.where(amax > 0, amax, 1.0)), FLT_MAX),
+    """Transformer Engine's global scales from a tensor's amax: the encode scale
+    S_enc = RN(bound * 6 / amax), capped at FLT_MAX (1 when amax is 0: zeros encode to zeros with
+    any scale), and the decode scale S_dec = RN(1 / S_enc), the NVFP4Tensor's global_scale
+    (nvfp4.global_scales)."""
+    s_enc = tl.where(amax > 0,
+                     tl.minimum(tl.div_rn(FP8_BOUND * 6.0, tl.where(amax > 0, amax, 1.0)), FLT_MAX),
                      1.0)
     return s_enc, tl.div_rn(1.0, s_enc)
 
 
 @triton.jit
 def _block_scale(block_amax, s_enc, s_dec, MAX_Q: tl.constexpr, UP: tl.constexpr = False):
-    """A block scale candidate with the block's max mapped to MAX_Q (6; 4 for 4/6's second candidate), in
-    Transformer Engine's arithmetic (nvfp4.block_scale, nvfp4.element_scale):
-    s_b = e4m3(min(amax_b * (S_enc * RN(1 / MAX_Q)), 448)) (RNE, or up with UP: nvfp4's "sr_up"), its uint8 bits,
-    den = s_b * S_dec (fp32) and the element scale inv = min(RN(1 / den), FLT_MAX), by which every element is
-    multiplied: one correctly rounded reciprocal per block, a multiply per element."""
+    """A block scale candidate with the block's max mapped to MAX_Q (6; 4 for 4/6's second
+    candidate), in Transformer Engine's arithmetic (nvfp4.block_scale, nvfp4.element_scale):
+    s_b = e4m3(min(amax_b * (S_enc * RN(1 / MAX_Q)), 448)) (RNE, or up with UP: nvfp4's "sr_up"),
+    its uint8 bits, den = s_b * S_dec (fp32) and the element scale inv = min(RN(1 / den), FLT_MAX),
+    by which every element is multiplied: one correctly rounded reciprocal per block, a multiply per
+    element."""
     if MAX_Q == 6.0:
         rcp: tl.constexpr = RCP_6
     else:
@@ -86,11 +95,12 @@ def _block_scale(block_amax, s_enc, s_dec, MAX_Q: tl.constexpr, UP: tl.constexpr
 
 @triton.jit
 def _div_by(x, den, inv, EXACT_FMA: tl.constexpr):
-    """x / den rounded to nearest (what tl.div_rn and torch give) for x >= 0, with inv = RN(1 / den) given
-    (the AdamW update's division by a per-program value). On the GPU, Markstein's correction step:
-    q = RN(x * inv) is within an ulp, r = x - q * den is exact with an fma, and RN(q + r * inv) is the correctly
-    rounded quotient (Markstein 1990; Muller et al., Handbook of Floating-Point Arithmetic, ch. 4). The
-    interpreter's fma rounds twice, so there it is tl.div_rn."""
+    """x / den rounded to nearest (what tl.div_rn and torch give) for x >= 0, with inv = RN(1 / den)
+    given (the AdamW update's division by a per-program value). On the GPU, Markstein's correction
+    step: q = RN(x * inv) is within an ulp, r = x - q * den is exact with an fma, and
+    RN(q + r * inv) is the correctly rounded quotient (Markstein 1990; Muller et al., Handbook of
+    Floating-Point Arithmetic, ch. 4). The interpreter's fma rounds twice, so there it is
+    tl.div_rn."""
     if EXACT_FMA:
         q = x * inv
         r = tl.fma(q, -den, x)
@@ -101,44 +111,50 @@ def _div_by(x, den, inv, EXACT_FMA: tl.constexpr):
 
 @triton.jit
 def _e2m1_bits(top):
-    """fp32 q * 2^-126 for E2M1 codes held in bits 31..28 of an int32 (lower bits ignored): an arithmetic shift by
-    6 and a mask leave sign, exponent (2 bits) and mantissa (1 bit) where fp32 keeps them (exponent 0 lands in
-    fp32's subnormal range: 0.5 -> 2^-127, exactly E2M1's subnormal). Code 8 gives -0.0, as the reference's -q.
-    The inverse of _rtn_e2m1's bit trick; callers undo the 2^-126 with exact power-of-two scalings."""
+    """fp32 q * 2^-126 for E2M1 codes held in bits 31..28 of an int32 (lower bits ignored): an
+    arithmetic shift by 6 and a mask leave sign, exponent (2 bits) and mantissa (1 bit) where fp32
+    keeps them (exponent 0 lands in fp32's subnormal range: 0.5 -> 2^-127, exactly E2M1's
+    subnormal). Code 8 gives -0.0, as the reference's -q. The inverse of _rtn_e2m1's bit trick;
+    callers undo the 2^-126 with exact power-of-two scalings."""
     return ((top >> 6) & -2118123520).to(tl.float32, bitcast=True)                  # 0x81C00000
 
 
 @triton.jit
 def _e2m1_value(idx):
-    """E2M1 magnitude of index 0..7: 0, .5, 1, 1.5, 2, 3, 4, 6. idx << 22 is _e2m1_bits' placement of an
-    unsigned code, q * 2^-126; the 2^126 scaling is exact (a subnormal needs no flush-to-zero: Triton uses none)."""
+    """E2M1 magnitude of index 0..7: 0, .5, 1, 1.5, 2, 3, 4, 6. idx << 22 is _e2m1_bits' placement
+    of an unsigned code, q * 2^-126; the 2^126 scaling is exact (a subnormal needs no flush-to-zero:
+    Triton uses none)."""
     return (idx << 22).to(tl.float32, bitcast=True) * 8.507059173023462e37          # 2^126
 
 
 @triton.jit
 def _decode_codes(code, s_b):
-    """E2M1 codes (int32, 0..15) times their block scales s_b (fp32): q * s_b, exact, signed as the reference
-    (-0.0 for code 8). q * 2^-126 from the bits (_e2m1_bits), then two exact power-of-two scalings (2^126 * 448
-    would overflow in one), instead of an fp8 -> fp32 conversion per element."""
-    return (_e2m1_bits(code << 28) * 9.223372036854776e18) * (s_b * 9.223372036854776e18)  # 2^63 each
+    """E2M1 codes (int32, 0..15) times their block scales s_b (fp32): q * s_b, exact, signed as the
+    reference (-0.0 for code 8). q * 2^-126 from the bits (_e2m1_bits), then two exact power-of-two
+    scalings (2^126 * 448 would overflow in one), instead of an fp8 -> fp32 conversion per
+    element."""
+    # 2^63 each
+    return (_e2m1_bits(code << 28) * 9.223372036854776e18) * (s_b * 9.223372036854776e18)
 
 
 @triton.jit
 def _with_sign(q, neg):
-    """q >= 0 with the sign bit set where `neg` (the code's sign bit): -q is 0 - q in Triton, which turns a
-    negative code's -0.0 into +0.0, so set the fp32 sign bit instead."""
+    """q >= 0 with the sign bit set where `neg` (the code's sign bit): -q is 0 - q in Triton, which
+    turns a negative code's -0.0 into +0.0, so set the fp32 sign bit instead."""
     return (q.to(tl.int32, bitcast=True) | (neg.to(tl.int32) << 31)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _sr_e2m1(a, r):
-    """Stochastic rounding of a in [0, 6] (nvfp4.sr_e2m1: up to the next grid value iff u < (a - lo) / gap), from
-    a's fp32 bits, for the uniform u = (r >> 8) * 2^-24 of 32 random bits r (uint32): torch.rand's fp32 grid, so
-    the tests' torch uniforms pass through exactly (_noise_bits). For a >= 1, lo is a with its mantissa cut to
-    one bit and (a - lo) / gap = m / 2^22 for the 22 bits m cut off, so u < m / 2^22 <=> (r >> 10) < m: one
-    integer compare. At a = 6, m = 0: never up. Below 1 the gap is 0.5: lo = floor(2a) / 2, fraction
-    f = 2a - floor(2a) (exact), and u < f <=> float(r >> 8) < f * 2^24 (both sides exact). Same decisions as the
-    reference for every torch uniform, so the tests' given uniforms reproduce it bit for bit."""
+    """Stochastic rounding of a in [0, 6] (nvfp4.sr_e2m1: up to the next grid value iff
+    u < (a - lo) / gap), from a's fp32 bits, for the uniform u = (r >> 8) * 2^-24 of 32 random bits
+    r (uint32): torch.rand's fp32 grid, so the tests' torch uniforms pass through exactly
+    (_noise_bits). For a >= 1, lo is a with its mantissa cut to one bit and
+    (a - lo) / gap = m / 2^22 for the 22 bits m cut off, so u < m / 2^22 <=> (r >> 10) < m: one
+    integer compare. At a = 6, m = 0: never up. Below 1 the gap is 0.5: lo = floor(2a) / 2,
+    fraction f = 2a - floor(2a) (exact), and u < f <=> float(r >> 8) < f * 2^24 (both sides exact).
+    Same decisions as the reference for every torch uniform, so the tests' given uniforms reproduce
+    it bit for bit."""
     bits = a.to(tl.int32, bitcast=True)
     up = (r >> 10).to(tl.int32) < (bits & 0x3FFFFF)
     normal = (bits >> 22) - 252 + up.to(tl.int32)
@@ -150,18 +166,19 @@ def _sr_e2m1(a, r):
 
 @triton.jit
 def _noise_bits(u):
-    """Given uniforms u = k * 2^-24 (torch.rand's fp32 grid, k < 2^24) -> the 32 random bits _sr_e2m1 reads:
-    k << 8, exactly."""
+    """Given uniforms u = k * 2^-24 (torch.rand's fp32 grid, k < 2^24) -> the 32 random bits
+    _sr_e2m1 reads: k << 8, exactly."""
     return (u * 16777216.0).to(tl.uint32) << 8
 
 
 @triton.jit
 def _random_words(seed, rows, n0, N, BM: tl.constexpr, BN: tl.constexpr):
-    """(BM, BN) random uint32 words (for _sr_e2m1) for the elements (rows[i], n0 + j) of a row-major tensor with N
-    columns: one Philox call (tl.randint4x, 10 rounds) per 4 consecutive elements, counter = element index // 4,
-    so a quarter of tl.rand's Philox work (the bulk of an SR quantization's arithmetic) and a draw that does not
-    depend on the tiling. Raw bits, not tl.rand's floats: _sr_e2m1 compares integers (no conversion per element).
-    n0 and N are multiples of 4 (of 16, in fact)."""
+    """(BM, BN) random uint32 words (for _sr_e2m1) for the elements (rows[i], n0 + j) of a row-major
+    tensor with N columns: one Philox call (tl.randint4x, 10 rounds) per 4 consecutive elements,
+    counter = element index // 4, so a quarter of tl.rand's Philox work (the bulk of an SR
+    quantization's arithmetic) and a draw that does not depend on the tiling. Raw bits, not
+    tl.rand's floats: _sr_e2m1 compares integers (no conversion per element). n0 and N are multiples
+    of 4 (of 16, in fact)."""
     offs4 = rows[:, None] * (N // 4) + (n0 // 4 + tl.arange(0, BN // 4))[None, :]
     r0, r1, r2, r3 = tl.randint4x(seed, offs4.to(tl.uint32))
     # element 4c + k gets r_k[c]: join(join(r0, r2), join(r1, r3))[.., a, b] = r_(2a + b)
@@ -170,31 +187,37 @@ def _random_words(seed, rows, n0, N, BM: tl.constexpr, BN: tl.constexpr):
 
 @triton.jit
 def _column_random_words(seed, offs4):
-    """Random words for 16x1 blocks (as _random_words): one Philox call per 4 rows of a column, counter =
-    (row // 4) * N + column, word k for row 4i + k (four rows of one column, not four columns of one row as
-    _random_words for 1x16 blocks: a kernel holding whole column blocks per thread then uses every word of a call).
-    offs4: the counters, any shape S; returns S + (2, 2) with [..., a, b] the word of row offset 2a + b; callers
-    permute it into their tiles. The draw depends on (seed, row, column) only, not on the tiling."""
+    """Random words for 16x1 blocks (as _random_words): one Philox call per 4 rows of a column,
+    counter = (row // 4) * N + column, word k for row 4i + k (four rows of one column, not four
+    columns of one row as _random_words for 1x16 blocks: a kernel holding whole column blocks per
+    thread then uses every word of a call).
+    offs4: the counters, any shape S; returns S + (2, 2) with [..., a, b] the word of row offset
+    2a + b; callers permute it into their tiles. The draw depends on (seed, row, column) only, not
+    on the tiling."""
     r0, r1, r2, r3 = tl.randint4x(seed, offs4.to(tl.uint32))
     return tl.join(tl.join(r0, r2), tl.join(r1, r3))
 
 
 @triton.jit
 def _block_random_words(seed, blocks, NB: tl.constexpr):
-    """_random_words for whole 1x16 blocks of a flat tensor, as the rows kernel's (NB, 2, 8) tile: the same Philox
-    counters (element index // 4 = block * 4 + half * 2 + c) and the same assignment (element 4c + k gets r_k[c]),
-    generated in the tile's own arrangement (a reshape of _random_words' (NB, 16) cost a layout shuffle)."""
-    offs4 = blocks[:, None, None] * 4 + tl.arange(0, 2)[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
+    """_random_words for whole 1x16 blocks of a flat tensor, as the rows kernel's (NB, 2, 8) tile:
+    the same Philox counters (element index // 4 = block * 4 + half * 2 + c) and the same assignment
+    (element 4c + k gets r_k[c]), generated in the tile's own arrangement (a reshape of
+    _random_words' (NB, 16) cost a layout shuffle)."""
+    offs4 = (blocks[:, None, None] * 4 + tl.arange(0, 2)[None, :, None] * 2
+             + tl.arange(0, 2)[None, None, :])
     r0, r1, r2, r3 = tl.randint4x(seed, offs4.to(tl.uint32))                   # (NB, 2, 2) each
     return tl.join(tl.join(r0, r2), tl.join(r1, r3)).reshape(NB, 2, 8)
 
 
 @triton.jit
-def _pairwise_block_sum(e, GM: tl.constexpr, SBM: tl.constexpr, GN: tl.constexpr, SBN: tl.constexpr):
-    """Per-block sum of e (GM, SBM, GN, SBN) -> (GM, GN) as a fixed binary tree: neighbours along the row are
-    added pairwise (16 -> 8 -> 4 -> 2 -> 1), then along the column. Every step adds exactly two fp32 values
-    (a + b == b + a), so the result does not depend on the compiler's reduction order and equals the reference's
-    nvfp4._pairwise_block_sum bit for bit (4/6's error comparison must pick the same candidate)."""
+def _pairwise_block_sum(e, GM: tl.constexpr, SBM: tl.constexpr, GN: tl.constexpr,
+                        SBN: tl.constexpr):
+    """Per-block sum of e (GM, SBM, GN, SBN) -> (GM, GN) as a fixed binary tree: neighbours along
+    the row are added pairwise (16 -> 8 -> 4 -> 2 -> 1), then along the column. Every step adds
+    exactly two fp32 values (a + b == b + a), so the result does not depend on the compiler's
+    reduction order and equals the reference's nvfp4._pairwise_block_sum bit for bit (4/6's error
+    comparison must pick the same candidate)."""
     if SBN == 16:
         e = tl.sum(e.reshape(GM, SBM, GN, 8, 2), axis=4)
         e = tl.sum(e.reshape(GM, SBM, GN, 4, 2), axis=4)
@@ -211,19 +234,21 @@ def _pairwise_block_sum(e, GM: tl.constexpr, SBM: tl.constexpr, GN: tl.constexpr
 
 @triton.jit
 def _butterfly_stage(y, P: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr, W: tl.constexpr):
-    """(P, 16, W): in each of the G groups of 2 * HALF along dim 1, (a, b) -> (a + b, a - b) across its halves."""
-    a, b = tl.split(tl.permute(y.reshape(P, G, 2, HALF, W), (0, 1, 3, 4, 2)))         # the pair dim last
+    """(P, 16, W): in each of the G groups of 2 * HALF along dim 1, (a, b) -> (a + b, a - b) across
+    its halves."""
+    a, b = tl.split(tl.permute(y.reshape(P, G, 2, HALF, W), (0, 1, 3, 4, 2)))  # the pair dim last
     return tl.permute(tl.join(a + b, a - b), (0, 1, 4, 2, 3)).reshape(P, 16, W)
 
 
 @triton.jit
 def _hadamard16(x, h_ptr, P: tl.constexpr, W: tl.constexpr):
-    """x (P, 16, W) fp32 -> x . H along dim 1, for H = diag(s) . H16 / 4 (nvfp4.random_hadamard's form: its
-    column 0 is s / 4). The products x_i * H_ij are exact (a sign and a power of two), so this is x * H[:, 0]
-    then the 4-stage butterfly of Sylvester's H16: 5 operations per element instead of a 16-term dot product.
-    One fixed order of additions in every kernel that rotates (quantize passes and amax pre-passes see the same
-    bits); the reference's matmul sums the same products in its own order: equal where the sums are exact, else
-    within an ulp of the rotated value."""
+    """x (P, 16, W) fp32 -> x . H along dim 1, for H = diag(s) . H16 / 4 (nvfp4.random_hadamard's
+    form: its column 0 is s / 4). The products x_i * H_ij are exact (a sign and a power of two), so
+    this is x * H[:, 0] then the 4-stage butterfly of Sylvester's H16: 5 operations per element
+    instead of a 16-term dot product. One fixed order of additions in every kernel that rotates
+    (quantize passes and amax pre-passes see the same bits); the reference's matmul sums the same
+    products in its own order: equal where the sums are exact, else within an ulp of the rotated
+    value."""
     y = x * tl.load(h_ptr + tl.arange(0, 16) * 16)[None, :, None]
     y = _butterfly_stage(y, P, 1, 8, W)
     y = _butterfly_stage(y, P, 2, 4, W)
@@ -233,8 +258,9 @@ def _hadamard16(x, h_ptr, P: tl.constexpr, W: tl.constexpr):
 
 @triton.jit
 def _rotate(x, h_ptr, BM: tl.constexpr, BN: tl.constexpr, HAD_DIM: tl.constexpr):
-    """fp32 (BM, BN) tile. HAD_DIM 1: x·H on groups of 16 along the columns; 2: H^T·x on groups of 16 along the
-    rows (the reference's hadamard_transform with dim=-1 / -2; H^T x = x'H column-wise); 0: x unchanged."""
+    """fp32 (BM, BN) tile. HAD_DIM 1: x·H on groups of 16 along the columns; 2: H^T·x on groups of
+    16 along the rows (the reference's hadamard_transform with dim=-1 / -2; H^T x = x'H
+    column-wise); 0: x unchanged."""
     x = x.to(tl.float32)
     if HAD_DIM == 1:
         x = _hadamard16(x.reshape(BM * BN // 16, 16, 1), h_ptr, BM * BN // 16, 1).reshape(BM, BN)
@@ -258,8 +284,8 @@ def _load_tile(x_ptr, h_ptr, pid_b, m0, n0, M, N, stride_xb, stride_xm, stride_x
 
 @triton.jit
 def _round_to_bf16(v):
-    """fp32 -> the nearest bf16 value (ties to even), kept in fp32. Explicit because the interpreter's
-    fp32 -> bf16 cast truncates. Finite inputs."""
+    """fp32 -> the nearest bf16 value (ties to even), kept in fp32. Explicit because the
+    interpreter's fp32 -> bf16 cast truncates. Finite inputs."""
     bits = v.to(tl.int32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
     return bits.to(tl.float32, bitcast=True)
@@ -267,8 +293,8 @@ def _round_to_bf16(v):
 
 @triton.jit
 def _column_pair_sum(e, C: tl.constexpr):
-    """(C, 16, 2) squared errors -> (C, 2) sums over each 16x1 block in _pairwise_block_sum's fixed tree for
-    SBM == 16: neighbouring rows added pairwise, 16 -> 8 -> 4 -> 2 -> 1."""
+    """(C, 16, 2) squared errors -> (C, 2) sums over each 16x1 block in _pairwise_block_sum's fixed
+    tree for SBM == 16: neighbouring rows added pairwise, 16 -> 8 -> 4 -> 2 -> 1."""
     e = tl.sum(e.reshape(C, 8, 2, 2), axis=2)
     e = tl.sum(e.reshape(C, 4, 2, 2), axis=2)
     e = tl.sum(e.reshape(C, 2, 2, 2), axis=2)
@@ -277,8 +303,9 @@ def _column_pair_sum(e, C: tl.constexpr):
 
 @triton.jit
 def _half_pair_sum(e, NB: tl.constexpr):
-    """(NB, 2, 8) squared errors -> (NB,) block sums in _pairwise_block_sum's fixed tree: pairwise within each
-    half (8 -> 4 -> 2 -> 1), then the two halves (the tree's last step adds elements 0-7's sum to 8-15's)."""
+    """(NB, 2, 8) squared errors -> (NB,) block sums in _pairwise_block_sum's fixed tree: pairwise
+    within each half (8 -> 4 -> 2 -> 1), then the two halves (the tree's last step adds elements
+    0-7's sum to 8-15's)."""
     e = tl.sum(e.reshape(NB, 2, 4, 2), axis=3)
     e = tl.sum(e.reshape(NB, 2, 2, 2), axis=3)
     e = tl.sum(e.reshape(NB, 2, 1, 2), axis=3).reshape(NB, 2)
