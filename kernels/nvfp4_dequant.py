@@ -1,7 +1,8 @@
 """
-NVFP4 decoding on the GPU: packed codes + E4M3 block scales (+ the global scale) -> dense values in one pass,
-bit for bit what nvfp4.NVFP4Tensor.dequantize / grid_values compute. The grid values q * s_b (no global scale)
-are exact in bf16: the operands of the bf16 GEMM route (kernels/nvfp4_gemm.py).
+NVFP4 decoding on the GPU: packed codes + E4M3 block scales (+ the global scale) -> dense values in
+one pass, bit for bit what nvfp4.NVFP4Tensor.dequantize / grid_values compute. The grid values
+q * s_b (no global scale) are exact in bf16: the operands of the bf16 GEMM route
+(kernels/nvfp4_gemm.py).
 """
 
 import torch
@@ -14,7 +15,8 @@ DEQUANT_ROWS_LAUNCH = (256, 8)  # (blocks per program, num_warps) of _dequantize
 
 
 @triton.jit
-def _dequant_store(v, gs_ptr, out_ptr, offs, mask, APPLY_GLOBAL: tl.constexpr, ROUND_BF16: tl.constexpr):
+def _dequant_store(v, gs_ptr, out_ptr, offs, mask, APPLY_GLOBAL: tl.constexpr,
+                   ROUND_BF16: tl.constexpr):
     if APPLY_GLOBAL:
         v = v * tl.load(gs_ptr)
     if ROUND_BF16:
@@ -25,60 +27,68 @@ def _dequant_store(v, gs_ptr, out_ptr, offs, mask, APPLY_GLOBAL: tl.constexpr, R
 @triton.jit
 def _dequantize_rows_kernel(codes_ptr, scales_ptr, gs_ptr, out_ptr, n_blocks, NB: tl.constexpr,
                             APPLY_GLOBAL: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """1x16 blocks: NB consecutive blocks per program, each block's 16 codes read as two int32 words (element 0 in
-    the low nibble) and its scale read once (the tile kernel gathered a scale per element: one load each)."""
+    """1x16 blocks: NB consecutive blocks per program, each block's 16 codes read as two int32 words
+    (element 0 in the low nibble) and its scale read once (the tile kernel gathered a scale per
+    element: one load each)."""
     pid = tl.program_id(0)
     base = pid.to(tl.int64) * NB
     blk = tl.arange(0, NB)
     bmask = blk < n_blocks - base
-    words = tl.load(codes_ptr + base * 2 + blk[:, None] * 2 + tl.arange(0, 2)[None, :], mask=bmask[:, None],
-                    other=0)                                                        # (NB, 2) int32
+    words = tl.load(codes_ptr + base * 2 + blk[:, None] * 2 + tl.arange(0, 2)[None, :],
+                    mask=bmask[:, None], other=0)                                   # (NB, 2) int32
     code = ((words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF).reshape(NB, 16)
-    s_b = tl.load(scales_ptr + base + blk, mask=bmask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    s_b = (tl.load(scales_ptr + base + blk, mask=bmask, other=0)
+           .to(tl.float8e4nv, bitcast=True).to(tl.float32))
     v = _decode_codes(code, s_b[:, None])                                           # (NB, 16)
     _dequant_store(v, gs_ptr, out_ptr + base * 16, blk[:, None] * 16 + tl.arange(0, 16)[None, :],
                    bmask[:, None], APPLY_GLOBAL, ROUND_BF16)
 
 
 @triton.jit
-def _dequantize_kernel(codes_ptr, scales_ptr, gs_ptr, out_ptr, M, N, BN: tl.constexpr, SBN: tl.constexpr,
-                       APPLY_GLOBAL: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """16-row blocks ((16, 1) or (16, 16)): a (16, BN) tile shares one row of scales, loaded once per column
-    (16x1) or once per 16 columns (16x16) and broadcast down the rows."""
-    pid_m, pid_n, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # rows on axis 0: no 65535 cap
+def _dequantize_kernel(codes_ptr, scales_ptr, gs_ptr, out_ptr, M, N, BN: tl.constexpr,
+                       SBN: tl.constexpr, APPLY_GLOBAL: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """16-row blocks ((16, 1) or (16, 16)): a (16, BN) tile shares one row of scales, loaded once
+    per column (16x1) or once per 16 columns (16x16) and broadcast down the rows."""
+    # rows on axis 0: no 65535 cap
+    pid_m, pid_n, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * 16 + tl.arange(0, 16)
     offs_c = pid_n * (BN // 2) + tl.arange(0, BN // 2)
     cmask = (offs_m[:, None] < M) & (offs_c[None, :] < N // 2)
-    c = tl.load(codes_ptr + (pid_b.to(tl.int64) * M + offs_m[:, None]) * (N // 2) + offs_c[None, :], mask=cmask,
-                other=0)
-    code = tl.join(c & 0xF, c >> 4).reshape(16, BN).to(tl.int32)                   # even element: low nibble
+    c = tl.load(codes_ptr + (pid_b.to(tl.int64) * M + offs_m[:, None]) * (N // 2) + offs_c[None, :],
+                mask=cmask, other=0)
+    code = tl.join(c & 0xF, c >> 4).reshape(16, BN).to(tl.int32)  # even element: low nibble
     offs_n = pid_n * BN + tl.arange(0, BN)
     s = tl.load(scales_ptr + (pid_b.to(tl.int64) * (M // 16) + pid_m) * (N // SBN) + offs_n // SBN,
                 mask=offs_n < N, other=0)
     v = _decode_codes(code, s.to(tl.float8e4nv, bitcast=True).to(tl.float32)[None, :])
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    _dequant_store(v, gs_ptr, out_ptr, (pid_b.to(tl.int64) * M + offs_m[:, None]) * N + offs_n[None, :], mask,
+    _dequant_store(v, gs_ptr, out_ptr,
+                   (pid_b.to(tl.int64) * M + offs_m[:, None]) * N + offs_n[None, :], mask,
                    APPLY_GLOBAL, ROUND_BF16)
 
 
 def dequantize(codes, scales, global_scale, shape, block, dtype=torch.float32):
-    """Packed NVFP4 -> dense tensor of `shape` in one pass: (q * s_b) * s_g rounded once to `dtype`, as
-    nvfp4.NVFP4Tensor.dequantize computes it (bit-exact; bf16 rounding done explicitly, ties to even).
-    global_scale None gives q * s_b, exact in bf16 (the grid values a bf16 GEMM multiplies)."""
+    """Packed NVFP4 -> dense tensor of `shape` in one pass: (q * s_b) * s_g rounded once to `dtype`,
+    as nvfp4.NVFP4Tensor.dequantize computes it (bit-exact; bf16 rounding done explicitly, ties to
+    even). global_scale None gives q * s_b, exact in bf16 (the grid values a bf16 GEMM
+    multiplies)."""
     M, N = shape[-2:]
     bm, bn = block
     codes = codes.reshape(-1, M, N // 2).contiguous()
     scales = scales.reshape(-1, M // bm, N // bn).contiguous().view(torch.uint8)
     out = torch.empty((codes.shape[0], M, N), device=codes.device, dtype=dtype)
     apply_global = global_scale is not None
-    gs = global_scale.float().reshape(1) if apply_global else out  # (an unused pointer without a global scale)
+    # (an unused pointer without a global scale)
+    gs = global_scale.float().reshape(1) if apply_global else out
     flags = dict(APPLY_GLOBAL=apply_global, ROUND_BF16=dtype == torch.bfloat16)
     if bm == 1:  # 1x16
         NB, warps = DEQUANT_ROWS_LAUNCH
-        codes = codes if codes.storage_offset() % 4 == 0 else codes.clone()  # an int32 view needs 4-byte alignment
+        # an int32 view needs 4-byte alignment
+        codes = codes if codes.storage_offset() % 4 == 0 else codes.clone()
         n_blocks = out.numel() // 16
-        _dequantize_rows_kernel[(triton.cdiv(n_blocks, NB),)](codes.view(torch.int32), scales, gs, out, n_blocks,
-                                                            NB=NB, **flags, num_warps=warps)
+        _dequantize_rows_kernel[(triton.cdiv(n_blocks, NB),)](codes.view(torch.int32), scales, gs,
+                                                            out, n_blocks, NB=NB, **flags,
+                                                            num_warps=warps)
     else:
         BN = 256
         grid = (M // 16, triton.cdiv(N, BN), codes.shape[0])
@@ -87,6 +97,6 @@ def dequantize(codes, scales, global_scale, shape, block, dtype=torch.float32):
 
 
 def grid_values_bf16(t):
-    """q * s_b as bf16 (exact), in the stored layout (*, M, N), of a packed NVFP4 tensor t (anything with codes,
-    scales, shape and block: nvfp4.NVFP4Tensor)."""
+    """q * s_b as bf16 (exact), in the stored layout (*, M, N), of a packed NVFP4 tensor t
+    (anything with codes, scales, shape and block: nvfp4.NVFP4Tensor)."""
     return dequantize(t.codes, t.scales, None, t.shape, t.block, torch.bfloat16)
