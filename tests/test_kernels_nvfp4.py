@@ -1,7 +1,10 @@
-"""Triton NVFP4 kernels (kernels/nvfp4_quant.py, nvfp4_gemm.py, nvfp4_linear.py) against the reference nvfp4.py.
+"""Triton NVFP4 kernels (kernels/nvfp4_quant.py, nvfp4_gemm.py, nvfp4_linear.py) against the
+reference nvfp4.py.
 
-On CPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1), so shapes are small.
-The @pytest.mark.gpu tests repeat the checks at full size on the H200:  pytest -m gpu tests/test_kernels_nvfp4.py
+On CPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1), so shapes are
+small.
+The @pytest.mark.gpu tests repeat the checks at full size on the H200:
+    pytest -m gpu tests/test_kernels_nvfp4.py
 """
 
 import pytest
@@ -20,16 +23,18 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _heavy_tailed(shape, generator, dtype=torch.float32, device="cpu"):
-    """Gaussian times a log-normal spread (outliers, tiny blocks), with an all-zero block and a block so small
-    that its E4M3 scale is subnormal or zero."""
-    x = torch.randn(shape, generator=generator) * torch.exp(1.5 * torch.randn(shape, generator=generator))
+    """Gaussian times a log-normal spread (outliers, tiny blocks), with an all-zero block and a
+    block so small that its E4M3 scale is subnormal or zero."""
+    x = (torch.randn(shape, generator=generator)
+         * torch.exp(1.5 * torch.randn(shape, generator=generator)))
     x[..., :16, :16] = 0.0
     x[..., 16:32, 16:32] *= 1e-7
     return x.to(device=device, dtype=dtype)
 
 
 def kquantize(x, block=(1, 16), *args, **kwargs):
-    """The quantize kernel's (codes, scales, global_scale) as an NVFP4Tensor, as nvfp4.quantize wraps them."""
+    """The quantize kernel's (codes, scales, global_scale) as an NVFP4Tensor, as nvfp4.quantize
+    wraps them."""
     return nvfp4.NVFP4Tensor(*kq.quantize(x, block, *args, **kwargs), x.shape, block)
 
 
@@ -48,20 +53,22 @@ def _same(k, r):
     assert torch.equal(ck, cr), f"{(ck != cr).sum().item()} of {cr.numel()} code bytes differ"
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # quantize: RTN bit-exact
 
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("four_over_six", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantize_rtn_bit_exact(block, four_over_six, dtype):
-    g = torch.Generator().manual_seed(BLOCKS.index(block) * 4 + 2 * four_over_six + (dtype == torch.bfloat16))
+    g = torch.Generator().manual_seed(BLOCKS.index(block) * 4 + 2 * four_over_six
+                                      + (dtype == torch.bfloat16))
     x = _heavy_tailed((48, 96), g, dtype)
     k = kquantize(x, block, "rtn", four_over_six)
     r = nvfp4.quantize_reference(x, block, "rtn", four_over_six)
     _same(k, r)
-    assert k.scales.view(torch.uint8)[0, 0] == 0 and (k.codes[:16, :8] & 0x77).eq(0).all()  # zero block
-    assert (k.scales.float() < 2**-6).any()                                                  # subnormal scales kept
+    # zero block
+    assert k.scales.view(torch.uint8)[0, 0] == 0 and (k.codes[:16, :8] & 0x77).eq(0).all()
+    assert (k.scales.float() < 2**-6).any()  # subnormal scales kept
 
 
 def test_quantize_batched_and_transposed_views():
@@ -73,11 +80,12 @@ def test_quantize_batched_and_transposed_views():
 
 
 def test_quantize_ties_to_even_on_the_grid():
-    # every block has max 6 (so s_b * s_g = 1 exactly with amax 2688: s_g = 1, s_b = 1) and holds all midpoints
+    # every block has max 6 (so s_b * s_g = 1 exactly with amax 2688: s_g = 1, s_b = 1) and holds
+    # all midpoints
     mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
     row = torch.cat((mids, -mids))                       # 16 values, max |.| = 6
     x = row.repeat(16, 2)                                # (16, 32)
-    x[0, 0] = 2688.0                                     # global amax -> s_g = 1, that block's own scale 448
+    x[0, 0] = 2688.0  # global amax -> s_g = 1, that block's own scale 448
     k = kquantize(x, (1, 16))
     _same(k, nvfp4.quantize_reference(x, (1, 16), "rtn", False))
     assert k.dequantize()[1, :8].tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0]
@@ -93,15 +101,18 @@ def _e4m3_probe(s_ptr, v_ptr, bits_ptr, n, BLOCK: tl.constexpr, UP: tl.constexpr
 
 
 def test_round_to_e4m3_matches_torch_including_ties_and_subnormals():
-    grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()   # all finite E4M3 >= 0
-    ties = (grid[:-1] + grid[1:]) / 2                                                  # exact midpoints
+    # all finite E4M3 >= 0
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    ties = (grid[:-1] + grid[1:]) / 2  # exact midpoints
     g = torch.Generator().manual_seed(0)
-    rand = torch.rand(2000, generator=g) * 448 * torch.exp2(-torch.randint(0, 14, (2000,), generator=g).float())
-    s = torch.cat((grid, ties, torch.nextafter(ties, torch.zeros_like(ties)), rand, torch.tensor([448.0, 1e-30])))
+    rand = (torch.rand(2000, generator=g) * 448
+            * torch.exp2(-torch.randint(0, 14, (2000,), generator=g).float()))
+    s = torch.cat((grid, ties, torch.nextafter(ties, torch.zeros_like(ties)), rand,
+                   torch.tensor([448.0, 1e-30])))
     for up in (False, True):
         v, bits = torch.empty_like(s), torch.empty(s.shape, dtype=torch.uint8)
         _e4m3_probe[(triton.cdiv(s.numel(), 1024),)](s, v, bits, s.numel(), BLOCK=1024, UP=up)
-        want = nvfp4.to_e4m3(s, up=up)                                             # torch's RNE cast (+1 code up)
+        want = nvfp4.to_e4m3(s, up=up)  # torch's RNE cast (+1 code up)
         assert torch.equal(v, want.float())
         assert torch.equal(bits, want.view(torch.uint8))
         if up:  # the smallest E4M3 value >= s
@@ -118,27 +129,34 @@ def _e2m1_probe(a_ptr, idx_ptr, n, BLOCK: tl.constexpr):
 
 def test_rtn_e2m1_bit_trick_matches_the_reference_on_ties_and_neighbours():
     grid = nvfp4.E2M1_VALUES.clone()
-    ties = (grid[:-1] + grid[1:]) / 2                                       # 0.25, 0.75, ..., 5: exact midpoints
+    ties = (grid[:-1] + grid[1:]) / 2  # 0.25, 0.75, ..., 5: exact midpoints
     pts = torch.cat((grid, ties))
-    down, up = torch.nextafter(pts, torch.zeros_like(pts)), torch.nextafter(pts, torch.full_like(pts, 7.0))
+    down, up = (torch.nextafter(pts, torch.zeros_like(pts)),
+                torch.nextafter(pts, torch.full_like(pts, 7.0)))
     near = torch.cat((pts, down, up))
     g = torch.Generator().manual_seed(0)
-    a = torch.cat((near, torch.rand(20000, generator=g) * 6, torch.tensor([0.0, 1e-38, 6.0]))).clamp(0, 6)
+    a = torch.cat((near, torch.rand(20000, generator=g) * 6,
+                   torch.tensor([0.0, 1e-38, 6.0]))).clamp(0, 6)
     idx = torch.empty(a.shape, dtype=torch.int32)
     _e2m1_probe[(triton.cdiv(a.numel(), 1024),)](a, idx, a.numel(), BLOCK=1024)
     assert torch.equal(idx, nvfp4.rtn_e2m1(a).int())
-    assert idx[:8].tolist() == list(range(8)) and idx[8:15].tolist() == [0, 2, 2, 4, 4, 6, 6]  # ties to even
+    # ties to even
+    assert idx[:8].tolist() == list(range(8)) and idx[8:15].tolist() == [0, 2, 2, 4, 4, 6, 6]
 
 
 @triton.jit
-def _pairwise_probe(e_ptr, out_ptr, BM: tl.constexpr, BN: tl.constexpr, SBM: tl.constexpr, SBN: tl.constexpr):
+def _pairwise_probe(e_ptr, out_ptr, BM: tl.constexpr, BN: tl.constexpr, SBM: tl.constexpr,
+                    SBN: tl.constexpr):
     e = tl.load(e_ptr + tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :])
-    s = kq._pairwise_block_sum(e.reshape(BM // SBM, SBM, BN // SBN, SBN), BM // SBM, SBM, BN // SBN, SBN)
-    tl.store(out_ptr + tl.arange(0, BM // SBM)[:, None] * (BN // SBN) + tl.arange(0, BN // SBN)[None, :], s)
+    s = kq._pairwise_block_sum(e.reshape(BM // SBM, SBM, BN // SBN, SBN),
+                               BM // SBM, SBM, BN // SBN, SBN)
+    tl.store(out_ptr + tl.arange(0, BM // SBM)[:, None] * (BN // SBN)
+             + tl.arange(0, BN // SBN)[None, :], s)
 
 
 def _pairwise_block_sum_torch(e):
-    """The reference's fixed tree (nvfp4._pairwise_block_sum once the lead's patch is in): row pairs, then columns."""
+    """The reference's fixed tree (nvfp4._pairwise_block_sum once the lead's patch is in): row
+    pairs, then columns."""
     while e.shape[-1] > 1:
         e = e[..., 0::2] + e[..., 1::2]
     while e.shape[-3] > 1:
@@ -148,19 +166,23 @@ def _pairwise_block_sum_torch(e):
 
 @pytest.mark.parametrize("block", BLOCKS)
 def test_four_over_six_error_sum_is_the_fixed_pairwise_tree(block):
-    """4/6 compares two per-block sums of squared errors; the kernel must add them in exactly the reference's
-    order, or near-ties pick different candidates (seen on the H200: ~1e-5 of the blocks with a plain sum).
-    Random magnitudes over many binades make every fp32 add round, so only the same tree gives the same bits."""
+    """4/6 compares two per-block sums of squared errors; the kernel must add them in exactly the
+    reference's order, or near-ties pick different candidates (seen on the H200: ~1e-5 of the blocks
+    with a plain sum).
+    Random magnitudes over many binades make every fp32 add round, so only the same tree gives the
+    same bits."""
     g = torch.Generator().manual_seed(BLOCKS.index(block))
     BM, BN = 32, 64
-    e = torch.rand(BM, BN, generator=g) * torch.exp2(torch.randint(-20, 20, (BM, BN), generator=g).float())
+    e = (torch.rand(BM, BN, generator=g)
+         * torch.exp2(torch.randint(-20, 20, (BM, BN), generator=g).float()))
     out = torch.empty(BM // block[0], BN // block[1])
     _pairwise_probe[(1,)](e, out, BM=BM, BN=BN, SBM=block[0], SBN=block[1])
     ref_sum = getattr(nvfp4, "_pairwise_block_sum", _pairwise_block_sum_torch)
     want = ref_sum(e.reshape(BM // block[0], block[0], BN // block[1], block[1]))
     assert torch.equal(out, want.reshape(out.shape))
     # the check can fail: a sequential left-to-right sum rounds differently in some blocks
-    seq = e.reshape(BM // block[0], block[0], BN // block[1], block[1]).permute(0, 2, 1, 3).reshape(*out.shape, -1)
+    seq = (e.reshape(BM // block[0], block[0], BN // block[1], block[1])
+           .permute(0, 2, 1, 3).reshape(*out.shape, -1))
     acc = torch.zeros_like(out)
     for i in range(seq.shape[-1]):
         acc = acc + seq[..., i]
@@ -168,21 +190,25 @@ def test_four_over_six_error_sum_is_the_fixed_pairwise_tree(block):
 
 
 def test_markstein_division_step_is_correctly_rounded():
-    """The GPU path of kq._div_by (the interpreter cannot run it: its fma rounds twice): q = RN(x / den)
-    from inv = RN(1 / den) with one fma correction (emulated in float64: exact products), equals true division.
-    Per-block divisors, and the block scale's constant ones (kq._block_scale: amax / 6, then / s_g)."""
+    """The GPU path of kq._div_by (the interpreter cannot run it: its fma rounds twice):
+    q = RN(x / den) from inv = RN(1 / den) with one fma correction (emulated in float64: exact
+    products), equals true division.
+    Per-block divisors, and the block scale's constant ones
+    (kq._block_scale: amax / 6, then / s_g)."""
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(2_000_000, generator=g) * torch.exp(3 * torch.randn(2_000_000, generator=g))).abs()
-    den = (torch.rand(2_000_000, generator=g) + 0.5) * torch.exp2(torch.randint(-40, 20, (2_000_000,), generator=g).float())
+    x = (torch.randn(2_000_000, generator=g)
+         * torch.exp(3 * torch.randn(2_000_000, generator=g))).abs()
+    den = ((torch.rand(2_000_000, generator=g) + 0.5)
+           * torch.exp2(torch.randint(-40, 20, (2_000_000,), generator=g).float()))
     den[:300_000], den[300_000:400_000] = 6.0, 4.0
     inv = 1.0 / den                                                            # RN(1 / den), fp32
     q = x * inv
-    r = (x.double() - q.double() * den.double()).float()                      # exact (fma): representable
-    q1 = (q.double() + r.double() * inv.double()).float()                     # fma: r * inv exact in fp64
+    r = (x.double() - q.double() * den.double()).float()  # exact (fma): representable
+    q1 = (q.double() + r.double() * inv.double()).float()  # fma: r * inv exact in fp64
     assert torch.equal(q1, x / den)
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # quantize: Hadamard
 
 @pytest.mark.parametrize("block", [(1, 16), (16, 1)])
@@ -190,25 +216,30 @@ def test_markstein_division_step_is_correctly_rounded():
 def test_quantize_hadamard_bit_exact(block, dtype):
     g = torch.Generator().manual_seed(7)
     H = nvfp4.random_hadamard(g)
-    # multiples of 1/8 in [-8, 8]: every 16-term rotation is exact in fp32, whatever the summation order
+    # multiples of 1/8 in [-8, 8]: every 16-term rotation is exact in fp32, whatever the summation
+    # order
     x = (torch.randint(-64, 65, (32, 64), generator=g).float() / 8).to(dtype)
-    _same(kquantize(x, block, "rtn", False, hadamard=H), nvfp4.quantize(x, block, "rtn", False, hadamard=H))
-    # generic values: the rotation's rounding may depend on summation order; here it matched, keep it honest
+    _same(kquantize(x, block, "rtn", False, hadamard=H),
+          nvfp4.quantize(x, block, "rtn", False, hadamard=H))
+    # generic values: the rotation's rounding may depend on summation order; here it matched, keep
+    # it honest
     x = torch.randn(32, 64, generator=g).to(dtype)
-    k, r = kquantize(x, block, "rtn", True, hadamard=H), nvfp4.quantize(x, block, "rtn", True, hadamard=H)
-    assert (k.codes != r.codes).float().mean() < 1e-3 and (k.scales.view(torch.uint8) != r.scales.view(torch.uint8)).float().mean() < 1e-3
+    k, r = (kquantize(x, block, "rtn", True, hadamard=H),
+            nvfp4.quantize(x, block, "rtn", True, hadamard=H))
+    assert (k.codes != r.codes).float().mean() < 1e-3 \
+        and (k.scales.view(torch.uint8) != r.scales.view(torch.uint8)).float().mean() < 1e-3
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("transposed", [False, True])
 def test_global_amax_pair_equals_each_quantizations_own_amax(dtype, transposed):
-    """NVFP4Linear's backward reads dY once for max |dY| and max |H^T dY|: both must be the exact amaxes the
-    two quantizations would compute themselves (same global scale bits)."""
+    """NVFP4Linear's backward reads dY once for max |dY| and max |H^T dY|: both must be the exact
+    amaxes the two quantizations would compute themselves (same global scale bits)."""
     g = torch.Generator().manual_seed(11)
     H = nvfp4.random_hadamard(g)
     x = _heavy_tailed((64, 96), g, dtype)
-    x = x.t().contiguous().t() if transposed else x     # a column-major view takes the 64 x 64 tiles
-    x[37, 5] = -2 * x.abs().max()                       # the plain max sits in one element, negative
+    x = x.t().contiguous().t() if transposed else x  # a column-major view takes the 64 x 64 tiles
+    x[37, 5] = -2 * x.abs().max()  # the plain max sits in one element, negative
     plain, rotated = kq.global_amax_pair(x, H)
     assert plain.item() == -x[37, 5].item()
     x3 = x.reshape(1, *x.shape)
@@ -218,23 +249,26 @@ def test_global_amax_pair_equals_each_quantizations_own_amax(dtype, transposed):
               kquantize(x, block, "rtn", False, hadamard=hadamard))
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # quantize: SR
 
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("rounding", ["sr", "sr_up"])
 def test_sr_bit_exact_given_the_seed(block, rounding):
-    """The kernels' Philox words are the reference's (nvfp4.sr_uniforms): the same seed, the same codes."""
+    """The kernels' Philox words are the reference's (nvfp4.sr_uniforms): the same seed, the same
+    codes."""
     x = _heavy_tailed((32, 64), torch.Generator().manual_seed(3))
-    _same(kquantize(x, block, rounding, True, seed=11), nvfp4.quantize_reference(x, block, rounding, True, 11))
+    _same(kquantize(x, block, rounding, True, seed=11),
+          nvfp4.quantize_reference(x, block, rounding, True, 11))
 
 
 def _assert_sr_unbiased(d, row, t_rtn):
     """d: (n, C) dequantized SR draws of the same row x (C,). E[SR(a)] = a, so the mean must match
-    sign(x) * min(|x| / (s_b s_g), 6) * s_b s_g (the clamp at 6 is the format's, not SR's). Per value the number
-    of round-ups is Binomial(n, p), p the fractional distance: allow 6 standard deviations plus 10 draws (when
-    n p is small the count is Poisson-like and a few extra ups are not rare; over thousands of values a bound
-    of 5 sigma of the observed spread alone failed by chance when all n draws happened to round down)."""
+    sign(x) * min(|x| / (s_b s_g), 6) * s_b s_g (the clamp at 6 is the format's, not SR's). Per
+    value the number of round-ups is Binomial(n, p), p the fractional distance: allow 6 standard
+    deviations plus 10 draws (when n p is small the count is Poisson-like and a few extra ups are
+    not rare; over thousands of values a bound of 5 sigma of the observed spread alone failed by
+    chance when all n draws happened to round down)."""
     bm, bn = t_rtn.block
     n = d.shape[0]
     s_b = t_rtn.scales.float().repeat_interleave(bm, -2).repeat_interleave(bn, -1)[0]
@@ -243,7 +277,7 @@ def _assert_sr_unbiased(d, row, t_rtn):
     expected = torch.sign(row) * a * den
     grid = nvfp4.E2M1_VALUES
     lo = (a.unsqueeze(-1) >= grid[1:]).sum(-1)
-    gap = (grid[(lo + 1).clamp(max=7)] - grid[lo]) * den                   # one round-up in x's units
+    gap = (grid[(lo + 1).clamp(max=7)] - grid[lo]) * den  # one round-up in x's units
     p = torch.where(gap > 0, (a - grid[lo]) * den / torch.where(gap > 0, gap, 1.0), 0.0)
     bound = (6 * (n * p * (1 - p)).sqrt() + 10) * gap / n + 1e-6 * row.abs()
     assert ((d.mean(0) - expected).abs() <= bound).all()
@@ -252,23 +286,28 @@ def _assert_sr_unbiased(d, row, t_rtn):
 def test_sr_unbiased_reproducible_and_the_references_draws():
     g = torch.Generator().manual_seed(5)
     row = torch.randn(64, generator=g)
-    x = row.repeat(512, 1)                     # 512 independent SR draws of each of 64 values, one launch
+    x = row.repeat(512, 1)  # 512 independent SR draws of each of 64 values, one launch
     k = kquantize(x, (1, 16), "sr", seed=123)
     rtn = nvfp4.quantize_reference(x, (1, 16), "rtn", False)
-    _same(k, nvfp4.quantize_reference(x, (1, 16), "sr", False, 123))  # the reference's draws, bit for bit
+    # the reference's draws, bit for bit
+    _same(k, nvfp4.quantize_reference(x, (1, 16), "sr", False, 123))
     _assert_sr_unbiased(k.dequantize(), row, rtn)
-    assert torch.equal(kquantize(x, (1, 16), "sr", seed=123).codes, k.codes)  # reproducible given the seed
+    # reproducible given the seed
+    assert torch.equal(kquantize(x, (1, 16), "sr", seed=123).codes, k.codes)
     assert not torch.equal(kquantize(x, (1, 16), "sr", seed=124).codes, k.codes)
-    assert torch.equal(k.scales.view(torch.uint8), rtn.scales.view(torch.uint8))  # SR leaves the scales alone
+    # SR leaves the scales alone
+    assert torch.equal(k.scales.view(torch.uint8), rtn.scales.view(torch.uint8))
 
 
 @pytest.mark.parametrize("block", [(1, 16), (16, 1)])
 def test_sr_draws_independent_across_neighbours(block):
-    """Every element sits halfway between two grid points (a = 1.25: up with probability 1/2). One Philox call
-    feeds 4 neighbouring elements (kernels.nvfp4_quant._random_words): a reused or correlated draw would still be
-    unbiased, so check the pair correlations of the up/down decisions too, within and across the groups of 4."""
+    """Every element sits halfway between two grid points (a = 1.25: up with probability 1/2). One
+    Philox call feeds 4 neighbouring elements (kernels.nvfp4_quant._random_words): a reused or
+    correlated draw would still be unbiased, so check the pair correlations of the up/down decisions
+    too, within and across the groups of 4."""
     x = torch.full((128, 256), 1.25)
-    firsts = torch.zeros(128, 256, dtype=torch.bool)  # the first element of each block is 6: s_b * s_g = 1, a = 1.25
+    # the first element of each block is 6: s_b * s_g = 1, a = 1.25
+    firsts = torch.zeros(128, 256, dtype=torch.bool)
     if block == (1, 16):
         firsts[:, ::16] = True
     else:
@@ -285,15 +324,18 @@ def test_sr_draws_independent_across_neighbours(block):
 
 @pytest.mark.parametrize("block", [(1, 16), (16, 1)])
 @pytest.mark.parametrize("options", [dict(rounding="rtn"), dict(rounding="rtn", four_over_six=True),
-                                     dict(rounding="sr", seed=5), dict(rounding="sr", seed=5, hadamard=True),
+                                     dict(rounding="sr", seed=5),
+                                     dict(rounding="sr", seed=5, hadamard=True),
                                      dict(rounding="sr", seed=5, hadamard=True, four_over_six=True),
-                                     dict(rounding="sr_up", seed=5, hadamard=True, four_over_six=True)])
+                                     dict(rounding="sr_up", seed=5, hadamard=True,
+                                          four_over_six=True)])
 def test_rows_and_cols_kernels_equal_the_tile_kernel(block, options):
     """1x16 blocks of a contiguous x take _quantize_rows_kernel, 16x1 blocks of a row-major x
-    _quantize_cols_kernel; the same values stored column-major take the general tile kernel, which must give the
-    same bits (codes, scales, bf16 values, global scale, the global amax of the rotated x; SR: the same Philox
-    counters; the rotation: the same butterfly), on shapes with masked tails (a block count that is not a
-    multiple of the rows kernel's program size, a width that is not a multiple of the cols kernel's)."""
+    _quantize_cols_kernel; the same values stored column-major take the general tile kernel, which
+    must give the same bits (codes, scales, bf16 values, global scale, the global amax of the
+    rotated x; SR: the same Philox counters; the rotation: the same butterfly), on shapes with
+    masked tails (a block count that is not a multiple of the rows kernel's program size, a width
+    that is not a multiple of the cols kernel's)."""
     g = torch.Generator().manual_seed(3)
     shape = (2, 40, 48) if block == (1, 16) else (2, 32, 600)
     x = _heavy_tailed(shape, g)
@@ -306,11 +348,13 @@ def test_rows_and_cols_kernels_equal_the_tile_kernel(block, options):
     assert not kq._use_rows(x3_tile, block) and not kq._use_cols(x3_tile, block)
     fast_values, fast_gs, *fast = kq.quantize_dequant(x, block, return_tensor=True, **opts)
     tile_values, tile_gs, *tile = kq.quantize_dequant(x_tile, block, return_tensor=True, **opts)
-    _same(nvfp4.NVFP4Tensor(*fast, fast_gs, shape, block), nvfp4.NVFP4Tensor(*tile, tile_gs, shape, block))
-    assert torch.equal(fast_values.view(torch.int16), tile_values.view(torch.int16))  # -0.0 included
+    _same(nvfp4.NVFP4Tensor(*fast, fast_gs, shape, block),
+          nvfp4.NVFP4Tensor(*tile, tile_gs, shape, block))
+    # -0.0 included
+    assert torch.equal(fast_values.view(torch.int16), tile_values.view(torch.int16))
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # quantize_dequant / grid values
 
 @pytest.mark.parametrize("block", [(1, 16), (16, 16)])
@@ -323,15 +367,17 @@ def test_quantize_dequant_writes_the_grid_values(block):
     _same(nvfp4.NVFP4Tensor(codes, scales, s_g, x.shape, block), r)
     assert torch.equal(kq.grid_values_bf16(r).float(), r.grid_values())
     assert torch.equal(kdequantize(r, torch.float32), r.dequantize(torch.float32))
-    assert torch.equal(kdequantize(r, torch.bfloat16), r.dequantize(torch.bfloat16))  # explicit RNE to bf16
+    # explicit RNE to bf16
+    assert torch.equal(kdequantize(r, torch.bfloat16), r.dequantize(torch.bfloat16))
 
 
 @pytest.mark.parametrize("block", BLOCKS)
 def test_dequantize_bitwise_every_block(block):
-    """kq.dequantize / grid_values_bf16 against the reference bit for bit (-0.0 of negative zero codes and
-    subnormal scales included), batched, with a block count that leaves a partial program."""
+    """kq.dequantize / grid_values_bf16 against the reference bit for bit (-0.0 of negative zero
+    codes and subnormal scales included), batched, with a block count that leaves a partial
+    program."""
     x = _heavy_tailed((3, 48, 80), torch.Generator().manual_seed(11))
-    x[0, :16, :16] = -1e-30                                # tiny negative blocks: scale 0, codes 8 (-0.0)
+    x[0, :16, :16] = -1e-30  # tiny negative blocks: scale 0, codes 8 (-0.0)
     r = nvfp4.quantize_reference(x, block, "rtn", False)
     assert (r.unpack_codes() == 8).any() and (r.scales.float() < 2**-6).any()
     bits = lambda t: t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
@@ -340,13 +386,13 @@ def test_dequantize_bitwise_every_block(block):
         assert torch.equal(bits(kdequantize(r, dtype)), bits(r.dequantize(dtype)))
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # GEMM
 
 def _gemm_bound(a_hat, b_hat, gs, K, out_dtype):
-    """|kernel - reference| bound: fp32 summation in another order (K * 2^-22 relative to sum |a||b|, generous
-    for tensor-core accumulation) plus one rounding of the output dtype (a full ulp: the interpreter's
-    fp32 -> bf16 cast truncates instead of rounding to nearest)."""
+    """|kernel - reference| bound: fp32 summation in another order (K * 2^-22 relative to sum
+    |a||b|, generous for tensor-core accumulation) plus one rounding of the output dtype (a full
+    ulp: the interpreter's fp32 -> bf16 cast truncates instead of rounding to nearest)."""
     mag = (a_hat.abs().double() @ b_hat.abs().double().t()) * gs
     eps_out = {torch.float32: 2**-23, torch.bfloat16: 2**-7, torch.float16: 2**-10}[out_dtype]
     return mag * K * 2**-22 + mag * eps_out + 1e-30
@@ -361,7 +407,8 @@ def _check_gemm(out, a, b, trans_a=False, trans_b=False, out_dtype=torch.float32
     assert out.dtype == out_dtype and out.shape == ref.shape
     err = (out.double() - ref).abs()
     bound = _gemm_bound(A, B, gs, A.shape[1], out_dtype)
-    assert (err <= bound).all(), f"max err {err.max().item()}, bound there {bound.flatten()[err.argmax()].item()}"
+    assert (err <= bound).all(), \
+        f"max err {err.max().item()}, bound there {bound.flatten()[err.argmax()].item()}"
     # and the reference itself (nvfp4.nvfp4_matmul on CPU) agrees within the same bound
     if out.device.type == "cpu":
         r = nvfp4.nvfp4_matmul(transposed(a) if trans_a else a, transposed(b) if trans_b else b)
@@ -374,7 +421,8 @@ def test_gemm_matches_reference(M, N, K, w_block):
     if N % w_block[0]:
         pytest.skip("16x16 weight blocks need N % 16 == 0")
     g = torch.Generator().manual_seed(M * N + K)
-    a = nvfp4.quantize(_heavy_tailed((M, K), g) if M >= 32 and K >= 32 else torch.randn(M, K, generator=g), (1, 16))
+    a = nvfp4.quantize(_heavy_tailed((M, K), g) if M >= 32 and K >= 32
+                       else torch.randn(M, K, generator=g), (1, 16))
     b = nvfp4.quantize(torch.randn(N, K, generator=g), w_block)
     for out_dtype in (torch.float32, torch.bfloat16):
         _check_gemm(kg.nvfp4_gemm(a, b, out_dtype=out_dtype), a, b, out_dtype=out_dtype)
@@ -383,7 +431,8 @@ def test_gemm_matches_reference(M, N, K, w_block):
 def test_gemm_transposed_operands():
     g = torch.Generator().manual_seed(2)
     T, O, I = 32, 48, 64
-    dy, W, X = torch.randn(T, O, generator=g), torch.randn(O, I, generator=g), torch.randn(T, I, generator=g)
+    dy, W, X = (torch.randn(T, O, generator=g), torch.randn(O, I, generator=g),
+                torch.randn(T, I, generator=g))
     dyq, wq = nvfp4.quantize(dy, (1, 16)), nvfp4.quantize(W, (16, 16))
     # dX = Q1x16(dY) Q16x16(W): W stored (out, in) is the transposed (N=in, K=out) operand
     _check_gemm(kg.nvfp4_gemm(dyq, wq, torch.float32, trans_b=True), dyq, wq, trans_b=True)
@@ -395,34 +444,39 @@ def test_gemm_transposed_operands():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_scale_kernel_rounds_like_torch_mul(dtype):
-    """The grid-value route's global-scale pass: x * s_g in fp32, rounded once to x's dtype (ties to even), in place."""
+    """The grid-value route's global-scale pass: x * s_g in fp32, rounded once to x's dtype
+    (ties to even), in place."""
     g = torch.Generator().manual_seed(11)
-    x = (torch.randn(5000, generator=g) * 100).to(dtype)  # not a multiple of the block: the masked tail
-    gs_a, gs_b = torch.tensor(0.3333, dtype=torch.float32), torch.tensor(1.1e-3, dtype=torch.float32)
+    # not a multiple of the block: the masked tail
+    x = (torch.randn(5000, generator=g) * 100).to(dtype)
+    gs_a, gs_b = (torch.tensor(0.3333, dtype=torch.float32),
+                  torch.tensor(1.1e-3, dtype=torch.float32))
     want = (x.float() * (gs_a * gs_b)).to(dtype)
     got = kg.scale_(x.clone(), gs_a, gs_b)
     assert torch.equal(got, want)
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The linear layer's kernels (kernels/nvfp4_linear.py) in the interpreter
 
 
 
 def test_wgrad_averages_to_the_unquantized_product():
-    """Eq. 2 is unbiased (SR, H H^T = I) up to the block-scale clamp: the kernel route's dW averaged over fresh
-    draws approaches dY^T X_hat far closer than one draw (the contract tests check each draw's bits)."""
+    """Eq. 2 is unbiased (SR, H H^T = I) up to the block-scale clamp: the kernel route's dW averaged
+    over fresh draws approaches dY^T X_hat far closer than one draw (the contract tests check each
+    draw's bits)."""
     g = torch.Generator().manual_seed(22)
     T, I, O = 64, 32, 32
     dy = torch.randn(T, O, generator=g).bfloat16()
     xq = nvfp4.quantize(torch.randn(T, I, generator=g), (1, 16), "rtn")
     c = nvfp4.linear_contract(False)
     exact = dy.double().t() @ xq.dequantize(torch.bfloat16).double()
-    dws = [kl.wgrad(dy, xq, c, nvfp4.random_hadamard(g), (2 * i, 2 * i + 1)).double() for i in range(48)]
+    dws = [kl.wgrad(dy, xq, c, nvfp4.random_hadamard(g),
+                    (2 * i, 2 * i + 1)).double() for i in range(48)]
     assert nvfp4.relative_mse(exact, sum(dws) / len(dws)) < nvfp4.relative_mse(exact, dws[0]) / 10
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # bad input -> clear errors
 
 def test_bad_inputs_raise_clear_errors():
@@ -448,9 +502,9 @@ def test_bad_inputs_raise_clear_errors():
         kg.nvfp4_gemm(a, nvfp4.quantize(torch.randn(64, 16), (1, 16)), trans_b=True)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# GPU, full size (H200): kernels vs the reference run on CPU (the spec; see kernels/nvfp4_quant.py's note on
-# torch's CUDA scalar division)
+# --------------------------------------------------------------------------------------------------
+# GPU, full size (H200): kernels vs the reference run on CPU (the spec; see kernels/nvfp4_quant.py's
+# note on torch's CUDA scalar division)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block", BLOCKS)
@@ -467,7 +521,8 @@ def test_gpu_quantize_rtn_bit_exact_4096(block, four_over_six, dtype):
 def test_gpu_sr_bit_exact_given_the_seed_and_unbiased(block):
     x = _heavy_tailed((4096, 4096), torch.Generator().manual_seed(1), torch.bfloat16)
     for rounding in ("sr", "sr_up"):
-        _same(kquantize(x.cuda(), block, rounding, True, seed=2), nvfp4.quantize_reference(x, block, rounding, True, 2))
+        _same(kquantize(x.cuda(), block, rounding, True, seed=2),
+              nvfp4.quantize_reference(x, block, rounding, True, 2))
     row = torch.randn(4096)
     xs = row.repeat(4096, 1)
     d = kquantize(xs.cuda(), block, "sr", seed=3).dequantize().cpu()
@@ -491,12 +546,14 @@ def test_gpu_hadamard_4096(block):
     H = nvfp4.random_hadamard(g)
     x = (torch.randint(-64, 65, (4096, 4096), generator=g).float() / 8).to(torch.bfloat16)
     _same(kquantize(x.cuda(), block, "rtn", hadamard=H.cuda()), nvfp4.quantize_reference(
-        nvfp4.hadamard_transform(x.float(), H, dim=-1 if block == (1, 16) else -2), block, "rtn", False))
+        nvfp4.hadamard_transform(x.float(), H, dim=-1 if block == (1, 16) else -2),
+        block, "rtn", False))
     # generic bf16 values: tensor-core accumulation of the 16-term rotation may round differently
     x = torch.randn(4096, 4096, generator=g).to(torch.bfloat16)
     k = kquantize(x.cuda(), block, "rtn", hadamard=H.cuda())
-    r = nvfp4.quantize_reference(nvfp4.hadamard_transform(x.float(), H, dim=-1 if block == (1, 16) else -2),
-                                 block, "rtn", False)
+    r = nvfp4.quantize_reference(
+        nvfp4.hadamard_transform(x.float(), H, dim=-1 if block == (1, 16) else -2),
+        block, "rtn", False)
     assert (k.codes.cpu() != r.codes).float().mean() < 1e-4
     assert (k.scales.view(torch.uint8).cpu() != r.scales.view(torch.uint8)).float().mean() < 1e-4
 
@@ -508,8 +565,10 @@ def test_gpu_gemm_layouts_and_fp32_out_4096():
     b = kquantize(torch.randn(4096, 4096, device="cuda", generator=g), (16, 16))
     c = kquantize(torch.randn(4096, 2048, device="cuda", generator=g), (16, 1))
     d = kquantize(torch.randn(4096, 1024, device="cuda", generator=g), (16, 1))
-    gemm = lambda x, y, trans_a=False, trans_b=False: kg.nvfp4_gemm(x, y, torch.float32, trans_a, trans_b)
-    # without torch.mm(out_dtype=float32) (older torch) the grid-value route rounds through bf16 once
+    gemm = lambda x, y, trans_a=False, trans_b=False: kg.nvfp4_gemm(x, y, torch.float32, trans_a,
+                                                                    trans_b)
+    # without torch.mm(out_dtype=float32) (older torch) the grid-value route rounds through bf16
+    # once
     od = torch.float32 if kg._MM_FP32_OUT[0] else torch.bfloat16
     _check_gemm(gemm(a, b).to(od), a, b, out_dtype=od)
     _check_gemm(gemm(a, b, trans_b=True).to(od), a, b, trans_b=True, out_dtype=od)
@@ -527,11 +586,13 @@ def test_gpu_gemm_odd_shapes():
 
 @pytest.mark.gpu
 def test_gpu_nvfp4_matmul_folds_leading_dims():
-    """nvfp4.nvfp4_matmul's kernel path (the seam folds a's leading dims into rows) against its CPU reference."""
+    """nvfp4.nvfp4_matmul's kernel path (the seam folds a's leading dims into rows) against its CPU
+    reference."""
     g = torch.Generator().manual_seed(8)
     a = nvfp4.quantize(torch.randn(3, 64, 256, generator=g).cuda(), (1, 16))
     b = nvfp4.quantize(torch.randn(128, 256, generator=g).cuda(), (16, 16))
-    cpu = lambda t: nvfp4.NVFP4Tensor(t.codes.cpu(), t.scales.cpu(), t.global_scale.cpu(), t.shape, t.block)
+    cpu = lambda t: nvfp4.NVFP4Tensor(t.codes.cpu(), t.scales.cpu(), t.global_scale.cpu(),
+                                      t.shape, t.block)
     out = nvfp4.nvfp4_matmul(a, b)
     assert out.shape == (3, 64, 128)
     ref = nvfp4.nvfp4_matmul(cpu(a), cpu(b))
@@ -540,9 +601,10 @@ def test_gpu_nvfp4_matmul_folds_leading_dims():
 
 @pytest.mark.gpu
 def test_gpu_linear_matches_the_reference():
-    """NVFP4Linear on the GPU (kernels/nvfp4_linear.py: on the H200 quantize kernels writing bf16 grid values,
-    cuBLAS, the scale pass): the forward equals the reference's quantized product up to the bf16 output rounding,
-    and the SR backward averages to the straight-through gradients dY Q(W) and dY^T Q(X) (eq. 2 is unbiased)."""
+    """NVFP4Linear on the GPU (kernels/nvfp4_linear.py: on the H200 quantize kernels writing bf16
+    grid values, cuBLAS, the scale pass): the forward equals the reference's quantized product up to
+    the bf16 output rounding, and the SR backward averages to the straight-through gradients dY Q(W)
+    and dY^T Q(X) (eq. 2 is unbiased)."""
     torch.manual_seed(0)
     T, I, O = 2048, 512, 256
     layer = nvfp4.NVFP4Linear(I, O).cuda()
@@ -552,8 +614,10 @@ def test_gpu_linear_matches_the_reference():
     xq_ref = nvfp4.quantize_reference(x.detach().cpu(), (1, 16), "rtn", False)
     wq_ref = nvfp4.quantize_reference(layer.weight.detach().cpu(), (16, 16), "rtn", False)
     _same(y.grad_fn.xq, xq_ref)
-    wv, s_gw = y.grad_fn.w_used   # W's forward grid values, kept for dX (Q16x16(W) reused, not re-decoded)
-    assert torch.equal(wv.cpu(), wq_ref.grid_values().bfloat16()) and torch.equal(s_gw.cpu(), wq_ref.global_scale)
+    # W's forward grid values, kept for dX (Q16x16(W) reused, not re-decoded)
+    wv, s_gw = y.grad_fn.w_used
+    assert torch.equal(wv.cpu(), wq_ref.grid_values().bfloat16()) \
+        and torch.equal(s_gw.cpu(), wq_ref.global_scale)
     ref = xq_ref.dequantize().double() @ wq_ref.dequantize().double().t()
     err = (y.detach().cpu().double() - ref).abs()
     assert (err <= 2 ** -7 * ref.abs() + 1e-6 * ref.abs().max()).all(), err.max()
@@ -571,13 +635,15 @@ def test_gpu_linear_matches_the_reference():
 
 
 def test_quantize_kernels_compile_for_hopper_without_a_gpu():
-    """The interpreter does not type-check: compile every quantize / dequantize / scale launch the layers make for
-    sm_90a, with the argument types and options the launchers pass (tests/compile_for_target.py; a subprocess, as
-    the suite runs interpreted). A launch once failed to compile on the GPU only: the rows kernel's amax pre-pass
-    loaded an unused bf16 dummy pointer as its fp32 amax."""
+    """The interpreter does not type-check: compile every quantize / dequantize / scale launch the
+    layers make for sm_90a, with the argument types and options the launchers pass
+    (tests/compile_for_target.py; a subprocess, as the suite runs interpreted). A launch once failed
+    to compile on the GPU only: the rows kernel's amax pre-pass loaded an unused bf16 dummy pointer
+    as its fp32 amax."""
     from test_blackwell import compile_for
     lines = compile_for("hopper")
     assert {arch for _, arch, _ in lines} == {"sm_90a"}
-    assert {kernel for kernel, _, _ in lines} == {"_quantize_rows_kernel", "_quantize_cols_kernel", "_quantize_kernel",
-                                                  "_dequantize_rows_kernel", "_dequantize_kernel", "_scale_kernel"}
+    assert {kernel for kernel, _, _ in lines} == {
+        "_quantize_rows_kernel", "_quantize_cols_kernel", "_quantize_kernel",
+        "_dequantize_rows_kernel", "_dequantize_kernel", "_scale_kernel"}
     assert len(lines) >= 20
