@@ -430,8 +430,9 @@ def tables(results, candidates, problems, seeds, open_seeds, sgd_candidates, roo
                                  f"{pm(*excess(results, p, c, seeds, 'sgd')[:2])} |")
     keys = ("M_error", "sgd_update_error", "root_update_error", "weak_directions",
             "weak_share_of_M", "weak_share_of_root_update", "weak_share_of_root_error")
-    lines += ["", "| problem | candidate | " + " | ".join(keys) + " |",
-              "|---|---|" + "---|" * len(keys)]
+    if open_seeds:
+        lines += ["", "| problem | candidate | " + " | ".join(keys) + " |",
+                  "|---|---|" + "---|" * len(keys)]
     for p in problems:
         for c in candidates:
             o = [results[("open", p, c, s)] for s in open_seeds if ("open", p, c, s) in results]
