@@ -1,22 +1,25 @@
 """
-Flash attention kernels for attention.py (paper §3.5, App. 11 Algorithm 8). A forward pass, and a backward in two
-passes: dK/dV (one key tile of one kv head; it loops over the G query heads of its group and all their query tiles)
-and dQ (one query tile of one query head, recomputing S, P and dP: 7 matmuls instead of FlashAttention-2's 5 with
-atomic dQ, and deterministic). Causal or not, any T; GQA without repeating K/V (query head h reads kv head h // G).
+Flash attention kernels for attention.py (paper §3.5, App. 11 Algorithm 8). A forward pass, and a
+backward in two passes: dK/dV (one key tile of one kv head; it loops over the G query heads of its
+group and all their query tiles) and dQ (one query tile of one query head, recomputing S, P and dP:
+7 matmuls instead of FlashAttention-2's 5 with atomic dQ, and deterministic). Causal or not, any T;
+GQA without repeating K/V (query head h reads kv head h // G).
 
-Operands are plain tensors. With an NVFP4 policy Q, K, V arrive as their grid values q * s_b in bf16 (exact: at
-most 6 significant bits) and the per-tensor global scales s_g multiply the fp32 accumulators afterwards: on Hopper,
-which has no FP4 tensor cores, the arithmetic of a native NVFP4 GEMM up to summation order. On Blackwell the native
-path would be `tl.dot_scaled` with e2m1 operands and e4m3 scales; not implemented here.
+Operands are plain tensors. With an NVFP4 policy Q, K, V arrive as their grid values q * s_b in bf16
+(exact: at most 6 significant bits) and the per-tensor global scales s_g multiply the fp32
+accumulators afterwards: on Hopper, which has no FP4 tensor cores, the arithmetic of a native NVFP4
+GEMM up to summation order. On Blackwell the native path would be `tl.dot_scaled` with e2m1 operands
+and e4m3 scales; not implemented here.
 
-In-register quantization (`_fake_quant_rows16`): tiles of dS (and of P in the fp4_pv / fp4_all variants) are
-quantized in 1x16 blocks along the tile's last dim with nvfp4_quant's block scale and correctly rounded divisions
-(nvfp4.quantize's formulas), so attention.fake_quantize_rows16, the torch mirror, gives the same bits. SR draws 16
-random bits per element from a counter hash of its (head, query, key) position (`_ds_random_words`), so the draw
-does not depend on the tiling and the reference reproduces it.
+In-register quantization (`_fake_quant_rows16`): tiles of dS (and of P in the fp4_pv / fp4_all
+variants) are quantized in 1x16 blocks along the tile's last dim with nvfp4_quant's block scale and
+correctly rounded divisions (nvfp4.quantize's formulas), so attention.fake_quantize_rows16, the
+torch mirror, gives the same bits. SR draws 16 random bits per element from a counter hash of its
+(head, query, key) position (`_ds_random_words`), so the draw does not depend on the tiling and the
+reference reproduces it.
 
-Scores live in the log2 domain (S * sm_scale * log2 e), as in Triton's fused-attention tutorial; the forward saves
-lse2 = m + log2(l) per row and the backward recomputes P = exp2(S2 - lse2).
+Scores live in the log2 domain (S * sm_scale * log2 e), as in Triton's fused-attention tutorial; the
+forward saves lse2 = m + log2(l) per row and the backward recomputes P = exp2(S2 - lse2).
 """
 
 import os
@@ -35,9 +38,10 @@ def _interpreting():
 
 
 def _patch_interpreter_loop_bounds():
-    """Triton 3.6's interpreter holds scalars as shape-(1,) numpy arrays and turns them into loop bounds with
-    int(array), which NumPy >= 2.4 refuses ("only 0-dimensional arrays can be converted"): every `range(lo, hi)`
-    with runtime bounds fails. Convert through .item() instead. Interpreter only; a no-op on older NumPy."""
+    """Triton 3.6's interpreter holds scalars as shape-(1,) numpy arrays and turns them into loop
+    bounds with int(array), which NumPy >= 2.4 refuses ("only 0-dimensional arrays can be
+    converted"): every `range(lo, hi)` with runtime bounds fails. Convert through .item() instead.
+    Interpreter only; a no-op on older NumPy."""
     import triton.runtime.interpreter as interp
     if getattr(interp, "_nanofp4_index_patch", False):
         return
@@ -56,12 +60,13 @@ if _interpreting():
 P_S_ENC = tl.constexpr(448.0 * 6.0)  # P's encode scale: amax(P) <= 1 (attention.P_SCALES)
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # helpers
 
 @triton.jit
 def _load_tile(ptr, rows, T, D: tl.constexpr, MASK_ROWS: tl.constexpr, DTYPE: tl.constexpr):
-    """(R, D) tile of rows `rows` of a row-major (T, D) operand, in DTYPE; rows >= T read as 0 when MASK_ROWS."""
+    """(R, D) tile of rows `rows` of a row-major (T, D) operand, in DTYPE; rows >= T read as 0 when
+    MASK_ROWS."""
     cols = tl.arange(0, D)
     if MASK_ROWS:
         x = tl.load(ptr + rows[:, None] * D + cols[None, :], mask=rows[:, None] < T, other=0.0)
@@ -72,9 +77,10 @@ def _load_tile(ptr, rows, T, D: tl.constexpr, MASK_ROWS: tl.constexpr, DTYPE: tl
 
 @triton.jit
 def _round_bf16(x, EMULATE_BF16: tl.constexpr):
-    """Interpreter only (EMULATE_BF16): fp32 rounded to the nearest bf16, ties to even, still in fp32. The
-    interpreter's own fp32 -> bf16 cast truncates, and its tl.dot multiplies bf16 bit patterns as integers, so
-    bf16 runs there multiply bf16-valued fp32 tiles instead: the same products. A no-op on the GPU."""
+    """Interpreter only (EMULATE_BF16): fp32 rounded to the nearest bf16, ties to even, still in
+    fp32. The interpreter's own fp32 -> bf16 cast truncates, and its tl.dot multiplies bf16 bit
+    patterns as integers, so bf16 runs there multiply bf16-valued fp32 tiles instead: the same
+    products. A no-op on the GPU."""
     if EMULATE_BF16:
         u = x.to(tl.uint32, bitcast=True)
         u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
@@ -84,7 +90,8 @@ def _round_bf16(x, EMULATE_BF16: tl.constexpr):
 
 @triton.jit
 def _op(x, DTYPE: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """A computed tile (P, dS) as a matmul operand in DTYPE (fp32 holding bf16 values when emulating)."""
+    """A computed tile (P, dS) as a matmul operand in DTYPE (fp32 holding bf16 values when
+    emulating)."""
     return _round_bf16(x, EMULATE_BF16).to(DTYPE)
 
 
@@ -100,11 +107,12 @@ def _fmix32(x):
 
 @triton.jit
 def _ds_random_words(key, rows, c0, T, R: tl.constexpr, C: tl.constexpr, QUERY_PAIRS: tl.constexpr):
-    """(R, C) random words for SR (nvfp4_quant's convention: the uniform is (word >> 8) * 2^-24) for a dS tile
-    whose rows are `rows` and whose last dim runs over c0 + arange(C) (c0 even), of the head whose stream key is
-    `key` (uint32). 16 random bits per element: the elements 2j and 2j + 1 along the last dim share one hash of
-    the pair's (query, key) counter, the even one taking its low half and the odd one its high half (half the
-    hashing; u is then a multiple of 2^-16, which biases a rounding decision by < 2^-16 of an E2M1 step).
+    """(R, C) random words for SR (nvfp4_quant's convention: the uniform is (word >> 8) * 2^-24) for
+    a dS tile whose rows are `rows` and whose last dim runs over c0 + arange(C) (c0 even), of the
+    head whose stream key is `key` (uint32). 16 random bits per element: the elements 2j and 2j + 1
+    along the last dim share one hash of the pair's (query, key) counter, the even one taking its
+    low half and the odd one its high half (half the hashing; u is then a multiple of 2^-16, which
+    biases a rounding decision by < 2^-16 of an E2M1 step).
     The tile is (queries, keys), or (keys, queries) when QUERY_PAIRS (dS^T in the dK/dV pass).
     attention.sr_uniforms draws the same u."""
     cols = c0 + 2 * tl.arange(0, C // 2)
@@ -118,22 +126,25 @@ def _ds_random_words(key, rows, c0, T, R: tl.constexpr, C: tl.constexpr, QUERY_P
 
 @triton.jit
 def _fake_quant_rows16(x, s_enc, s_dec, r, R: tl.constexpr, C: tl.constexpr, SR: tl.constexpr):
-    """NVFP4 quantize-dequantize of an (R, C) fp32 tile in 1x16 blocks along its last dim, with global scales
-    (S_enc, S_dec): returns q * s_b (the caller applies S_dec). nvfp4_quant's own block scale and E2M1 rounding
-    (so the formulas are nvfp4.quantize's): s_b = e4m3(amax_b * S_enc / 6), a = |x| * RN(1 / (s_b S_dec))
-    clamped to 6, RTN ties-to-even or SR from the random words r (R, C) (up iff (r >> 8) * 2^-24 < the
-    fractional distance)."""
+    """NVFP4 quantize-dequantize of an (R, C) fp32 tile in 1x16 blocks along its last dim, with
+    global scales (S_enc, S_dec): returns q * s_b (the caller applies S_dec). nvfp4_quant's own
+    block scale and E2M1 rounding (so the formulas are nvfp4.quantize's):
+    s_b = e4m3(amax_b * S_enc / 6), a = |x| * RN(1 / (s_b S_dec)) clamped to 6, RTN ties-to-even or
+    SR from the random words r (R, C) (up iff (r >> 8) * 2^-24 < the fractional distance)."""
     xb = tl.reshape(x, (R, C // 16, 16))
     s_b, _, den, inv = nvfp4_quant._block_scale(tl.max(tl.abs(xb), axis=2), s_enc, s_dec, 6.0)
     a = tl.minimum(tl.abs(xb) * inv[:, :, None], 6.0)
-    # Rounded in the value domain (nvfp4_quant's _sr_e2m1 / _rtn_e2m1 make code indices, which a tile that is
-    # multiplied right away would have to decode again). E2M1's grid has step p / 2 with p = 2^floor(log2 max(a, 1)),
-    # read off the exponent bits: 0.5 on [0, 2), 1 on [2, 4), 2 on [4, 6].
+    # Rounded in the value domain (nvfp4_quant's _sr_e2m1 / _rtn_e2m1 make code indices, which a
+    # tile that is multiplied right away would have to decode again). E2M1's grid has step p / 2
+    # with p = 2^floor(log2 max(a, 1)), read off the exponent bits: 0.5 on [0, 2), 1 on [2, 4),
+    # 2 on [4, 6].
     pbits = tl.maximum(a, 1.0).to(tl.int32, bitcast=True) & 0x7F800000
-    if SR:   # up iff u = (r >> 8) * 2^-24 < y - floor(y) for y = a / step (exact: step is a power of two)
+    # up iff u = (r >> 8) * 2^-24 < y - floor(y) for y = a / step (exact: step is a power of two)
+    if SR:
         y = a * ((255 << 23) - pbits).to(tl.float32, bitcast=True)                # 2 / p
         fl = tl.floor(y)
-        up = (tl.reshape(r, (R, C // 16, 16)) >> 8).to(tl.float32) < (y - fl) * 16777216.0   # both sides exact
+        # both sides exact
+        up = (tl.reshape(r, (R, C // 16, 16)) >> 8).to(tl.float32) < (y - fl) * 16777216.0
         v = (fl + up.to(tl.float32)) * (pbits - (1 << 23)).to(tl.float32, bitcast=True)   # * p / 2
     else:    # RTN ties-to-even: adding c = 2^22 p leaves exactly the grid's bits (ulp(c) = step)
         c = (pbits + (22 << 23)).to(tl.float32, bitcast=True)
@@ -143,7 +154,7 @@ def _fake_quant_rows16(x, s_enc, s_dec, r, R: tl.constexpr, C: tl.constexpr, SR:
     return tl.reshape(v, (R, C))
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # forward
 
 @triton.jit
@@ -154,20 +165,22 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, start, end, offs_m, T, s_scale, sg_p,
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_tile(K, offs_n, T, D, MASK, DTYPE)                                   # (N, D)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * s_scale                   # (M, N) log2 domain
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * s_scale  # (M, N) log2 domain
         if MASK:
             ok = offs_n[None, :] < T
             if CAUSAL:
                 ok = ok & (offs_n[None, :] <= offs_m[:, None])
             s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])                                         # P~ = exp(S - m)
+        p = tl.math.exp2(s - m_new[:, None])  # P~ = exp(S - m)
         alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)   # the normalizer uses the exact P~ (quantized P breaks the simplex)
+        # the normalizer uses the exact P~ (quantized P breaks the simplex)
+        l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         v = _load_tile(V, offs_n, T, D, MASK, DTYPE)                                   # (N, D)
         if QUANT_P:
-            p = _fake_quant_rows16(p, P_S_ENC, sg_p, p, BLOCK_M, BLOCK_N, False)              # 1x16 along keys, RTN
+            # 1x16 along keys, RTN
+            p = _fake_quant_rows16(p, P_S_ENC, sg_p, p, BLOCK_M, BLOCK_N, False)
         acc = tl.dot(_op(p, DTYPE, EMU), v, acc, input_precision=PREC)
         m_i = m_new
     return acc, l_i, m_i
@@ -210,42 +223,49 @@ def _attn_fwd(Q, K, V, SG, O, LSE, T, H, G, qk_scale,
              _round_bf16(o, EMU).to(O.dtype.element_ty), mask=rmask[:, None])
 
 
-# ----------------------------------------------------------------------------------------------------------
-# backward: dK, dV for one key tile of one kv head (loops over its G query heads and all query tiles)
+# --------------------------------------------------------------------------------------------------
+# backward: dK, dV for one key tile of one kv head (loops over its G query heads and all query
+# tiles)
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, Q, DO, DOQ, DOT, LSE, DELTA, key, start, end, offs_n, T, s_scale, sg_dp, se_ds,
-                sg_ds, sg_p, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-                CAUSAL: tl.constexpr, QUANT_DS: tl.constexpr, QUANT_DOV: tl.constexpr, QUANT_PDO: tl.constexpr,
+def _dkdv_inner(dk, dv, k, v, Q, DO, DOQ, DOT, LSE, DELTA, key, start, end, offs_n, T, s_scale,
+                sg_dp, se_ds, sg_ds, sg_p, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+                QUANT_DS: tl.constexpr, QUANT_DOV: tl.constexpr, QUANT_PDO: tl.constexpr,
                 DTYPE: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
     cols = tl.arange(0, D)
     for start_m in range(start, end, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         rmask = offs_m < T
         q = _load_tile(Q, offs_m, T, D, True, DTYPE)                                   # (M, D)
-        do = tl.load(DO + offs_m[:, None] * D + cols[None, :], mask=rmask[:, None], other=0.0).to(DTYPE)
-        lse = tl.load(LSE + offs_m, mask=rmask, other=float("inf"))                  # rows >= T: P = 0
+        do = tl.load(DO + offs_m[:, None] * D + cols[None, :], mask=rmask[:, None],
+                     other=0.0).to(DTYPE)
+        lse = tl.load(LSE + offs_m, mask=rmask, other=float("inf"))  # rows >= T: P = 0
         delta = tl.load(DELTA + offs_m, mask=rmask, other=0.0)
         sT = tl.dot(k, tl.trans(q), input_precision=PREC) * s_scale                  # (N, M)
         pT = tl.math.exp2(sT - lse[None, :])
         if MASK:
             if CAUSAL:
                 pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
-        if not CAUSAL:   # keys >= T (zero rows of a partial key tile) must not reach dS's block amax
+        if not CAUSAL:  # keys >= T (zero rows of a partial key tile) must not reach dS's block amax
             pT = tl.where(offs_n[:, None] < T, pT, 0.0)
-        if QUANT_PDO:   # fp4_all: P^T dO with P in 1x16 blocks along the queries (its contraction dim)
-            doT = tl.load(DOT + offs_m[:, None] * D + cols[None, :], mask=rmask[:, None], other=0.0).to(DTYPE)
+        # fp4_all: P^T dO with P in 1x16 blocks along the queries (its contraction dim)
+        if QUANT_PDO:
+            doT = tl.load(DOT + offs_m[:, None] * D + cols[None, :], mask=rmask[:, None],
+                          other=0.0).to(DTYPE)
             pq = _fake_quant_rows16(pT, P_S_ENC, sg_p, pT, BLOCK_N, BLOCK_M, False)
             dv = tl.dot(_op(pq, DTYPE, EMU), doT, dv, input_precision=PREC)
         else:
-            dv = tl.dot(_op(pT, DTYPE, EMU), do, dv, input_precision=PREC)                  # dV += P^T dO
+            dv = tl.dot(_op(pT, DTYPE, EMU), do, dv, input_precision=PREC)  # dV += P^T dO
         if QUANT_DOV:
-            doq = tl.load(DOQ + offs_m[:, None] * D + cols[None, :], mask=rmask[:, None], other=0.0).to(DTYPE)
+            doq = tl.load(DOQ + offs_m[:, None] * D + cols[None, :], mask=rmask[:, None],
+                          other=0.0).to(DTYPE)
             dpT = tl.dot(v, tl.trans(doq), input_precision=PREC) * sg_dp
         else:
             dpT = tl.dot(v, tl.trans(do), input_precision=PREC) * sg_dp              # dP^T = V dO^T
-        dsT = pT * (dpT - delta[None, :])                                            # dS = P (dP - D)
-        if QUANT_DS:   # dK = dS^T Q contracts over queries: 1x16 blocks of dS^T along the queries, SR
+        dsT = pT * (dpT - delta[None, :])  # dS = P (dP - D)
+        # dK = dS^T Q contracts over queries: 1x16 blocks of dS^T along the queries, SR
+        if QUANT_DS:
             r = _ds_random_words(key, offs_n, start_m, T, BLOCK_N, BLOCK_M, True)
             dsT = _fake_quant_rows16(dsT, se_ds, sg_ds, r, BLOCK_N, BLOCK_M, True)
         dk = tl.dot(_op(dsT, DTYPE, EMU), q, dk, input_precision=PREC)
@@ -253,10 +273,11 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, DOQ, DOT, LSE, DELTA, key, start, end, offs
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, SG, DO, DOQ, DOT, LSE, DELTA, SGDS, KEYS, DK, DV, T, H, G, qk_scale, sm_scale,
-                   D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                   QUANT_DS: tl.constexpr, QUANT_DOV: tl.constexpr, QUANT_PDO: tl.constexpr,
-                   DTYPE: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
+def _attn_bwd_dkdv(Q, K, V, SG, DO, DOQ, DOT, LSE, DELTA, SGDS, KEYS, DK, DV, T, H, G, qk_scale,
+                   sm_scale, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   CAUSAL: tl.constexpr, QUANT_DS: tl.constexpr, QUANT_DOV: tl.constexpr,
+                   QUANT_PDO: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr,
+                   EMU: tl.constexpr):
     pid_n = tl.program_id(0)
     bkv = tl.program_id(1)                    # b * Hkv + kv head
     Hkv = H // G
@@ -277,15 +298,16 @@ def _attn_bwd_dkdv(Q, K, V, SG, DO, DOQ, DOT, LSE, DELTA, SGDS, KEYS, DK, DV, T,
     dv = tl.zeros([BLOCK_N, D], dtype=tl.float32)
     if CAUSAL:
         lo = pid_n * BLOCK_N                  # queries < lo see none of these keys
-        # the diagonal band (queries < lo + BLOCK_N, rounded up to whole query tiles) needs the causal mask
+        # the diagonal band (queries < lo + BLOCK_N, rounded up to whole query tiles) needs the
+        # causal mask
         mid = tl.minimum(lo + tl.cdiv(BLOCK_N, BLOCK_M) * BLOCK_M, T)
     else:
         lo = 0
         mid = 0
     n_full = mid + ((T - mid) // BLOCK_M) * BLOCK_M
-    # dK = sum_g s_g(dS_g) (dS_g^T Q_g) over the G query heads of this kv head. One accumulator for all of them
-    # (a second BLOCK_N x D fp32 one makes the kernel spill): dk holds the sum in units of the current head's
-    # s_g(dS), rescaled by s_g(previous) / s_g(current) at each head boundary.
+    # dK = sum_g s_g(dS_g) (dS_g^T Q_g) over the G query heads of this kv head. One accumulator for
+    # all of them (a second BLOCK_N x D fp32 one makes the kernel spill): dk holds the sum in units
+    # of the current head's s_g(dS), rescaled by s_g(previous) / s_g(current) at each head boundary.
     _, sg_prev = nvfp4_quant._global_scales(tl.load(SGDS + b * H + g0), 448.0)
     for g in range(G):
         bh = b * H + g0 + g
@@ -295,15 +317,19 @@ def _attn_bwd_dkdv(Q, K, V, SG, DO, DOQ, DOT, LSE, DELTA, SGDS, KEYS, DK, DV, T,
         key = tl.load(KEYS + 2 * bh + 1).to(tl.uint32, bitcast=True)
         dk = dk * tl.div_rn(sg_prev, sg_ds)
         sg_prev = sg_ds
-        # the queries of the causal band (masked), then whole query tiles, then a partial last tile (masked)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, DO + row, DOQ + row, DOT + row, LSE + bh * T, DELTA + bh * T,
-                             key, lo, mid, offs_n, T, s_scale, sg_dp, se_ds, sg_ds, sg_p, D, BLOCK_M, BLOCK_N, True,
+        # the queries of the causal band (masked), then whole query tiles, then a partial last tile
+        # (masked)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, DO + row, DOQ + row, DOT + row, LSE + bh * T,
+                             DELTA + bh * T, key, lo, mid, offs_n, T, s_scale, sg_dp, se_ds, sg_ds,
+                             sg_p, D, BLOCK_M, BLOCK_N, True,
                              CAUSAL, QUANT_DS, QUANT_DOV, QUANT_PDO, DTYPE, PREC, EMU)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, DO + row, DOQ + row, DOT + row, LSE + bh * T, DELTA + bh * T,
-                             key, mid, n_full, offs_n, T, s_scale, sg_dp, se_ds, sg_ds, sg_p, D, BLOCK_M, BLOCK_N, False,
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, DO + row, DOQ + row, DOT + row, LSE + bh * T,
+                             DELTA + bh * T, key, mid, n_full, offs_n, T, s_scale, sg_dp, se_ds,
+                             sg_ds, sg_p, D, BLOCK_M, BLOCK_N, False,
                              CAUSAL, QUANT_DS, QUANT_DOV, QUANT_PDO, DTYPE, PREC, EMU)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, DO + row, DOQ + row, DOT + row, LSE + bh * T, DELTA + bh * T,
-                             key, n_full, T, offs_n, T, s_scale, sg_dp, se_ds, sg_ds, sg_p, D, BLOCK_M, BLOCK_N, True,
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, DO + row, DOQ + row, DOT + row, LSE + bh * T,
+                             DELTA + bh * T, key, n_full, T, offs_n, T, s_scale, sg_dp, se_ds,
+                             sg_ds, sg_p, D, BLOCK_M, BLOCK_N, True,
                              CAUSAL, QUANT_DS, QUANT_DOV, QUANT_PDO, DTYPE, PREC, EMU)
     dk = dk * (sg_prev * sm_scale * sg_q)
     dv = dv * (sg_p * sg_pdo)                 # 1 unless QUANT_PDO
@@ -314,7 +340,7 @@ def _attn_bwd_dkdv(Q, K, V, SG, DO, DOQ, DOT, LSE, DELTA, SGDS, KEYS, DK, DV, T,
     tl.store(DV + out, _round_bf16(dv, EMU).to(DV.dtype.element_ty), mask=nmask)
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # backward: dQ for one query tile of one query head
 
 @triton.jit
@@ -344,8 +370,9 @@ def _dq_inner(dq, q, do, lse, delta, K, V, key, start, end, offs_m, T, s_scale, 
 
 @triton.jit
 def _attn_bwd_dq(Q, K, V, SG, DO, LSE, DELTA, SGDS, KEYS, DQ, T, H, G, qk_scale, sm_scale,
-                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                 QUANT_DS: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
+                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 CAUSAL: tl.constexpr, QUANT_DS: tl.constexpr, DTYPE: tl.constexpr,
+                 PREC: tl.constexpr, EMU: tl.constexpr):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1)
     bkv = (bh // H) * (H // G) + (bh % H) // G
@@ -362,7 +389,8 @@ def _attn_bwd_dq(Q, K, V, SG, DO, LSE, DELTA, SGDS, KEYS, DQ, T, H, G, qk_scale,
     row = bh.to(tl.int64) * T * D
     q = _load_tile(Q + row, offs_m, T, D, True, DTYPE)
     # DO: the incoming dO, or its NVFP4 grid values for fp4_dov / fp4_all (1x16 along D)
-    do = tl.load(DO + row + offs_m[:, None] * D + cols[None, :], mask=rmask[:, None], other=0.0).to(DTYPE)
+    do = tl.load(DO + row + offs_m[:, None] * D + cols[None, :], mask=rmask[:, None],
+                 other=0.0).to(DTYPE)
     lse = tl.load(LSE + bh * T + offs_m, mask=rmask, other=float("inf"))
     delta = tl.load(DELTA + bh * T + offs_m, mask=rmask, other=0.0)
     K += bkv.to(tl.int64) * T * D
@@ -377,11 +405,11 @@ def _attn_bwd_dq(Q, K, V, SG, DO, LSE, DELTA, SGDS, KEYS, DQ, T, H, G, qk_scale,
         hi = T
     dq = _dq_inner(dq, q, do, lse, delta, K, V, key, 0, lo, offs_m, T, s_scale, sg_dp, se_ds, sg_ds,
                    D, BLOCK_M, BLOCK_N, False, CAUSAL, QUANT_DS, DTYPE, PREC, EMU)
-    dq = _dq_inner(dq, q, do, lse, delta, K, V, key, lo, hi, offs_m, T, s_scale, sg_dp, se_ds, sg_ds,
-                   D, BLOCK_M, BLOCK_N, True, CAUSAL, QUANT_DS, DTYPE, PREC, EMU)
+    dq = _dq_inner(dq, q, do, lse, delta, K, V, key, lo, hi, offs_m, T, s_scale, sg_dp, se_ds,
+                   sg_ds, D, BLOCK_M, BLOCK_N, True, CAUSAL, QUANT_DS, DTYPE, PREC, EMU)
     dq = dq * (sm_scale * sg_k * sg_ds)
-    tl.store(DQ + row + offs_m[:, None] * D + cols[None, :], _round_bf16(dq, EMU).to(DQ.dtype.element_ty),
-             mask=rmask[:, None])
+    tl.store(DQ + row + offs_m[:, None] * D + cols[None, :],
+             _round_bf16(dq, EMU).to(DQ.dtype.element_ty), mask=rmask[:, None])
 
 
 @triton.jit
@@ -390,26 +418,31 @@ def _bwd_preprocess(O, DO, DELTA, DONORM, N, D: tl.constexpr, ROWS: tl.constexpr
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, D)
     m = rows[:, None] < N
-    o = tl.load(O + rows[:, None].to(tl.int64) * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    do = tl.load(DO + rows[:, None].to(tl.int64) * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    o = tl.load(O + rows[:, None].to(tl.int64) * D + cols[None, :], mask=m,
+                other=0.0).to(tl.float32)
+    do = tl.load(DO + rows[:, None].to(tl.int64) * D + cols[None, :], mask=m,
+                 other=0.0).to(tl.float32)
     tl.store(DELTA + rows, tl.sum(o * do, 1), mask=rows < N)
     tl.store(DONORM + rows, tl.sqrt(tl.sum(do * do, 1)), mask=rows < N)
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # launchers
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_M is the query tile, BLOCK_N the key tile. The causal bands
-# need the larger of the two to be a multiple of the smaller. Chosen by timing on an H200 (docs/attention.md).
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_M is the query tile, BLOCK_N the key tile. The
+# causal bands need the larger of the two to be a multiple of the smaller. Chosen by timing on an
+# H200 (docs/attention.md).
 FWD_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
 DKDV_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2)
 DQ_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
-# Passes that quantize dS in registers take smaller tiles on 4 warps: the quantizer's temporaries next to large
-# dK/dV accumulators spill, and a thread holds 4 elements of every 16-element block whatever the tile size.
+# Passes that quantize dS in registers take smaller tiles on 4 warps: the quantizer's temporaries
+# next to large dK/dV accumulators spill, and a thread holds 4 elements of every 16-element block
+# whatever the tile size.
 DKDV_CONFIG_QUANT_DS = dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3)
 DQ_CONFIG_QUANT_DS = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=4)
-# The forward's key tile is part of the fp4_pv / fp4_all numbers (P~ = exp(S - running max) is quantized per
-# tile), so the reference uses it too. Every other policy gives the same numbers for any tiles.
+# The forward's key tile is part of the fp4_pv / fp4_all numbers (P~ = exp(S - running max) is
+# quantized per tile), so the reference uses it too. Every other policy gives the same numbers for
+# any tiles.
 P_BLOCK_N = FWD_CONFIG["BLOCK_N"]
 # The interpreter (CPU tests) runs small tiles: the same numbers, much faster.
 INTERPRET_CONFIGS = {"fwd": dict(BLOCK_M=32, BLOCK_N=16), "dkdv": dict(BLOCK_M=16, BLOCK_N=32),
@@ -434,28 +467,32 @@ def as_int32(keys):
 
 
 def flash_forward(q, k, v, scales, causal, sm_scale, quant_p, dtype):
-    """q (B, H, T, D), k, v (B, Hkv, T, D): operand values (bf16 grid values q * s_b for NVFP4 operands).
-    scales: fp32 (6,) [s_g(Q), s_g(K), s_g(V), s_g(P), s_g(dO for dO V^T), s_g(dO for P^T dO)], 1 where unused.
-    Returns o (B, H, T, D) in dtype and lse2 (B, H, T) fp32 (log2 domain)."""
+    """q (B, H, T, D), k, v (B, Hkv, T, D): operand values (bf16 grid values q * s_b for NVFP4
+    operands).
+    scales: fp32 (6,) [s_g(Q), s_g(K), s_g(V), s_g(P), s_g(dO for dO V^T), s_g(dO for P^T dO)],
+    1 where unused. Returns o (B, H, T, D) in dtype and lse2 (B, H, T) fp32 (log2 domain)."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     o = torch.empty(B, H, T, D, device=q.device, dtype=dtype)
     lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
     meta = _meta(dtype, "fwd", FWD_CONFIG, D)
-    if quant_p:   # the numbers depend on the key tile: keep the reference's (and a query tile it divides)
+    # the numbers depend on the key tile: keep the reference's (and a query tile it divides)
+    if quant_p:
         meta["BLOCK_N"] = P_BLOCK_N
         meta["BLOCK_M"] = max(meta["BLOCK_M"], P_BLOCK_N)
     grid = (triton.cdiv(T, meta["BLOCK_M"]), B * H)
-    _attn_fwd[grid](q, k, v, scales, o, lse, T, H, H // Hkv, sm_scale * LOG2E, CAUSAL=causal, QUANT_P=quant_p,
-                    **meta)
+    _attn_fwd[grid](q, k, v, scales, o, lse, T, H, H // Hkv, sm_scale * LOG2E, CAUSAL=causal,
+                    QUANT_P=quant_p, **meta)
     return o, lse
 
 
-def flash_backward(q, k, v, scales, do, lse, delta, do_dov, do_pdo, ds_amax, keys, causal, sm_scale, dtype):
-    """dq (B, H, T, D), dk, dv (B, Hkv, T, D) in dtype. q, k, v, scales: as flash_forward's. do_dov / do_pdo:
-    dO's NVFP4 grid values (q * s_b) for dO V^T / P^T dO (fp4_dov, fp4_all), or None; ds_amax: (B*H,) fp32
-    bounds on |dS| (attention.ds_bound: its global scales derive from them), or None (dS in BF16); keys: (B*H, 2) uint32 values (int64) of the SR streams of the dQ
+def flash_backward(q, k, v, scales, do, lse, delta, do_dov, do_pdo, ds_amax, keys, causal, sm_scale,
+                   dtype):
+    """dq (B, H, T, D), dk, dv (B, Hkv, T, D) in dtype. q, k, v, scales: as flash_forward's.
+    do_dov / do_pdo: dO's NVFP4 grid values (q * s_b) for dO V^T / P^T dO (fp4_dov, fp4_all), or
+    None; ds_amax: (B*H,) fp32 bounds on |dS| (attention.ds_bound: its global scales derive from
+    them), or None (dS in BF16); keys: (B*H, 2) uint32 values (int64) of the SR streams of the dQ
     and dK passes."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
@@ -475,12 +512,13 @@ def flash_backward(q, k, v, scales, do, lse, delta, do_dov, do_pdo, ds_amax, key
     meta = _meta(dtype, "dkdv", DKDV_CONFIG_QUANT_DS if quant_ds else DKDV_CONFIG, D)
     grid = (triton.cdiv(T, meta["BLOCK_N"]), B * Hkv)
     _attn_bwd_dkdv[grid](q, k, v, scales, do, do_dov, do_pdo, lse, delta, ds_amax, keys, dk, dv,
-                         T, H, H // Hkv, sm_scale * LOG2E, sm_scale, CAUSAL=causal, QUANT_DS=quant_ds,
-                         QUANT_DOV=quant_dov, QUANT_PDO=quant_pdo, **meta)
+                         T, H, H // Hkv, sm_scale * LOG2E, sm_scale, CAUSAL=causal,
+                         QUANT_DS=quant_ds, QUANT_DOV=quant_dov, QUANT_PDO=quant_pdo, **meta)
     meta = _meta(dtype, "dq", DQ_CONFIG_QUANT_DS if quant_ds else DQ_CONFIG, D)
     grid = (triton.cdiv(T, meta["BLOCK_M"]), B * H)
     _attn_bwd_dq[grid](q, k, v, scales, do_dov, lse, delta, ds_amax, keys, dq,
-                       T, H, H // Hkv, sm_scale * LOG2E, sm_scale, CAUSAL=causal, QUANT_DS=quant_ds, **meta)
+                       T, H, H // Hkv, sm_scale * LOG2E, sm_scale, CAUSAL=causal, QUANT_DS=quant_ds,
+                       **meta)
     return dq, dk, dv
 
 
@@ -491,5 +529,6 @@ def bwd_preprocess(o, do):
     delta = torch.empty(B, H, T, device=o.device, dtype=torch.float32)
     donorm = torch.empty_like(delta)
     rows = 16 if _interpreting() else 64
-    _bwd_preprocess[(triton.cdiv(B * H * T, rows),)](o, do, delta, donorm, B * H * T, D=D, ROWS=rows)
+    _bwd_preprocess[(triton.cdiv(B * H * T, rows),)](o, do, delta, donorm, B * H * T, D=D,
+                                                     ROWS=rows)
     return delta, donorm
