@@ -1,5 +1,5 @@
-"""attention.py: mixed-precision FP4 flash attention (§3.5, App. 10-11). On CPU the Triton kernels run in the
-interpreter (conftest sets TRITON_INTERPRET=1), on small shapes."""
+"""attention.py: mixed-precision FP4 flash attention (§3.5, App. 10-11). On CPU the Triton kernels
+run in the interpreter (conftest sets TRITON_INTERPRET=1), on small shapes."""
 import ast
 import math
 
@@ -25,7 +25,8 @@ def _inputs(B=1, H=4, Hkv=2, T=37, D=64, dtype=torch.float32, seed=0, device="cp
 
 def _sdpa(q, k, v, causal):
     G = q.shape[1] // k.shape[1]
-    return F.scaled_dot_product_attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), is_causal=causal)
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1),
+                                          is_causal=causal)
 
 
 def _run(fn, q, k, v, do):
@@ -43,7 +44,7 @@ def _rel_mse(ours, ref):
     return nvfp4.relative_mse(ref, ours)   # MSE(ours - ref) / mean(ref^2)
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # "bf16": exact attention
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])
@@ -52,7 +53,8 @@ def _rel_mse(ours, ref):
 def test_bf16_policy_equals_sdpa(impl, causal, T, D):
     # GQA (4 query heads on 2 kv heads); T = 37 is not a multiple of any tile; T = 1 is a single row
     q, k, v, do = _inputs(T=T, D=D, seed=T + D)
-    ours = _run(lambda *x: attention.attention(*x, causal=causal, policy="bf16", impl=impl), q, k, v, do)
+    ours = _run(lambda *x: attention.attention(*x, causal=causal, policy="bf16", impl=impl),
+                q, k, v, do)
     ref = _run(lambda *x: _sdpa(*x, causal), q, k, v, do)
     for name, a, b in zip("o dq dk dv".split(), ours, ref):
         assert a.shape == b.shape
@@ -65,20 +67,24 @@ def test_bf16_policy_bf16_inputs_triton_matches_reference():
     b = _run(lambda *x: attention.attention(*x, policy="bf16", impl="reference"), q, k, v, do)
     for x, y in zip(a, b):
         assert x.dtype == torch.bfloat16
-        assert _rel_mse(x, y) < 4e-6   # same bf16 roundings of P, dS and the outputs, up to summation order
+        # same bf16 roundings of P, dS and the outputs, up to summation order
+        assert _rel_mse(x, y) < 4e-6
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # quantized policies: kernel == reference
 
 @pytest.mark.parametrize("policy,causal", [(p, True) for p in FP4_POLICIES] + [("fp4", False)])
 def test_triton_equals_reference(policy, causal):
     q, k, v, do = _inputs(B=1, H=2, Hkv=1, T=70, D=64, seed=11)
-    v = v + 3.0   # |D_i| >> |dP - D|: a stray P on a padded key (non-causal tail) would own its dS block's amax
+    # |D_i| >> |dP - D|: a stray P on a padded key (non-causal tail) would own its dS block's amax
+    v = v + 3.0
     res = {}
     for impl in ("reference", "triton"):
         torch.manual_seed(5)   # same SR draws (dS stream seed, dO quantization) for both
-        res[impl] = _run(lambda *x: attention.attention(*x, causal=causal, policy=policy, impl=impl), q, k, v, do)
+        res[impl] = _run(
+            lambda *x: attention.attention(*x, causal=causal, policy=policy, impl=impl),
+            q, k, v, do)
     for name, a, b in zip("o dq dk dv".split(), res["triton"], res["reference"]):
         assert _rel_mse(a, b) < 1e-10, (name, _rel_mse(a, b))
     # and the policy really quantizes something the bf16 policy does not
@@ -88,8 +94,9 @@ def test_triton_equals_reference(policy, causal):
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_triton_on_the_gpu_tiles_equals_reference(causal, monkeypatch):
-    # the interpreter normally runs small tiles; here the GPU's own tile shapes for the fp4 policy (forward 64 x 64,
-    # dK/dV 32 x 64, dQ 64 x 32: causal bands where the query and key tiles differ) on a T that none divides
+    # the interpreter normally runs small tiles; here the GPU's own tile shapes for the fp4 policy
+    # (forward 64 x 64, dK/dV 32 x 64, dQ 64 x 32: causal bands where the query and key tiles
+    # differ) on a T that none divides
     monkeypatch.setattr(fa, "INTERPRET_CONFIGS", {
         "fwd": {k: fa.FWD_CONFIG[k] for k in ("BLOCK_M", "BLOCK_N")},
         "dkdv": {k: fa.DKDV_CONFIG_QUANT_DS[k] for k in ("BLOCK_M", "BLOCK_N")},
@@ -98,7 +105,9 @@ def test_triton_on_the_gpu_tiles_equals_reference(causal, monkeypatch):
     res = {}
     for impl in ("reference", "triton"):
         torch.manual_seed(3)
-        res[impl] = _run(lambda *x: attention.attention(*x, causal=causal, policy="fp4", impl=impl), q, k, v, do)
+        res[impl] = _run(
+            lambda *x: attention.attention(*x, causal=causal, policy="fp4", impl=impl),
+            q, k, v, do)
     for name, a, b in zip("o dq dk dv".split(), res["triton"], res["reference"]):
         assert _rel_mse(a, b) < 1e-10, (name, _rel_mse(a, b))
 
@@ -110,12 +119,13 @@ def test_triton_equals_reference_bf16_inputs():
         torch.manual_seed(6)
         res[impl] = _run(lambda *x: attention.attention(*x, policy="fp4", impl=impl), q, k, v, do)
     for a, b in zip(res["triton"], res["reference"]):
-        # O differs by bf16 ulps, so D = rowsum(dO o O) and dS differ by ~1e-3 relative: then ~1e-3 of the SR
-        # decisions on dS flip (a full E2M1 step each). A wrong quantization is off by ~0.3 (see above).
+        # O differs by bf16 ulps, so D = rowsum(dO o O) and dS differ by ~1e-3 relative: then ~1e-3
+        # of the SR decisions on dS flip (a full E2M1 step each). A wrong quantization is off by
+        # ~0.3 (see above).
         assert a.dtype == torch.bfloat16 and _rel_mse(a, b) < 2.25e-4
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # gradients of the fp4 policy against float64 autograd of the fake-quantized math
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])
@@ -128,7 +138,8 @@ def test_fp4_gradients_vs_float64_fake_quantized(impl):
     seed = int(torch.randint(0, 2**31 - 1, ()))   # the backward's only draw: the dS stream seed
 
     # float64 math on the same quantized Q, K, V (RTN is deterministic); autograd gives P and dP
-    qh, kh, vh = (nvfp4.fake_quantize(x, (1, 16), "rtn").double().requires_grad_() for x in (q, k, v))
+    qh, kh, vh = (nvfp4.fake_quantize(x, (1, 16), "rtn").double().requires_grad_()
+                  for x in (q, k, v))
     o64, p64 = attention.exact_attention(qh, kh, vh)
     assert _rel_mse(o, o64) < 1e-10
     G = H // Hkv
@@ -139,7 +150,8 @@ def test_fp4_gradients_vs_float64_fake_quantized(impl):
     ds64, dv64 = torch.autograd.grad(o_s, [s, vh], do.double())   # dS = P o (dP - D) in float64
     assert _rel_mse(dv, dv64) < 1e-10   # dV = P^T dO with P from the quantized Q, K: consistency
 
-    # dS quantized as the policy says: 1x16 along keys (dQ) / queries (dK), SR with the kernels' uniforms
+    # dS quantized as the policy says: 1x16 along keys (dQ) / queries (dK), SR with the kernels'
+    # uniforms
     delta = (o.double() * do.double()).sum(-1)
     v_amax = nvfp4.quantize(v, (1, 16)).global_scale * 2688.0   # the bound's amax(V_hat)
     bound = attention.ds_bound(do.norm(dim=-1), v_amax, delta.float(), D, G)[..., None, None]
@@ -151,7 +163,8 @@ def test_fp4_gradients_vs_float64_fake_quantized(impl):
     ds_k = fq(ds64.transpose(-1, -2), u_k).transpose(-1, -2)
     k64 = kh.detach().repeat_interleave(G, 1)
     dq64 = ds_q.double() @ k64 / math.sqrt(D)
-    dk64 = (ds_k.double().transpose(-1, -2) @ qh.detach() / math.sqrt(D)).reshape(B, Hkv, G, T, D).sum(2)
+    dk64 = (ds_k.double().transpose(-1, -2) @ qh.detach() / math.sqrt(D)) \
+        .reshape(B, Hkv, G, T, D).sum(2)
     assert _rel_mse(dq, dq64) < 1e-8 and _rel_mse(dk, dk64) < 1e-8
     # the test can fail: unquantized dS, or another SR stream, are far from what the policy computes
     dq_exact = ds64 @ k64 / math.sqrt(D)
@@ -161,7 +174,8 @@ def test_fp4_gradients_vs_float64_fake_quantized(impl):
 
 
 def test_forward_backward_consistency():
-    """The backward reads the forward's 4-bit Q, K, V: changing q, k, v after the forward changes nothing."""
+    """The backward reads the forward's 4-bit Q, K, V: changing q, k, v after the forward changes
+    nothing."""
     q, k, v, do = _inputs(T=32, seed=31)
     torch.manual_seed(0)
     ref = _run(lambda *x: attention.attention(*x, policy="fp4", impl="reference"), q, k, v, do)
@@ -178,32 +192,37 @@ def test_forward_backward_consistency():
         assert torch.equal(a, b)
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the in-register quantizer and its torch mirror
 
 @triton.jit
 def _quant_tile_kernel(X, U, OUT, AMAX, R: tl.constexpr, C: tl.constexpr, SR: tl.constexpr):
     r = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
     s_enc, s_dec = nm._global_scales(tl.load(AMAX), 448.0)
-    # uniforms on torch.rand's 2^-24 grid -> the random words the kernels draw (exactly the same decisions)
-    out = fa._fake_quant_rows16(tl.load(X + r), s_enc, s_dec, nm._noise_bits(tl.load(U + r)), R, C, SR)
+    # uniforms on torch.rand's 2^-24 grid -> the random words the kernels draw (exactly the same
+    # decisions)
+    out = fa._fake_quant_rows16(tl.load(X + r), s_enc, s_dec,
+                                nm._noise_bits(tl.load(U + r)), R, C, SR)
     tl.store(OUT + r, out)
 
 
 @triton.jit
 def _uniform_kernel(KEY, OUT, T, R: tl.constexpr, C: tl.constexpr, QUERY_PAIRS: tl.constexpr):
-    # the tile (R, C) is (queries, keys), or (keys, queries) with QUERY_PAIRS; u = (word >> 8) * 2^-24
-    word = fa._ds_random_words(tl.load(KEY).to(tl.uint32, bitcast=True), tl.arange(0, R), 0, T, R, C, QUERY_PAIRS)
+    # the tile (R, C) is (queries, keys), or (keys, queries) with QUERY_PAIRS;
+    # u = (word >> 8) * 2^-24
+    word = fa._ds_random_words(tl.load(KEY).to(tl.uint32, bitcast=True), tl.arange(0, R), 0, T,
+                               R, C, QUERY_PAIRS)
     i = tl.arange(0, R)
     j = tl.arange(0, C)
     tl.store(OUT + i[:, None] * C + j[None, :], (word >> 8).to(tl.float32) * 5.960464477539063e-08)
 
 
 def _hard_tile(R=8, C=64, seed=0, device="cpu"):
-    """Random blocks plus the cases that break quantizers: exact E2M1 midpoints (ties), an all-zero block,
-    tiny blocks (subnormal E4M3 scales) and a block that flushes to zero."""
+    """Random blocks plus the cases that break quantizers: exact E2M1 midpoints (ties), an all-zero
+    block, tiny blocks (subnormal E4M3 scales) and a block that flushes to zero."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(R, C, generator=g) * torch.exp(torch.randn(R, C // 16, generator=g) * 2).repeat_interleave(16, 1)
+    x = (torch.randn(R, C, generator=g)
+         * torch.exp(torch.randn(R, C // 16, generator=g) * 2).repeat_interleave(16, 1))
     mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
     x[0, :16] = torch.cat([mids, -mids])
     x[1, :16] = 0.0
@@ -226,13 +245,15 @@ def test_kernel_quantizer_matches_torch_mirror_bitwise(rounding):
 
 
 def test_ties_round_to_even_with_unit_scale():
-    # amax 448 * 6, so S_enc = 1 and the tie block's scale is exactly 1: midpoints must go to the even code
+    # amax 448 * 6, so S_enc = 1 and the tie block's scale is exactly 1: midpoints must go to the
+    # even code
     x = torch.tensor([[0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2])
     amax = torch.tensor(2688.0)
     out = torch.empty_like(x)
     _quant_tile_kernel[(1,)](x, torch.zeros_like(x), out, amax.reshape(1), 1, 16, False)
     expected = torch.tensor([[0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0] * 2])
-    assert torch.equal(out, expected) and torch.equal(attention.fake_quantize_rows16(x, amax)[0], expected)
+    assert torch.equal(out, expected) \
+        and torch.equal(attention.fake_quantize_rows16(x, amax)[0], expected)
 
 
 def test_sr_uniforms_kernel_equals_torch_and_unbiased():
@@ -242,18 +263,23 @@ def test_sr_uniforms_kernel_equals_torch_and_unbiased():
     _uniform_kernel[(1,)](key32, out, 77, 8, 32, False)
     mirror = attention.sr_uniforms(keys[2, 1], torch.arange(8), torch.arange(32), 77)
     assert torch.equal(out, mirror)
-    _uniform_kernel[(1,)](key32, out, 77, 8, 32, True)   # dS^T tile (keys, queries): pairs along the queries
-    mirror = attention.sr_uniforms(keys[2, 1], torch.arange(32), torch.arange(8), 77, query_pairs=True)
+    # dS^T tile (keys, queries): pairs along the queries
+    _uniform_kernel[(1,)](key32, out, 77, 8, 32, True)
+    mirror = attention.sr_uniforms(keys[2, 1], torch.arange(32), torch.arange(8), 77,
+                                   query_pairs=True)
     assert torch.equal(out, mirror.t())
     assert len(torch.unique(mirror)) == mirror.numel()   # 16 bits each, no two alike here
-    u = attention.sr_uniforms(keys[:, 0], torch.arange(256), torch.arange(256), 256)   # (3, 256, 256)
+    # (3, 256, 256)
+    u = attention.sr_uniforms(keys[:, 0], torch.arange(256), torch.arange(256), 256)
     assert abs(u.mean().item() - 0.5) < 3e-3 and u.min() >= 0 and u.max() < 1
     assert abs(torch.corrcoef(torch.stack([u[0].flatten(), u[1].flatten()]))[0, 1].item()) < 0.01
     # SR with these uniforms is unbiased: E[Q(x)] = x
     x = torch.rand(1, 16) * 6
     x[0, 0] = 6.0
-    u = attention.sr_uniforms(keys[:, 0], torch.arange(4096), torch.arange(256), 256).reshape(-1)[:2**20]
-    many = attention.fake_quantize_rows16(x.expand(2**16, 16), torch.tensor(2688.0), "sr", u.reshape(2**16, 16))[0]
+    u = (attention.sr_uniforms(keys[:, 0], torch.arange(4096), torch.arange(256), 256)
+         .reshape(-1)[:2**20])
+    many = attention.fake_quantize_rows16(x.expand(2**16, 16), torch.tensor(2688.0), "sr",
+                                          u.reshape(2**16, 16))[0]
     assert (many.mean(0) - x[0]).abs().max() < 0.02
 
 
@@ -269,7 +295,7 @@ def test_ds_bound_bounds_ds():
     assert (ds.abs().amax((-1, -2)) > bound / 1000).all()   # and not uselessly loose
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the hallway: attention.py -> nvfp4.py / kernels/, and kernels/ never imports upward
 
 def _imported_modules(path):
@@ -289,10 +315,11 @@ def _imported_modules(path):
     (fa, {"os", "torch", "triton", "kernels"}),
 ])
 def test_imports_go_down_the_hallway(module, allowed):
-    assert _imported_modules(module.__file__) <= allowed, _imported_modules(module.__file__) - allowed
+    assert _imported_modules(module.__file__) <= allowed, \
+        _imported_modules(module.__file__) - allowed
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # bad input
 
 @pytest.mark.parametrize("shapes,match", [
@@ -317,7 +344,7 @@ def test_bad_flags_raise():
         attention.attention(q * float("nan"), k, v, policy="fp4")
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # App. 10 and Fig. 5 as numbers
 
 def test_app10_simplex_violation_and_ds_error():
@@ -325,10 +352,12 @@ def test_app10_simplex_violation_and_ds_error():
     _, p = attention.exact_attention(q, k, v)
     assert torch.allclose(p.sum(-1), torch.ones(()).double())
     sv = attention.simplex_violation(p)
-    assert sv["row_sum_dev_mean"] > 1e-3 and sv["zeroed_mass"] > 0   # quantized rows leave the simplex
+    # quantized rows leave the simplex
+    assert sv["row_sum_dev_mean"] > 1e-3 and sv["zeroed_mass"] > 0
     err = attention.ds_error(q, k, v, do)
     assert err["nvfp4"]["rel_mse"] > 100 * err["bf16"]["rel_mse"]
-    assert err["nvfp4"]["rel_mse_peaks"] > err["nvfp4"]["rel_mse_tail"]   # eq. 6: the noise lands on the peaks
+    # eq. 6: the noise lands on the peaks
+    assert err["nvfp4"]["rel_mse_peaks"] > err["nvfp4"]["rel_mse_tail"]
 
 
 def test_fig5_policy_errors_order():
@@ -340,7 +369,7 @@ def test_fig5_policy_errors_order():
     assert e["fp4_all"]["dv"] > e["fp4"]["dv"]
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # GPU, full size
 
 @pytest.mark.gpu
@@ -351,8 +380,10 @@ def test_gpu_bf16_equals_sdpa(T):
     ref = _run(lambda *x: _sdpa(*x, True), q, k, v, do)
     exact = _run(lambda *x: _sdpa(*x, True), *(x.float() for x in (q, k, v, do)))
     for name, a, b, c in zip("o dq dk dv".split(), ours, ref, exact):
-        # as close to the fp32 truth as SDPA's own bf16 result is (in RMS terms: 2x SDPA's error + 2e-3)
-        assert _rel_mse(a, c) ** 0.5 < 2 * _rel_mse(b, c) ** 0.5 + 2e-3, (name, _rel_mse(a, c), _rel_mse(b, c))
+        # as close to the fp32 truth as SDPA's own bf16 result is
+        # (in RMS terms: 2x SDPA's error + 2e-3)
+        assert _rel_mse(a, c) ** 0.5 < 2 * _rel_mse(b, c) ** 0.5 + 2e-3, \
+            (name, _rel_mse(a, c), _rel_mse(b, c))
 
 
 @pytest.mark.gpu
@@ -365,7 +396,8 @@ def test_gpu_triton_equals_reference(policy):
         torch.cuda.manual_seed(5)
         res[impl] = _run(lambda *x: attention.attention(*x, policy=policy, impl=impl), q, k, v, do)
     for name, a, b in zip("o dq dk dv".split(), res["triton"], res["reference"]):
-        # bf16 outputs; rare flips of a rounding decision (fma contraction, summation order) on dS / P
+        # bf16 outputs; rare flips of a rounding decision (fma contraction, summation order) on
+        # dS / P
         assert _rel_mse(a, b) < 1e-4, (name, _rel_mse(a, b))
 
 
@@ -377,5 +409,7 @@ def test_gpu_kernel_quantizer_bitwise(rounding):
     u = torch.rand(x.shape, device="cuda")
     out = torch.empty_like(x)
     _quant_tile_kernel[(1,)](x, u, out, amax.reshape(1), 8, 64, rounding == "sr")
-    assert torch.equal(out, attention.fake_quantize_rows16(x, amax, rounding, u)[0])         # mirror on the GPU
-    assert torch.equal(out.cpu(), attention.fake_quantize_rows16(x.cpu(), amax.cpu(), rounding, u.cpu())[0])
+    # mirror on the GPU
+    assert torch.equal(out, attention.fake_quantize_rows16(x, amax, rounding, u)[0])
+    assert torch.equal(out.cpu(),
+                       attention.fake_quantize_rows16(x.cpu(), amax.cpu(), rounding, u.cpu())[0])
