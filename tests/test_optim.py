@@ -1,4 +1,5 @@
-"""optim.py: NVFP4 optimizer states (§3.3), NVFP4 Root / Newton-Schulz (§3.4), routing, fused kernel."""
+"""optim.py: NVFP4 optimizer states (§3.3), NVFP4 Root / Newton-Schulz (§3.4), routing, fused
+kernel."""
 import copy
 import io
 import math
@@ -21,15 +22,17 @@ def gen(seed):
 def heavy_tailed_v(R=64, C=256, seed=0, steps=20):
     """A realistic second moment: EMA of g^2 with log-normal row/column scales and 1% spikes."""
     g0 = gen(seed)
-    rs, cs = torch.exp(torch.randn(R, 1, generator=g0) * 1.5), torch.exp(torch.randn(1, C, generator=g0))
+    rs, cs = (torch.exp(torch.randn(R, 1, generator=g0) * 1.5),
+              torch.exp(torch.randn(1, C, generator=g0)))
     v = torch.zeros(R, C)
     for _ in range(steps):
-        g = torch.randn(R, C, generator=g0) * rs * cs * (1 + 3 * (torch.rand(R, C, generator=g0) < 0.01))
+        g = (torch.randn(R, C, generator=g0) * rs * cs
+             * (1 + 3 * (torch.rand(R, C, generator=g0) < 0.01)))
         v = 0.95 * v + 0.05 * g * g
     return v
 
 
-# ---------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # state encodings
 
 def test_fwht16_is_the_normalized_sylvester_hadamard_and_its_own_inverse():
@@ -48,7 +51,8 @@ def test_first_moment_packed_layout_and_error():
     m_hat = optim.decode_first_moment(st)
     assert ((m_hat - m).norm() / m.norm()).item() < 0.2  # 4-bit SR: ~13%
     # the decoded values are exactly the rotated NVFP4 grid: re-rotating gives grid points
-    grid = optim.fwht16(m_hat) / (st["global_scale"] * st["scales"].float().repeat_interleave(16, -1))
+    grid = optim.fwht16(m_hat) / (st["global_scale"]
+                                  * st["scales"].float().repeat_interleave(16, -1))
     ok = grid.abs()[..., None].sub(nvfp4.E2M1_VALUES).abs().amin(-1)
     assert ok.max().item() < 1e-4
 
@@ -61,7 +65,8 @@ def test_first_moment_sr_is_unbiased():
     mean = sum(optim.decode_first_moment(optim.encode_first_moment(m, g)) for _ in range(n)) / n
     single = optim.decode_first_moment(optim.encode_first_moment(m, g))
     err_single = (single - m).norm()
-    # independent draws: the error of the mean shrinks like 1/sqrt(n) (12x); a biased rounding would not
+    # independent draws: the error of the mean shrinks like 1/sqrt(n) (12x); a biased rounding
+    # would not
     assert (mean - m).norm() < 3 * err_single / n**0.5
 
 
@@ -87,7 +92,8 @@ def test_second_moment_pipeline_beats_direct_and_layout():
     v_dir = optim.decode_direct(optim.encode_direct(v))
     err = lambda a: ((a.clamp(min=0).sqrt() - v.sqrt()).norm() / v.sqrt().norm()).item()
     # SR's error varies from draw to draw: the mean over 8 fixed seeds
-    e = sum(err(optim.decode_second_moment(optim.encode_second_moment(v, seed=s))) for s in range(8)) / 8
+    e = sum(err(optim.decode_second_moment(optim.encode_second_moment(v, seed=s)))
+            for s in range(8)) / 8
     assert e < 0.1 and e < 0.4 * err(v_dir)
     with pytest.raises(ValueError, match="negative"):
         optim.encode_second_moment(-v)
@@ -97,15 +103,17 @@ def test_second_moment_pipeline_beats_direct_and_layout():
 
 def test_tile_mean_is_the_mean():
     s = torch.rand(4, 256, generator=gen(6))
-    torch.testing.assert_close(optim.tile_mean(s, 64), s.reshape(4, 4, 64).mean(-1), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(optim.tile_mean(s, 64), s.reshape(4, 4, 64).mean(-1),
+                               atol=1e-6, rtol=1e-6)
 
 
-# ---------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # QuantizedAdamW
 
 def make_params(seed=0):
     g0 = gen(seed)
-    return [nn.Parameter(torch.randn(64, 128, generator=g0)), nn.Parameter(torch.randn(64, generator=g0)),
+    return [nn.Parameter(torch.randn(64, 128, generator=g0)),
+            nn.Parameter(torch.randn(64, generator=g0)),
             nn.Parameter(torch.randn(16, 48, generator=g0))]
 
 
@@ -117,7 +125,8 @@ def set_grads(params, g0):
 def test_quantization_off_matches_torch_adamw_exactly():
     ours, ref = make_params(), make_params()
     opt = optim.QuantizedAdamW(ours, lr=1e-2, weight_decay=0.1, states="fp32")
-    opt_ref = torch.optim.AdamW(ref, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
+    opt_ref = torch.optim.AdamW(ref, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                                foreach=False)
     g0, g1 = gen(7), gen(7)
     for step in range(6):
         if step == 3:
@@ -170,9 +179,10 @@ def test_quantized_adamw_converges_on_regression_and_direct_states_do_not():
 
 
 def constant_gradient_steps(step_fn, steps=4, R=32, C=128):
-    """p after each of `steps` AdamW steps from zero moments with one constant gradient (magnitude constant along
-    a row, 1e-3 .. 10 across rows, random signs), and the closed form: m_k = (1 - b1^k) g and v_k = (1 - b2^k) g^2,
-    so the bias-corrected mhat = g, vhat = g^2 and every step moves p by lr * g / (|g| + eps)."""
+    """p after each of `steps` AdamW steps from zero moments with one constant gradient
+    (magnitude constant along a row, 1e-3 .. 10 across rows, random signs), and the closed form:
+    m_k = (1 - b1^k) g and v_k = (1 - b2^k) g^2, so the bias-corrected mhat = g, vhat = g^2 and
+    every step moves p by lr * g / (|g| + eps)."""
     g0 = gen(41)
     g = torch.logspace(-3, 1, R)[:, None] * torch.sign(torch.randn(R, C, generator=g0))
     p = torch.randn(R, C, generator=g0)
@@ -182,14 +192,16 @@ def constant_gradient_steps(step_fn, steps=4, R=32, C=128):
     for k in range(1, steps + 1):
         before = p.clone()
         p = step_fn(p, g, k, lr, b1, b2, eps)
-        out.append(((before.double() - p.double()) / expected_step))  # 1 where the closed form holds
+        # 1 where the closed form holds
+        out.append(((before.double() - p.double()) / expected_step))
     return out
 
 
 def check_bias_correction(ratios):
     for k, r in enumerate(ratios, 1):
-        # m is stored with stochastic rounding (unbiased, ~10% per element); v's roots are equal along a tile, so
-        # its pipeline is exact here. A slip in either correction is off by >= 2x at step 1.
+        # m is stored with stochastic rounding (unbiased, ~10% per element); v's roots are equal
+        # along a tile, so its pipeline is exact here. A slip in either correction is off by >= 2x
+        # at step 1.
         assert abs(r.mean().item() - 1) < 0.02, (k, r.mean().item())
         assert (r - 1).abs().max().item() < 0.5, (k, (r - 1).abs().max().item())
 
@@ -201,7 +213,8 @@ def test_quantized_adamw_bias_correction_matches_the_closed_form_reference_path(
         nonlocal W, opt
         if opt is None:
             W = nn.Parameter(p.clone())
-            opt = optim.QuantizedAdamW([W], lr=lr, betas=(b1, b2), eps=eps, weight_decay=0.0, states="nvfp4")
+            opt = optim.QuantizedAdamW([W], lr=lr, betas=(b1, b2), eps=eps, weight_decay=0.0,
+                                       states="nvfp4")
         W.grad = g.clone()
         opt.step()
         assert "m.codes" in opt.state[W]  # the packed path, not the fp32 one
@@ -229,7 +242,7 @@ def test_quantized_adamw_bias_correction_matches_the_closed_form_kernel_path():
     check_bias_correction(constant_gradient_steps(step))
 
 
-# ---------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Newton-Schulz and Root
 
 def singular_values(X):
@@ -254,7 +267,8 @@ def test_newton_schulz_orthogonalizes(quantized, shape):
 
 
 def test_muon_coefficients_blow_up_in_nvfp4_and_fitted_ones_do_not():
-    """Fig. 4b's point: NS's large coefficients amplify 4-bit rounding (X_next = a X + B X cancels ~70% of a X)."""
+    """Fig. 4b's point: NS's large coefficients amplify 4-bit rounding (X_next = a X + B X cancels
+    ~70% of a X)."""
     G = torch.randn(64, 192, generator=gen(14))
     muon = ns_error(optim.MUON_COEFFICIENTS, [G], quantized=True)
     safe = ns_error(STABLE_NVFP4, [G], quantized=True)
@@ -269,14 +283,15 @@ def test_quantized_ns_step_is_the_papers_three_equations():
     a, b, c = optim.MUON_COEFFICIENTS
     fq = lambda t, block: nvfp4.fake_quantize(t, block, "rtn", four_over_six=True, hadamard=H)
     # 16x1 blocks on H^T Y, written with (16, 1) quantization and H^T applied from the left
-    A = fq(X, (1, 16)) @ fq(X, (1, 16)).t()                     # qX qX^T (H H^T = I cancels exactly in exact math)
+    A = fq(X, (1, 16)) @ fq(X, (1, 16)).t()  # qX qX^T (H H^T = I cancels exactly in exact math)
     B = b * A + c * fq(A, (1, 16)) @ fq(A, (16, 1))
     X1 = a * X + fq(B, (1, 16)) @ fq(X, (16, 1))
     torch.testing.assert_close(optim._ns_step_nvfp4(X, a, b, c, H), X1, atol=1e-5, rtol=1e-4)
     # the transposed-operand trick: Q16x1(H^T Y) is Q1x16(Y^T H), bit for bit
     q16x1 = transposed(nvfp4.quantize(X, (16, 1), "rtn", True, hadamard=H))
     q1x16 = nvfp4.quantize(X.t().contiguous(), (1, 16), "rtn", True, hadamard=H)
-    assert torch.equal(q16x1.codes, q1x16.codes) and torch.equal(q16x1.scales.float(), q1x16.scales.float())
+    assert torch.equal(q16x1.codes, q1x16.codes) \
+        and torch.equal(q16x1.scales.float(), q1x16.scales.float())
 
 
 def test_quantile_matches_torch_quantile():
@@ -287,10 +302,12 @@ def test_quantile_matches_torch_quantile():
 
 def test_coefficient_lookup_and_stability_check():
     assert optim.coefficients_stable(optim.MUON_COEFFICIENTS)
-    assert not optim.coefficients_stable(optim.PUBLISHED_COEFFICIENTS[(2048, 2048)])  # overshoots to 3.3
+    # overshoots to 3.3
+    assert not optim.coefficients_stable(optim.PUBLISHED_COEFFICIENTS[(2048, 2048)])
     assert not optim.coefficients_stable((4.0, -3.0, 1.0))  # p(1) = 2: blows up
     # fp32 NS: the published set where it is stable (either orientation), Muon's otherwise
-    assert optim.root_coefficients(8192, 2048, quantized=False) == optim.PUBLISHED_COEFFICIENTS[(2048, 8192)]
+    assert optim.root_coefficients(8192, 2048, quantized=False) \
+        == optim.PUBLISHED_COEFFICIENTS[(2048, 8192)]
     assert optim.root_coefficients(2048, 2048, quantized=False) == optim.MUON_COEFFICIENTS
     assert optim.root_coefficients(48, 80, quantized=False) == optim.MUON_COEFFICIENTS
     fitted = optim._fitted()
@@ -298,20 +315,21 @@ def test_coefficient_lookup_and_stability_check():
     for key, abc in fitted.items():
         assert optim.coefficients_stable(abc), key
     assert optim.root_coefficients(9216, 3072) == fitted[(3072, 9216)]
+    # unknown shape: nearest aspect ratio (3)
     assert optim.root_coefficients(320, 960) == fitted[(2048, 6144)] or \
-        optim.root_coefficients(320, 960) == fitted[(3072, 9216)]  # unknown shape: nearest aspect ratio (3)
+        optim.root_coefficients(320, 960) == fitted[(3072, 9216)]
 
 
 def test_root_steps_from_zero_state_are_roots_formula():
-    """Two fp32 Root steps against ROOT's update written out here: Nesterov momentum, clip at the 0.9-quantile
-    of |M|, NS5 on the wide orientation with Muon's set (no fitted or published set for 48x32 in fp32),
-    lr * 0.2 * sqrt(max(m, n)). Two steps, because from a zero state M = (1 + mu) g and NS is scale-invariant:
-    only the second step tells Nesterov from plain momentum."""
-    m, n, lr, wd, mu = 48, 32, 0.02, 0.1, 0.95                     # rows > cols: NS runs on the transpose
+    """Two fp32 Root steps against ROOT's update written out here: Nesterov momentum, clip at the
+    0.9-quantile of |M|, NS5 on the wide orientation with Muon's set (no fitted or published set for
+    48x32 in fp32), lr * 0.2 * sqrt(max(m, n)). Two steps, because from a zero state M = (1 + mu) g
+    and NS is scale-invariant: only the second step tells Nesterov from plain momentum."""
+    m, n, lr, wd, mu = 48, 32, 0.02, 0.1, 0.95  # rows > cols: NS runs on the transpose
     g0 = gen(40)
     p0 = torch.randn(m, n, generator=g0, dtype=torch.float64)
-    grads = [torch.randn(m, n, generator=g0, dtype=torch.float64) * torch.exp(torch.randn(m, 1, generator=g0))
-             for _ in range(2)]
+    grads = [torch.randn(m, n, generator=g0, dtype=torch.float64)
+             * torch.exp(torch.randn(m, 1, generator=g0)) for _ in range(2)]
     W = nn.Parameter(p0.float())
     opt = optim.Root([W], lr=lr, momentum=mu, weight_decay=wd, states="fp32")
     p, buf = p0.clone(), torch.zeros(m, n, dtype=torch.float64)
@@ -321,7 +339,7 @@ def test_root_steps_from_zero_state_are_roots_formula():
         buf = mu * buf + g
         M = g + mu * buf                                           # Nesterov
         ordered = M.abs().flatten().sort().values
-        pos = 0.9 * (ordered.numel() - 1)                          # torch.quantile's linear interpolation
+        pos = 0.9 * (ordered.numel() - 1)  # torch.quantile's linear interpolation
         lo = int(pos)
         eps = ordered[lo] + (ordered[lo + 1] - ordered[lo]) * (pos - lo)
         X = M.clamp(-eps, eps).t()                                 # (n, m): wide
@@ -341,7 +359,8 @@ def test_root_converges_on_regression():
         opt = optim.Root([W], lr=2e-2, weight_decay=0.0, states="nvfp4" if quantized else "fp32")
         loss0 = ((X @ W.t() - Y) ** 2).mean().item()
         for i in range(40):
-            opt.param_groups[0]["lr"] = 0.1 * (1 - i / 40)  # an orthogonalized step has a fixed size: decay it
+            # an orthogonalized step has a fixed size: decay it
+            opt.param_groups[0]["lr"] = 0.1 * (1 - i / 40)
             loss = ((X @ W.t() - Y) ** 2).mean()
             W.grad = torch.autograd.grad(loss, W)[0]
             opt.step()
@@ -355,7 +374,7 @@ def test_root_rejects_bad_shapes():
         optim.Root([nn.Parameter(torch.zeros(32, 40))], states="nvfp4")
 
 
-# ---------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # build_optimizer, state_dict
 
 class TinyModel(nn.Module):
@@ -364,7 +383,8 @@ class TinyModel(nn.Module):
         torch.manual_seed(0)
         self.wte = nn.Embedding(96, 64)
         self.attn = nn.Linear(64, 64, bias=False)
-        self.mlp = lora_svd.LoRASVDLinear(64, 128, rank=4) if lora else nn.Linear(64, 128, bias=False)
+        self.mlp = (lora_svd.LoRASVDLinear(64, 128, rank=4) if lora
+                    else nn.Linear(64, 128, bias=False))
         self.narrow = nn.Linear(64, 16 * 40, bias=False) if narrow else None  # aspect 10 > 8: AdamW
         self.norm = nn.LayerNorm(64)
         self.lm_head = nn.Linear(64, 96, bias=False)
@@ -396,14 +416,15 @@ def test_routing():
     assert set(routes["adamw"]) == {"wte.weight", "narrow.weight", "lm_head.weight"}
     assert set(routes["adamw_no_decay"]) == {"norm.weight", "norm.bias"}
     assert optim.route_parameters(model, "adamw")["root"] == []
-    naive = nn.Sequential(lora_svd.NaiveLoRALinear(64, 128, rank=4))  # found by its L1, L2 (duck typing)
+    # found by its L1, L2 (duck typing)
+    naive = nn.Sequential(lora_svd.NaiveLoRALinear(64, 128, rank=4))
     routes = {k: [n for n, _ in v] for k, v in optim.route_parameters(naive, "root").items()}
     assert routes["root"] == ["0.weight"] and routes["lora"] == ["0.L1", "0.L2"]
 
 
 def test_hallway_optim_imports_only_nvfp4_and_kernels():
-    """optim.py -> nvfp4.py -> kernels/ (no model, train or lora_svd, function-local imports included);
-    kernels/optim_fused.py imports no project module above kernels/."""
+    """optim.py -> nvfp4.py -> kernels/ (no model, train or lora_svd, function-local imports
+    included); kernels/optim_fused.py imports no project module above kernels/."""
     import ast
     import pathlib
     root = pathlib.Path(optim.__file__).parent
@@ -422,12 +443,14 @@ def test_hallway_optim_imports_only_nvfp4_and_kernels():
     assert imported(root / "kernels" / "optim_fused.py") == {"kernels"}
 
 
-@pytest.mark.parametrize("optimizer,states", [("root", "nvfp4"), ("adamw", "fp32"), ("root", "direct")])
+@pytest.mark.parametrize("optimizer,states", [("root", "nvfp4"), ("adamw", "fp32"),
+                                              ("root", "direct")])
 def test_build_optimizer_steps_and_has_base_lr(optimizer, states):
     model = TinyModel(narrow=False)
     projected = []
     project = lambda m: (projected.append(m), lora_svd.project_all(m))
-    opt = optim.build_optimizer(model, optimizer, states, lr=1e-3, lora_lr=2e-3, gradient_projection=project)
+    opt = optim.build_optimizer(model, optimizer, states, lr=1e-3, lora_lr=2e-3,
+                                gradient_projection=project)
     assert all("base_lr" in g for g in opt.param_groups)
     assert sorted({g["base_lr"] for g in opt.param_groups}) == [1e-3, 2e-3]
     n_params = sum(len(g["params"]) for g in opt.param_groups)
@@ -462,7 +485,7 @@ def test_state_dict_round_trip_continues_bit_for_bit():
         assert torch.equal(a, b)
 
 
-# ---------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # fused kernel (Triton interpreter on CPU, full size on the GPU)
 
 def packed_state(R, C, seed, device="cpu"):
@@ -476,7 +499,8 @@ def packed_state(R, C, seed, device="cpu"):
 
 
 def fused_case(R, C, seed):
-    """A packed state, a parameter and a gradient for the fused-kernel tests (seeds seed .. seed + 2)."""
+    """A packed state, a parameter and a gradient for the fused-kernel tests
+    (seeds seed .. seed + 2)."""
     return (packed_state(R, C, seed=seed), torch.randn(R, C, generator=gen(seed + 1)),
             torch.randn(R, C, generator=gen(seed + 2)) * 1e-2)
 
@@ -488,7 +512,8 @@ def reference_step(p, g, st, step, hp):
 
 
 HP = (1e-3, 0.9, 0.95, 1e-8, 0.1)  # lr, beta1, beta2, eps, weight_decay
-DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel: the GPU, else the Triton interpreter
+# the kernel: the GPU, else the Triton interpreter
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def as_bits(t):
@@ -503,19 +528,23 @@ def decoded_root_residual(st):
     return (r.reshape(*mu.shape, -1) + mu[..., None]).reshape(shape)
 
 
-@pytest.mark.parametrize("shape", [(24, 256), (40, 48)])  # v tiles of 128 / gcd(48, 128) = 16; masked rows
+# v tiles of 128 / gcd(48, 128) = 16; masked rows
+@pytest.mark.parametrize("shape", [(24, 256), (40, 48)])
 def test_fused_kernel_equals_reference(shape):
     from kernels.optim_fused import fused_adamw_step
     R, C = shape
     st, p, g = fused_case(R, C, seed=20)
     p_ref, m_ref, v_ref = reference_step(p, g, st, 3, HP)
-    v_enc = optim.encode_second_moment(v_ref, seed=456)  # the kernel's seeds: the reference's Philox words
+    # the kernel's seeds: the reference's Philox words
+    v_enc = optim.encode_second_moment(v_ref, seed=456)
     m_enc = optim.encode_first_moment(m_ref, seed=123)
     p_k, st_k = p.to(DEV), {k: x.to(DEV) for k, x in st.items()}
-    fused_adamw_step(p_k, g.to(DEV), st_k, *HP, step=3, seed_m=123, seed_v=456, floor=optim.CONTRACT["adamw.v.floor"])
+    fused_adamw_step(p_k, g.to(DEV), st_k, *HP, step=3, seed_m=123, seed_v=456,
+                     floor=optim.CONTRACT["adamw.v.floor"])
     p_k, st_k = p_k.cpu(), {k: x.cpu() for k, x in st_k.items()}
-    assert torch.equal(p_k, p_ref)                                      # RTN / exact parts: bit for bit
-    for key in ("codes", "scales", "global_scale", "tile_mean"):        # SR too: the same seeds, the same bits
+    assert torch.equal(p_k, p_ref)  # RTN / exact parts: bit for bit
+    # SR too: the same seeds, the same bits
+    for key in ("codes", "scales", "global_scale", "tile_mean"):
         assert torch.equal(as_bits(st_k["v." + key]), as_bits(v_enc[key])), key
     for key in ("codes", "scales", "global_scale"):
         assert torch.equal(as_bits(st_k["m." + key]), as_bits(m_enc[key])), key
@@ -530,9 +559,10 @@ def test_fused_kernel_stochastic_rounding_of_m_and_v_is_unbiased():
     root = optim.sqrt_rn(v_ref)
     n, total_m, total_r = 12, 0, 0
     for seed in range(n):
-        st_k = {k: x.to(DEV, copy=True) for k, x in st.items()}  # copies: the kernel updates p and the state in place
-        fused_adamw_step(p.to(DEV, copy=True), g.to(DEV), st_k, *HP, step=2, seed_m=seed, seed_v=seed + 100,
-                         floor=optim.CONTRACT["adamw.v.floor"])
+        # copies: the kernel updates p and the state in place
+        st_k = {k: x.to(DEV, copy=True) for k, x in st.items()}
+        fused_adamw_step(p.to(DEV, copy=True), g.to(DEV), st_k, *HP, step=2, seed_m=seed,
+                         seed_v=seed + 100, floor=optim.CONTRACT["adamw.v.floor"])
         st_k = {k: x.cpu() for k, x in st_k.items()}
         total_m = total_m + optim.decode_first_moment(optim._prefixed(st_k, "m"))
         total_r = total_r + decoded_root_residual(optim._prefixed(st_k, "v"))
@@ -544,14 +574,16 @@ def test_fused_kernel_stochastic_rounding_of_m_and_v_is_unbiased():
 
 @pytest.mark.gpu
 def test_fused_kernel_on_gpu_matches_cpu_reference():
-    """Full size: QuantizedAdamW on CUDA (fused kernel) against the reference on the CPU, one step."""
+    """Full size: QuantizedAdamW on CUDA (fused kernel) against the reference on the CPU, one
+    step."""
     R, C = 1024, 4096
     st, p, g = fused_case(R, C, seed=27)
     p_ref, m_ref, v_ref = reference_step(p, g, st, 5, HP)
     v_enc = optim.encode_second_moment(v_ref)
     from kernels.optim_fused import fused_adamw_step
     p_k, st_k = p.cuda(), {k: x.cuda() for k, x in st.items()}
-    fused_adamw_step(p_k, g.cuda(), st_k, *HP, step=5, seed_m=7, seed_v=8, floor=optim.CONTRACT["adamw.v.floor"])
+    fused_adamw_step(p_k, g.cuda(), st_k, *HP, step=5, seed_m=7, seed_v=8,
+                     floor=optim.CONTRACT["adamw.v.floor"])
     assert torch.equal(p_k.cpu(), p_ref)
     assert torch.equal(as_bits(st_k["v.scales"].cpu()), as_bits(v_enc["scales"]))
     assert torch.equal(st_k["v.tile_mean"].cpu(), v_enc["tile_mean"])
@@ -596,13 +628,15 @@ def test_nvfp4_newton_schulz_on_gpu():
 def test_gpu_quantile_sort_path_matches_torch_quantile():
     x = torch.randn(3001, 17, device="cuda")
     for q in (0.0, 0.5, 0.9, 1.0):
-        torch.testing.assert_close(optim.quantile(x, q), torch.quantile(x.cpu(), q).cuda())  # lerp: ~1 ulp
+        # lerp: ~1 ulp
+        torch.testing.assert_close(optim.quantile(x, q), torch.quantile(x.cpu(), q).cuda())
 
 
 @pytest.mark.gpu
 def test_gpu_root_cuda_graph_equals_eager():
-    """The captured Root direction replays the eager computation bit for bit, for fresh inputs and rotations
-    on every replay (a graph that kept its capture-time inputs would fail the second round)."""
+    """The captured Root direction replays the eager computation bit for bit, for fresh inputs and
+    rotations on every replay (a graph that kept its capture-time inputs would fail the second
+    round)."""
     gen = torch.Generator("cuda").manual_seed(3)
     captured = None
     for _ in range(2):
@@ -621,7 +655,7 @@ def test_gpu_root_cuda_graph_equals_eager():
         assert torch.equal(p1, p2), i
 
 
-# ---------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # FSDP2 (2 CPU processes, gloo): QuantizedAdamW on local shards, Root gathers the full matrix
 
 def _fsdp_worker(rank, world, store, out):
@@ -629,7 +663,8 @@ def _fsdp_worker(rank, world, store, out):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)  # no TCP port
+    # no TCP port
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     results = {}
     for states, steps in (("fp32", 2), ("nvfp4", 1)):
         model = fsdp_model()
@@ -637,20 +672,22 @@ def _fsdp_worker(rank, world, store, out):
         opt = train_fsdp_model(model, states, steps)
         results[states] = [p.full_tensor() for p in model.parameters()]
         results[states + "_packed"] = {tuple(p.shape): tuple(opt.state[p]["m.codes"].shape)
-                                            for p in model.parameters() if "m.codes" in opt.state[p]}
+                                       for p in model.parameters() if "m.codes" in opt.state[p]}
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()
-    # Success: leave without the interpreter's teardown, which aborted a rank now and then in CI ("terminate called
-    # without an active exception", SIGABRT; 3 of ~20 full runs, never when run alone): a C++ thread destroyed
-    # unjoined, most likely gloo's, its group still referenced by FSDP2's device mesh past destroy_process_group.
+    # Success: leave without the interpreter's teardown, which aborted a rank now and then in CI
+    # ("terminate called without an active exception", SIGABRT; 3 of ~20 full runs, never when run
+    # alone): a C++ thread destroyed unjoined, most likely gloo's, its group still referenced by
+    # FSDP2's device mesh past destroy_process_group.
     # Failures raise before this line and are reported as usual.
     os._exit(0)
 
 
 def fsdp_model():
     torch.manual_seed(0)
-    # (128, 64) and (64, 128) go to Root, the (1152, 64) one (aspect 18) to QuantizedAdamW, the bias to fp32 AdamW
+    # (128, 64) and (64, 128) go to Root, the (1152, 64) one (aspect 18) to QuantizedAdamW, the bias
+    # to fp32 AdamW
     return nn.Sequential(nn.Linear(64, 128, bias=False), nn.Linear(128, 64, bias=True),
                          nn.Linear(64, 1152, bias=False))
 
@@ -668,9 +705,10 @@ def train_fsdp_model(model, states, steps):
 
 @pytest.mark.slow
 def test_fsdp2_sharded_states_and_gathered_root(tmp_path):
-    """2 ranks: fp32 states give the single-process numbers; with packed states the first step does too (the
-    moments' encoding only matters from the second step; Root's NS runs on the gathered matrix with the same
-    Hadamard draws on every rank), and each rank keeps packed states of its own (half-row) shard."""
+    """2 ranks: fp32 states give the single-process numbers; with packed states the first step does
+    too (the moments' encoding only matters from the second step; Root's NS runs on the gathered
+    matrix with the same Hadamard draws on every rank), and each rank keeps packed states of its own
+    (half-row) shard."""
     import torch.multiprocessing as mp
     out = str(tmp_path / "fsdp.pt")
     mp.spawn(_fsdp_worker, args=(2, str(tmp_path / "store"), out), nprocs=2)
@@ -681,4 +719,5 @@ def test_fsdp2_sharded_states_and_gathered_root(tmp_path):
         for a, b in zip(sharded[states], model.parameters()):
             torch.testing.assert_close(a, b.detach(), atol=1e-6, rtol=1e-5)
     # packed AdamW states / Root momentum of each rank's half-row shard (codes: 2 per byte)
-    assert sharded["nvfp4_packed"] == {(1152, 64): (576, 32), (128, 64): (64, 32), (64, 128): (32, 64)}
+    assert sharded["nvfp4_packed"] == {(1152, 64): (576, 32), (128, 64): (64, 32),
+                                       (64, 128): (32, 64)}
