@@ -1,12 +1,14 @@
-"""The precision contracts: nvfp4.LINEAR (eqs. 1-2), lora_svd.BRANCH (eq. 1's branch), optim.CONTRACT (§3.3-3.4);
-attention.POLICIES is tested the same way in test_attention.py (test_triton_equals_reference).
+"""The precision contracts: nvfp4.LINEAR (eqs. 1-2), lora_svd.BRANCH (eq. 1's branch),
+optim.CONTRACT (§3.3-3.4); attention.POLICIES is tested the same way in test_attention.py
+(test_triton_equals_reference).
 
-1. Every kernel route, run in Triton's interpreter on a CPU (NANOFP4_ROUTE=kernels), equals the reference
-   function on fresh seeded inputs with the same random draws: for the default table and for a changed entry per
-   operation. A change to the reference alone, or a kernel that ignores an entry, turns one of these red.
-2. The reference is Transformer Engine's NVFP4 arithmetic bit for bit (RTN, 1x16 and 16x16), written here from
-   TE's published formulas (its PyTorch reference quantizer, NVFP4QuantizerRef), including grid ties, block
-   maxima on E4M3 ties, subnormal block scales and all-zero blocks.
+1. Every kernel route, run in Triton's interpreter on a CPU (NANOFP4_ROUTE=kernels), equals the
+   reference function on fresh seeded inputs with the same random draws: for the default table and
+   for a changed entry per operation. A change to the reference alone, or a kernel that ignores an
+   entry, turns one of these red.
+2. The reference is Transformer Engine's NVFP4 arithmetic bit for bit (RTN, 1x16 and 16x16), written
+   here from TE's published formulas (its PyTorch reference quantizer, NVFP4QuantizerRef), including
+   grid ties, block maxima on E4M3 ties, subnormal block scales and all-zero blocks.
 """
 
 import dataclasses
@@ -20,13 +22,13 @@ import nvfp4
 import optim
 
 DEFAULT_LINEAR, DEFAULT_CONTRACT = dict(nvfp4.LINEAR), dict(optim.CONTRACT)  # the tables as shipped
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # helpers
 
 
 def both_routes(monkeypatch, fn, seed=7):
-    """fn() on the reference route, then on the kernel route, each from the same global RNG state (so both
-    draw the same SR seeds and Hadamard signs)."""
+    """fn() on the reference route, then on the kernel route, each from the same global RNG state
+    (so both draw the same SR seeds and Hadamard signs)."""
     out = []
     for route in ("reference", "kernels"):
         monkeypatch.setenv("NANOFP4_ROUTE", route)
@@ -36,15 +38,17 @@ def both_routes(monkeypatch, fn, seed=7):
 
 
 def set_entries(monkeypatch, table, **changes):
-    """Change contract entries as a fork would (dataclasses.replace on an nvfp4.Quant, or a new value)."""
+    """Change contract entries as a fork would (dataclasses.replace on an nvfp4.Quant, or a new
+    value)."""
     for name, change in changes.items():
         value = dataclasses.replace(table[name], **change) if isinstance(change, dict) else change
         monkeypatch.setitem(table, name.replace("__", "."), value)
 
 
 def on_grid(shape, gen, scale=8):
-    """Random values k / scale with |k| <= 127 (exact in bf16): 16-term Hadamard sums of them are exact in fp32
-    in any order, so the kernels' butterfly and the reference's matmul rotate to the same bits."""
+    """Random values k / scale with |k| <= 127 (exact in bf16): 16-term Hadamard sums of them are
+    exact in fp32 in any order, so the kernels' butterfly and the reference's matmul rotate to the
+    same bits."""
     return (torch.randint(-127, 128, shape, generator=gen).float() / scale).bfloat16()
 
 
@@ -54,7 +58,7 @@ def close(a, b, rel=1e-6):
     assert err <= rel * b.double().abs().max().item(), (err, b.double().abs().max().item())
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # eqs. 1-2: the NVFP4 linear layer
 
 SR_UP = dict(rounding="sr_up")
@@ -65,7 +69,8 @@ LINEAR_CHANGES = {
     "wgrad RTN": {"wgrad.dy": RTN, "wgrad.x": RTN},
     "wgrad without Hadamard": {"wgrad.dy": dict(hadamard="none"), "wgrad.x": dict(hadamard="none")},
     "gradients sr_up": {"dgrad.dy": SR_UP, "wgrad.dy": SR_UP, "wgrad.x": SR_UP},
-    "forward SR, W without 4/6": {"forward.x": dict(rounding="sr"), "forward.w": dict(four_over_six=False)},
+    "forward SR, W without 4/6": {"forward.x": dict(rounding="sr"),
+                                  "forward.w": dict(four_over_six=False)},
 }
 
 
@@ -109,7 +114,7 @@ def test_linear_contract_refuses_what_eqs_1_2_forbid(monkeypatch):
         nvfp4.Quant((1, 16), "nearest")
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # eq. 1 with the LoRA-SVD branch
 
 def lora_step(layer, x, dy):
@@ -130,8 +135,8 @@ def test_lora_svd_kernel_route_equals_the_reference(change, monkeypatch):
     x, dy = on_grid((64, 48), g), on_grid((64, 32), g, scale=64)
     (y_r, dx_r, dw_r), (y_k, dx_k, dw_k) = both_routes(monkeypatch, lambda: lora_step(layer, x, dy))
     close(dw_k, dw_r)  # eq. 2: the same quantizations
-    # bf16 outputs; the branch's bf16 intermediate is rounded after the scaling on the kernels: a few bf16
-    # roundings apart (a different quantization of X or dY would be ~10% apart)
+    # bf16 outputs; the branch's bf16 intermediate is rounded after the scaling on the kernels: a
+    # few bf16 roundings apart (a different quantization of X or dY would be ~10% apart)
     close(y_k, y_r, rel=2**-6)
     close(dx_k, dx_r, rel=2**-6)
 
@@ -144,7 +149,7 @@ def test_lora_svd_kernels_refuse_another_branch_precision(monkeypatch):
         layer(torch.randn(16, 32))
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # §3.3-3.4: the optimizer states and Root
 
 STATE = optim.CONTRACT["adamw.m"]
@@ -192,7 +197,8 @@ def test_fused_adamw_falls_back_to_the_reference_where_it_cannot_honour_the_cont
     p_r, _ = adamw_steps()
     monkeypatch.setenv("NANOFP4_ROUTE", "kernels")
     torch.manual_seed(7)
-    with pytest.warns(UserWarning, match="fused kernel implements adamw.m / adamw.v with hadamard 'fixed'"):
+    with pytest.warns(UserWarning,
+                      match="fused kernel implements adamw.m / adamw.v with hadamard 'fixed'"):
         p_k, _ = adamw_steps()
     assert torch.equal(p_k, p_r)
 
@@ -210,7 +216,8 @@ def root_steps(steps=2):
 @pytest.mark.parametrize("change", ["default", "momentum fp32", "newton_schulz fp32"])
 def test_root_kernel_route_equals_the_reference(change, monkeypatch):
     if change != "default":
-        monkeypatch.setitem(optim.CONTRACT, change.split()[0].replace("momentum", "root.momentum"), "fp32")
+        monkeypatch.setitem(optim.CONTRACT,
+                            change.split()[0].replace("momentum", "root.momentum"), "fp32")
     (p_r, opt_r), (p_k, opt_k) = both_routes(monkeypatch, root_steps)
     close(p_k, p_r, rel=1e-5)  # NS's GEMMs: the same quantizations, summation order apart
     st = opt_r.state[opt_r.param_groups[0]["params"][0]]
@@ -228,34 +235,36 @@ def test_optim_contract_refuses_what_the_states_cannot_store(monkeypatch):
 
 
 def test_fp32_adamw_states_by_contract(monkeypatch):
-    """CONTRACT["adamw.m"] (or "adamw.v") = "fp32": QuantizedAdamW keeps both moments in fp32, exactly
-    torch.optim.AdamW's update (the ablation's "NVFP4 Root momentum only" row)."""
+    """CONTRACT["adamw.m"] (or "adamw.v") = "fp32": QuantizedAdamW keeps both moments in fp32,
+    exactly torch.optim.AdamW's update (the ablation's "NVFP4 Root momentum only" row)."""
     monkeypatch.setitem(optim.CONTRACT, "adamw.v", "fp32")
     p, state = adamw_steps()
     assert "exp_avg" in state and "m.codes" not in state
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Transformer Engine's arithmetic, bit for bit
 
 FLT_MAX = torch.finfo(torch.float32).max
 
 
 def te_cast_to_e2m1(x):
-    """E2M1 codes of clipped values x in [-6, 6] by Transformer Engine's interval table (its cast_to_fp4x2): ties
-    go to the even code, -0.0 to code 0, a negative value that rounds to zero to code 8."""
+    """E2M1 codes of clipped values x in [-6, 6] by Transformer Engine's interval table
+    (its cast_to_fp4x2): ties go to the even code, -0.0 to code 0, a negative value that rounds to
+    zero to code 8."""
     a, neg = x.abs(), x < 0
     idx = torch.zeros_like(x, dtype=torch.int64)
     # the bounds between codes; at a bound TE's intervals go up where the upper code is even
-    for b, tie_up in ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True),
-                      (5.0, False)):
+    for b, tie_up in ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False),
+                      (3.5, True), (5.0, False)):
         idx += ((a > b) | ((a == b) & tie_up)).long()
     return (idx | (neg.long() << 3)).to(torch.uint8)
 
 
 def te_quantize(x, tile):
-    """(codes, block scales, S_dec) of x (m, n) as Transformer Engine's NVFP4 reference quantizer computes them
-    (NVFP4QuantizerRef._quantize_blockwise_reference, 448-bound, no 4/6), written from its formulas."""
+    """(codes, block scales, S_dec) of x (m, n) as Transformer Engine's NVFP4 reference quantizer
+    computes them (NVFP4QuantizerRef._quantize_blockwise_reference, 448-bound, no 4/6), written from
+    its formulas."""
     x = x.float()
     m, n = x.shape
     if tile == (16, 16):
@@ -268,8 +277,10 @@ def te_quantize(x, tile):
     s_enc = torch.where(s_enc == 0, torch.tensor(1.0), s_enc)
     s_dec = torch.div(torch.tensor(1.0), s_enc)
     decode = vec_max * (s_enc * torch.reciprocal(torch.tensor(6.0)))
-    decode = torch.minimum(decode, torch.tensor(FLT_MAX)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-    encode = torch.minimum(torch.div(torch.tensor(1.0), decode.float() * s_dec), torch.tensor(FLT_MAX))
+    decode = (torch.minimum(decode, torch.tensor(FLT_MAX)).clamp(-448.0, 448.0)
+              .to(torch.float8_e4m3fn))
+    encode = torch.minimum(torch.div(torch.tensor(1.0), decode.float() * s_dec),
+                           torch.tensor(FLT_MAX))
     scaled = (x.reshape(m, n // 16, 16) * encode).clamp(-6.0, 6.0).reshape(m, n)
     scales = decode.squeeze(-1)
     if tile == (16, 16):
@@ -278,9 +289,11 @@ def te_quantize(x, tile):
 
 
 def e4m3_tie_block_maxima(s_enc, count, gen):
-    """count fp32 block maxima b with fp32(b * (S_enc * RN(1/6))) exactly halfway between two E4M3 values."""
+    """count fp32 block maxima b with fp32(b * (S_enc * RN(1/6))) exactly halfway between two E4M3
+    values."""
     mult = s_enc * torch.reciprocal(torch.tensor(6.0))
-    e4m3 = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()   # positive finite values
+    # positive finite values
+    e4m3 = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     mids = (e4m3[:-1] + e4m3[1:]) / 2
     mids = mids[torch.randint(0, len(mids), (4 * count,), generator=gen)]
     found = []
@@ -290,31 +303,33 @@ def e4m3_tie_block_maxima(s_enc, count, gen):
             if (b * mult).item() == t.item():
                 found.append(b)
                 break
-            b = torch.nextafter(b, torch.tensor(float("inf")) if (b * mult) < t else torch.tensor(0.0))
+            b = torch.nextafter(b, torch.tensor(float("inf")) if (b * mult) < t
+                                else torch.tensor(0.0))
         if len(found) == count:
             break
     return torch.stack(found)
 
 
 def hard_input(tile, gen):
-    """(64, 128) fp32: Gaussian blocks, blocks whose max sits on an E4M3 tie, grid ties (0.25, 0.75, ... of the
-    block's step), a block of subnormal scale, an all-zero block and signed zeros."""
+    """(64, 128) fp32: Gaussian blocks, blocks whose max sits on an E4M3 tie, grid ties
+    (0.25, 0.75, ... of the block's step), a block of subnormal scale, an all-zero block and signed
+    zeros."""
     x = torch.randn(64, 128, generator=gen)
     x[0, 0] = 8.0                                                          # the global amax
     s_enc = torch.div(torch.tensor(448.0 * 6.0), torch.tensor(8.0))
     ties = e4m3_tie_block_maxima(s_enc, 48, gen)
     rows, cols = (16, 16) if tile == (16, 16) else (1, 16)
-    for i, b in enumerate(ties):                                           # block maxima on E4M3 ties
+    for i, b in enumerate(ties):  # block maxima on E4M3 ties
         r, c = (16 + rows * (i // 8)) % 64, 16 * (i % 8)
         blk = x[r:r + rows, c:c + 16]
         blk.mul_(0.9 * b / blk.abs().max())
         blk[(7 * i) % rows, i % 16] = b * (1 if i % 2 else -1)
     mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
-    x[48, 0:16] = torch.cat([mids, -mids]) * (8.0 / 6.0)                  # scale 448 * S_dec: grid ties
-    x[49, 16:32] *= 1e-5                                                    # a subnormal block scale
+    x[48, 0:16] = torch.cat([mids, -mids]) * (8.0 / 6.0)  # scale 448 * S_dec: grid ties
+    x[49, 16:32] *= 1e-5  # a subnormal block scale
     x[50, 32:48] = 0.0                                                      # an all-zero block
-    x[51, 48:64] = torch.tensor([-0.0, 0.0] * 8)                           # signed zeros (and the block is zero)
-    x[52, 64:80] = torch.tensor([1e-30, -1e-30] * 8)                       # rounds to zero, keeps its sign
+    x[51, 48:64] = torch.tensor([-0.0, 0.0] * 8)  # signed zeros (and the block is zero)
+    x[52, 64:80] = torch.tensor([1e-30, -1e-30] * 8)  # rounds to zero, keeps its sign
     x[52, 64] = 0.5
     return x
 
@@ -328,7 +343,8 @@ def test_rtn_equals_transformer_engine_bit_for_bit(tile, kind):
     elif kind == "gaussian":
         x = torch.randn(64, 128, generator=gen)
     else:
-        x = (torch.randn(64, 128, generator=gen) * torch.exp(2 * torch.randn(64, 128, generator=gen))).bfloat16()
+        x = (torch.randn(64, 128, generator=gen)
+             * torch.exp(2 * torch.randn(64, 128, generator=gen))).bfloat16()
     codes, scales, s_dec = te_quantize(x, tile)
     for t in (nvfp4.quantize_reference(x, tile), nvfp4.quantize(x, tile)):
         assert torch.equal(t.scales.view(torch.uint8), scales.view(torch.uint8))
@@ -337,8 +353,9 @@ def test_rtn_equals_transformer_engine_bit_for_bit(tile, kind):
 
 
 def test_the_tie_inputs_tell_te_from_the_division_by_the_global_scale():
-    """The hard input separates the two arithmetics: the previous s_b = e4m3(amax_b / 6 / s_g), s_g =
-    amax / 2688, differs from TE's on the tie blocks (so the test above can fail)."""
+    """The hard input separates the two arithmetics: the previous
+    s_b = e4m3(amax_b / 6 / s_g), s_g = amax / 2688, differs from TE's on the tie blocks
+    (so the test above can fail)."""
     x = hard_input((1, 16), torch.Generator().manual_seed(3))
     _, scales, _ = te_quantize(x, (1, 16))
     s_g = x.abs().amax() / torch.tensor(2688.0)
@@ -349,8 +366,8 @@ def test_the_tie_inputs_tell_te_from_the_division_by_the_global_scale():
 
 
 def test_all_zero_tensor_encodes_to_zeros_with_unit_scales():
-    """TE saturates S_enc at FLT_MAX for an all-zero tensor; nvfp4 uses 1 (docs/nvfp4_format.md). Codes, block
-    scales and values agree; only the stored global scale differs."""
+    """TE saturates S_enc at FLT_MAX for an all-zero tensor; nvfp4 uses 1 (docs/nvfp4_format.md).
+    Codes, block scales and values agree; only the stored global scale differs."""
     for tile in ((1, 16), (16, 16)):
         t = nvfp4.quantize(torch.zeros(32, 64), tile)
         assert t.global_scale.item() == 1.0 and not t.codes.any() and not t.scales.float().any()
@@ -363,7 +380,8 @@ def test_suite_draws_are_seeded():
 
 
 def test_train_numerics_flag_changes_one_entry_and_refuses_bad_ones(monkeypatch, capsys):
-    """train.py --numerics KEY=VALUE: the ablation's rows change contract entries, not code paths."""
+    """train.py --numerics KEY=VALUE: the ablation's rows change contract entries, not code
+    paths."""
     import train
     monkeypatch.setattr(nvfp4, "LINEAR", dict(DEFAULT_LINEAR))
     monkeypatch.setattr(optim, "CONTRACT", dict(DEFAULT_CONTRACT))
@@ -375,8 +393,8 @@ def test_train_numerics_flag_changes_one_entry_and_refuses_bad_ones(monkeypatch,
     assert nvfp4.LINEAR["forward.w"].four_over_six is False
     assert optim.CONTRACT["root.momentum"] == "fp32" and optim.CONTRACT["adamw.v.floor"] == 0.125
     assert lora_svd.BRANCH == "fp32"
-    for bad in ("linear.foo.rounding=rtn", "linear.dgrad.dy.rounding=nearest", "optim.adamw.v.tile=big",
-                "optim.root.momentum.rounding=rtn", "nothing"):
+    for bad in ("linear.foo.rounding=rtn", "linear.dgrad.dy.rounding=nearest",
+                "optim.adamw.v.tile=big", "optim.root.momentum.rounding=rtn", "nothing"):
         with pytest.raises(SystemExit) as e:
             train.set_numerics(bad)
         assert e.value.code == 2
