@@ -72,3 +72,18 @@ def test_root_with_the_nvfp4_newton_schulz_steps():
     step = (W.detach() - before) / (1e-2 * 0.2 * 8)  # lr * ROOT_SCALE * sqrt(max(m, n))
     assert torch.isfinite(step).all() and 0.3 < torch.linalg.matrix_norm(step, 2) < 1.5
     assert opt.bytes_per_param() == 1.125 + 8 / W.numel()
+
+
+def test_the_shipped_root_momentum_is_the_studys_winner():
+    """optim.CONTRACT's Root momentum (two levels) encodes bit for bit as the study's winner."""
+    import optim
+    x = heavy_rows(2)
+    levels = optim.CONTRACT["root.momentum.levels"]
+    shipped = optim.encode_first_moment(x, entry="root.momentum", levels=levels)
+    winner = study.encode_momentum_residual(x)
+    assert set(shipped) == set(winner)
+    assert all(torch.equal(shipped[k].view(torch.uint8), winner[k].view(torch.uint8))
+               if shipped[k].dtype == torch.float8_e4m3fn else torch.equal(shipped[k], winner[k])
+               for k in winner)
+    assert torch.equal(optim.decode_first_moment(shipped, entry="root.momentum"),
+                       study.decode_momentum_residual(winner))
