@@ -112,12 +112,11 @@ def _amax_kernel(x_ptr, h_ptr, part_ptr, M, N, stride_xb, stride_xm, stride_xn,
 # random seed per call that would recompile the SR kernels whenever a seed first fell into a new
 # class.
 @triton.jit(do_not_specialize=["seed"])
-def _quantize_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr,
-                     values_ptr, M, N, stride_xb, stride_xm, stride_xn, seed,
-                     BM: tl.constexpr, BN: tl.constexpr, SBM: tl.constexpr, SBN: tl.constexpr,
-                     FP8_BOUND: tl.constexpr, FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr,
-                     SCALE_UP: tl.constexpr, HAD_DIM: tl.constexpr,
-                     WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr):
+def _quantize_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, values_ptr, M, N,
+                     stride_xb, stride_xm, stride_xn, seed, BM: tl.constexpr, BN: tl.constexpr,
+                     SBM: tl.constexpr, SBN: tl.constexpr, FP8_BOUND: tl.constexpr,
+                     FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr, SCALE_UP: tl.constexpr,
+                     HAD_DIM: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr):
     """One (BM, BN) tile: block amax -> E4M3 block scale -> E2M1 codes (packed 2/byte, even element
     low) and/or bf16 values q * s_b. Blocks are (SBM, SBN) = (1, 16), (16, 1) or (16, 16)."""
     # rows on axis 0: no 65535 cap
@@ -126,12 +125,10 @@ def _quantize_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr,
     x, offs_m, offs_n, mask = _load_tile(x_ptr, h_ptr, pid_b, m0, n0, M, N,
                                          stride_xb, stride_xm, stride_xn, BM, BN, HAD_DIM)
     # global scales S_enc = bound * 6 / amax, S_dec = 1 / S_enc (nvfp4.global_scales)
-    # fp32, or bf16 straight from torch's amax of a bf16 x (exact)
-    amax = tl.load(amax_ptr).to(tl.float32)
+    amax = tl.load(amax_ptr).to(tl.float32)  # fp32, or bf16 from torch's amax of a bf16 x (exact)
     s_enc, s_dec = _global_scales(amax, FP8_BOUND)
-    # the tensor's S_dec for the host: no extra torch kernels
     if (pid_m == 0) & (pid_n == 0) & (pid_b == 0):
-        tl.store(gs_out_ptr, s_dec)
+        tl.store(gs_out_ptr, s_dec)  # the tensor's S_dec for the host: no extra torch kernels
 
     ax = tl.abs(x)
     xb = ax.reshape(BM // SBM, SBM, BN // SBN, SBN)  # (bm-groups, bm, bn-groups, bn)
@@ -163,8 +160,7 @@ def _quantize_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr,
         rtn_idx = tl.where(use4[:, None, :, None], i4, i6)  # = _rtn_e2m1(a), already computed
 
     if SR:
-        # 16x1 and 16x16 blocks: four rows of a column per Philox call (_column_random_words)
-        if SBM == 16:
+        if SBM == 16:  # 16x1, 16x16: four rows of a column per Philox call (_column_random_words)
             quad = (pid_b.to(tl.int64) * M + m0) // 4 + tl.arange(0, BM // 4)  # BM % 16 == 0
             # (BM / 4, BN, 2, 2)
             rand = _column_random_words(seed, quad[:, None] * N + offs_n[None, :])
@@ -201,9 +197,8 @@ def _quantize_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr,
 @triton.jit(do_not_specialize=["seed"])
 def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, values_ptr,
                           part_ptr, n_blocks, seed, NB: tl.constexpr, CHUNKS: tl.constexpr,
-                          FP8_BOUND: tl.constexpr,
-                          FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr, SCALE_UP: tl.constexpr,
-                          HADAMARD: tl.constexpr, WRITE_CODES: tl.constexpr,
+                          FP8_BOUND: tl.constexpr, FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr,
+                          SCALE_UP: tl.constexpr, HADAMARD: tl.constexpr, WRITE_CODES: tl.constexpr,
                           WRITE_VALUES: tl.constexpr, AMAX_ONLY: tl.constexpr):
     """_quantize_kernel's arithmetic for the common case, 1x16 blocks of a contiguous x: CHUNKS
     chunks of NB consecutive blocks per program, each held as an (NB, 2, 8) tile (the two 8-element
@@ -222,12 +217,10 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
     # contiguity, ties by index) spreads the blocks over the threads and keeps both halves of a
     # block in one thread
     half = tl.arange(0, 2)[None, :, None]
-    # (NB, 2, 8) int32: element offsets
-    offs = blk[:, None, None] * 16 + half * 8 + tl.arange(0, 8)[None, None, :]
+    offs = blk[:, None, None] * 16 + half * 8 + tl.arange(0, 8)[None, None, :]  # element offsets
     first = pid.to(tl.int64) * (NB * CHUNKS)  # first block of this program
     if not AMAX_ONLY:
-        # fp32, or bf16 from torch's amax of a bf16 x (exact)
-        amax = tl.load(amax_ptr).to(tl.float32)
+        amax = tl.load(amax_ptr).to(tl.float32)  # fp32, or bf16: torch's amax of a bf16 x (exact)
         s_enc, s_dec = _global_scales(amax, FP8_BOUND)
         if pid == 0:
             tl.store(gs_out_ptr, s_dec)
@@ -247,14 +240,12 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
             x = _hadamard16(x.reshape(NB, 16, 1), h_ptr, NB, 1).reshape(NB, 2, 8)
         ax = tl.abs(x)
         block_amax = tl.max(tl.max(ax, axis=2), axis=1)                             # (NB,)
-        # (an else branch, not an early return: Triton would still compile the rest for this launch)
-        if AMAX_ONLY:
+        if AMAX_ONLY:  # (an else branch, not an early return: Triton would compile the rest anyway)
             run_max = tl.maximum(run_max, block_amax)
         else:
             s_b, bits, den, inv = _block_scale(block_amax, s_enc, s_dec, 6.0, SCALE_UP)
             a = tl.minimum(ax * inv[:, None, None], 6.0)
-            # as in _quantize_kernel: the "max -> 4" candidate wins on a lower RTN error, ties to 6
-            if FOUR_OVER_SIX:
+            if FOUR_OVER_SIX:  # 4/6 as in _quantize_kernel: the lower RTN error wins, ties to 6
                 s4, bits4, den4, inv4 = _block_scale(block_amax, s_enc, s_dec, 4.0, SCALE_UP)
                 a4 = tl.minimum(ax * inv4[:, None, None], 6.0)
                 i6, i4 = _rtn_e2m1(a), _rtn_e2m1(a4)
