@@ -1,17 +1,21 @@
 """
-The layer rows of the speed table: each public call a training step makes, timed against what a user would run
-instead, on the same GPU in the same process.
+The layer rows of the speed table: each public call a training step makes, timed against what a user
+would run instead, on the same GPU in the same process.
 
-  attention   attention.attention(policy=...) fwd+bwd vs torch's default scaled_dot_product_attention dispatch
-              (no backend forced; the backend it picked is read from the profiler and named in the row)
-  linear      nvfp4.NVFP4Linear, NVFP4Linear(4/6) and lora_svd.LoRASVDLinear fwd+bwd vs nn.Linear, all with fp32
-              master weights under bf16 autocast, as train.py runs them
-  optim       optim.QuantizedAdamW.step vs torch.optim.AdamW(fused=True) on the 1b config's block matrices
-  quantize    nvfp4.quantize on a bf16 tensor vs a copy of it (a breakdown: the passes an FP4 linear adds)
+  attention   attention.attention(policy=...) fwd+bwd vs torch's default
+              scaled_dot_product_attention dispatch (no backend forced; the backend it picked is
+              read from the profiler and named in the row)
+  linear      nvfp4.NVFP4Linear, NVFP4Linear(4/6) and lora_svd.LoRASVDLinear fwd+bwd vs nn.Linear,
+              all with fp32 master weights under bf16 autocast, as train.py runs them
+  optim       optim.QuantizedAdamW.step vs torch.optim.AdamW(fused=True) on the 1b config's block
+              matrices
+  quantize    nvfp4.quantize on a bf16 tensor vs a copy of it (a breakdown: the passes an FP4
+              linear adds)
 
-Every call is timed back to back, as in training: no cache flush between calls, the launch queue kept full, so
-host time that the GPU cannot hide shows up. Rows hold milliseconds per call of ours and of the baseline and the
-speed ratio baseline_ms / ours_ms (above 1: ours is faster). Only the modules' public calls are used.
+Every call is timed back to back, as in training: no cache flush between calls, the launch queue
+kept full, so host time that the GPU cannot hide shows up. Rows hold milliseconds per call of ours
+and of the baseline and the speed ratio baseline_ms / ours_ms (above 1: ours is faster). Only the
+modules' public calls are used.
 """
 
 import contextlib
@@ -31,9 +35,10 @@ LORA_RANK = 32  # train.py's --lora_rank default
 
 
 def time_ms(fn, device, calls=20, repeats=5):
-    """Milliseconds per call: the median over `repeats` of the mean of `calls` back-to-back calls, after three
-    warm-up calls (kernel compilation, autotuning, the optimizer's state allocation). On the CPU (the dry run)
-    one call, wall clock: the dry run checks that the code runs, not how fast."""
+    """Milliseconds per call: the median over `repeats` of the mean of `calls` back-to-back calls,
+    after three warm-up calls (kernel compilation, autotuning, the optimizer's state allocation). On
+    the CPU (the dry run) one call, wall clock: the dry run checks that the code runs, not how
+    fast."""
     if device != "cuda":
         t0 = time.perf_counter()
         fn()
@@ -53,14 +58,16 @@ def time_ms(fn, device, calls=20, repeats=5):
 
 
 def row(section, name, ms, baseline, baseline_ms, **extra):
-    return {"section": section, "name": name, "ms": ms, "baseline": baseline, "baseline_ms": baseline_ms,
-            "speed_vs_baseline": baseline_ms / ms, **extra}
+    return {"section": section, "name": name, "ms": ms, "baseline": baseline,
+            "baseline_ms": baseline_ms, "speed_vs_baseline": baseline_ms / ms, **extra}
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # attention (§3.5)
 
-SDPA_BACKENDS = (  # the aten op each backend of torch's scaled_dot_product_attention dispatch runs, most specific first
+# the aten op each backend of torch's scaled_dot_product_attention dispatch runs, most specific
+# first
+SDPA_BACKENDS = (
     ("_scaled_dot_product_cudnn_attention", "cuDNN"),
     ("_scaled_dot_product_flash_attention_for_cpu", "CPU flash"),
     ("_scaled_dot_product_flash_attention", "flash"),
@@ -70,8 +77,9 @@ SDPA_BACKENDS = (  # the aten op each backend of torch's scaled_dot_product_atte
 
 
 def sdpa_backend(run, device):
-    """Which backend torch's default dispatch picked for `run` (one fwd+bwd), from the profiler's op names, and the
-    GPU kernels that took the most time (the evidence: cuDNN's are named cudnn_* / sm90_*fmha*)."""
+    """Which backend torch's default dispatch picked for `run` (one fwd+bwd), from the profiler's op
+    names, and the GPU kernels that took the most time (the evidence: cuDNN's are named cudnn_* /
+    sm90_*fmha*)."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
@@ -79,8 +87,10 @@ def sdpa_backend(run, device):
         if device == "cuda":
             torch.cuda.synchronize()
     ops = {e.name for e in prof.events()}
-    backend = next((label for op, label in SDPA_BACKENDS if any(op in name for name in ops)), "unknown")
-    gpu = [e for e in prof.key_averages() if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    backend = next((label for op, label in SDPA_BACKENDS if any(op in name for name in ops)),
+                   "unknown")
+    gpu = [e for e in prof.key_averages()
+           if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
     gpu.sort(key=lambda e: -getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)))
     return backend, [e.key[:120] for e in gpu[:3]]
 
@@ -93,39 +103,48 @@ def attention_rows(device, dry, policies=("bf16", "fp4", "fp4_all")):
     v = torch.randn(B, Hkv, T, D, device=device, dtype=dtype, requires_grad=True)
     do = torch.randn_like(q)
 
-    def fwd_bwd(attend):  # autograd.grad: fresh gradients each call, as for a layer's activations in training
+    # autograd.grad: fresh gradients each call, as for a layer's activations in training
+    def fwd_bwd(attend):
         return lambda: torch.autograd.grad(attend(q, k, v), (q, k, v), do)
 
-    sdpa = fwd_bwd(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    sdpa = fwd_bwd(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                  enable_gqa=True))
     backend, kernels = sdpa_backend(sdpa, device)
     baseline = f"torch SDPA, default dispatch ({backend})"
     sdpa_ms = time_ms(sdpa, device)
-    flop = 3.5 * 2 * 2 * B * H * T * T * D / 2  # causal: fwd 2 matmuls over half the (T, T) scores, bwd 2.5x fwd
+    # causal: fwd 2 matmuls over half the (T, T) scores, bwd 2.5x fwd
+    flop = 3.5 * 2 * 2 * B * H * T * T * D / 2
     shape = f"B{B} H{H}/{Hkv} T{T} D{D} causal"
     rows = []
     for policy in policies:
-        ms = time_ms(fwd_bwd(lambda q, k, v: attention.attention(q, k, v, causal=True, policy=policy)), device)
-        rows.append(row("attention", f"attention(policy={policy!r}) fwd+bwd, {shape}", ms, baseline, sdpa_ms,
-                        tflops=flop / ms / 1e9, baseline_tflops=flop / sdpa_ms / 1e9, sdpa_backend=backend,
-                        sdpa_kernels=kernels))
+        ms = time_ms(fwd_bwd(lambda q, k, v: attention.attention(q, k, v, causal=True,
+                                                                 policy=policy)), device)
+        rows.append(row("attention", f"attention(policy={policy!r}) fwd+bwd, {shape}", ms,
+                        baseline, sdpa_ms,
+                        tflops=flop / ms / 1e9, baseline_tflops=flop / sdpa_ms / 1e9,
+                        sdpa_backend=backend, sdpa_kernels=kernels))
     return rows
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # linear layers (§2 eqs. 1-2, §3.2)
 
 def linear_rows(device, dry):
     tokens, width = (64, 64) if dry else (16384, 4096)
-    # train.py's precision: fp32 master weights, bf16 autocast on the GPU; fp32 on the CPU (the dry run)
+    # train.py's precision: fp32 master weights, bf16 autocast on the GPU; fp32 on the CPU
+    # (the dry run)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else contextlib.nullcontext()
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda"
+                else contextlib.nullcontext())
     x = torch.randn(tokens, width, device=device, dtype=dtype, requires_grad=True)  # (tokens, in)
     dy = torch.randn(tokens, width, device=device, dtype=dtype)                     # (tokens, out)
     layers = {
         "nn.Linear": nn.Linear(width, width, bias=False, device=device),
         "NVFP4Linear": nvfp4.NVFP4Linear(width, width, device=device),
-        "NVFP4Linear(four_over_six=True)": nvfp4.NVFP4Linear(width, width, four_over_six=True, device=device),
-        f"LoRASVDLinear(rank={LORA_RANK})": lora_svd.LoRASVDLinear(width, width, LORA_RANK, device=device),
+        "NVFP4Linear(four_over_six=True)": nvfp4.NVFP4Linear(width, width, four_over_six=True,
+                                                             device=device),
+        f"LoRASVDLinear(rank={LORA_RANK})": lora_svd.LoRASVDLinear(width, width, LORA_RANK,
+                                                                   device=device),
     }
 
     def fwd_bwd(layer):
@@ -143,15 +162,16 @@ def linear_rows(device, dry):
     baseline = "nn.Linear, bf16 autocast" if device == "cuda" else "nn.Linear, fp32"
     return [row("linear", f"{name} fwd+bwd, {shape}", ms, baseline, dense_ms,
                 tflops=flop / ms / 1e9, baseline_tflops=flop / dense_ms / 1e9)
-            for name, ms in ((name, time_ms(fwd_bwd(layer), device)) for name, layer in layers.items())]
+            for name, ms in ((name, time_ms(fwd_bwd(layer), device))
+                             for name, layer in layers.items())]
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the optimizer step (§3.3)
 
 def block_matrix_shapes(n_layer=16, n_embd=2048, kv_dim=1024, ffn=6144):
-    """The 1b config's transformer-block matrices: q, k, v, o, gate, up, down per layer (train.py's Root/AdamW
-    see these; embeddings and norms are a small share of the step)."""
+    """The 1b config's transformer-block matrices: q, k, v, o, gate, up, down per layer
+    (train.py's Root/AdamW see these; embeddings and norms are a small share of the step)."""
     per_layer = [(n_embd, n_embd), (kv_dim, n_embd), (kv_dim, n_embd), (n_embd, n_embd),
                  (ffn, n_embd), (ffn, n_embd), (n_embd, ffn)]
     return per_layer * n_layer
@@ -179,7 +199,7 @@ def optim_rows(device, dry):
     return [row("optim", name, ours_ms, baseline, theirs_ms)]
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # breakdown: one quantization pass (§2)
 
 def quantize_rows(device, dry):
@@ -190,11 +210,14 @@ def quantize_rows(device, dry):
     cases = {
         "RTN 1x16 (activations, forward)": dict(block=(1, 16)),
         "RTN 16x16 (weights)": dict(block=(16, 16)),
-        "SR + random Hadamard 1x16 (wgrad operands, eq. 2)": dict(block=(1, 16), rounding="sr", hadamard=H),
+        "SR + random Hadamard 1x16 (wgrad operands, eq. 2)": dict(block=(1, 16), rounding="sr",
+                                                                  hadamard=H),
     }
-    return [row("quantize", f"nvfp4.quantize {name}, {n}x{n} bf16", time_ms(lambda: nvfp4.quantize(x, **kw), device),
+    return [row("quantize", f"nvfp4.quantize {name}, {n}x{n} bf16",
+                time_ms(lambda: nvfp4.quantize(x, **kw), device),
                 "x.clone() (a copy: reads and writes 2 bytes per element)", copy_ms)
             for name, kw in cases.items()]
 
 
-SECTIONS = {"attention": attention_rows, "linear": linear_rows, "optim": optim_rows, "quantize": quantize_rows}
+SECTIONS = {"attention": attention_rows, "linear": linear_rows, "optim": optim_rows,
+            "quantize": quantize_rows}
