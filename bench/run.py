@@ -7,10 +7,13 @@ grid-values" or, on a Blackwell GPU, "blackwell dot_scaled") and results/speed/s
 tables). A partial run replaces only the rows it measured. On a Blackwell GPU the same command
 measures the FP4 tensor-core route (docs/blackwell.md: what it should reach).
 
-    python bench/run.py                                   # everything, one GPU (the end-to-end rows take longest)
-    python bench/run.py --only attention,linear,optim,quantize          # the layer rows: a couple of minutes
+    # everything, one GPU (the end-to-end rows take longest)
+    python bench/run.py
+    # the layer rows: a couple of minutes
+    python bench/run.py --only attention,linear,optim,quantize
     python bench/run.py --only train --configs 1b --runs bf16:adamw,fullstack:adamw --compile both
-    python bench/run.py --dry_run                         # CPU smoke run: tiny shapes, the tiny config (tests)
+    # CPU smoke run: tiny shapes, the tiny config (tests)
+    python bench/run.py --dry_run
 """
 
 import argparse
@@ -27,7 +30,8 @@ sys.path.insert(0, ROOT)  # the modules (attention.py, nvfp4.py, ...) live at th
 import torch  # noqa: E402
 
 if "--dry_run" in sys.argv and not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton's CPU interpreter; read when kernels are defined
+    # Triton's CPU interpreter; read when kernels are defined
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import end_to_end  # noqa: E402
 import layers  # noqa: E402
@@ -38,19 +42,27 @@ SECTIONS = (*layers.SECTIONS, "train")
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {list(SECTIONS)}")
+    p.add_argument("--only", default=",".join(SECTIONS),
+                   help=f"comma-separated sections of {list(SECTIONS)}")
     p.add_argument("--configs", default="toy,1b", help="train.py configs of the end-to-end rows")
     p.add_argument("--runs", default=",".join(f"{r}:{o}" for r, o in end_to_end.RUNS),
                    help="recipe:optimizer items of the end-to-end rows")
     p.add_argument("--compile", default="both", choices=("both", "eager", "compile"),
                    help="end-to-end rows without --compile, with it, or both")
-    p.add_argument("--steps", type=int, default=3, help="optimizer steps per end-to-end run (the first is not timed)")
-    p.add_argument("--run_timeout", type=float, default=600, help="seconds before one train.py run is stopped")
-    p.add_argument("--deadline", type=float, default=None, help="seconds: start no end-to-end run after this")
-    p.add_argument("--out_dir", default=None, help="the record's folder (default results/speed; dry run: runs/bench_dry)")
-    p.add_argument("--runs_dir", default="runs/bench", help="train.py output of the end-to-end runs")
-    p.add_argument("--data", default=None, help="train.py --data (default: train.py's, the offline corpus)")
-    p.add_argument("--dry_run", action="store_true", help="CPU smoke run of every section: tiny shapes, no timing claim")
+    p.add_argument("--steps", type=int, default=3,
+                   help="optimizer steps per end-to-end run (the first is not timed)")
+    p.add_argument("--run_timeout", type=float, default=600,
+                   help="seconds before one train.py run is stopped")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="seconds: start no end-to-end run after this")
+    p.add_argument("--out_dir", default=None,
+                   help="the record's folder (default results/speed; dry run: runs/bench_dry)")
+    p.add_argument("--runs_dir", default="runs/bench",
+                   help="train.py output of the end-to-end runs")
+    p.add_argument("--data", default=None,
+                   help="train.py --data (default: train.py's, the offline corpus)")
+    p.add_argument("--dry_run", action="store_true",
+                   help="CPU smoke run of every section: tiny shapes, no timing claim")
     args = p.parse_args(argv)
 
     def fail(msg):
@@ -63,7 +75,8 @@ def parse_args(argv=None):
     if bad := [s for s in args.only if s not in SECTIONS]:
         fail(f"--only: unknown section {bad[0]!r}; expected some of {list(SECTIONS)}")
     if bad := [c for c in args.configs if c not in end_to_end.MICRO_BATCH]:
-        fail(f"--configs: no micro-batch set for config {bad[0]!r}; expected some of {list(end_to_end.MICRO_BATCH)}")
+        fail(f"--configs: no micro-batch set for config {bad[0]!r}; "
+             f"expected some of {list(end_to_end.MICRO_BATCH)}")
     if bad := [r for r in args.runs if len(r) != 2 or r[1] not in ("adamw", "root")]:
         fail(f"--runs: {':'.join(bad[0])!r} is not recipe:optimizer with optimizer adamw or root")
     if args.steps < 2:
@@ -88,14 +101,15 @@ def gemm_route():
 
 def measured_with():
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True).stdout.strip()
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                capture_output=True, text=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                                capture_output=True, text=True).stdout.strip()
     except OSError:
         commit, dirty = "", ""
     import triton
-    return {"date": datetime.date.today().isoformat(), "commit": commit + ("+changes" if dirty else ""),
+    return {"date": datetime.date.today().isoformat(),
+            "commit": commit + ("+changes" if dirty else ""),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "triton": triton.__version__, "gemm_route": gemm_route()}
 
@@ -114,23 +128,27 @@ def merge(path, new_rows):
 
 
 def tables(rows):
-    out = ["| section | ours | ms | baseline | ms | speed vs baseline | measured |", "|---|---|---|---|---|---|---|"]
+    out = ["| section | ours | ms | baseline | ms | speed vs baseline | measured |",
+           "|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["section"] != "train":
-            out.append(f"| {r['section']} | {r['name']} | {r['ms']:.3f} | {r['baseline']} | {r['baseline_ms']:.3f} "
-                       f"| **{r['speed_vs_baseline']:.2f}x** | {when(r)} |")
+            out.append(f"| {r['section']} | {r['name']} | {r['ms']:.3f} | {r['baseline']} "
+                       f"| {r['baseline_ms']:.3f} | **{r['speed_vs_baseline']:.2f}x** "
+                       f"| {when(r)} |")
     train = [r for r in rows if r["section"] == "train"]
     if train:
-        out += ["", "| config | recipe | optimizer | --compile | tokens/s | vs bf16 | vs bf16 --compile | peak mem "
-                "| optimizer bytes/param | measured |", "|---|---|---|---|---|---|---|---|---|---|"]
+        out += ["", "| config | recipe | optimizer | --compile | tokens/s | vs bf16 "
+                "| vs bf16 --compile | peak mem | optimizer bytes/param | measured |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
         for r in train:
             def ratio(key):
                 return f"{r[key]:.2f}x" if key in r else "-"
-            numbers = (f"{r['tokens_per_s']:,.0f} | {ratio('vs_bf16')} | {ratio('vs_bf16_compile')} | "
-                       f"{r['peak_mem_gib']:.1f} GiB | {r['optimizer_bytes_per_param']:.2f}") if "error" not in r \
+            numbers = (f"{r['tokens_per_s']:,.0f} | {ratio('vs_bf16')} | "
+                       f"{ratio('vs_bf16_compile')} | {r['peak_mem_gib']:.1f} GiB | "
+                       f"{r['optimizer_bytes_per_param']:.2f}") if "error" not in r \
                 else f"failed: {r['error'].strip().splitlines()[-1][:100]} | | | | "
-            out.append(f"| {r['config']} | `{r['recipe']}` | {r['optimizer']} | {'yes' if r['compile'] else ''} | "
-                       f"{numbers} | {when(r)} |")
+            out.append(f"| {r['config']} | `{r['recipe']}` | {r['optimizer']} | "
+                       f"{'yes' if r['compile'] else ''} | {numbers} | {when(r)} |")
     return "\n".join(out) + "\n"
 
 
@@ -141,27 +159,33 @@ def main(argv=None):
     for section in (s for s in layers.SECTIONS if s in args.only):
         for r in layers.SECTIONS[section](device, args.dry_run):
             rows.append({**r, "measured": meta})
-            print(f"{r['section']:9s} {r['name']:72s} {r['ms']:9.3f} ms  {r['speed_vs_baseline']:5.2f}x "
-                  f"{r['baseline']} ({r['baseline_ms']:.3f} ms)", flush=True)
+            print(f"{r['section']:9s} {r['name']:72s} {r['ms']:9.3f} ms  "
+                  f"{r['speed_vs_baseline']:5.2f}x {r['baseline']} ({r['baseline_ms']:.3f} ms)",
+                  flush=True)
     if "train" in args.only:
         modes = {"both": (False, True), "eager": (False,), "compile": (True,)}[args.compile]
         for config in args.configs:
             for recipe, optimizer in args.runs:
                 for compile in modes:
                     if args.deadline is not None and time.time() - start > args.deadline:
-                        print(f"train     {config} {recipe} {optimizer} compile={compile}: skipped (deadline)")
+                        print(f"train     {config} {recipe} {optimizer} compile={compile}: "
+                              "skipped (deadline)")
                         continue
-                    r = end_to_end.run_one(config, recipe, optimizer, compile, args.steps, args.runs_dir,
-                                           args.run_timeout, data=args.data, device=device if args.dry_run else None,
-                                           step_tokens=2 * 2 * 64 if args.dry_run else end_to_end.STEP_TOKENS)
+                    r = end_to_end.run_one(config, recipe, optimizer, compile, args.steps,
+                                           args.runs_dir, args.run_timeout, data=args.data,
+                                           device=device if args.dry_run else None,
+                                           step_tokens=(2 * 2 * 64 if args.dry_run
+                                                        else end_to_end.STEP_TOKENS))
                     rows.append({**r, "measured": meta})
-                    print(f"train     {r['name']:40s} " + (f"{r['tokens_per_s']:,.0f} tokens/s" if "error" not in r
-                                                          else f"FAILED {r['error']}"), flush=True)
+                    print(f"train     {r['name']:40s} "
+                          + (f"{r['tokens_per_s']:,.0f} tokens/s" if "error" not in r
+                             else f"FAILED {r['error']}"), flush=True)
     os.makedirs(args.out_dir, exist_ok=True)
     json_path = os.path.join(args.out_dir, "speed.json")
     all_rows = end_to_end.add_ratios(merge(json_path, rows))
     with open(json_path, "w") as f:
-        json.dump({"about": "bench/run.py: ours vs what a user would run instead; see README.md here",
+        json.dump({"about": "bench/run.py: ours vs what a user would run instead; "
+                            "see README.md here",
                    "rows": all_rows}, f, indent=1)
     table = tables(all_rows)
     with open(os.path.join(args.out_dir, "speed.md"), "w") as f:
