@@ -1,8 +1,9 @@
 """
-The end-to-end rows of the speed table: `train.py` itself, every recipe with and without --compile, at the
-paper's 1M-token optimizer step (batch_size x grad_accum x seq_len = 2^20 tokens), against `bf16` and the
-baseline a user would actually run, `bf16 --compile`. tokens/s is train.py's own summary (summary.json): training
-time only, the first step of each run (compilation, autotuning, state allocation) not timed.
+The end-to-end rows of the speed table: `train.py` itself, every recipe with and without --compile,
+at the paper's 1M-token optimizer step (batch_size x grad_accum x seq_len = 2^20 tokens), against
+`bf16` and the baseline a user would actually run, `bf16 --compile`. tokens/s is train.py's own
+summary (summary.json): training time only, the first step of each run (compilation, autotuning,
+state allocation) not timed.
 """
 
 import json
@@ -13,15 +14,18 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEP_TOKENS = 2**20  # the paper's 1M-token batch
-MICRO_BATCH = {"toy": (16, 1024), "1b": (8, 2048), "tiny": (2, 64)}  # (sequences, seq_len) per micro-step
+# (sequences, seq_len) per micro-step
+MICRO_BATCH = {"toy": (16, 1024), "1b": (8, 2048), "tiny": (2, 64)}
 RUNS = (("bf16", "adamw"), ("nvfp4", "adamw"), ("nvfp4_46", "adamw"), ("lora_naive", "adamw"),
         ("lora_svd", "adamw"), ("fullstack", "adamw"), ("fullstack", "root"))
 
 
-def command(config, recipe, optimizer, compile, steps, out_dir, data=None, step_tokens=STEP_TOKENS, device=None):
+def command(config, recipe, optimizer, compile, steps, out_dir, data=None,
+            step_tokens=STEP_TOKENS, device=None):
     batch, seq_len = MICRO_BATCH[config]
     grad_accum = max(1, step_tokens // (batch * seq_len))
-    cmd = [sys.executable, "train.py", "--config", config, "--recipe", recipe, "--optimizer", optimizer,
+    cmd = [sys.executable, "train.py", "--config", config, "--recipe", recipe,
+           "--optimizer", optimizer,
            "--max_steps", str(steps), "--batch_size", str(batch), "--grad_accum", str(grad_accum),
            "--seq_len", str(seq_len), "--warmup", "1", "--eval_every", "0", "--log_every", "1",
            "--save_every", "-1", "--no_progress", "--seed", "0", "--out_dir", out_dir]
@@ -35,11 +39,12 @@ def run_one(config, recipe, optimizer, compile, steps, runs_dir, timeout, **kw):
     """One train.py run in a fresh directory; its summary as a row (or the error's last lines)."""
     name = f"{config}_{recipe}_{optimizer}{'_compile' if compile else ''}"
     out_dir = os.path.join(runs_dir, name)
-    shutil.rmtree(out_dir, ignore_errors=True)  # runs_dir belongs to the benchmark: a rerun replaces its run
+    # runs_dir belongs to the benchmark: a rerun replaces its run
+    shutil.rmtree(out_dir, ignore_errors=True)
     os.makedirs(out_dir)
     cmd = command(config, recipe, optimizer, compile, steps, out_dir, **kw)
-    result = {"section": "train", "name": name, "config": config, "recipe": recipe, "optimizer": optimizer,
-              "compile": compile, "command": " ".join(["python"] + cmd[1:])}
+    result = {"section": "train", "name": name, "config": config, "recipe": recipe,
+              "optimizer": optimizer, "compile": compile, "command": " ".join(["python"] + cmd[1:])}
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -57,9 +62,11 @@ def run_one(config, recipe, optimizer, compile, steps, runs_dir, timeout, **kw):
 
 
 def add_ratios(rows):
-    """Each train row's tokens/s against bf16 (AdamW) and bf16 --compile of the same config, where measured."""
+    """Each train row's tokens/s against bf16 (AdamW) and bf16 --compile of the same config, where
+    measured."""
     base = {(r["config"], r["compile"]): r["tokens_per_s"] for r in rows
-            if r.get("section") == "train" and r["recipe"] == "bf16" and r["optimizer"] == "adamw" and "error" not in r}
+            if r.get("section") == "train" and r["recipe"] == "bf16" and r["optimizer"] == "adamw"
+            and "error" not in r}
     for r in rows:
         if r.get("section") == "train" and "error" not in r:
             for key, compiled in (("vs_bf16", False), ("vs_bf16_compile", True)):
