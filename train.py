@@ -992,5 +992,16 @@ def set_cpu_threads(recipe, device):
         torch.set_num_threads(1)
 
 
+def cli(argv=None):
+    """`python train.py`: main(), and a Ctrl-C before the first step (building the corpus or the
+    model) as one line, exit 130; the loop handles its own (main's `stop`)."""
+    try:
+        main(argv)
+    except KeyboardInterrupt:
+        print("train.py: interrupted before the first step; --out_dir is as it was",
+              file=sys.stderr, flush=True)
+        sys.exit(130)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

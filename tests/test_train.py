@@ -603,3 +603,15 @@ def test_the_issue_batch_is_refused_by_the_memory_bound():
     recipe = train.resolve_args(args, 1)
     need, parts = train.memory_lower_bound(args, model.config_from_name("tiny", recipe=recipe), 1)
     assert need > 512 * 256 * 50304 * 12 and "logits 73.7" in parts, parts
+
+
+def test_ctrl_c_before_the_first_step_is_one_line(byte_data, micro, tmp_path, capsys, monkeypatch):
+    def interrupted(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train, "build_run", interrupted)  # while the corpus or the model is built
+    with pytest.raises(SystemExit) as e:
+        train.cli(["--config", "micro", "--data", byte_data, "--out_dir", str(tmp_path / "x"),
+                   "--device", "cpu"])
+    assert e.value.code == 130 and not os.path.exists(tmp_path / "x")
+    assert capsys.readouterr().err == ("train.py: interrupted before the first step; --out_dir is "
+                                       "as it was\n")
