@@ -74,8 +74,8 @@ def split_from_svd(W, U, S, Vh, beta):
 
 def top_r_svd(W, rank):
     """Exact top-r SVD (init and Fig. 3), fp32 on W's device. Not the randomized SVD below: a freshly
-    initialized weight has a flat spectrum, where a sketch with a few power iterations captures only ~93-95%
-    of the top-r energy (measured: 1024x1024, r = 64, 4 iterations)."""
+    initialized weight has a flat spectrum, where a sketch with a few power iterations misses part of the
+    top-r energy (docs/lora_svd.md)."""
     U, S, Vh = torch.linalg.svd(W.float(), full_matrices=False)
     return U[:, :rank], S[:rank], Vh[:rank]
 
