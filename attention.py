@@ -251,58 +251,43 @@ def _global_scales(*sg, device):
     return torch.stack([s.float().reshape(()) if torch.is_tensor(s) else constant(float(s)) for s in sg])
 
 
-class _Attention:
-    """One policy's forward and backward as two torch.library custom ops tied by register_autograd
-    (nvfp4._NVFP4LinearFn says why), on the kernels or the reference (impl, resolved when an op
-    runs). forward -> (o, lse, then Q, K, V in NVFP4 as codes, scales, global scale each: the saved
-    activations are 4-bit; empty tensors where the policy keeps Q, K, V in BF16 and the backward
-    reads the inputs). backward -> (dQ, dK, dV). Its random draws (dO's SR seeds, dS's stream seed)
-    are made inside the op when it runs, in eager's order."""
-
-    @torch.library.custom_op(
-        "nanofp4::attention", mutates_args=(),
-        schema="(Tensor q, Tensor k, Tensor v, bool causal, str policy, str impl) -> (Tensor, "
-               "Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
-    @nvfp4.without_autocast
-    def forward(q, k, v, causal, policy, impl):
-        pol, kernels = POLICIES[policy], _use_kernels(q, impl)
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, policy, kernels):
+        pol = POLICIES[policy]
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
         dtype = q.dtype
-        if pol["qkv"]:  # quantized ONCE: the backward reads these very codes (fwd-bwd consistency)
-            (qq, qv), (kq, kv), (vq, vv) = [_quantize_qkv(x, n, kernels)
-                                            for x, n in ((q, "Q"), (k, "K"), (v, "V"))]
+        if pol["qkv"]:   # quantized ONCE: the backward reads these very codes (forward-backward consistency)
+            (qq, qv), (kq, kv), (vq, vv) = [_quantize_qkv(x, n, kernels) for x, n in ((q, "Q"), (k, "K"), (v, "V"))]
             ops, sg = (qv, kv, vv), [qq.global_scale, kq.global_scale, vq.global_scale]
-            fp4 = [t for x in (qq, kq, vq) for t in (x.codes, x.scales, x.global_scale)]
+            ctx.fp4 = (qq, kq, vq)   # the saved activations are 4-bit: codes + scales
         else:
             ops = (q, k, v) if kernels else (q.float(), k.float(), v.float())
             sg = [1.0, 1.0, 1.0]
-            fp4 = [q.new_empty(0) for _ in range(9)]
         if kernels:
             scales = _global_scales(*sg, P_GLOBAL_SCALE if pol["p"] else 1.0, 1.0, 1.0, device=q.device)
             o, lse = flash_attention.flash_forward(*ops, scales, causal, sm_scale, pol["p"], dtype)
         else:
             o, lse = reference_forward(*ops, causal, pol["p"], sm_scale, dtype)
             o = o.to(dtype)
-        return o, lse, *fp4
+        ctx.save_for_backward(o, lse, *(() if pol["qkv"] else (q, k, v)))
+        ctx.causal, ctx.policy, ctx.kernels = causal, policy, kernels
+        return o
 
-    @torch.library.custom_op(
-        "nanofp4::attention_backward", mutates_args=(),
-        schema="(Tensor do, Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, Tensor[] fp4, "
-               "bool causal, str policy, str impl) -> (Tensor, Tensor, Tensor)")
-    @nvfp4.without_autocast
-    def backward(do, o, lse, q, k, v, fp4, causal, policy, impl):
-        pol, kernels = POLICIES[policy], _use_kernels(o, impl)
+    @staticmethod
+    def backward(ctx, do):
+        pol = POLICIES[ctx.policy]
+        o, lse, *qkv = ctx.saved_tensors
         B, H, T, D = o.shape
-        dtype = o.dtype
+        kernels, dtype = ctx.kernels, o.dtype
         sm_scale = 1.0 / math.sqrt(D)
-        qkv = [nvfp4.packed(*fp4[i:i + 3], (1, 16)) for i in (0, 3, 6)] if pol["qkv"] else None
         do = do.to(dtype).contiguous()
         do_dov = do_pdo = None
-        if pol["dov"]:  # dO V^T in NVFP4: dO in 1x16 blocks along D (the contraction), SR
+        if pol["dov"]:   # dO V^T in NVFP4: dO in 1x16 blocks along D (the contraction), SR
             do_dov = nvfp4.quantize(do, (1, 16), "sr", name="attention dO")
-        if pol["pdo"]:  # P^T dO in NVFP4: dO in 16x1 blocks along T (the contraction), SR; T padded
-            do_pad = torch.nn.functional.pad(do, (0, 0, 0, -T % 16))
-            do_pdo = nvfp4.quantize(do_pad, (16, 1), "sr", name="attention dO")
+        if pol["pdo"]:   # P^T dO in NVFP4: dO in 16x1 blocks along T (the contraction), SR; T zero-padded
+            pad = -T % 16
+            do_pdo = nvfp4.quantize(torch.nn.functional.pad(do, (0, 0, 0, pad)), (16, 1), "sr", name="attention dO")
         if kernels:
             delta, do_norm = flash_attention.bwd_preprocess(o, do)
         else:
@@ -310,18 +295,18 @@ class _Attention:
             do_norm = do.float().norm(dim=-1)
         ds_amax = keys = None
         if pol["ds"]:
-            vq = qkv[2]
+            vq = ctx.fp4[2]
             seed = int(torch.randint(0, 2**31 - 1, ()))
             keys = sr_keys(seed, B * H, device=do.device).reshape(B, H, 2)
             do_eff_norm = do_dov.dequantize().norm(dim=-1) if pol["dov"] else do_norm
-            v_amax = vq.global_scale * (nvfp4.E4M3_MAX * nvfp4.FP4_MAX)  # >= |V_hat| (s_b <= 448)
+            v_amax = vq.global_scale * (nvfp4.E4M3_MAX * nvfp4.FP4_MAX)   # >= every |V_hat| (s_b <= 448)
             ds_amax = ds_bound(do_eff_norm, v_amax, delta, D, H // vq.shape[1])
         if kernels:
             if pol["qkv"]:
-                ops = [grid_values_bf16(t) for t in qkv]
-                sg = [t.global_scale for t in qkv]
+                ops = [grid_values_bf16(t) for t in ctx.fp4]
+                sg = [t.global_scale for t in ctx.fp4]
             else:
-                ops, sg = (q, k, v), [1.0, 1.0, 1.0]
+                ops, sg = qkv, [1.0, 1.0, 1.0]
             scales = _global_scales(*sg, P_GLOBAL_SCALE if pol["pdo"] else 1.0,
                                     do_dov.global_scale if pol["dov"] else 1.0,
                                     do_pdo.global_scale if pol["pdo"] else 1.0, device=do.device)
@@ -330,53 +315,16 @@ class _Attention:
                 do_dov.grid_values().to(dtype) if pol["dov"] else None,
                 do_pdo.grid_values()[:, :, :T].to(dtype) if pol["pdo"] else None,
                 None if ds_amax is None else ds_amax.reshape(-1),
-                None if keys is None else keys.reshape(-1, 2), causal, sm_scale, dtype)
+                None if keys is None else keys.reshape(-1, 2), ctx.causal, sm_scale, dtype)
         else:
-            ops = [t.dequantize() for t in qkv] if pol["qkv"] else [x.float() for x in (q, k, v)]
+            ops = [t.dequantize() for t in ctx.fp4] if pol["qkv"] else [x.float() for x in qkv]
             dq, dk, dv = reference_backward(
-                *ops, o, lse, do, causal, sm_scale, dtype,
+                *ops, o, lse, do, ctx.causal, sm_scale, dtype,
                 do_dov=do_dov.dequantize() if pol["dov"] else None,
                 do_pdo=do_pdo.dequantize()[:, :, :T] if pol["pdo"] else None,
                 ds_amax=ds_amax, keys=keys)
-        return dq.to(dtype), dk.to(dtype), dv.to(dtype)
-
-
-@_Attention.forward.register_fake
-def _(q, k, v, causal, policy, impl):
-    (B, H, T, D), Hkv = q.shape, k.shape[1]
-    fp4 = [q.new_empty(0) for _ in range(9)]
-    if POLICIES[policy]["qkv"]:  # codes, scales, global scale of Q, K, V
-        fp4 = [t for h in (H, Hkv, Hkv)
-               for t in (q.new_empty(B, h, T, D // 2, dtype=torch.uint8),
-                         q.new_empty(B, h, T, D // 16, dtype=torch.float8_e4m3fn),
-                         q.new_empty((), dtype=torch.float32))]
-    return q.new_empty(q.shape), q.new_empty(B, H, T, dtype=torch.float32), *fp4
-
-
-@_Attention.backward.register_fake
-def _(do, o, lse, q, k, v, fp4, causal, policy, impl):
-    kv_shape = (o.shape[0], (fp4[3] if POLICIES[policy]["qkv"] else k).shape[1], *o.shape[2:])
-    return o.new_empty(o.shape), o.new_empty(kv_shape), o.new_empty(kv_shape)
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, causal, policy, impl = inputs
-    o, lse, *fp4 = output
-    qkv = (q.new_empty(0),) * 3 if POLICIES[policy]["qkv"] else (q, k, v)
-    ctx.save_for_backward(o, lse, *qkv, *fp4)
-    ctx.causal, ctx.policy, ctx.impl = causal, policy, impl
-    if POLICIES[policy]["qkv"]:  # o.grad_fn.fp4: the 4-bit Q, K, V the backward reads
-        ctx.fp4 = tuple(nvfp4.packed(*fp4[i:i + 3], (1, 16)) for i in (0, 3, 6))
-
-
-def _backward(ctx, do, *_):
-    o, lse, q, k, v, *fp4 = ctx.saved_tensors
-    dq, dk, dv = _Attention.backward(do, o, lse, q, k, v, fp4, ctx.causal, ctx.policy, ctx.impl)
-    ctx.fp4 = None
-    return dq, dk, dv, None, None, None
-
-
-torch.library.register_autograd("nanofp4::attention", _backward, setup_context=_setup_context)
+        ctx.fp4 = None
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None
 
 
 def attention(q, k, v, causal=True, policy="fp4", impl="auto"):
@@ -401,7 +349,7 @@ def attention(q, k, v, causal=True, policy="fp4", impl="auto"):
         raise ValueError(f"attention: query heads H = {H} must be a multiple of kv heads Hkv = {k.shape[1]} (GQA)")
     if q.dtype != k.dtype or q.dtype != v.dtype:
         raise ValueError(f"attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    return _Attention.forward(q, k, v, causal, policy, impl)[0]
+    return _Attention.apply(q, k, v, causal, policy, _use_kernels(q, impl))
 
 
 # ----------------------------------------------------------------------------------------------------------

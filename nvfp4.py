@@ -14,7 +14,6 @@ The format, in Transformer Engine's arithmetic (its NVFP4 recipe; docs/nvfp4_for
 and the choices of eqs. 1-2 (which operand gets which blocks and rounding) as data: LINEAR, the contract below.
 """
 
-import functools
 import math
 import os
 from dataclasses import dataclass, replace
@@ -24,7 +23,7 @@ import torch.nn as nn
 
 from kernels import nvfp4_linear as linear_kernels
 from kernels import nvfp4_quant as quant_kernels
-from kernels.nvfp4_gemm import nvfp4_gemm, use_dot_scaled
+from kernels.nvfp4_gemm import nvfp4_gemm
 from kernels.nvfp4_quant import BLOCKS, ROUNDINGS, check_blocks  # shapes, "rtn" | "sr" | "sr_up"; the checks
 
 # ----------------------------------------------------------------------------------------------------------
@@ -470,143 +469,52 @@ def wgrad(dy, xq, c, hadamard, seeds, out_dtype=torch.float32):
     return nvfp4_matmul(dyq, xhq, out_dtype, trans_a=True, trans_b=True)                           # (out, in)
 
 
-# The layer's forward and backward are torch.library custom ops tied by register_autograd.
-# torch.compile keeps each whole (one opaque node: no graph break, and inductor never re-traces the
-# Triton kernels inside) and fuses what lies between them; eager runs call the same ops. What the
-# backward needs from the forward travels as op outputs: the packed Q1x16(X), and W as the forward
-# kept it. The random draws (draws, backward_draws) are made inside the ops when they run, so a
-# compiled run draws in the order its graph runs the ops: eager's order, and the same bits from the
-# same RNG state (tests/test_compile.py).
+class _NVFP4LinearFn(torch.autograd.Function):
+    """Y = Q1x16(X) Q16x16(W)^T, dX = Q1x16(dY) Q16x16(W) (W's forward quantization reused, eq. 1), dW = wgrad
+    (eq. 2), each operand as LINEAR says. On CUDA kernels/nvfp4_linear.py runs the same three GEMMs."""
 
-def without_autocast(op):
-    """An op's body runs with autocast off: its arithmetic is the precision contract's, whatever
-    autocast the caller has on. (A compiled graph runs the ops without autocast, eager under the
-    caller's: this way both give the same bits.)"""
-    @functools.wraps(op)
-    def run(x, *args):
-        with torch.autocast(x.device.type, enabled=False):
-            return op(x, *args)
-    return run
-
-
-def packed(codes, scales, global_scale, block):
-    """The NVFP4Tensor of an op's (codes, scales, global scale): shape (*, M, 2 * codes' N)."""
-    return NVFP4Tensor(codes, scales, global_scale, (*codes.shape[:-1], 2 * codes.shape[-1]), block)
-
-
-def _keeps_w_grid_values(x):
-    """Does the forward keep W for dX as bf16 grid values and a global scale (the Hopper kernels,
-    kernels/nvfp4_linear.py), not packed (the reference; Blackwell's FP4 GEMM reads it
-    transposed)?"""
-    return use_kernels(x) and not use_dot_scaled(x.device)
-
-
-def empty_if_none(t, like):
-    """Ops return tensors: an empty one stands for a gradient nobody asked for."""
-    return like.new_empty(0) if t is None else t
-
-
-class _NVFP4LinearFn:
-    """Y = Q1x16(X) Q16x16(W)^T, dX = Q1x16(dY) Q16x16(W) (W's forward quantization reused, eq. 1),
-    dW = wgrad (eq. 2), each operand as LINEAR says (read when each op runs). On CUDA
-    kernels/nvfp4_linear.py runs the same three GEMMs.
-    forward: x (..., in), weight (out, in) -> (Y (..., out); Q1x16(X)'s codes (T, in / 2), scales
-    and global scale; W's codes, scales and global scale, or on the Hopper kernels its bf16 grid
-    values, an empty tensor and its global scale). Leading dims are flattened into tokens T inside:
-    Y is not a view.
-    backward: dY and the forward's six tensors -> (dX, dW), an empty tensor where not needed."""
-
-    @torch.library.custom_op(
-        "nanofp4::linear", mutates_args=(),
-        schema="(Tensor x, Tensor weight, bool four_over_six) -> (Tensor, Tensor, Tensor, Tensor, "
-               "Tensor, Tensor, Tensor)")
-    @without_autocast
-    def forward(x, weight, four_over_six):
-        c, lead = linear_contract(four_over_six), x.shape[:-1]
-        x = x.reshape(-1, x.shape[-1])                                                  # (T, in)
+    @staticmethod
+    def forward(ctx, x, weight, four_over_six):
+        c = linear_contract(four_over_six)
+        x2 = x.reshape(-1, x.shape[-1])                                                 # (T, in)
+        w = weight.detach()
         seeds = draws(c["forward.x"]), draws(c["forward.w"])
-        if use_kernels(x):
-            y, xq, w = linear_kernels.forward(x, weight, c["forward.x"], c["forward.w"], seeds)
-            if len(w) == 2:  # bf16 grid values, global scale
-                w = w[0], w[0].new_empty(0, dtype=torch.float8_e4m3fn), w[1]
-            return y.reshape(*lead, -1), *xq, *w[:3]
-        xq = quantize_as(x, c["forward.x"], seeds[0], name="activation X")             # Q1x16(X)
-        wq = quantize_as(weight, c["forward.w"], seeds[1], name="weight W")            # Q16x16(W)
-        y = nvfp4_matmul(xq, wq, out_dtype=x.dtype)                                     # (T, out)
-        # The packed 4-bit X (not X) is what the backward keeps: where FP4 training saves activation
-        # memory.
-        return (y.reshape(*lead, -1), xq.codes, xq.scales, xq.global_scale,
-                wq.codes, wq.scales, wq.global_scale)
+        if use_kernels(x2):
+            y, xq, w_used = linear_kernels.forward(x2, w, c["forward.x"], c["forward.w"], seeds)
+            xq = NVFP4Tensor(*xq, x2.shape, (1, 16))
+        else:
+            xq = quantize_as(x2, c["forward.x"], seeds[0], name="activation X")         # Q1x16(X)
+            w_used = quantize_as(w, c["forward.w"], seeds[1], name="weight W")          # Q16x16(W)
+            y = nvfp4_matmul(xq, w_used, out_dtype=x.dtype)                              # (T, out)
+        # Save the packed 4-bit X (not X): that is where FP4 training saves activation memory.
+        ctx.xq, ctx.w_used, ctx.c, ctx.x_shape, ctx.weight_dtype = xq, w_used, c, x.shape, weight.dtype
+        return y.reshape(*x.shape[:-1], -1)
 
-    @torch.library.custom_op(
-        "nanofp4::linear_backward", mutates_args=(),
-        schema="(Tensor dy, Tensor x_codes, Tensor x_scales, Tensor x_scale, Tensor w_a, "
-               "Tensor w_b, Tensor w_scale, ScalarType weight_dtype, bool four_over_six, "
-               "bool need_dx, bool need_dw) -> (Tensor, Tensor)")
-    @without_autocast
-    def backward(dy, x_codes, x_scales, x_scale, w_a, w_b, w_scale, weight_dtype, four_over_six,
-                 need_dx, need_dw):
-        c, need, lead = linear_contract(four_over_six), (need_dx, need_dw), dy.shape[:-1]
-        dy = dy.reshape(-1, dy.shape[-1])                                               # (T, out)
-        xq = packed(x_codes, x_scales, x_scale, (1, 16))
-        w = (w_a, w_scale) if w_a.dtype == torch.bfloat16 else packed(w_a, w_b, w_scale, (16, 16))
-        seed_dx, H, seeds_dw = backward_draws(c, *need, dy.device)
-        if use_kernels(dy):
-            dx, dw = linear_kernels.backward(dy, xq, w, c, need, seed_dx, H, seeds_dw, weight_dtype)
+    @staticmethod
+    def backward(ctx, dy):
+        xq, w_used, c = ctx.xq, ctx.w_used, ctx.c
+        dy2 = dy.reshape(-1, dy.shape[-1])                                              # (T, out)
+        need = ctx.needs_input_grad[:2]                                                 # (dX, dW)
+        seed_dx, H, seeds_dw = backward_draws(c, *need, dy2.device)
+        if use_kernels(dy2):
+            dx, dw = linear_kernels.backward(dy2, xq, w_used, c, need, seed_dx, H, seeds_dw, ctx.weight_dtype)
         else:
             dx = dw = None
-            if need_dx:
-                dyq = quantize_as(dy, c["dgrad.dy"], seed_dx, name="gradient dY")       # Q1x16(dY)
-                dx = nvfp4_matmul(dyq, w, dy.dtype, trans_b=True)                # Q16x16(W) reused
-            if need_dw:
-                dw = wgrad(dy, xq, c, H, seeds_dw, out_dtype=weight_dtype)               # eq. 2
-        dx = dx if dx is None else dx.reshape(*lead, -1)
-        return empty_if_none(dx, dy), empty_if_none(dw, dy)
-
-
-@_NVFP4LinearFn.forward.register_fake
-def _(x, weight, four_over_six):
-    (K, N), e4m3 = (x.shape[-1], weight.shape[0]), torch.float8_e4m3fn
-    T = x.numel() // K
-    w = [((N, K), torch.bfloat16), ((0,), e4m3)] if _keeps_w_grid_values(x) else \
-        [((N, K // 2), torch.uint8), ((N // 16, K // 16), e4m3)]
-    shapes = [((*x.shape[:-1], N), x.dtype), ((T, K // 2), torch.uint8), ((T, K // 16), e4m3),
-              ((), torch.float32), *w, ((), torch.float32)]
-    return tuple(x.new_empty(s, dtype=d) for s, d in shapes)
-
-
-@_NVFP4LinearFn.backward.register_fake
-def _(dy, x_codes, x_scales, x_scale, w_a, w_b, w_scale, weight_dtype, four_over_six, need_dx,
-      need_dw):
-    N, K = dy.shape[-1], 2 * x_codes.shape[1]
-    return (dy.new_empty((*dy.shape[:-1], K) if need_dx else (0,)),
-            dy.new_empty((N, K), dtype=weight_dtype) if need_dw else dy.new_empty(0))
-
-
-def _linear_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*output[1:])
-    ctx.weight_dtype, ctx.four_over_six = inputs[1].dtype, inputs[2]
-    ctx.xq = packed(*output[1:4], (1, 16))  # y.grad_fn.xq: the 4-bit X the backward keeps
-
-
-def _linear_backward(ctx, dy, *_):
-    need = ctx.needs_input_grad[:2]                                                     # (dX, dW)
-    dx, dw = _NVFP4LinearFn.backward(dy, *ctx.saved_tensors, ctx.weight_dtype, ctx.four_over_six,
-                                     *need)
-    ctx.xq = None
-    return (dx if need[0] else None), (dw if need[1] else None), None
-
-
-torch.library.register_autograd("nanofp4::linear", _linear_backward,
-                                setup_context=_linear_setup_context)
+            if need[0]:
+                dyq = quantize_as(dy2, c["dgrad.dy"], seed_dx, name="gradient dY")        # Q1x16(dY)
+                dx = nvfp4_matmul(dyq, w_used, dy.dtype, trans_b=True)                    # Q16x16(W) reused
+            if need[1]:
+                dw = wgrad(dy2, xq, c, H, seeds_dw, out_dtype=ctx.weight_dtype)           # eq. 2
+        ctx.xq = ctx.w_used = None
+        return (dx.reshape(ctx.x_shape) if dx is not None else None), dw, None
 
 
 def nvfp4_linear(x, weight, four_over_six=False):
-    """Y = Q1x16(X) Q16x16(W)^T with the eq. 1-2 backward (LINEAR). Under autocast X is cast to the
-    autocast dtype."""
+    """Y = Q1x16(X) Q16x16(W)^T with the eq. 1-2 backward (LINEAR). Under autocast X is cast to the autocast
+    dtype."""
     if torch.is_autocast_enabled(x.device.type):
         x = x.to(torch.get_autocast_dtype(x.device.type))
-    return _NVFP4LinearFn.forward(x, weight, four_over_six)[0]
+    return _NVFP4LinearFn.apply(x, weight, four_over_six)
 
 
 class NVFP4Linear(nn.Module):
