@@ -1,18 +1,19 @@
 """
-LoRA-SVD on the GPU (paper §3.2, App. 9): the low-rank branch of eq. 1 rides on the GEMMs the NVFP4 residual
-needs anyway, as r extra columns of one bf16 cuBLAS GEMM over the exact grid values:
+LoRA-SVD on the GPU (paper §3.2, App. 9): the low-rank branch of eq. 1 rides on the GEMMs the NVFP4
+residual needs anyway, as r extra columns of one bf16 cuBLAS GEMM over the exact grid values:
 
     Y  = s_g (X_hat W_hat^T) + (beta X L1^T) L2^T = s_g ([X_hat | beta X L1^T / s_g] [W_hat | L2]^T)
     dX = s_g (dY_hat W_hat)  + (beta dY L2) L1    = s_g ([dY_hat | beta dY L2 / s_g] [W_hat ; L1])
 
-with X_hat, W_hat the bf16 grid values q * s_b and s_g the product of the two global scales. The quantize pass
-writes X_hat (and the packed X kept for eq. 2), a small GEMM the branch columns beside it, and one GEMM with
-K + r columns writes Y once, for ~r/K more FLOPs. (A Triton kernel that quantized X and down-projected it in one
-read, and a GEMM whose epilogue added the up-projection, were slower on Hopper: docs/nvfp4_kernels.md.)
-eq. 2's dW is the direct layer's (nvfp4_linear.wgrad): App. 8 takes the LoRA gradients from it later.
+with X_hat, W_hat the bf16 grid values q * s_b and s_g the product of the two global scales. The
+quantize pass writes X_hat (and the packed X kept for eq. 2), a small GEMM the branch columns beside
+it, and one GEMM with K + r columns writes Y once, for ~r/K more FLOPs. (A Triton kernel that
+quantized X and down-projected it in one read, and a GEMM whose epilogue added the up-projection,
+were slower on Hopper: docs/nvfp4_kernels.md.) eq. 2's dW is the direct layer's
+(nvfp4_linear.wgrad): App. 8 takes the LoRA gradients from it later.
 
-The branch is BF16 (lora_svd.BRANCH: bf16 operands, fp32 accumulation, beta x L^T / s_g rounded to bf16 once);
-it equals the reference's branch up to where that intermediate is rounded.
+The branch is BF16 (lora_svd.BRANCH: bf16 operands, fp32 accumulation, beta x L^T / s_g rounded to
+bf16 once); it equals the reference's branch up to where that intermediate is rounded.
 
 On Blackwell the residual runs on the FP4 tensor cores instead (nvfp4_gemm's tl.dot_scaled
 kernel, on the packed Q1x16(X) and Q16x16(W_res); dX reads W_res transposed) and the branch is
@@ -27,15 +28,19 @@ from kernels.nvfp4_linear import Packed, _check, wgrad
 from kernels.nvfp4_quant import global_amax_pair, grid_values_bf16, quantize, quantize_dequant
 
 
-def _operand(x, L, beta, rounding, four_over_six, seed, s_g_other, name, return_tensor=False, global_amax=None):
-    """The left operand [X_hat | beta X L^T / (s_g s_g_other)] (T, K + r) in bf16, X's s_g and, with
-    return_tensor, the packed Q1x16(X) (codes, scales) written by the same pass. X_hat is nvfp4_quant's
-    quantization of X (the same codes and, for SR, the same Philox draws given the seed); the branch columns come
-    from one cuBLAS GEMM with an fp32 result, scaled and rounded to bf16 once. global_amax: max |x| if known."""
+def _operand(x, L, beta, rounding, four_over_six, seed, s_g_other, name, return_tensor=False,
+             global_amax=None):
+    """The left operand [X_hat | beta X L^T / (s_g s_g_other)] (T, K + r) in bf16, X's s_g and,
+    with return_tensor, the packed Q1x16(X) (codes, scales) written by the same pass. X_hat is
+    nvfp4_quant's quantization of X (the same codes and, for SR, the same Philox draws given the
+    seed); the branch columns come from one cuBLAS GEMM with an fp32 result, scaled and rounded to
+    bf16 once. global_amax: max |x| if known."""
     if x.dim() != 2 or L.dim() != 2 or L.shape[1] != x.shape[1]:
-        raise ValueError(f"{name}: need (T, K) and L (r, K), got {tuple(x.shape)} and {tuple(L.shape)}")
-    xv, s_g, *packed = quantize_dequant(x, (1, 16), rounding, four_over_six, seed=seed, global_amax=global_amax,
-                                        return_tensor=return_tensor, name=name)
+        raise ValueError(f"{name}: need (T, K) and L (r, K), got {tuple(x.shape)} "
+                         f"and {tuple(L.shape)}")
+    xv, s_g, *packed = quantize_dequant(x, (1, 16), rounding, four_over_six, seed=seed,
+                                        global_amax=global_amax, return_tensor=return_tensor,
+                                        name=name)
     a, b = x.to(L.dtype), L.t()
     xl = mm_fp32(a, b) if a.is_cuda and a.dtype == torch.bfloat16 else None
     xl = a.float() @ b.float() if xl is None else xl  # (T, r) fp32
@@ -57,13 +62,15 @@ def _branch(x, A, B):
 
 def _check_branch(dtype):
     if dtype != torch.bfloat16:
-        raise ValueError(f"kernels/lora_fused: the fused branch runs in bf16 (lora_svd.BRANCH 'bf16'), got {dtype}")
+        raise ValueError(f"kernels/lora_fused: the fused branch runs in bf16 "
+                         f"(lora_svd.BRANCH 'bf16'), got {dtype}")
 
 
 def forward(x, qw, L1, L2, beta, ex, seed, branch_dtype, out_dtype):
-    """eq. 1's Y = Q1x16(X) Q16x16(W_res)^T + (beta X L1^T) L2^T. x (T, in); qw the packed Q16x16(W_res)
-    (out, in) (an nvfp4.NVFP4Tensor); L1 (r, in), L2 (out, r); ex: X's contract entry (nvfp4.LINEAR's
-    forward.x) and seed its SR seed. Returns (Y, Q1x16(X) as (codes, scales, global_scale) for eq. 2)."""
+    """eq. 1's Y = Q1x16(X) Q16x16(W_res)^T + (beta X L1^T) L2^T. x (T, in); qw the packed
+    Q16x16(W_res) (out, in) (an nvfp4.NVFP4Tensor); L1 (r, in), L2 (out, r); ex: X's contract entry
+    (nvfp4.LINEAR's forward.x) and seed its SR seed. Returns (Y, Q1x16(X) as (codes, scales,
+    global_scale) for eq. 2)."""
     _check_branch(branch_dtype)
     ex = _check(ex, "forward.x", (1, 16))
     L1, L2 = L1.to(torch.bfloat16), L2.to(torch.bfloat16)
@@ -72,16 +79,18 @@ def forward(x, qw, L1, L2, beta, ex, seed, branch_dtype, out_dtype):
                                 name="activation X")
         y = nvfp4_gemm(Packed(xc, xs, s_gx, x.shape, (1, 16)), qw, torch.float32)
         return (y + beta * _branch(x, L1, L2)).to(out_dtype), (xc, xs, s_gx)
-    abuf, s_gx, (xc, xs) = _operand(x, L1, beta, ex.rounding, ex.four_over_six, seed, qw.global_scale,
-                                    "activation X", return_tensor=True)   # [X_hat | beta X L1^T / s_g]
-    wbuf = torch.cat((grid_values_bf16(qw), L2), dim=1)                   # (out, K + r) = [W_hat | L2]
+    # [X_hat | beta X L1^T / s_g]
+    abuf, s_gx, (xc, xs) = _operand(x, L1, beta, ex.rounding, ex.four_over_six, seed,
+                                    qw.global_scale, "activation X", return_tensor=True)
+    wbuf = torch.cat((grid_values_bf16(qw), L2), dim=1)  # (out, K + r) = [W_hat | L2]
     return grid_values_mm(abuf, wbuf.t(), s_gx, qw.global_scale, out_dtype), (xc, xs, s_gx)
 
 
 def backward(dy, xq, qw, L1, L2, beta, c, need, seed_dx, hadamard, seeds_dw, branch_dtype):
-    """eq. 1's dX = Q1x16(dY) Q16x16(W_res) + (beta dY L2) L1, reusing the forward's packed qw, and eq. 2's
-    dW (fp32), each operand as the resolved contract c (nvfp4.linear_contract) says. need: (dX, dW) wanted;
-    seed_dx, hadamard, seeds_dw: the draws (nvfp4.backward_draws). -> (dX in dY's dtype, dW)."""
+    """eq. 1's dX = Q1x16(dY) Q16x16(W_res) + (beta dY L2) L1, reusing the forward's packed qw, and
+    eq. 2's dW (fp32), each operand as the resolved contract c (nvfp4.linear_contract) says. need:
+    (dX, dW) wanted; seed_dx, hadamard, seeds_dw: the draws (nvfp4.backward_draws). -> (dX in dY's
+    dtype, dW)."""
     _check_branch(branch_dtype)
     edy = _check(c["dgrad.dy"], "dgrad.dy", (1, 16))
     L1, L2 = L1.to(torch.bfloat16), L2.to(torch.bfloat16)
@@ -95,9 +104,10 @@ def backward(dy, xq, qw, L1, L2, beta, c, need, seed_dx, hadamard, seeds_dw, bra
         dx = nvfp4_gemm(Packed(dc, ds, s_g, dy.shape, (1, 16)), qw, torch.float32, trans_b=True)
         dx = (dx + beta * _branch(dy, L2.t(), L1.t())).to(dy.dtype)
     elif need[0]:
-        abuf, s_g, _ = _operand(dy, L2.t(), beta, edy.rounding, edy.four_over_six, seed_dx, qw.global_scale,
-                                "gradient dY", global_amax=amax_dy)       # [dY_hat | beta dY L2 / s_g]
-        wbuf = torch.cat((grid_values_bf16(qw), L1), dim=0)              # (out + r, in) = [W_hat ; L1]
+        # [dY_hat | beta dY L2 / s_g]
+        abuf, s_g, _ = _operand(dy, L2.t(), beta, edy.rounding, edy.four_over_six, seed_dx,
+                                qw.global_scale, "gradient dY", global_amax=amax_dy)
+        wbuf = torch.cat((grid_values_bf16(qw), L1), dim=0)  # (out + r, in) = [W_hat ; L1]
         dx = grid_values_mm(abuf, wbuf, s_g, qw.global_scale, dy.dtype)
     if need[1]:
         dw = wgrad(dy, xq, c, hadamard, seeds_dw, amax_dyh)
