@@ -1,12 +1,14 @@
 """
-The GPT of the paper's §4: pre-norm decoder with RMSNorm, RoPE, grouped-query attention (GQA) and a SwiGLU MLP.
+The GPT of the paper's §4: pre-norm decoder with RMSNorm, RoPE, grouped-query attention (GQA) and a
+SwiGLU MLP.
 
-Precision is a property of the *recipe*, not of the model code: a `Recipe` names the linear layers, the attention
-and the optimizer states of one row of the paper's ablation (Table 3), and `RECIPES` holds those rows. Every linear
-layer inside the transformer blocks is built by `make_linear` and every attention product goes through
-`attention_core`, both driven by `GPTConfig.recipe`. Swapping BF16 for direct NVFP4, LoRA-SVD or FP4 attention
-therefore never touches the rest of this file. Embeddings, lm_head and norms stay high precision (the paper
-quantizes the transformer blocks, not the embedding/head).
+Precision is a property of the *recipe*, not of the model code: a `Recipe` names the linear layers,
+the attention and the optimizer states of one row of the paper's ablation (Table 3), and `RECIPES`
+holds those rows. Every linear layer inside the transformer blocks is built by `make_linear` and
+every attention product goes through `attention_core`, both driven by `GPTConfig.recipe`. Swapping
+BF16 for direct NVFP4, LoRA-SVD or FP4 attention therefore never touches the rest of this file.
+Embeddings, lm_head and norms stay high precision (the paper quantizes the transformer blocks, not
+the embedding/head).
 """
 import math
 from dataclasses import asdict, dataclass, field
@@ -24,12 +26,17 @@ LINEAR_KINDS = ("bf16", "nvfp4", "lora_naive", "lora_svd")
 
 @dataclass(frozen=True)
 class Recipe:
-    """One precision recipe: what the model (linear, four_over_six, attention) and the optimizer (optim_states)
-    do in low precision. train.py --recipe picks a row of RECIPES; --attn_policy may swap its attention."""
-    linear: str = "bf16"  # bf16 | nvfp4 (eqs. 1-2 without LoRA) | lora_naive (+ a plain BF16 branch) | lora_svd (§3.2)
-    four_over_six: bool = False  # 4/6 scaling of the linear layers' NVFP4 blocks (each block maps its max to 6 or 4)
-    attention: str = "bf16"  # a key of attention.POLICIES: bf16, fp4 (§3.5), or one of Fig. 5's variants
-    optim_states: str = "fp32"  # optim.STATES: fp32 | nvfp4 (§3.3 states, §3.4 NVFP4 NS) | direct (App. 13)
+    """One precision recipe: what the model (linear, four_over_six, attention) and the optimizer
+    (optim_states) do in low precision. train.py --recipe picks a row of RECIPES; --attn_policy may
+    swap its attention."""
+    # bf16 | nvfp4 (eqs. 1-2 without LoRA) | lora_naive (+ a plain BF16 branch) | lora_svd (§3.2)
+    linear: str = "bf16"
+    # 4/6 scaling of the linear layers' NVFP4 blocks (each block maps its max to 6 or 4)
+    four_over_six: bool = False
+    # a key of attention.POLICIES: bf16, fp4 (§3.5), or one of Fig. 5's variants
+    attention: str = "bf16"
+    # optim.STATES: fp32 | nvfp4 (§3.3 states, §3.4 NVFP4 NS) | direct (App. 13)
+    optim_states: str = "fp32"
 
     def __post_init__(self):  # optim.build_optimizer checks optim_states
         for name, value, allowed in (("linear", self.linear, LINEAR_KINDS),
@@ -43,13 +50,18 @@ class Recipe:
 
 
 RECIPES = {  # the paper's Table 3 rows
-    "bf16": Recipe(),  # the high-precision baseline: BF16 compute, fp32 master weights and optimizer states
+    # the high-precision baseline: BF16 compute, fp32 master weights and optimizer states
+    "bf16": Recipe(),
     "nvfp4": Recipe(linear="nvfp4"),  # direct NVFP4 linears
-    "nvfp4_46": Recipe(linear="nvfp4", four_over_six=True),  # + 4/6: the linear-only state of the art
-    "lora_naive": Recipe(linear="lora_naive", four_over_six=True),  # NVFP4 + a plain BF16 LoRA branch
+    # + 4/6: the linear-only state of the art
+    "nvfp4_46": Recipe(linear="nvfp4", four_over_six=True),
+    # NVFP4 + a plain BF16 LoRA branch
+    "lora_naive": Recipe(linear="lora_naive", four_over_six=True),
     "lora_svd": Recipe(linear="lora_svd", four_over_six=True),  # §3.2 LoRA-SVD, linear layers only
-    "fullstack": Recipe(linear="lora_svd", four_over_six=True, attention="fp4", optim_states="nvfp4"),  # §3.2-3.5
-    "naive_fp4": Recipe(linear="nvfp4", attention="fp4_all", optim_states="direct"),  # App. 13: collapses
+    "fullstack": Recipe(linear="lora_svd", four_over_six=True, attention="fp4",
+                        optim_states="nvfp4"),  # §3.2-3.5
+    # App. 13: collapses
+    "naive_fp4": Recipe(linear="nvfp4", attention="fp4_all", optim_states="direct"),
 }
 
 
@@ -65,7 +77,8 @@ class GPTConfig:
     tie_embeddings: bool = True
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
-    recipe: Recipe = field(default_factory=Recipe)  # the precision: see make_linear / attention_core
+    # the precision: see make_linear / attention_core
+    recipe: Recipe = field(default_factory=Recipe)
     lora_rank: int = 32  # r of the LoRA branch (lora_naive, lora_svd)
     lora_beta: float = 1.0  # the branch's scale beta of eq. 1
 
@@ -78,37 +91,46 @@ class GPTConfig:
         return self.n_embd // self.n_head
 
 
-# Named configs. 3b is the paper's main model; 1b is our choice (the paper's copy lacks its 1B table). Untied
-# embeddings for 1b/3b put them at 1.01B / 3.03B parameters. toy is App. 13's 6-layer, hidden-1024 model; with a
-# 4x SwiGLU width and tied embeddings it has ~146M parameters (the paper says ~150M). tiny exists so CPU runs finish in
-# minutes; its parameters are mostly the 50304x128 embedding.
+# Named configs. 3b is the paper's main model; 1b is our choice (the paper's copy lacks its 1B
+# table). Untied embeddings for 1b/3b put them at 1.01B / 3.03B parameters. toy is App. 13's
+# 6-layer, hidden-1024 model; with a 4x SwiGLU width and tied embeddings it has ~146M parameters
+# (the paper says ~150M). tiny exists so CPU runs finish in minutes; its parameters are mostly the
+# 50304x128 embedding.
 CONFIGS = {
-    "tiny": dict(n_layer=4, n_embd=128, n_head=2, n_kv_head=1, ffn_hidden=384, block_size=256, tie_embeddings=True),
-    "toy": dict(n_layer=6, n_embd=1024, n_head=16, n_kv_head=8, ffn_hidden=4096, block_size=1024, tie_embeddings=True),
-    "1b": dict(n_layer=16, n_embd=2048, n_head=16, n_kv_head=8, ffn_hidden=6144, block_size=2048, tie_embeddings=False),
-    "3b": dict(n_layer=24, n_embd=3072, n_head=24, n_kv_head=12, ffn_hidden=9216, block_size=2048, tie_embeddings=False),
+    "tiny": dict(n_layer=4, n_embd=128, n_head=2, n_kv_head=1, ffn_hidden=384, block_size=256,
+                 tie_embeddings=True),
+    "toy": dict(n_layer=6, n_embd=1024, n_head=16, n_kv_head=8, ffn_hidden=4096, block_size=1024,
+                tie_embeddings=True),
+    "1b": dict(n_layer=16, n_embd=2048, n_head=16, n_kv_head=8, ffn_hidden=6144, block_size=2048,
+               tie_embeddings=False),
+    "3b": dict(n_layer=24, n_embd=3072, n_head=24, n_kv_head=12, ffn_hidden=9216, block_size=2048,
+               tie_embeddings=False),
 }
 
 def make_linear(in_f, out_f, recipe, std=0.02, lora_rank=32, lora_beta=1.0):
-    """The ONE place that builds a block's linear layer (no bias). Every recipe starts from the same freshly
-    initialised nn.Linear, so all recipes share the same initial function for a given seed."""
+    """The ONE place that builds a block's linear layer (no bias). Every recipe starts from the same
+    freshly initialised nn.Linear, so all recipes share the same initial function for a given
+    seed."""
     lin = nn.Linear(in_f, out_f, bias=False)
     nn.init.normal_(lin.weight, mean=0.0, std=std)
     if recipe.linear == "bf16":
         return lin  # fp32 master weight; BF16 compute comes from autocast
     if recipe.linear == "nvfp4":  # direct NVFP4, eqs. 1-2 without the LoRA branch
         return nvfp4.NVFP4Linear.from_linear(lin, recipe.four_over_six)
-    if recipe.linear == "lora_naive":  # NVFP4 main weight + a plain BF16 LoRA branch (the ablation's "naive LoRA")
+    # NVFP4 main weight + a plain BF16 LoRA branch (the ablation's "naive LoRA")
+    if recipe.linear == "lora_naive":
         return lora_svd.NaiveLoRALinear.from_linear(lin, lora_rank, recipe.four_over_six)
     # lora_svd, §3.2: the top-r SVD of the init in the BF16 branch, the residual in NVFP4
     return lora_svd.LoRASVDLinear.from_linear(lin, lora_rank, lora_beta, recipe.four_over_six)
 
 
 def attention_core(q, k, v, policy):
-    """The ONE place that computes causal softmax(q k^T / sqrt(D)) v. q: (B, H, T, D); k, v: (B, Hkv, T, D)."""
+    """The ONE place that computes causal softmax(q k^T / sqrt(D)) v. q: (B, H, T, D);
+    k, v: (B, Hkv, T, D)."""
     if policy == "bf16":
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    return attention.attention(q, k, v, causal=True, policy=policy)  # §3.5 FP4 attention and Fig. 5's variants
+    # §3.5 FP4 attention and Fig. 5's variants
+    return attention.attention(q, k, v, causal=True, policy=policy)
 
 
 class RMSNorm(nn.Module):
@@ -122,14 +144,18 @@ class RMSNorm(nn.Module):
 
 
 def rope_cache(seq_len, head_dim, theta, device=None):
-    """cos/sin tables (T, D/2) in fp32: position t rotates channel pair i by angle t * theta^(-2i/D)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)  # (T, D/2)
+    """cos/sin tables (T, D/2) in fp32: position t rotates channel pair i by angle t *
+    theta^(-2i/D)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device)
+                                / head_dim))
+    # (T, D/2)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
     return angles.cos(), angles.sin()
 
 
 def apply_rope(x, cos, sin):
-    """Rotate (x1, x2) = the two halves of the head dim; x: (B, H, T, D). Then q_t . k_s depends only on t - s."""
+    """Rotate (x1, x2) = the two halves of the head dim; x: (B, H, T, D). Then q_t . k_s depends
+    only on t - s."""
     x1, x2 = x.float().chunk(2, dim=-1)
     cos, sin = cos[: x.size(-2)], sin[: x.size(-2)]  # (T, D/2), broadcast over B, H
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
@@ -139,13 +165,16 @@ class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
-        hd, proj_std = cfg.head_dim, 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2: scale residual projections
-        lin = lambda i, o, std=0.02: make_linear(i, o, cfg.recipe, std, cfg.lora_rank, cfg.lora_beta)
+        # GPT-2: scale residual projections
+        hd, proj_std = cfg.head_dim, 0.02 / math.sqrt(2 * cfg.n_layer)
+        lin = lambda i, o, std=0.02: make_linear(i, o, cfg.recipe, std, cfg.lora_rank,
+                                                 cfg.lora_beta)
         self.q_proj = lin(cfg.n_embd, cfg.n_head * hd)
         self.k_proj = lin(cfg.n_embd, cfg.n_kv_head * hd)
         self.v_proj = lin(cfg.n_embd, cfg.n_kv_head * hd)
         self.o_proj = lin(cfg.n_head * hd, cfg.n_embd, proj_std)
-        self.core = attention_core  # compile_model swaps in a torch.compiler.disable'd one for FP4 policies
+        # compile_model swaps in a torch.compiler.disable'd one for FP4 policies
+        self.core = attention_core
 
     def forward(self, x, cos, sin):
         B, T, C = x.shape
@@ -162,7 +191,8 @@ class SwiGLU(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)
-        lin = lambda i, o, std=0.02: make_linear(i, o, cfg.recipe, std, cfg.lora_rank, cfg.lora_beta)
+        lin = lambda i, o, std=0.02: make_linear(i, o, cfg.recipe, std, cfg.lora_rank,
+                                                 cfg.lora_beta)
         self.gate_proj = lin(cfg.n_embd, cfg.ffn_hidden)
         self.up_proj = lin(cfg.n_embd, cfg.ffn_hidden)
         self.down_proj = lin(cfg.ffn_hidden, cfg.n_embd, proj_std)
@@ -188,26 +218,30 @@ class GPT(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         if cfg.n_embd % cfg.n_head or cfg.n_head % cfg.n_kv_head or cfg.head_dim % 2:
-            raise ValueError(f"n_embd={cfg.n_embd}, n_head={cfg.n_head}, n_kv_head={cfg.n_kv_head}: n_head must "
-                             "divide n_embd, n_kv_head must divide n_head, and head_dim must be even (RoPE)")
+            raise ValueError(f"n_embd={cfg.n_embd}, n_head={cfg.n_head}, "
+                             f"n_kv_head={cfg.n_kv_head}: n_head must divide n_embd, n_kv_head "
+                             "must divide n_head, and head_dim must be even (RoPE)")
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         nn.init.normal_(self.wte.weight, mean=0.0, std=0.02)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)  # high precision (not a block linear)
+        # high precision (not a block linear)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
         else:
             nn.init.normal_(self.lm_head.weight, mean=0.0, std=0.02)
         cos, sin = rope_cache(cfg.block_size, cfg.head_dim, cfg.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)  # rebuilt from cfg, not checkpointed
+        # rebuilt from cfg, not checkpointed
+        self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, idx, targets=None):
         B, T = idx.shape
         if T > self.cfg.block_size:
-            raise ValueError(f"sequence length {T} exceeds the context (block_size={self.cfg.block_size})")
+            raise ValueError(f"sequence length {T} exceeds the context "
+                             f"(block_size={self.cfg.block_size})")
         x = self.wte(idx)  # (B, T, C)
         for block in self.blocks:
             x = block(x, self.rope_cos, self.rope_sin)
@@ -221,16 +255,19 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())  # shared (tied) tensors are counted once
 
     def flops_per_token(self, seq_len):
-        """Training FLOPs per token (fwd + bwd = 3x fwd): 6 per weight that multiplies activations (all params but
-        the input embedding lookup; lm_head counted even if tied), plus causal attention: QK^T and PV are
-        2*T*d_attn MACs per token per layer in full, half of that with the causal mask -> 6 * L * T * H * D."""
+        """Training FLOPs per token (fwd + bwd = 3x fwd): 6 per weight that multiplies activations
+        (all params but the input embedding lookup; lm_head counted even if tied), plus causal
+        attention: QK^T and PV are 2*T*d_attn MACs per token per layer in full, half of that with
+        the causal mask -> 6 * L * T * H * D."""
         c = self.cfg
-        matmul_params = self.num_params() - self.wte.weight.numel() + c.vocab_size * c.n_embd * c.tie_embeddings
+        matmul_params = (self.num_params() - self.wte.weight.numel()
+                         + c.vocab_size * c.n_embd * c.tie_embeddings)
         return 6 * matmul_params + 6 * c.n_layer * seq_len * c.n_head * c.head_dim
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
-        """Sample autoregressively (no KV cache: the context is cropped to block_size and recomputed)."""
+        """Sample autoregressively (no KV cache: the context is cropped to block_size and
+        recomputed)."""
         for _ in range(max_new_tokens):
             logits, _ = self(idx[:, -self.cfg.block_size:])
             logits = logits[:, -1, :].float()
@@ -247,9 +284,9 @@ class GPT(nn.Module):
 
 
 def compile_model(model):
-    """torch.compile(model) with the FP4 parts left out of its graph, run eagerly between compiled pieces: inductor
-    re-traced our Triton kernels and turned their fp32 constants into fp64 (H200, torch 2.11). torch._dynamo is
-    imported only here: uncompiled runs never load it."""
+    """torch.compile(model) with the FP4 parts left out of its graph, run eagerly between compiled
+    pieces: inductor re-traced our Triton kernels and turned their fp32 constants into fp64 (H200,
+    torch 2.11). torch._dynamo is imported only here: uncompiled runs never load it."""
     for m in model.modules():
         if isinstance(m, (nvfp4.NVFP4Linear, lora_svd.LoRASVDLinear, lora_svd.NaiveLoRALinear)):
             m.forward = torch.compiler.disable(m.forward)
@@ -264,9 +301,11 @@ def config_from_name(name, **overrides):
     return GPTConfig(**{**CONFIGS[name], **overrides})
 
 
-if __name__ == "__main__":  # python model.py: parameter counts of every config (built on the meta device)
+# python model.py: parameter counts of every config (built on the meta device)
+if __name__ == "__main__":
     for name in CONFIGS:
         with torch.device("meta"):
             m = GPT(config_from_name(name))
-        print(f"{name:>5}: {m.num_params() / 1e6:9.2f}M params, {m.flops_per_token(m.cfg.block_size) / 1e9:.2f} "
+        print(f"{name:>5}: {m.num_params() / 1e6:9.2f}M params, "
+              f"{m.flops_per_token(m.cfg.block_size) / 1e9:.2f} "
               f"GFLOP/token at T={m.cfg.block_size}  {asdict(m.cfg)}")
