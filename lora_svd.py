@@ -8,27 +8,30 @@ A weight W (out, in) is split into a high-precision low-rank principal part and 
 The forward (eq. 1) runs the residual through the NVFP4 GEMM and the principal part in BF16:
 
     Y  = Q1x16(X) Q16x16(W_res)^T + beta * (X L1^T) L2^T
-    dX = Q1x16(dY, SR) Q16x16(W_res) + beta * (dY L2) L1          (W_res's quantization reused from fwd)
-    dW = Q1x16(dY^T H, SR) Q16x1(H^T Q1x16(X), SR)                 (eq. 2, fresh random Hadamard H)
+    dX = Q1x16(dY, SR) Q16x16(W_res) + beta * (dY L2) L1      (W_res's quantization reused from fwd)
+    dW = Q1x16(dY^T H, SR) Q16x1(H^T Q1x16(X), SR)             (eq. 2, fresh random Hadamard H)
 
-The backward pass stops at dW (stored in weight_res.grad). App. 8 takes the LoRA gradients from that same
-dW instead of from a second large GEMM with the high-precision X, and §3.2 defers the subspace split
-(eqs. 3-4) to the optimizer so that it runs once per optimizer step, after gradient accumulation:
+The backward pass stops at dW (stored in weight_res.grad). App. 8 takes the LoRA gradients from that
+same dW instead of from a second large GEMM with the high-precision X, and §3.2 defers the subspace
+split (eqs. 3-4) to the optimizer so that it runs once per optimizer step, after gradient
+accumulation:
 
     Q_L2 R_L2 = L2,  Q_L1 R_L1 = L1^T                              (Cholesky-QR, eq. 3)
     Lambda = Q_L2^T dW Q_L1,  dW_LoRA = Q_L2 Lambda Q_L1^T
     dW_res = dW - dW_LoRA,  dL1 = beta L2^T dW_LoRA,  dL2 = beta dW_LoRA L1^T     (eq. 4)
 
-`project_all(model)` does that for every LoRA-SVD layer; call it after the last backward of a step and
-before gradient clipping and optimizer.step(). Every few thousand steps `realign_model(model, optimizer)`
-re-derives (W_res, L1, L2) from a randomized SVD of the total weight (subspace drift, §3.2).
+`project_all(model)` does that for every LoRA-SVD layer; call it after the last backward of a step
+and before gradient clipping and optimizer.step(). Every few thousand steps `realign_model(model,
+optimizer)` re-derives (W_res, L1, L2) from a randomized SVD of the total weight (subspace drift,
+§3.2).
 
-On CUDA the branch rides on the NVFP4 GEMMs (App. 9, kernels/lora_fused.py): r extra columns of the residual's
-bf16 grid-value GEMM, so Y and dX are written once. The seam is nvfp4.use_kernels (NANOFP4_ROUTE).
-Parameters may be FSDP2 DTensors: projection and realignment gather them and write back the local shards.
+On CUDA the branch rides on the NVFP4 GEMMs (App. 9, kernels/lora_fused.py): r extra columns of the
+residual's bf16 grid-value GEMM, so Y and dX are written once. The seam is nvfp4.use_kernels
+(NANOFP4_ROUTE). Parameters may be FSDP2 DTensors: projection and realignment gather them and write
+back the local shards.
 
-NaiveLoRALinear is the ablation baseline (Table 3, "naive LoRA"): an NVFP4 main weight plus an ordinary
-BF16 LoRA branch trained by plain autograd.
+NaiveLoRALinear is the ablation baseline (Table 3, "naive LoRA"): an NVFP4 main weight plus an
+ordinary BF16 LoRA branch trained by plain autograd.
 """
 
 import math
@@ -47,8 +50,8 @@ from kernels import lora_fused
 
 def check_shape(rank, in_features, out_features):
     if in_features % 16 or out_features % 16:
-        raise ValueError(f"in_features ({in_features}) and out_features ({out_features}) must be multiples of 16 "
-                         "(the 16x16 NVFP4 weight blocks)")
+        raise ValueError(f"in_features ({in_features}) and out_features ({out_features}) must be "
+                         "multiples of 16 (the 16x16 NVFP4 weight blocks)")
     if not isinstance(rank, int) or rank <= 0 or rank > min(in_features, out_features):
         raise ValueError(f"LoRA rank must be an int in [1, min(in_features, out_features)] = "
                          f"[1, {min(in_features, out_features)}], got rank={rank!r}")
@@ -60,10 +63,12 @@ def split_from_svd(W, U, S, Vh, beta):
     The singular values are split evenly, L2 = U sqrt(S/beta), L1 = sqrt(S/beta) Vh, because
       - L1 and L2 then have the same norms, so their gradients dL1 = beta L2^T dW_LoRA and
         dL2 = beta dW_LoRA L1^T have comparable scales and one LoRA learning rate fits both;
-      - cond(L1) = cond(L2) = sqrt(S_1/S_r): the Cholesky-QR of eq. 3 factors the Gram matrix A^T A whose
-        condition number is cond(A)^2 = S_1/S_r, instead of (S_1/S_r)^2 if all of S went to one side.
+      - cond(L1) = cond(L2) = sqrt(S_1/S_r): the Cholesky-QR of eq. 3 factors the Gram matrix
+        A^T A whose condition number is cond(A)^2 = S_1/S_r, instead of (S_1/S_r)^2 if all of S
+        went to one side.
     W_res is then W - beta L2 L1 computed in fp32 from the rounded fp32 L1, L2, so that
-    W_res + beta L2 L1 reproduces W up to one fp32 rounding per element (whatever the SVD's accuracy).
+    W_res + beta L2 L1 reproduces W up to one fp32 rounding per element (whatever the SVD's
+    accuracy).
     """
     root = (S.double() / beta).sqrt()
     L2 = (U.double() * root).float()  # (out, r)
@@ -73,18 +78,19 @@ def split_from_svd(W, U, S, Vh, beta):
 
 
 def top_r_svd(W, rank):
-    """Exact top-r SVD (init and Fig. 3), fp32 on W's device. Not the randomized SVD below: a freshly
-    initialized weight has a flat spectrum, where a sketch with a few power iterations misses part of the
-    top-r energy (docs/lora_svd.md)."""
+    """Exact top-r SVD (init and Fig. 3), fp32 on W's device. Not the randomized SVD below: a
+    freshly initialized weight has a flat spectrum, where a sketch with a few power iterations
+    misses part of the top-r energy (docs/lora_svd.md)."""
     U, S, Vh = torch.linalg.svd(W.float(), full_matrices=False)
     return U[:, :rank], S[:rank], Vh[:rank]
 
 
 def randomized_svd(W, rank, oversample=10, power_iters=4, generator=None):
-    """Top-r SVD by Halko, Martinsson & Tropp (2011), Alg. 4.4 + 5.1: a Gaussian sketch with `oversample`
-    extra columns, `power_iters` subspace iterations (re-orthonormalized each time: the spectrum of a trained
-    weight decays slowly, so plain W @ Omega would mix in the tail), then an exact SVD of the small
-    (r + p, in) projection. Cost O(out * in * (r + p) * (2 q + 2)), a few small GEMMs."""
+    """Top-r SVD by Halko, Martinsson & Tropp (2011), Alg. 4.4 + 5.1: a Gaussian sketch with
+    `oversample` extra columns, `power_iters` subspace iterations (re-orthonormalized each time: the
+    spectrum of a trained weight decays slowly, so plain W @ Omega would mix in the tail), then an
+    exact SVD of the small (r + p, in) projection. Cost O(out * in * (r + p) * (2 q + 2)), a few
+    small GEMMs."""
     out_f, in_f = W.shape
     A = W.float()
     k = min(rank + oversample, min(out_f, in_f))
@@ -105,8 +111,8 @@ def full_tensor(t):
 
 
 def shard_like(t, full):
-    """`full` laid out like t: t's local shard of it for an FSDP2 DTensor (every rank holds the same `full`),
-    else `full` itself."""
+    """`full` laid out like t: t's local shard of it for an FSDP2 DTensor (every rank holds the same
+    `full`), else `full` itself."""
     if not hasattr(t, "device_mesh"):
         return full
     from torch.distributed.tensor import distribute_tensor
@@ -117,35 +123,39 @@ def shard_like(t, full):
 # eqs. 1-2: the LoRA-SVD linear as one autograd function
 
 
-# The precision contract of eq. 1: the NVFP4 residual's three GEMMs are nvfp4.LINEAR's entries (the direct
-# layer's); the rank-r branch (beta X L1^T) L2^T and dX's (beta dY L2) L1 run on BRANCH operands (X or dY, L1, L2
-# and the rank-r intermediate) with fp32 accumulation, on every route.
+# The precision contract of eq. 1: the NVFP4 residual's three GEMMs are nvfp4.LINEAR's entries (the
+# direct layer's); the rank-r branch (beta X L1^T) L2^T and dX's (beta dY L2) L1 run on BRANCH
+# operands (X or dY, L1, L2 and the rank-r intermediate) with fp32 accumulation, on every route.
 BRANCH = "bf16"
 BRANCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def branch_dtype():
     if BRANCH not in BRANCH_DTYPES:
-        raise ValueError(f"lora_svd.BRANCH must be one of {', '.join(BRANCH_DTYPES)}, got {BRANCH!r}")
+        raise ValueError(f"lora_svd.BRANCH must be one of {', '.join(BRANCH_DTYPES)}, "
+                         f"got {BRANCH!r}")
     return BRANCH_DTYPES[BRANCH]
 
 
 def _branch(x, A, B, dt):
-    """(x A^T) B^T on dt operands (the intermediate rounded to dt too), fp32 accumulation: the GPU's BF16 GEMMs."""
+    """(x A^T) B^T on dt operands (the intermediate rounded to dt too), fp32 accumulation: the GPU's
+    BF16 GEMMs."""
     t = (x.to(dt).float() @ A.to(dt).float().t()).to(dt)
     return t.float() @ B.to(dt).float().t()
 
 
 class LoRASVDFunction(torch.autograd.Function):
-    """eqs. 1-2. Inputs x (..., in), weight_res (out, in), L1 (r, in), L2 (out, r). Returns y (..., out)
-    (leading dims are flattened into tokens T inside, so the output is not a view: FSDP2 wants that).
+    """eqs. 1-2. Inputs x (..., in), weight_res (out, in), L1 (r, in), L2 (out, r). Returns
+    y (..., out) (leading dims are flattened into tokens T inside, so the output is not a view:
+    FSDP2 wants that).
 
-    The residual path is NVFP4Linear's (nvfp4._NVFP4LinearFn): the same contract (nvfp4.LINEAR), the packed
-    Q1x16(X) and Q16x16(W_res) saved for backward, nvfp4.wgrad for eq. 2, the same random draws
-    (nvfp4.backward_draws). Saved besides: L1, L2; neither X nor X L1^T, since dX needs only dY, W_res, L1, L2
-    and the LoRA gradients come from dW (App. 8). Gradients returned: dX, dW for weight_res, and zeros for L1
-    and L2. The zeros keep every parameter "used" for DDP (no find_unused_parameters) and give
-    project_gradients a grad to add into; the true dL1, dL2 come from project_gradients (eqs. 3-4).
+    The residual path is NVFP4Linear's (nvfp4._NVFP4LinearFn): the same contract (nvfp4.LINEAR), the
+    packed Q1x16(X) and Q16x16(W_res) saved for backward, nvfp4.wgrad for eq. 2, the same random
+    draws (nvfp4.backward_draws). Saved besides: L1, L2; neither X nor X L1^T, since dX needs only
+    dY, W_res, L1, L2 and the LoRA gradients come from dW (App. 8). Gradients returned: dX, dW for
+    weight_res, and zeros for L1 and L2. The zeros keep every parameter "used" for DDP (no
+    find_unused_parameters) and give project_gradients a grad to add into; the true dL1, dL2 come
+    from project_gradients (eqs. 3-4).
     """
 
     @staticmethod
@@ -174,11 +184,14 @@ class LoRASVDFunction(torch.autograd.Function):
         need = ctx.needs_input_grad[:2]
         seed_dx, H, seeds_dw = nvfp4.backward_draws(c, *need, dy.device)
         if nvfp4.use_kernels(dy):
-            dx, dw = lora_fused.backward(dy, qx, qw, L1, L2, beta, c, need, seed_dx, H, seeds_dw, bdt)
+            dx, dw = lora_fused.backward(dy, qx, qw, L1, L2, beta, c, need, seed_dx, H, seeds_dw,
+                                         bdt)
         else:
             dx = dw = None
-            if need[0]:  # eq. 1's dX, the forward's Q16x16(W_res) reused (read transposed, not requantized)
-                q_dy = nvfp4.quantize_as(dy, c["dgrad.dy"], seed_dx, name="gradient dY")  # Q1x16(dY)
+            # eq. 1's dX, the forward's Q16x16(W_res) reused (read transposed, not requantized)
+            if need[0]:
+                q_dy = nvfp4.quantize_as(dy, c["dgrad.dy"], seed_dx,
+                                         name="gradient dY")  # Q1x16(dY)
                 dx = nvfp4.nvfp4_matmul(q_dy, qw, out_dtype=torch.float32, trans_b=True)  # (T, in)
                 dx = (dx + beta * _branch(dy, L2.t(), L1.t(), bdt)).to(dy.dtype)
             if need[1]:
@@ -190,8 +203,8 @@ class LoRASVDFunction(torch.autograd.Function):
 
 
 def lora_svd_linear(x, weight_res, L1, L2, beta=1.0, four_over_six=True):
-    """Functional LoRASVDLinear (no bias): x (..., in) -> (..., out). Under autocast X is cast to the autocast
-    dtype, as in nvfp4.nvfp4_linear."""
+    """Functional LoRASVDLinear (no bias): x (..., in) -> (..., out). Under autocast X is cast to
+    the autocast dtype, as in nvfp4.nvfp4_linear."""
     if torch.is_autocast_enabled(x.device.type):
         x = x.to(torch.get_autocast_dtype(x.device.type))
     return LoRASVDFunction.apply(x, weight_res, L1, L2, float(beta), four_over_six)
@@ -202,17 +215,18 @@ def lora_svd_linear(x, weight_res, L1, L2, beta=1.0, four_over_six=True):
 
 
 class LoRASVDLinear(nn.Module):
-    """A linear layer W = weight_res + beta * L2 @ L1 trained as in §3.2 (see the module docstring).
+    """A linear layer W = weight_res + beta * L2 @ L1 trained as in §3.2 (see the module
+    docstring).
 
     Parameters: weight_res (out, in), L1 (rank, in), L2 (out, rank), optional bias; fp32 masters.
-    `beta` is a plain float (a constructor argument, not in the state dict).
-    Init: the dense W (`weight`, else nn.Linear's kaiming-uniform init) split by its exact top-r SVD. That SVD
-    is O(out * in * min(out, in)): seconds per 2048-wide layer on a CPU, so build big models on the GPU.
-    To re-initialize from another dense weight, call `layer.set_weight(W)`.
+    `beta` is a plain float (a constructor argument, not in the state dict). Init: the dense W
+    (`weight`, else nn.Linear's kaiming-uniform init) split by its exact top-r SVD. That SVD is
+    O(out * in * min(out, in)): seconds per 2048-wide layer on a CPU, so build big models on the
+    GPU. To re-initialize from another dense weight, call `layer.set_weight(W)`.
     """
 
-    def __init__(self, in_features, out_features, rank, beta=1.0, bias=False, four_over_six=True, weight=None,
-                 device=None):
+    def __init__(self, in_features, out_features, rank, beta=1.0, bias=False, four_over_six=True,
+                 weight=None, device=None):
         super().__init__()
         check_shape(rank, in_features, out_features)
         self.in_features, self.out_features, self.rank = in_features, out_features, rank
@@ -229,8 +243,9 @@ class LoRASVDLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear, rank, beta=1.0, four_over_six=True):
-        layer = cls(linear.in_features, linear.out_features, rank, beta=beta, bias=linear.bias is not None,
-                    four_over_six=four_over_six, weight=linear.weight.detach())
+        layer = cls(linear.in_features, linear.out_features, rank, beta=beta,
+                    bias=linear.bias is not None, four_over_six=four_over_six,
+                    weight=linear.weight.detach())
         if linear.bias is not None:
             with torch.no_grad():
                 layer.bias.copy_(linear.bias.float())
@@ -238,10 +253,11 @@ class LoRASVDLinear(nn.Module):
 
     @torch.no_grad()
     def set_weight(self, W, svd=None):
-        """(W_res, L1, L2) from the dense W (out, in) and its top-r singular triplets `svd` = (U, S, Vh)
-        (default: the exact SVD)."""
+        """(W_res, L1, L2) from the dense W (out, in) and its top-r singular triplets `svd` =
+        (U, S, Vh) (default: the exact SVD)."""
         if W.shape != self.weight_res.shape:
-            raise ValueError(f"W has shape {tuple(W.shape)}, expected {tuple(self.weight_res.shape)}")
+            raise ValueError(f"W has shape {tuple(W.shape)}, "
+                             f"expected {tuple(self.weight_res.shape)}")
         U, S, Vh = top_r_svd(W, self.rank) if svd is None else svd
         W_res, L1, L2 = split_from_svd(W, U, S, Vh, self.beta)
         for p, full in ((self.weight_res, W_res), (self.L1, L1), (self.L2, L2)):
@@ -250,13 +266,15 @@ class LoRASVDLinear(nn.Module):
 
     @torch.no_grad()
     def effective_weight(self):
-        """W_res + beta L2 L1 in fp32 (out, in); the full matrix also when FSDP2 shards the parameters."""
+        """W_res + beta L2 L1 in fp32 (out, in); the full matrix also when FSDP2 shards the
+        parameters."""
         W_res, L1, L2 = (full_tensor(p).float() for p in (self.weight_res, self.L1, self.L2))
         return W_res + self.beta * (L2 @ L1)
 
     def forward(self, x):
         y = lora_svd_linear(x, self.weight_res, self.L1, self.L2, self.beta, self.four_over_six)
-        if y.requires_grad:  # this backward adds a new dW to weight_res.grad: it needs eqs. 3-4 again
+        # this backward adds a new dW to weight_res.grad: it needs eqs. 3-4 again
+        if y.requires_grad:
             y.register_hook(self._new_gradient)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
@@ -264,15 +282,17 @@ class LoRASVDLinear(nn.Module):
         self._projected = None
 
     def extra_repr(self):
-        return (f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
-                f"beta={self.beta}, bias={self.bias is not None}, four_over_six={self.four_over_six}")
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"rank={self.rank}, beta={self.beta}, bias={self.bias is not None}, "
+                f"four_over_six={self.four_over_six}")
 
 
 class NaiveLoRALinear(nn.Module):
-    """Ablation baseline ("naive LoRA", Table 3): y = NVFP4Linear(x; weight) + (x L1^T) L2^T, the branch in
-    BF16 (lora_svd.BRANCH) with ordinary autograd, so dL1, dL2 use the high-precision X it saves. Standard LoRA
-    init: L1 like nn.Linear (kaiming-uniform, a=sqrt(5)), L2 = 0, so the layer starts equal to its main
-    weight. The main weight is trained too; no SVD, projection or realignment."""
+    """Ablation baseline ("naive LoRA", Table 3): y = NVFP4Linear(x; weight) + (x L1^T) L2^T, the
+    branch in BF16 (lora_svd.BRANCH) with ordinary autograd, so dL1, dL2 use the high-precision X it
+    saves. Standard LoRA init: L1 like nn.Linear (kaiming-uniform, a=sqrt(5)), L2 = 0, so the layer
+    starts equal to its main weight. The main weight is trained too; no SVD, projection or
+    realignment."""
 
     def __init__(self, in_features, out_features, rank, four_over_six=True, bias=False):
         super().__init__()
@@ -302,8 +322,9 @@ class NaiveLoRALinear(nn.Module):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self):
-        return (f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
-                f"bias={self.bias is not None}, four_over_six={self.four_over_six}")
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"rank={self.rank}, bias={self.bias is not None}, "
+                f"four_over_six={self.four_over_six}")
 
 
 # -----------------------------------------------------------------------------
@@ -313,12 +334,12 @@ _warned_householder = False
 
 
 def orthonormal_basis(A):
-    """Cholesky-QR (eq. 3, App. 8): R = chol(A^T A)^T, Q = A R^-1 for a tall-thin A (d, r), or a batch of them
-    (..., d, r) (project_all stacks the layers that share a shape).
-    The r x r Gram matrix and the solve run in fp64 (negligible cost at r << d): Cholesky-QR's loss of
-    orthogonality grows like eps * cond(A)^2, which fp32 reaches for cond(A) ~ 3e3 but fp64 only at ~1e8.
-    Falls back to Householder QR (warning once) if a Gram matrix is not numerically positive definite or a Q
-    comes out non-orthonormal."""
+    """Cholesky-QR (eq. 3, App. 8): R = chol(A^T A)^T, Q = A R^-1 for a tall-thin A (d, r), or a
+    batch of them (..., d, r) (project_all stacks the layers that share a shape). The r x r Gram
+    matrix and the solve run in fp64 (negligible cost at r << d): Cholesky-QR's loss of
+    orthogonality grows like eps * cond(A)^2, which fp32 reaches for cond(A) ~ 3e3 but fp64 only at
+    ~1e8. Falls back to Householder QR (warning once) if a Gram matrix is not numerically positive
+    definite or a Q comes out non-orthonormal."""
     global _warned_householder
     A64 = A.detach().double()
     L, info = torch.linalg.cholesky_ex(A64.mT @ A64)  # A^T A = L L^T, R = L^T
@@ -328,8 +349,9 @@ def orthonormal_basis(A):
     if ok:  # one device->host sync per call (per group of same-shaped layers in project_all)
         return Q.float()
     if not _warned_householder:
-        warnings.warn("lora_svd: Cholesky-QR failed (L1 or L2 is rank deficient or ill conditioned); "
-                      "using Householder QR for the subspace projection (warned once)")
+        warnings.warn("lora_svd: Cholesky-QR failed (L1 or L2 is rank deficient or ill "
+                      "conditioned); using Householder QR for the subspace projection "
+                      "(warned once)")
         _warned_householder = True
     Q, _ = torch.linalg.qr(A64)
     return Q.float()
@@ -338,23 +360,26 @@ def orthonormal_basis(A):
 @torch.no_grad()
 def project_gradients(layer):
     """eqs. 3-4 on one LoRASVDLinear, in place, after all backward passes of a step (and after DDP's
-    all-reduce: the projection is linear in dW, so projecting the averaged dW is the same as averaging the
-    projections). Reads weight_res.grad = dW, writes
-        weight_res.grad = dW - dW_LoRA,  L1.grad += beta L2^T dW_LoRA,  L2.grad += beta dW_LoRA L1^T.
-    Idempotent: a second call on the same gradient is skipped (and would find Lambda ~ 0 anyway), so both
-    train.py (before gradient clipping) and the optimizer may call it. "The same gradient" survives in-place
-    scaling (clip_grad_norm_: a scaled projected gradient is still projected, eqs. 3-4 being linear in dW): the
-    layer remembers the grad tensor it projected, and forgets it when a backward through the layer adds a new dW
-    (a hook on its output) or when the grad is replaced by another tensor.
-    FSDP2 (DTensor parameters and grads, sharded): gathers dW, L1, L2 (every rank computes the same
-    projection) and updates the local shards. Simple, at the cost of one all-gather of dW per layer per step;
-    a sharded Cholesky-QR (all-reduce the r x r Gram matrices and Lambda) would avoid it."""
+    all-reduce: the projection is linear in dW, so projecting the averaged dW is the same as
+    averaging the projections). Reads weight_res.grad = dW, writes
+        weight_res.grad = dW - dW_LoRA,  L1.grad += beta L2^T dW_LoRA,
+        L2.grad += beta dW_LoRA L1^T.
+    Idempotent: a second call on the same gradient is skipped (and would find Lambda ~ 0 anyway), so
+    both train.py (before gradient clipping) and the optimizer may call it. "The same gradient"
+    survives in-place scaling (clip_grad_norm_: a scaled projected gradient is still projected, eqs.
+    3-4 being linear in dW): the layer remembers the grad tensor it projected, and forgets it when a
+    backward through the layer adds a new dW (a hook on its output) or when the grad is replaced by
+    another tensor. FSDP2 (DTensor parameters and grads, sharded): gathers dW, L1, L2 (every rank
+    computes the same projection) and updates the local shards. Simple, at the cost of one
+    all-gather of dW per layer per step; a sharded Cholesky-QR (all-reduce the r x r Gram matrices
+    and Lambda) would avoid it."""
     _project_layers([layer])
 
 
 def _needs_projection(layer):
     g = layer.weight_res.grad
-    done = getattr(layer, "_projected", None)  # weakref to the grad tensor projected last, None after a backward
+    # weakref to the grad tensor projected last, None after a backward
+    done = getattr(layer, "_projected", None)
     return g is not None and not (done is not None and done() is g)
 
 
@@ -383,16 +408,17 @@ def lora_svd_layers(model):
 
 @torch.no_grad()
 def project_all(model):
-    """project_gradients on every LoRASVDLinear of `model` (call once per optimizer step). Layers whose L1, L2
-    share shapes get their bases from one batched Cholesky-QR: a 28-layer model has ~7 shapes, so ~14 small fp64
-    factorizations (and host syncs) per step instead of two per layer. Each layer gets the numbers of
-    project_gradients alone (bit for bit on the CPU, tested; on CUDA the batched solver may differ in the last
-    fp64 bits)."""
+    """project_gradients on every LoRASVDLinear of `model` (call once per optimizer step). Layers
+    whose L1, L2 share shapes get their bases from one batched Cholesky-QR: a 28-layer model has ~7
+    shapes, so ~14 small fp64 factorizations (and host syncs) per step instead of two per layer.
+    Each layer gets the numbers of project_gradients alone (bit for bit on the CPU, tested; on CUDA
+    the batched solver may differ in the last fp64 bits)."""
     _project_layers(lora_svd_layers(model))
 
 
 def _project_layers(layers):
-    """eqs. 3-4 on every layer that still needs it, the bases of same-shaped layers from one batched Cholesky-QR."""
+    """eqs. 3-4 on every layer that still needs it, the bases of same-shaped layers from one batched
+    Cholesky-QR."""
     groups = {}
     for layer in layers:
         if _needs_projection(layer):
@@ -412,9 +438,10 @@ def _project_layers(layers):
 @torch.no_grad()
 def realign(layer, oversample=10, power_iters=4, generator=None):
     """Re-split the total weight W = W_res + beta L2 L1 along its current top-r singular directions.
-    The effective weight is preserved up to fp32 rounding (only its NVFP4 quantization in the forward
-    changes, since a different part of W now goes through the residual). The sketch's generator defaults to a
-    fixed seed: every DDP / FSDP rank (seeded differently by train.py) must compute the same split."""
+    The effective weight is preserved up to fp32 rounding (only its NVFP4 quantization in the
+    forward changes, since a different part of W now goes through the residual). The sketch's
+    generator defaults to a fixed seed: every DDP / FSDP rank (seeded differently by train.py) must
+    compute the same split."""
     if generator is None:
         generator = torch.Generator().manual_seed(0)
     W = layer.effective_weight()  # (out, in) fp32
@@ -425,12 +452,13 @@ def realign(layer, oversample=10, power_iters=4, generator=None):
 def realign_model(model, optimizer=None, oversample=10, power_iters=4, generator=None):
     """realign() every LoRASVDLinear and reset the optimizer state of weight_res, L1 and L2.
 
-    Why reset rather than carry the state over: the new L1, L2 live in a new basis, so their old moments
-    point in meaningless directions, and Adam's elementwise second moment cannot be rotated into a new basis;
-    weight_res's old momentum contains components inside the new principal subspace, which eqs. 3-4 are meant
-    to keep out of the residual. Zeroed moments re-warm within ~1/(1 - beta2) steps, a small cost every 4k
-    steps. Works with the optimizers of optim.py (their `reset_state(param)`) and with plain torch.optim
-    ones (deleting optimizer.state[p] makes them re-initialize the state, Adam's step counter included)."""
+    Why reset rather than carry the state over: the new L1, L2 live in a new basis, so their old
+    moments point in meaningless directions, and Adam's elementwise second moment cannot be rotated
+    into a new basis; weight_res's old momentum contains components inside the new principal
+    subspace, which eqs. 3-4 are meant to keep out of the residual. Zeroed moments re-warm within
+    ~1/(1 - beta2) steps, a small cost every 4k steps. Works with the optimizers of optim.py (their
+    `reset_state(param)`) and with plain torch.optim ones (deleting optimizer.state[p] makes them
+    re-initialize the state, Adam's step counter included)."""
     layers = lora_svd_layers(model)
     for layer in layers:
         realign(layer, oversample, power_iters, generator)
@@ -442,8 +470,9 @@ def realign_model(model, optimizer=None, oversample=10, power_iters=4, generator
             else:
                 optimizer.state.pop(p, None)
                 if p in optimizer.state:  # e.g. a wrapper whose .state is a fresh merged dict
-                    raise ValueError(f"realign_model: could not reset the optimizer state of {tuple(p.shape)} "
-                                     f"params: give {type(optimizer).__name__} a reset_state(param) method")
+                    raise ValueError(f"realign_model: could not reset the optimizer state of "
+                                     f"{tuple(p.shape)} params: give {type(optimizer).__name__} "
+                                     "a reset_state(param) method")
     return len(layers)
 
 
@@ -453,9 +482,10 @@ def realign_model(model, optimizer=None, oversample=10, power_iters=4, generator
 
 @torch.no_grad()
 def lora_svd_error(W, X, rank, beta=1.0, four_over_six=True):
-    """Relative MSE (MSE(y - y_hat) / mean(y^2), §3.2) of a layer's forward output against the exact
-    y = X W^T, for direct NVFP4 (Q(X) Q(W)^T) and for LoRA-SVD (Q(X) Q(W_res)^T + beta (X L1^T) L2^T),
-    both RTN with 4/6. The branch runs in fp32 here, so this isolates the quantization error."""
+    """Relative MSE (MSE(y - y_hat) / mean(y^2), §3.2) of a layer's forward output against the
+    exact y = X W^T, for direct NVFP4 (Q(X) Q(W)^T) and for LoRA-SVD
+    (Q(X) Q(W_res)^T + beta (X L1^T) L2^T), both RTN with 4/6. The branch runs in fp32 here, so
+    this isolates the quantization error."""
     W, X = W.float(), X.float()
     y = X @ W.t()  # (T, out)
     qx = nvfp4.quantize(X, block=(1, 16), rounding="rtn", four_over_six=four_over_six)
