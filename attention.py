@@ -1,41 +1,48 @@
 """
 Mixed-precision FP4 attention (paper §3.5, Table 2, App. 10-11).
 
-Attention has 7 matmuls: S = Q K^T and O = P V in the forward; the backward recomputes S = Q K^T, then
-dV = P^T dO, dP = dO V^T, dQ = dS K and dK = dS^T Q, with dS = P o (dP - D) and D = rowsum(dO o O).
+Attention has 7 matmuls: S = Q K^T and O = P V in the forward; the backward recomputes S = Q K^T,
+then dV = P^T dO, dP = dO V^T, dQ = dS K and dK = dS^T Q, with dS = P o (dP - D) and
+D = rowsum(dO o O).
 
-The paper's policy ("fp4") quantizes what is IO- and compute-heavy and keeps the sensitive paths in BF16:
-- Q, K, V in NVFP4, quantized ONCE in the forward; the backward reads the same 4-bit values (forward-backward
-  consistency: a backward that re-quantized would differentiate a function the forward never computed). Blocks
-  1x16 along D, the contraction dim of Q K^T; RTN, as every forward tensor. The saved activations are 4-bit.
-- dS in NVFP4 in the backward, 1x16 blocks along each matmul's contraction dim: along the keys for dQ = dS K,
-  along the queries for dK = dS^T Q (two quantizations of one dS, each per tile in registers). Stochastic
-  rounding, as every gradient: dQ and dK stay unbiased (up to the block-max clamp of nvfp4.quantize's "sr"),
-  where RTN would deterministically flush the many small tail entries (P ~ 0) whose sum balances the peaks (each
-  row of dS sums to 0).
-- So 4 of the 7 matmuls take NVFP4 operands (Q K^T twice, dS K, dS^T Q). PV and dO V^T stay BF16 because App. 10
-  shows they are the sensitive ones: quantized P rows leave the probability simplex (10.1, `simplex_violation`),
-  and noise in dP = dO V^T lands on dS scaled by P, i.e. on the attention peaks (eq. 6, `ds_error`). P^T dO stays
-  BF16 too, so that dV sees the same P as the forward. V enters PV and dO V^T at its dequantized NVFP4 value,
-  which BF16 holds exactly.
+The paper's policy ("fp4") quantizes what is IO- and compute-heavy and keeps the sensitive paths in
+BF16:
+- Q, K, V in NVFP4, quantized ONCE in the forward; the backward reads the same 4-bit values
+  (forward-backward consistency: a backward that re-quantized would differentiate a function the
+  forward never computed). Blocks 1x16 along D, the contraction dim of Q K^T; RTN, as every forward
+  tensor. The saved activations are 4-bit.
+- dS in NVFP4 in the backward, 1x16 blocks along each matmul's contraction dim: along the keys for
+  dQ = dS K, along the queries for dK = dS^T Q (two quantizations of one dS, each per tile in
+  registers). Stochastic rounding, as every gradient: dQ and dK stay unbiased (up to the block-max
+  clamp of nvfp4.quantize's "sr"), where RTN would deterministically flush the many small tail
+  entries (P ~ 0) whose sum balances the peaks (each row of dS sums to 0).
+- So 4 of the 7 matmuls take NVFP4 operands (Q K^T twice, dS K, dS^T Q). PV and dO V^T stay BF16
+  because App. 10 shows they are the sensitive ones: quantized P rows leave the probability simplex
+  (10.1, `simplex_violation`), and noise in dP = dO V^T lands on dS scaled by P, i.e. on the
+  attention peaks (eq. 6, `ds_error`). P^T dO stays BF16 too, so that dV sees the same P as the
+  forward. V enters PV and dO V^T at its dequantized NVFP4 value, which BF16 holds exactly.
 
-The variants of Fig. 5 (`policy_errors` gives its numbers) quantize one more path each, see POLICIES.
+The variants of Fig. 5 (`policy_errors` gives its numbers) quantize one more path each, see
+POLICIES.
 
 Choices the paper leaves open:
-- Blocks along T. PV, dS K and dS^T Q contract over T, where V, K, Q are blocked along D. Every NVFP4 operand here
-  is multiplied as its exact dequantized value (Hopper has no FP4 tensor cores), so any orientation is exact; a
-  native Blackwell GEMM would need 16x1 (or 16x16) copies. Reusing the one 1x16 quantization keeps consistency.
-- dS's SR uniforms come from a counter hash of (seed, head, query, key, pass), so the reference and the kernels
-  draw the same bits for any tiling; 16 bits each (one 32-bit hash serves two neighbours), which biases a
-  rounding decision by < 2^-16 of an E2M1 step.
-- dS's global scale: a tiled kernel cannot know amax(dS) before it is done, so s_g(dS) per (batch, head) comes
-  from a bound that holds by construction: |dS_ij| = P_ij |dP_ij - D_i| <= max_i ||dO_i|| max_j ||V_j|| +
-  max_i |D_i| (P <= 1, Cauchy-Schwarz), with max_j ||V_j|| <= sqrt(D) amax(V) read off V's global scale. No
-  block scale ever saturates; the price is a few bits of E4M3 range (the bound is loose by ~10-100x).
-- P (fp4_pv, fp4_all): 1x16 along the keys for PV (along the queries for P^T dO), RTN, s_g = 1/(448*6) since
-  P <= 1. The online-softmax forward quantizes P~ = exp(S - running max), as a fused kernel must, so those two
-  variants depend on the key tile (kernels.flash_attention.P_BLOCK_N, shared by the reference). The softmax
-  normalizer uses the exact P~: the quantized rows leave the simplex (App. 10.1).
+- Blocks along T. PV, dS K and dS^T Q contract over T, where V, K, Q are blocked along D. Every
+  NVFP4 operand here is multiplied as its exact dequantized value (Hopper has no FP4 tensor cores),
+  so any orientation is exact; a native Blackwell GEMM would need 16x1 (or 16x16) copies. Reusing
+  the one 1x16 quantization keeps consistency.
+- dS's SR uniforms come from a counter hash of (seed, head, query, key, pass), so the reference and
+  the kernels draw the same bits for any tiling; 16 bits each (one 32-bit hash serves two
+  neighbours), which biases a rounding decision by < 2^-16 of an E2M1 step.
+- dS's global scale: a tiled kernel cannot know amax(dS) before it is done, so s_g(dS) per (batch,
+  head) comes from a bound that holds by construction: |dS_ij| = P_ij |dP_ij - D_i| <= max_i
+  ||dO_i|| max_j ||V_j|| + max_i |D_i| (P <= 1, Cauchy-Schwarz), with max_j ||V_j|| <= sqrt(D)
+  amax(V) read off V's global scale. No block scale ever saturates; the price is a few bits of E4M3
+  range (the bound is loose by ~10-100x).
+- P (fp4_pv, fp4_all): 1x16 along the keys for PV (along the queries for P^T dO), RTN, s_g =
+  1/(448*6) since P <= 1. The online-softmax forward quantizes P~ = exp(S - running max), as a fused
+  kernel must, so those two variants depend on the key tile (kernels.flash_attention.P_BLOCK_N,
+  shared by the reference). The softmax normalizer uses the exact P~: the quantized rows leave the
+  simplex (App. 10.1).
 - dO (fp4_dov, fp4_all): 1x16 along D for dO V^T, 16x1 along T for P^T dO; SR.
 """
 
@@ -48,13 +55,17 @@ from kernels import flash_attention
 from kernels.nvfp4_quant import grid_values_bf16, quantize_dequant
 
 # policy -> which matmul operands are NVFP4; every other operand stays BF16 (or the input dtype).
-# qkv: Q, K, V everywhere; ds: dS in dS K and dS^T Q; p: P in PV; dov: dO in dO V^T; pdo: P and dO in P^T dO
+# qkv: Q, K, V everywhere; ds: dS in dS K and dS^T Q; p: P in PV; dov: dO in dO V^T; pdo: P and dO
+# in P^T dO
 POLICIES = {
-    "bf16":    dict(qkv=False, ds=False, p=False, dov=False, pdo=False),  # exact attention, our flash kernels
-    "fp4":     dict(qkv=True,  ds=True,  p=False, dov=False, pdo=False),  # the paper (§3.5, Table 2)
+    # exact attention, our flash kernels
+    "bf16":    dict(qkv=False, ds=False, p=False, dov=False, pdo=False),
+    # the paper (§3.5, Table 2)
+    "fp4":     dict(qkv=True,  ds=True,  p=False, dov=False, pdo=False),
     "fp4_pv":  dict(qkv=True,  ds=True,  p=True,  dov=False, pdo=False),  # Fig. 5 variant
     "fp4_dov": dict(qkv=True,  ds=True,  p=False, dov=True,  pdo=False),  # Fig. 5 variant
-    "fp4_all": dict(qkv=True,  ds=True,  p=True,  dov=True,  pdo=True),   # every matmul (App. 13's naive baseline)
+    # every matmul (App. 13's naive baseline)
+    "fp4_all": dict(qkv=True,  ds=True,  p=True,  dov=True,  pdo=True),
 }
 HEAD_DIMS = (64, 128)
 LOG2E = 1.4426950408889634
@@ -63,22 +74,23 @@ M32 = 0xFFFFFFFF
 
 
 def _use_kernels(x, impl):
-    """The seam: True runs the Triton kernels (kernels/flash_attention.py; CPU tensors run in the Triton
-    interpreter), False this file's tiled PyTorch reference. impl "auto" asks the project's seam,
-    nvfp4.use_kernels (NANOFP4_ROUTE)."""
+    """The seam: True runs the Triton kernels (kernels/flash_attention.py; CPU tensors run in the
+    Triton interpreter), False this file's tiled PyTorch reference. impl "auto" asks the project's
+    seam, nvfp4.use_kernels (NANOFP4_ROUTE)."""
     if impl == "auto":
         return nvfp4.use_kernels(x)
     return impl == "triton"
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # NVFP4 pieces the fused kernels do in registers (torch mirrors of kernels/flash_attention.py)
 
 def fake_quantize_rows16(x, amax, rounding="rtn", rand=None):
-    """(q * s_b, S_dec) of x (..., N) in 1x16 blocks along the last dim, the global scales derived from a GIVEN
-    amax (a bound on |x|: a tensor that broadcasts against x, e.g. (B, H, 1, 1)); q * s_b * S_dec is the
-    dequantized value. nvfp4's formulas (global_scales, block_scale, element_scale, rtn_e2m1, sr_e2m1); N is
-    zero-padded to a multiple of 16 (exact: zeros change no block's amax). rand: uniforms like x for "sr"."""
+    """(q * s_b, S_dec) of x (..., N) in 1x16 blocks along the last dim, the global scales derived
+    from a GIVEN amax (a bound on |x|: a tensor that broadcasts against x, e.g. (B, H, 1, 1));
+    q * s_b * S_dec is the dequantized value. nvfp4's formulas (global_scales, block_scale,
+    element_scale, rtn_e2m1, sr_e2m1); N is zero-padded to a multiple of 16 (exact: zeros change no
+    block's amax). rand: uniforms like x for "sr"."""
     N = x.shape[-1]
     pad = -N % 16
     xp = torch.nn.functional.pad(x.float(), (0, pad))
@@ -117,55 +129,61 @@ def sr_keys(seed, n_heads, device=None):
 
 
 def sr_uniforms(keys, rows, cols, T, query_pairs=False):
-    """U[0, 1) on a 2^-16 grid for dS elements (query rows, key cols) of each head: keys (B, H) -> (B, H, R, C).
-    The kernels' `_ds_random_words`: one fmix32((i * T + j) * golden + key) per pair of neighbours along the keys
-    (j even; the dQ pass) or along the queries (i even; the dK pass, query_pairs=True), the even element taking
-    the low 16 bits and the odd one the high 16."""
+    """U[0, 1) on a 2^-16 grid for dS elements (query rows, key cols) of each head: keys (B, H) ->
+    (B, H, R, C). The kernels' `_ds_random_words`: one fmix32((i * T + j) * golden + key) per pair
+    of neighbours along the keys (j even; the dQ pass) or along the queries (i even; the dK pass,
+    query_pairs=True), the even element taking the low 16 bits and the odd one the high 16."""
     rows, cols = rows[:, None].long(), cols[None, :].long()
     odd = (rows if query_pairs else cols) & 1
-    counter = ((rows - odd if query_pairs else rows) * T + (cols if query_pairs else cols - odd)) & M32
+    counter = ((rows - odd if query_pairs else rows) * T
+               + (cols if query_pairs else cols - odd)) & M32
     x = _fmix32((counter * 0x9E3779B1 + keys[..., None, None]) & M32)
     return torch.where(odd.bool(), x >> 16, x & 0xFFFF).float() * 2.0 ** -16
 
 
 def ds_bound(do_eff_norm, v_amax, delta, D, G):
-    """A bound on |dS| per (batch, head), dS's amax for its global scales: |dS_ij| <= max_i ||dO_i|| *
-    sqrt(D) * amax(V) + max_i |D_i|.
-    do_eff_norm (B, H, T): row norms of the dO that enters dP; v_amax: amax of V's operand (0-d, or (B, Hkv)
-    for the unquantized policies); delta (B, H, T). -> (B, H) fp32."""
+    """A bound on |dS| per (batch, head), dS's amax for its global scales: |dS_ij| <= max_i ||dO_i||
+    * sqrt(D) * amax(V) + max_i |D_i|. do_eff_norm (B, H, T): row norms of the dO that enters dP;
+    v_amax: amax of V's operand (0-d, or (B, Hkv) for the unquantized policies); delta (B, H, T).
+    -> (B, H) fp32."""
     v_amax = torch.as_tensor(v_amax, dtype=torch.float32, device=delta.device)
     if v_amax.dim() == 2:
         v_amax = v_amax.repeat_interleave(G, 1)
     return do_eff_norm.amax(-1) * (math.sqrt(D) * v_amax) + delta.abs().amax(-1)
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Reference: tiled FlashAttention in fp32 (App. 11, Algorithm 8), one key tile at a time
 
 def reference_forward(q, k, v, causal, quant_p, sm_scale, dtype):
-    """q (B, H, T, D), k, v (B, Hkv, T, D): operand values in fp32 (dequantized NVFP4 or the inputs).
-    Online softmax over key tiles; returns o (B, H, T, D) fp32 and lse2 = m + log2(l) (B, H, T), log2 units.
-    Non-NVFP4 operands of the BF16 matmuls are rounded to `dtype` as a tensor core would see them. The key tile is
-    the kernels' forward tile: quantized P~ (fp4_pv, fp4_all) depends on it."""
+    """q (B, H, T, D), k, v (B, Hkv, T, D): operand values in fp32 (dequantized NVFP4 or the
+    inputs). Online softmax over key tiles; returns o (B, H, T, D) fp32 and lse2 = m + log2(l)
+    (B, H, T), log2 units. Non-NVFP4 operands of the BF16 matmuls are rounded to `dtype` as a tensor
+    core would see them. The key tile is the kernels' forward tile: quantized P~ (fp4_pv, fp4_all)
+    depends on it."""
     block_n = flash_attention.P_BLOCK_N
     B, H, T, D = q.shape
     G = H // k.shape[1]
-    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)   # GQA (the kernels index kv head h // G)
+    # GQA (the kernels index kv head h // G)
+    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
     rows = torch.arange(T, device=q.device)
     m = torch.full((B, H, T), float("-inf"), device=q.device)
     l = torch.zeros(B, H, T, device=q.device)
     acc = torch.zeros(B, H, T, D, device=q.device)
     for j0 in range(0, T, block_n):
         cols = rows[j0:j0 + block_n]
-        s = (q @ k[:, :, cols].transpose(-1, -2)) * (sm_scale * LOG2E)            # (B, H, T, n) log2 units
+        # (B, H, T, n) log2 units
+        s = (q @ k[:, :, cols].transpose(-1, -2)) * (sm_scale * LOG2E)
         if causal:
             s = s.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
         p = torch.exp2(s - m_new[..., None])                                      # P~ = exp(S - m)
         alpha = torch.exp2(m - m_new)
-        l = l * alpha + p.sum(-1)                                                 # exact P~ in the normalizer
+        # exact P~ in the normalizer
+        l = l * alpha + p.sum(-1)
         if quant_p:
-            p = _dequantized(fake_quantize_rows16(p, 1.0))                         # 1x16 along keys, RTN
+            # 1x16 along keys, RTN
+            p = _dequantized(fake_quantize_rows16(p, 1.0))
         else:
             p = p.to(dtype).float()
         acc = acc * alpha[..., None] + p @ v[:, :, cols]
@@ -173,19 +191,21 @@ def reference_forward(q, k, v, causal, quant_p, sm_scale, dtype):
     return acc / l[..., None], m + torch.log2(l)
 
 
-def reference_backward(q, k, v, o, lse, do, causal, sm_scale, dtype, do_dov=None, do_pdo=None, ds_amax=None,
-                       keys=None):
+def reference_backward(q, k, v, o, lse, do, causal, sm_scale, dtype, do_dov=None, do_pdo=None,
+                       ds_amax=None, keys=None):
     """App. 11's backward: recompute S and P = exp2(S2 - lse2) per key tile, D = rowsum(dO o O).
-    q, k, v: fp32 operand values (the forward's); do: the incoming gradient (dtype); do_dov / do_pdo: the
-    dequantized NVFP4 dO for dO V^T / P^T dO (or None: BF16); ds_amax (B, H) and keys (B, H, 2): dS in NVFP4
-    (or None: BF16). Returns dq (B, H, T, D), dk, dv (B, Hkv, T, D), fp32. Any key tile gives the same numbers."""
+    q, k, v: fp32 operand values (the forward's); do: the incoming gradient (dtype); do_dov /
+    do_pdo: the dequantized NVFP4 dO for dO V^T / P^T dO (or None: BF16); ds_amax (B, H) and keys
+    (B, H, 2): dS in NVFP4 (or None: BF16). Returns dq (B, H, T, D), dk, dv (B, Hkv, T, D), fp32.
+    Any key tile gives the same numbers."""
     block_n = 64
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     G = H // Hkv
     k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
     do = do.float()
-    delta = (o.float() * do).sum(-1)                                              # D_i = rowsum(dO o O)
+    # D_i = rowsum(dO o O)
+    delta = (o.float() * do).sum(-1)
     rows = torch.arange(T, device=q.device)
     dq = torch.zeros(B, H, T, D, device=q.device)
     dk, dv = torch.zeros_like(dq), torch.zeros_like(dq)
@@ -197,15 +217,18 @@ def reference_backward(q, k, v, o, lse, do, causal, sm_scale, dtype, do_dov=None
         p = torch.exp2(s - lse[..., None])                                        # (B, H, T, n)
         if causal:
             p = p.masked_fill(cols[None, :] > rows[:, None], 0.0)
-        if do_pdo is not None:   # P^T dO in NVFP4: P^T in 1x16 blocks along the queries (contraction), RTN
+        # P^T dO in NVFP4: P^T in 1x16 blocks along the queries (contraction), RTN
+        if do_pdo is not None:
             pT = _dequantized(fake_quantize_rows16(p.transpose(-1, -2), 1.0))
             dv[:, :, cols] = pT @ do_pdo
         else:
             dv[:, :, cols] = p.to(dtype).float().transpose(-1, -2) @ do           # dV = P^T dO
         dp = (do if do_dov is None else do_dov) @ v[:, :, cols].transpose(-1, -2)  # dP = dO V^T
-        ds = p * (dp - delta[..., None])                                          # dS = P o (dP - D)
+        # dS = P o (dP - D)
+        ds = p * (dp - delta[..., None])
         if ds_amax is not None:
-            # dQ = dS K: 1x16 along the keys; dK = dS^T Q: 1x16 along the queries. SR, the kernels' uniforms.
+            # dQ = dS K: 1x16 along the keys; dK = dS^T Q: 1x16 along the queries. SR, the kernels'
+            # uniforms.
             u = sr_uniforms(keys[..., 0], rows, cols, T)
             ds_q = _dequantized(fake_quantize_rows16(ds, bound, "sr", u))
             u = sr_uniforms(keys[..., 1], rows, cols, T, query_pairs=True).transpose(-1, -2)
@@ -215,22 +238,24 @@ def reference_backward(q, k, v, o, lse, do, causal, sm_scale, dtype, do_dov=None
             ds_kT = ds_q.transpose(-1, -2)
         dq += ds_q @ k[:, :, cols]
         dk[:, :, cols] = ds_kT @ q
-    dk = dk.reshape(B, Hkv, G, T, D).sum(2)                                       # GQA: sum the group
+    # GQA: sum the group
+    dk = dk.reshape(B, Hkv, G, T, D).sum(2)
     dv = dv.reshape(B, Hkv, G, T, D).sum(2)
     return dq * sm_scale, dk * sm_scale, dv
 
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The autograd function: forward and backward of one policy, on the kernels or the reference
 
 def _quantize_qkv(x, name, kernels):
-    """Q, K or V in NVFP4: 1x16 blocks along D, RTN. Returns the packed tensor (what the backward reads) and this
-    forward's matmul operand: the bf16 grid values q * s_b written by the same pass for the kernels (which apply
-    s_g to their fp32 accumulators), the dequantized fp32 values for the reference."""
+    """Q, K or V in NVFP4: 1x16 blocks along D, RTN. Returns the packed tensor (what the backward
+    reads) and this forward's matmul operand: the bf16 grid values q * s_b written by the same pass
+    for the kernels (which apply s_g to their fp32 accumulators), the dequantized fp32 values for
+    the reference."""
     if kernels:
-        values, s_g, codes, scales = quantize_dequant(x.detach(), (1, 16), "rtn", return_tensor=True,
-                                                      name=f"attention {name}")
+        values, s_g, codes, scales = quantize_dequant(x.detach(), (1, 16), "rtn",
+                                                      return_tensor=True, name=f"attention {name}")
         return nvfp4.NVFP4Tensor(codes, scales, s_g, x.shape, (1, 16)), values
     t = nvfp4.quantize(x.detach(), (1, 16), "rtn", name=f"attention {name}")
     return t, t.dequantize()
@@ -240,15 +265,16 @@ _CONSTANTS = {}
 
 
 def _global_scales(*sg, device):
-    """The kernels' fp32 vector of 6 global scales [Q, K, V, P, dO (dO V^T), dO (P^T dO)], 1 where unused. Python
-    numbers come from a per-device cache: torch.as_tensor(1.0, device="cuda") copies from pageable host memory,
-    which synchronizes the stream."""
+    """The kernels' fp32 vector of 6 global scales [Q, K, V, P, dO (dO V^T), dO (P^T dO)], 1 where
+    unused. Python numbers come from a per-device cache: torch.as_tensor(1.0, device="cuda") copies
+    from pageable host memory, which synchronizes the stream."""
     def constant(value):
         key = (value, str(device))
         if key not in _CONSTANTS:
             _CONSTANTS[key] = torch.tensor(value, dtype=torch.float32, device=device)
         return _CONSTANTS[key]
-    return torch.stack([s.float().reshape(()) if torch.is_tensor(s) else constant(float(s)) for s in sg])
+    return torch.stack([s.float().reshape(()) if torch.is_tensor(s) else constant(float(s))
+                        for s in sg])
 
 
 class _Attention(torch.autograd.Function):
@@ -257,15 +283,18 @@ class _Attention(torch.autograd.Function):
         pol = POLICIES[policy]
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
         dtype = q.dtype
-        if pol["qkv"]:   # quantized ONCE: the backward reads these very codes (forward-backward consistency)
-            (qq, qv), (kq, kv), (vq, vv) = [_quantize_qkv(x, n, kernels) for x, n in ((q, "Q"), (k, "K"), (v, "V"))]
+        # quantized ONCE: the backward reads these very codes (forward-backward consistency)
+        if pol["qkv"]:
+            (qq, qv), (kq, kv), (vq, vv) = [_quantize_qkv(x, n, kernels)
+                                            for x, n in ((q, "Q"), (k, "K"), (v, "V"))]
             ops, sg = (qv, kv, vv), [qq.global_scale, kq.global_scale, vq.global_scale]
             ctx.fp4 = (qq, kq, vq)   # the saved activations are 4-bit: codes + scales
         else:
             ops = (q, k, v) if kernels else (q.float(), k.float(), v.float())
             sg = [1.0, 1.0, 1.0]
         if kernels:
-            scales = _global_scales(*sg, P_GLOBAL_SCALE if pol["p"] else 1.0, 1.0, 1.0, device=q.device)
+            scales = _global_scales(*sg, P_GLOBAL_SCALE if pol["p"] else 1.0, 1.0, 1.0,
+                                    device=q.device)
             o, lse = flash_attention.flash_forward(*ops, scales, causal, sm_scale, pol["p"], dtype)
         else:
             o, lse = reference_forward(*ops, causal, pol["p"], sm_scale, dtype)
@@ -285,9 +314,11 @@ class _Attention(torch.autograd.Function):
         do_dov = do_pdo = None
         if pol["dov"]:   # dO V^T in NVFP4: dO in 1x16 blocks along D (the contraction), SR
             do_dov = nvfp4.quantize(do, (1, 16), "sr", name="attention dO")
-        if pol["pdo"]:   # P^T dO in NVFP4: dO in 16x1 blocks along T (the contraction), SR; T zero-padded
+        # P^T dO in NVFP4: dO in 16x1 blocks along T (the contraction), SR; T zero-padded
+        if pol["pdo"]:
             pad = -T % 16
-            do_pdo = nvfp4.quantize(torch.nn.functional.pad(do, (0, 0, 0, pad)), (16, 1), "sr", name="attention dO")
+            do_pdo = nvfp4.quantize(torch.nn.functional.pad(do, (0, 0, 0, pad)), (16, 1), "sr",
+                                    name="attention dO")
         if kernels:
             delta, do_norm = flash_attention.bwd_preprocess(o, do)
         else:
@@ -299,7 +330,8 @@ class _Attention(torch.autograd.Function):
             seed = int(torch.randint(0, 2**31 - 1, ()))
             keys = sr_keys(seed, B * H, device=do.device).reshape(B, H, 2)
             do_eff_norm = do_dov.dequantize().norm(dim=-1) if pol["dov"] else do_norm
-            v_amax = vq.global_scale * (nvfp4.E4M3_MAX * nvfp4.FP4_MAX)   # >= every |V_hat| (s_b <= 448)
+            # >= every |V_hat| (s_b <= 448)
+            v_amax = vq.global_scale * (nvfp4.E4M3_MAX * nvfp4.FP4_MAX)
             ds_amax = ds_bound(do_eff_norm, v_amax, delta, D, H // vq.shape[1])
         if kernels:
             if pol["qkv"]:
@@ -328,9 +360,10 @@ class _Attention(torch.autograd.Function):
 
 
 def attention(q, k, v, causal=True, policy="fp4", impl="auto"):
-    """Scaled dot-product attention softmax(Q K^T / sqrt(D)) V with the precision `policy` (see POLICIES).
-    q (B, H, T, D), k, v (B, Hkv, T, D) with H % Hkv == 0 (GQA), D in {64, 128}. impl: "reference" (tiled
-    PyTorch, fp32), "triton" (the flash kernels; CPU tensors run in the interpreter), "auto" (see _use_kernels)."""
+    """Scaled dot-product attention softmax(Q K^T / sqrt(D)) V with the precision `policy` (see
+    POLICIES). q (B, H, T, D), k, v (B, Hkv, T, D) with H % Hkv == 0 (GQA), D in {64, 128}. impl:
+    "reference" (tiled PyTorch, fp32), "triton" (the flash kernels; CPU tensors run in the
+    interpreter), "auto" (see _use_kernels)."""
     if policy not in POLICIES:
         raise ValueError(f"attention: policy must be one of {list(POLICIES)}, got {policy!r}")
     if impl not in ("auto", "reference", "triton"):
@@ -341,18 +374,20 @@ def attention(q, k, v, causal=True, policy="fp4", impl="auto"):
                              f"{x.dtype} {tuple(x.shape)}")
     B, H, T, D = q.shape
     if k.shape != v.shape or k.shape[0] != B or k.shape[2:] != (T, D):
-        raise ValueError(f"attention: k and v must be (B, Hkv, T, D) = ({B}, Hkv, {T}, {D}) like q; got k "
-                         f"{tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(f"attention: k and v must be (B, Hkv, T, D) = ({B}, Hkv, {T}, {D}) "
+                         f"like q; got k {tuple(k.shape)}, v {tuple(v.shape)}")
     if D not in HEAD_DIMS:
         raise ValueError(f"attention: head dim D = {D} is not supported; use one of {HEAD_DIMS}")
     if H % k.shape[1]:
-        raise ValueError(f"attention: query heads H = {H} must be a multiple of kv heads Hkv = {k.shape[1]} (GQA)")
+        raise ValueError(f"attention: query heads H = {H} must be a multiple of kv heads "
+                         f"Hkv = {k.shape[1]} (GQA)")
     if q.dtype != k.dtype or q.dtype != v.dtype:
-        raise ValueError(f"attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise ValueError(f"attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}")
     return _Attention.apply(q, k, v, causal, policy, _use_kernels(q, impl))
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # App. 10 and Fig. 5 as numbers (errors are nvfp4.relative_mse, the paper's Rel. MSE)
 
 def exact_attention(q, k, v, causal=True):
@@ -363,17 +398,19 @@ def exact_attention(q, k, v, causal=True):
     s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     if causal:
         T = q.shape[2]
-        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1),
+                          float("-inf"))
     p = torch.softmax(s, -1)
     return p @ v, p
 
 
 @torch.no_grad()
 def simplex_violation(p):
-    """App. 10.1. p (..., Tq, Tk): attention rows on the probability simplex. Quantize them to NVFP4 as the
-    fp4_pv policy does (1x16 along the keys, RTN, s_g = 1/(448*6)) and measure how far the rows leave the
-    simplex. Returns row_sum_dev_mean / _max (|1 - sum_j P_hat_ij|), zeroed_mass (mean per row of the
-    probability mass in entries that quantize to 0) and rel_mse (of P_hat against P)."""
+    """App. 10.1. p (..., Tq, Tk): attention rows on the probability simplex. Quantize them to NVFP4
+    as the fp4_pv policy does (1x16 along the keys, RTN, s_g = 1/(448*6)) and measure how far the
+    rows leave the simplex. Returns row_sum_dev_mean / _max (|1 - sum_j P_hat_ij|), zeroed_mass
+    (mean per row of the probability mass in entries that quantize to 0) and rel_mse (of P_hat
+    against P)."""
     p = p.float()
     p_hat = _dequantized(fake_quantize_rows16(p, 1.0))
     dev = (1.0 - p_hat.double().sum(-1)).abs()
@@ -384,10 +421,11 @@ def simplex_violation(p):
 
 @torch.no_grad()
 def ds_error(q, k, v, do, causal=True, peak=0.1):
-    """App. 10.2 (eq. 6). dS = P o (dP - D) with dP = dO V^T computed from BF16 operands vs from NVFP4 operands
-    (dO and V in 1x16 blocks along D; V RTN as the forward quantizes it, dO SR), both against float64.
-    Returns for each: rel_mse over all of dS, and at probability peaks (P >= peak) vs the tail: eq. 6's
-    P * Delta dP lands where dS itself is small, so the peaks' relative error is the larger."""
+    """App. 10.2 (eq. 6). dS = P o (dP - D) with dP = dO V^T computed from BF16 operands vs from
+    NVFP4 operands (dO and V in 1x16 blocks along D; V RTN as the forward quantizes it, dO SR), both
+    against float64. Returns for each: rel_mse over all of dS, and at probability peaks (P >= peak)
+    vs the tail: eq. 6's P * Delta dP lands where dS itself is small, so the peaks' relative error
+    is the larger."""
     o, p = exact_attention(q, k, v, causal)
     G = q.shape[1] // k.shape[1]
     v64 = v.double().repeat_interleave(G, 1)
@@ -397,7 +435,8 @@ def ds_error(q, k, v, do, causal=True, peak=0.1):
     v_fp4 = nvfp4.fake_quantize(v.float(), (1, 16), "rtn").double().repeat_interleave(G, 1)
     do_fp4 = nvfp4.fake_quantize(do.float(), (1, 16), "sr").double()
     dp_variants = {
-        "bf16": do.bfloat16().double() @ v.bfloat16().double().repeat_interleave(G, 1).transpose(-1, -2),
+        "bf16": (do.bfloat16().double()
+                 @ v.bfloat16().double().repeat_interleave(G, 1).transpose(-1, -2)),
         "nvfp4": do_fp4 @ v_fp4.transpose(-1, -2),
     }
     peaks, tail = p >= peak, (p < peak) & (p > 0)
@@ -412,8 +451,9 @@ def ds_error(q, k, v, do, causal=True, peak=0.1):
 
 
 def policy_errors(q, k, v, do, causal=True, policies=tuple(POLICIES), impl="auto"):
-    """Fig. 5: relative MSE of O, dQ, dK, dV for each policy against float64 attention on the same inputs.
-    q (B, H, T, D), k, v (B, Hkv, T, D), do (B, H, T, D). Returns {policy: {"o": .., "dq": .., "dk": .., "dv": ..}}."""
+    """Fig. 5: relative MSE of O, dQ, dK, dV for each policy against float64 attention on the same
+    inputs. q (B, H, T, D), k, v (B, Hkv, T, D), do (B, H, T, D). Returns {policy: {"o": .., "dq":
+    .., "dk": .., "dv": ..}}."""
     leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
     o_ref, _ = exact_attention(*leaves, causal)
     grads_ref = torch.autograd.grad(o_ref, leaves, do.double())
@@ -423,5 +463,6 @@ def policy_errors(q, k, v, do, causal=True, policies=tuple(POLICIES), impl="auto
         o = attention(*xs, causal=causal, policy=policy, impl=impl)
         grads = torch.autograd.grad(o, xs, do.to(o.dtype))
         results[policy] = {name: nvfp4.relative_mse(ref, ours)
-                           for name, ours, ref in zip(("o", "dq", "dk", "dv"), (o, *grads), (o_ref, *grads_ref))}
+                           for name, ours, ref in zip(("o", "dq", "dk", "dv"), (o, *grads),
+                                                      (o_ref, *grads_ref))}
     return results
