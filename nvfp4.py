@@ -1,17 +1,20 @@
 """
-NVFP4: the 4-bit number format (paper §2), the direct-NVFP4 linear layer (§3.2's baseline: eqs. 1-2
-without the LoRA branch) and the quantization-error analysis of App. 7.
+NVFP4: the 4-bit number format (paper §2), the direct-NVFP4 linear layer (§3.2's baseline:
+eqs. 1-2 without the LoRA branch) and the quantization-error analysis of App. 7.
 
-The functions here are the reference: plain PyTorch that reads like the equations and runs anywhere. They are
-the spec: the Triton kernels in kernels/ reproduce them (bit for bit for quantization, SR included given the
-same seed; up to summation order for the GEMMs). `use_kernels` below is the one seam every module asks.
+The functions here are the reference: plain PyTorch that reads like the equations and runs anywhere.
+They are the spec: the Triton kernels in kernels/ reproduce them (bit for bit for quantization, SR
+included given the same seed; up to summation order for the GEMMs). `use_kernels` below is the one
+seam every module asks.
 
 The format, in Transformer Engine's arithmetic (its NVFP4 recipe; docs/nvfp4_format.md):
   element   E2M1: +-{0, .5, 1, 1.5, 2, 3, 4, 6}; code = sign bit (bit 3) | index into E2M1_VALUES
-  global    S_enc = 448 * 6 / amax(|x|), S_dec = 1 / S_enc      (256 for 448 with 4/6; both 1 when amax == 0)
-  block     s_b = e4m3(amax_b * (S_enc * RN(1/6)))             (RNE, saturating at 448, subnormals kept)
+  global    S_enc = 448 * 6 / amax(|x|), S_dec = 1 / S_enc
+            (256 for 448 with 4/6; both 1 when amax == 0)
+  block     s_b = e4m3(amax_b * (S_enc * RN(1/6)))  (RNE, saturating at 448, subnormals kept)
   value     q = E2M1(clamp(x * RN(1 / (s_b * S_dec)), -6, 6)),  x_hat = q * s_b * S_dec
-and the choices of eqs. 1-2 (which operand gets which blocks and rounding) as data: LINEAR, the contract below.
+and the choices of eqs. 1-2 (which operand gets which blocks and rounding) as data: LINEAR, the
+contract below.
 """
 
 import math
@@ -24,26 +27,29 @@ import torch.nn as nn
 from kernels import nvfp4_linear as linear_kernels
 from kernels import nvfp4_quant as quant_kernels
 from kernels.nvfp4_gemm import nvfp4_gemm
-from kernels.nvfp4_quant import BLOCKS, ROUNDINGS, check_blocks  # shapes, "rtn" | "sr" | "sr_up"; the checks
+# shapes, "rtn" | "sr" | "sr_up"; the checks
+from kernels.nvfp4_quant import BLOCKS, ROUNDINGS, check_blocks
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The seam: the Triton kernels on CUDA, this file's reference everywhere else
 
 ROUTES = ("auto", "reference", "kernels")
 
 
 def use_kernels(x):
-    """Does an operation on x run the Triton kernels? NANOFP4_ROUTE=auto (default): on CUDA; =reference: never
-    (the reference also on a GPU); =kernels: always (on a CPU the kernels run in Triton's interpreter: how
-    the tests hold each kernel route to the reference). Every module's seam is this function."""
+    """Does an operation on x run the Triton kernels? NANOFP4_ROUTE=auto (default): on CUDA;
+    =reference: never (the reference also on a GPU); =kernels: always (on a CPU the kernels run in
+    Triton's interpreter: how the tests hold each kernel route to the reference). Every module's
+    seam is this function."""
     route = os.environ.get("NANOFP4_ROUTE", "auto")
     if route not in ROUTES:
         raise ValueError(f"NANOFP4_ROUTE must be one of {', '.join(ROUTES)}, got {route!r}")
     return route == "kernels" or (route == "auto" and x.is_cuda)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The precision contract: one entry per quantized operand, read by the reference and every kernel route
+# --------------------------------------------------------------------------------------------------
+# The precision contract: one entry per quantized operand, read by the reference and every kernel
+# route
 
 HADAMARDS = ("none", "random", "fixed")
 
@@ -62,69 +68,82 @@ class Quant:
     four_over_six: bool = None
 
     def __post_init__(self):
-        if tuple(self.block) not in BLOCKS or self.rounding not in ROUNDINGS or self.hadamard not in HADAMARDS:
-            raise ValueError(f"Quant{(self.block, self.rounding, self.hadamard)}: block must be one of "
-                             f"{BLOCKS}, rounding one of {ROUNDINGS}, hadamard one of {HADAMARDS}")
+        if (tuple(self.block) not in BLOCKS or self.rounding not in ROUNDINGS
+                or self.hadamard not in HADAMARDS):
+            raise ValueError(f"Quant{(self.block, self.rounding, self.hadamard)}: block must be "
+                             f"one of {BLOCKS}, rounding one of {ROUNDINGS}, "
+                             f"hadamard one of {HADAMARDS}")
 
     def resolved(self, four_over_six):
         """This entry with the layer's 4/6 filled in where the entry leaves it open."""
-        return self if self.four_over_six is not None else replace(self, four_over_six=bool(four_over_six))
+        return (self if self.four_over_six is not None
+                else replace(self, four_over_six=bool(four_over_six)))
 
 
-# eqs. 1-2: Y = Q(X) Q(W)^T, dX = Q(dY) Q(W) (the forward's Q(W) reused), dW = Q(dY^T H) Q(H^T Q(X)).
-# The blocks follow from the equations (each GEMM's contraction dim); rounding, Hadamard and 4/6 are choices.
+# eqs. 1-2: Y = Q(X) Q(W)^T, dX = Q(dY) Q(W) (the forward's Q(W) reused), dW = Q(dY^T H) Q(H^T
+# Q(X)). The blocks follow from the equations (each GEMM's contraction dim); rounding, Hadamard and
+# 4/6 are choices.
 LINEAR = {
     "forward.x": Quant((1, 16), "rtn"),                     # activations, RTN (the paper's forward)
-    "forward.w": Quant((16, 16), "rtn"),                    # weights: 16x16 so that W^T reuses them for dX
+    # weights: 16x16 so that W^T reuses them for dX
+    "forward.w": Quant((16, 16), "rtn"),
     "dgrad.dy": Quant((1, 16), "sr"),                       # gradients: unbiased SR
-    "wgrad.dy": Quant((16, 1), "sr", "random"),             # eq. 2: along tokens, after a random Hadamard
-    "wgrad.x": Quant((16, 1), "sr", "random"),              # eq. 2: the forward's Q(X), dequantized, likewise
+    # eq. 2: along tokens, after a random Hadamard
+    "wgrad.dy": Quant((16, 1), "sr", "random"),
+    # eq. 2: the forward's Q(X), dequantized, likewise
+    "wgrad.x": Quant((16, 1), "sr", "random"),
 }
-LINEAR_BLOCKS = {"forward.x": (1, 16), "forward.w": (16, 16), "dgrad.dy": (1, 16), "wgrad.dy": (16, 1),
-                 "wgrad.x": (16, 1)}
+LINEAR_BLOCKS = {"forward.x": (1, 16), "forward.w": (16, 16), "dgrad.dy": (1, 16),
+                 "wgrad.dy": (16, 1), "wgrad.x": (16, 1)}
 
 
 def linear_contract(four_over_six):
-    """LINEAR as it is now (read at call time: a fork edits the table, both routes follow), 4/6 resolved,
-    checked against what eqs. 1-2 allow."""
+    """LINEAR as it is now (read at call time: a fork edits the table, both routes follow), 4/6
+    resolved, checked against what eqs. 1-2 allow."""
     entries = {name: LINEAR[name].resolved(four_over_six) for name in LINEAR_BLOCKS}
     for name, block in LINEAR_BLOCKS.items():
         if tuple(entries[name].block) != block:
-            raise ValueError(f"nvfp4.LINEAR[{name!r}].block must be {block} (the GEMM's contraction dim), "
-                             f"got {entries[name].block}")
-    if entries["wgrad.dy"].hadamard != entries["wgrad.x"].hadamard or entries["wgrad.x"].hadamard == "fixed":
-        raise ValueError("nvfp4.LINEAR: wgrad.dy and wgrad.x need the same hadamard, 'random' or 'none' "
-                         "(H H^T = I only when both operands are rotated)")
+            raise ValueError(f"nvfp4.LINEAR[{name!r}].block must be {block} (the GEMM's "
+                             f"contraction dim), got {entries[name].block}")
+    if (entries["wgrad.dy"].hadamard != entries["wgrad.x"].hadamard
+            or entries["wgrad.x"].hadamard == "fixed"):
+        raise ValueError("nvfp4.LINEAR: wgrad.dy and wgrad.x need the same hadamard, 'random' or "
+                         "'none' (H H^T = I only when both operands are rotated)")
     for name in ("forward.x", "forward.w", "dgrad.dy"):
         if entries[name].hadamard != "none":
             raise ValueError(f"nvfp4.LINEAR[{name!r}].hadamard: only eq. 2's operands are rotated")
     return entries
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # §2 the format: constants and the scalar formulas
 
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device="cpu")  # by code index
 FP4_MAX = 6.0          # largest E2M1 magnitude
 E4M3_MAX = 448.0       # largest E4M3 block scale
-E4M3_MAX_46 = 256.0    # the global bound with 4/6: the max -> 4 candidate (x1.5) must still fit E4M3
+# the global bound with 4/6: the max -> 4 candidate (x1.5) must still fit E4M3
+E4M3_MAX_46 = 256.0
 FLT_MAX = torch.finfo(torch.float32).max
-RCP = {6.0: torch.tensor(1 / 6, dtype=torch.float32).item(), 4.0: 0.25}  # RN(1/6) = 0x3E2AAAAB, TE's
+# RN(1/6) = 0x3E2AAAAB, TE's
+RCP = {6.0: torch.tensor(1 / 6, dtype=torch.float32).item(), 4.0: 0.25}
 
 
 def global_scales(amax, four_over_six=False):
-    """(S_enc, S_dec) in fp32: S_enc = bound * 6 / amax capped at FLT_MAX, S_dec = 1 / S_enc (the tensor's stored
-    global_scale). Both 1 when amax is 0 (Transformer Engine saturates S_enc at FLT_MAX there; zeros encode to
-    zeros either way). Tensor divisions, correctly rounded on every device."""
+    """(S_enc, S_dec) in fp32: S_enc = bound * 6 / amax capped at FLT_MAX, S_dec = 1 / S_enc (the
+    tensor's stored global_scale). Both 1 when amax is 0 (Transformer Engine saturates S_enc at
+    FLT_MAX there; zeros encode to zeros either way). Tensor divisions, correctly rounded on every
+    device."""
     amax = amax.float()
     bound = torch.full_like(amax, (E4M3_MAX_46 if four_over_six else E4M3_MAX) * FP4_MAX)
-    s_enc = torch.where(amax > 0, (bound / torch.where(amax > 0, amax, 1.0)).clamp(max=FLT_MAX), 1.0)
+    s_enc = torch.where(amax > 0, (bound / torch.where(amax > 0, amax, 1.0)).clamp(max=FLT_MAX),
+                        1.0)
     return s_enc, torch.ones_like(s_enc) / s_enc
 
 
 def to_e4m3(s, up=False):
-    """Round fp32 scales to E4M3 (nearest, ties to even; values below 2^-6 stay subnormal as in Transformer
-    Engine: torchao lifts them to 2^-6 instead), saturating at 448. up=True: the smallest E4M3 value >= s."""
+    """Round fp32 scales to E4M3 (nearest, ties to even; values below 2^-6 stay subnormal as in
+    Transformer Engine: torchao lifts them to 2^-6 instead), saturating at 448. up=True: the
+    smallest E4M3 value >= s."""
     s = s.clamp(max=E4M3_MAX)
     e = s.to(torch.float8_e4m3fn)
     if not up:
@@ -134,16 +153,19 @@ def to_e4m3(s, up=False):
 
 
 def block_scale(block_amax, s_enc, fp4_max=FP4_MAX, up=False):
-    """s_b = e4m3(amax_b * (S_enc * RN(1 / fp4_max))): the block max maps to fp4_max (6; 4 for 4/6's second
-    candidate). One multiply per block by a per-tensor constant, as Transformer Engine computes it."""
+    """s_b = e4m3(amax_b * (S_enc * RN(1 / fp4_max))): the block max maps to fp4_max (6; 4 for 4/6's
+    second candidate). One multiply per block by a per-tensor constant, as Transformer Engine
+    computes it."""
     return to_e4m3(block_amax * (s_enc * RCP[fp4_max]), up)
 
 
 def element_scale(s_b, s_dec):
-    """The elements' multiplier min(RN(1 / (s_b * S_dec)), FLT_MAX): one reciprocal per block. A zero block scale
-    (an all-zero block, or one below E4M3's range) gives FLT_MAX, as in Transformer Engine."""
+    """The elements' multiplier min(RN(1 / (s_b * S_dec)), FLT_MAX): one reciprocal per block. A
+    zero block scale (an all-zero block, or one below E4M3's range) gives FLT_MAX, as in Transformer
+    Engine."""
     d = s_b.float() * s_dec
-    return torch.where(d > 0, torch.ones_like(d) / torch.where(d > 0, d, 1.0), FLT_MAX).clamp(max=FLT_MAX)
+    return torch.where(d > 0, torch.ones_like(d) / torch.where(d > 0, d, 1.0),
+                       FLT_MAX).clamp(max=FLT_MAX)
 
 
 def _grid_step(a):
@@ -157,36 +179,38 @@ def _e2m1_index(q):
 
 
 def rtn_e2m1(a):
-    """Index (0..7) of the nearest E2M1 magnitude for a in [0, 6], ties to even: 0.25 -> 0, 0.75 -> 1,
-    1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4 (torch.round is half-to-even on each binade's grid)."""
+    """Index (0..7) of the nearest E2M1 magnitude for a in [0, 6], ties to even: 0.25 -> 0, 0.75 ->
+    1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4 (torch.round is half-to-even on each
+    binade's grid)."""
     step = _grid_step(a)
     return _e2m1_index(torch.round(a / step) * step)
 
 
 def sr_e2m1(a, u):
-    """Stochastic rounding of a in [0, 6]: up to the next grid value iff u < the fractional distance, so
-    E[q] = a for uniform u in [0, 1) (sr_uniforms)."""
+    """Stochastic rounding of a in [0, 6]: up to the next grid value iff u < the fractional
+    distance, so E[q] = a for uniform u in [0, 1) (sr_uniforms)."""
     step = _grid_step(a)
     lo = torch.floor(a / step) * step
     return _e2m1_index(torch.where(u < (a - lo) / step, lo + step, lo).clamp(max=FP4_MAX))
 
 
-# SR's random bits: Philox4x32-10 (Salmon et al. 2011), the generator of Triton's tl.randint4x, in int64
-# arithmetic, so that the reference and the kernels draw the same words from the same seed.
+# SR's random bits: Philox4x32-10 (Salmon et al. 2011), the generator of Triton's tl.randint4x, in
+# int64 arithmetic, so that the reference and the kernels draw the same words from the same seed.
 _M32 = 0xFFFFFFFF
 
 
 def _mul_hi_lo(a, b):
-    """(high, low) 32-bit halves of a * b for a constant a < 2^32 and b an int64 tensor < 2^32 (int64 holds
-    each 16 x 32-bit partial product exactly)."""
+    """(high, low) 32-bit halves of a * b for a constant a < 2^32 and b an int64 tensor < 2^32
+    (int64 holds each 16 x 32-bit partial product exactly)."""
     t, u = (a >> 16) * b, (a & 0xFFFF) * b
     mid = ((t & 0xFFFF) << 16) + u
     return (t >> 16) + (mid >> 32), mid & _M32
 
 
 def philox(seed, counter):
-    """The four 32-bit words of Philox4x32-10 for counters (c, 0, 0, 0) and key (seed low, seed high): what
-    tl.randint4x(seed, counter) returns. counter: an int64 tensor; returns (4, *counter.shape) int64."""
+    """The four 32-bit words of Philox4x32-10 for counters (c, 0, 0, 0) and key (seed low, seed
+    high): what tl.randint4x(seed, counter) returns. counter: an int64 tensor; returns (4,
+    *counter.shape) int64."""
     c0, c1 = counter & _M32, torch.zeros_like(counter)
     c2, c3 = torch.zeros_like(counter), torch.zeros_like(counter)
     k0, k1 = seed & _M32, (seed >> 32) & _M32
@@ -199,15 +223,17 @@ def philox(seed, counter):
 
 
 def sr_uniforms(seed, shape, block, device=None):
-    """SR's uniforms for a tensor of `shape` quantized in `block`s: u = (r >> 8) * 2^-24 (torch.rand's fp32 grid)
-    from Philox words r. One Philox call serves 4 neighbours along the block: for 1x16 blocks element i of the
-    flat tensor takes word i % 4 of counter i // 4; for 16x1 and 16x16 blocks element (row, col), rows over the
-    flattened leading dims, takes word row % 4 of counter (row // 4) * N + col. The draw depends on the seed and
-    the element's position only, never on a kernel's tiling."""
+    """SR's uniforms for a tensor of `shape` quantized in `block`s: u = (r >> 8) * 2^-24
+    (torch.rand's fp32 grid) from Philox words r. One Philox call serves 4 neighbours along the
+    block: for 1x16 blocks element i of the flat tensor takes word i % 4 of counter i // 4; for 16x1
+    and 16x16 blocks element (row, col), rows over the flattened leading dims, takes word row % 4 of
+    counter (row // 4) * N + col. The draw depends on the seed and the element's position only,
+    never on a kernel's tiling."""
     *lead, M, N = shape
     rows = math.prod(lead) * M
     if tuple(block) == (1, 16):
-        words = philox(seed, torch.arange(rows * N // 4, device=device))            # (4, rows * N / 4)
+        # (4, rows * N / 4)
+        words = philox(seed, torch.arange(rows * N // 4, device=device))
         r = words.t().reshape(rows, N)
     else:
         quads = torch.arange(rows // 4, device=device)[:, None] * N + torch.arange(N, device=device)
@@ -216,16 +242,17 @@ def sr_uniforms(seed, shape, block, device=None):
 
 
 def sr_seed(generator=None):
-    """A seed for SR, drawn from `generator`, by default torch's global CPU RNG (which a checkpoint saves, so a
-    resumed run rounds identically; a CPU draw needs no GPU->host sync)."""
+    """A seed for SR, drawn from `generator`, by default torch's global CPU RNG (which a checkpoint
+    saves, so a resumed run rounds identically; a CPU draw needs no GPU->host sync)."""
     device = generator.device if generator is not None else "cpu"
     return int(torch.randint(0, 2**31 - 1, (), generator=generator, device=device))
 
 
 def _pairwise_block_sum(e):
-    """Per-block sum of e (*, M/bm, bm, N/bn, bn) -> (*, M/bm, 1, N/bn, 1) as a fixed binary tree: neighbours
-    along the row pairwise (16 -> 8 -> 4 -> 2 -> 1), then along the column. Every step adds two fp32 values, so
-    the kernels get the same bits whatever their reduction order (4/6 must pick the same candidate)."""
+    """Per-block sum of e (*, M/bm, bm, N/bn, bn) -> (*, M/bm, 1, N/bn, 1) as a fixed binary tree:
+    neighbours along the row pairwise (16 -> 8 -> 4 -> 2 -> 1), then along the column. Every step
+    adds two fp32 values, so the kernels get the same bits whatever their reduction order (4/6 must
+    pick the same candidate)."""
     while e.shape[-1] > 1:
         e = e[..., 0::2] + e[..., 1::2]
     while e.shape[-3] > 1:
@@ -233,26 +260,29 @@ def _pairwise_block_sum(e):
     return e
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # §2 quantization (the reference)
 
 def _candidate(xb, block_amax, s_enc, s_dec, fp4_max, up):
-    """One block-scale candidate: (s_b, |x| * scale clamped to 6, the signed scaled x, s_b * S_dec)."""
+    """One block-scale candidate: (s_b, |x| * scale clamped to 6, the signed scaled x, s_b *
+    S_dec)."""
     s_b = block_scale(block_amax, s_enc, fp4_max, up)
     scaled = xb * element_scale(s_b, s_dec)
     return s_b, scaled.abs().clamp(max=FP4_MAX), scaled, s_b.float() * s_dec
 
 
 def _rtn_error(idx, denom, ax):
-    """4/6's error measure: the block's summed squared RTN reconstruction error (in the fixed tree)."""
+    """4/6's error measure: the block's summed squared RTN reconstruction error (in the fixed
+    tree)."""
     d = E2M1_VALUES.to(ax.device)[idx.long()] * denom - ax
     return _pairwise_block_sum(d * d)
 
 
-def quantize_reference(x, block=(1, 16), rounding="rtn", four_over_six=False, seed=0, global_amax=None):
-    """The spec of NVFP4 quantization, in PyTorch: x (*, M, N) -> NVFP4Tensor with blocks on its last two dims.
-    seed: SR's Philox seed (sr_uniforms); global_amax: the amax the global scale derives from (default
-    max |x|; attention's dS passes a bound)."""
+def quantize_reference(x, block=(1, 16), rounding="rtn", four_over_six=False, seed=0,
+                       global_amax=None):
+    """The spec of NVFP4 quantization, in PyTorch: x (*, M, N) -> NVFP4Tensor with blocks on its
+    last two dims. seed: SR's Philox seed (sr_uniforms); global_amax: the amax the global scale
+    derives from (default max |x|; attention's dS passes a bound)."""
     shape, (bm, bn) = x.shape, block
     lead, (M, N) = shape[:-2], shape[-2:]
     x = x.float()
@@ -263,32 +293,38 @@ def quantize_reference(x, block=(1, 16), rounding="rtn", four_over_six=False, se
     s_b, a, scaled, denom = _candidate(xb, block_amax, s_enc, s_dec, FP4_MAX, rounding == "sr_up")
     idx = rtn_e2m1(a)
     if four_over_six:
-        # 4/6: per block keep whichever of max -> 6 / max -> 4 reconstructs with the lower squared error (ties
-        # to 6). The choice uses the RTN error also under SR, so the random draw does not pick the scale.
-        s_b4, a4, scaled4, denom4 = _candidate(xb, block_amax, s_enc, s_dec, 4.0, rounding == "sr_up")
+        # 4/6: per block keep whichever of max -> 6 / max -> 4 reconstructs with the lower squared
+        # error (ties to 6). The choice uses the RTN error also under SR, so the random draw does
+        # not pick the scale.
+        s_b4, a4, scaled4, denom4 = _candidate(xb, block_amax, s_enc, s_dec, 4.0,
+                                               rounding == "sr_up")
         idx4 = rtn_e2m1(a4)
         use4 = _rtn_error(idx4, denom4, xb.abs()) < _rtn_error(idx, denom, xb.abs())
         s_b = torch.where(use4, s_b4.float(), s_b.float()).to(torch.float8_e4m3fn)
-        a, idx, scaled = torch.where(use4, a4, a), torch.where(use4, idx4, idx), torch.where(use4, scaled4, scaled)
+        a, idx, scaled = (torch.where(use4, a4, a), torch.where(use4, idx4, idx),
+                          torch.where(use4, scaled4, scaled))
     if rounding != "rtn":
         idx = sr_e2m1(a, sr_uniforms(seed, shape, block, x.device).reshape(xb.shape))
-    # sign bit: the scaled value is negative (as Transformer Engine's cast: -0.0 and an underflow to -0.0 get
-    # code 0, a negative value that rounds to 0 keeps its sign, code 8; both decode to zero)
+    # sign bit: the scaled value is negative (as Transformer Engine's cast: -0.0 and an underflow to
+    # -0.0 get code 0, a negative value that rounds to 0 keeps its sign, code 8; both decode to
+    # zero)
     codes = (idx | ((scaled < 0).to(torch.uint8) << 3)).reshape(shape)
     return NVFP4Tensor(_pack(codes), s_b.reshape(*lead, M // bm, N // bn), s_dec, shape, block)
 
 
-def quantize(x, block=(1, 16), rounding="rtn", four_over_six=False, generator=None, hadamard=None, name="x",
-             seed=None):
+def quantize(x, block=(1, 16), rounding="rtn", four_over_six=False, generator=None, hadamard=None,
+             name="x", seed=None):
     """Quantize x to NVFP4 with blocks on its last two dims. rounding:
       "rtn"    nearest, ties to even (the forward);
-      "sr"     stochastic (the backward's gradients), as Transformer Engine does it: unbiased for every element
-               below the block max, but when a block's E4M3 scale rounds down its max lands above 6 and is
-               clamped, which pulls 2-4% of the elements of 1x16 blocks toward zero (by ~2% on average);
-      "sr_up"  stochastic with the block scales rounded up to E4M3, so nothing clamps: unbiased, at the cost of
-               a slightly coarser grid in those blocks.
-    SR's seed: `seed`, else one draw from `generator` (sr_seed). hadamard: optional (16, 16) matrix applied first
-    along the block's 16-long dim (x H for (1, 16) blocks, H^T x for (16, 1)): how eq. 2 quantizes."""
+      "sr"     stochastic (the backward's gradients), as Transformer Engine does it: unbiased for
+               every element below the block max, but when a block's E4M3 scale rounds down its
+               max lands above 6 and is clamped, which pulls 2-4% of the elements of 1x16 blocks
+               toward zero (by ~2% on average);
+      "sr_up"  stochastic with the block scales rounded up to E4M3, so nothing clamps: unbiased, at
+               the cost of a slightly coarser grid in those blocks.
+    SR's seed: `seed`, else one draw from `generator` (sr_seed). hadamard: optional (16, 16) matrix
+    applied first along the block's 16-long dim (x H for (1, 16) blocks, H^T x for (16, 1)): how
+    eq. 2 quantizes."""
     if rounding not in ROUNDINGS:
         raise ValueError(f"{name}: rounding must be one of {ROUNDINGS}, got {rounding!r}")
     block = tuple(block)
@@ -298,26 +334,29 @@ def quantize(x, block=(1, 16), rounding="rtn", four_over_six=False, generator=No
     if rounding != "rtn" and seed is None:
         seed = sr_seed(generator)
     if use_kernels(x):
-        parts = quant_kernels.quantize(x, block, rounding, four_over_six, seed=seed or 0, hadamard=hadamard,
-                                       name=name)
+        parts = quant_kernels.quantize(x, block, rounding, four_over_six, seed=seed or 0,
+                                       hadamard=hadamard, name=name)
         return NVFP4Tensor(*parts, x.shape, block)
     if hadamard is not None:
         x = hadamard_transform(x.float(), hadamard, dim=-1 if block == (1, 16) else -2)
     return quantize_reference(x, block, rounding, four_over_six, seed or 0)
 
 
-def fake_quantize(x, block=(1, 16), rounding="rtn", four_over_six=False, generator=None, hadamard=None, name="x"):
+def fake_quantize(x, block=(1, 16), rounding="rtn", four_over_six=False, generator=None,
+                  hadamard=None, name="x"):
     """Quantize then dequantize, in x's dtype (the Hadamard rotation, if any, is not undone)."""
-    return quantize(x, block, rounding, four_over_six, generator, hadamard, name).dequantize(x.dtype)
+    return quantize(x, block, rounding, four_over_six, generator, hadamard,
+                    name).dequantize(x.dtype)
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The packed tensor
 
 class NVFP4Tensor:
     """Real 4-bit storage: 0.5 byte per element for the codes plus one E4M3 byte per 16 elements.
 
-    codes        uint8 (*lead, M, N // 2)  row-major, two codes per byte, even element in the low nibble
+    codes        uint8 (*lead, M, N // 2)  row-major, two codes per byte, even element in the
+                 low nibble
     scales       float8_e4m3fn (*lead, M // bm, N // bn)  one per block
     global_scale fp32 0-d tensor: S_dec
     shape        the logical shape (*lead, M, N);  block  (bm, bn): (1, 16), (16, 1) or (16, 16)
@@ -341,7 +380,8 @@ class NVFP4Tensor:
         return torch.stack((low, high), dim=-1).reshape(self.shape)
 
     def grid_values(self):
-        """q * s_b in fp32: exactly representable in bf16 (at most 6 significant bits), no global scale."""
+        """q * s_b in fp32: exactly representable in bf16 (at most 6 significant bits), no global
+        scale."""
         codes = self.unpack_codes().long()
         q = E2M1_VALUES.to(self.device)[codes & 7]
         q = torch.where(codes >= 8, -q, q)
@@ -352,8 +392,8 @@ class NVFP4Tensor:
 
     def dequantize(self, dtype=torch.float32):
         if use_kernels(self.codes):  # one pass, same bits
-            return quant_kernels.dequantize(self.codes, self.scales, self.global_scale, self.shape, self.block,
-                                            dtype)
+            return quant_kernels.dequantize(self.codes, self.scales, self.global_scale, self.shape,
+                                            self.block, dtype)
         return (self.grid_values() * self.global_scale).to(dtype)
 
     def __repr__(self):
@@ -365,12 +405,12 @@ def _pack(codes):
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Random Hadamard transform (eq. 2's H_16^r)
 
 def sylvester_hadamard(n=16, device=None):
-    """The n x n Sylvester Hadamard matrix (entries +-1), built once per (n, device) and cached (every backward
-    draws a random_hadamard from it). Treat it as read-only."""
+    """The n x n Sylvester Hadamard matrix (entries +-1), built once per (n, device) and cached
+    (every backward draws a random_hadamard from it). Treat it as read-only."""
     device = torch.device(device) if device is not None else torch.get_default_device()
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -387,42 +427,46 @@ _SYLVESTER = {}
 
 
 def random_hadamard(generator=None, device=None):
-    """diag(s) . H16 / 4 for random signs s: orthogonal, drawn fresh for every backward (eq. 2). Random signs make
-    the rotation of a fixed outlier pattern different each step, so its rounding error does not repeat."""
+    """diag(s) . H16 / 4 for random signs s: orthogonal, drawn fresh for every backward (eq. 2).
+    Random signs make the rotation of a fixed outlier pattern different each step, so its rounding
+    error does not repeat."""
     device = generator.device if generator is not None else device
     signs = torch.randint(0, 2, (16, 1), generator=generator, device=device) * 0.5 - 0.25   # +-1/4
     return signs * sylvester_hadamard(16, device)
 
 
 def hadamard_transform(x, H, dim=-1):
-    """x . H applied to every group of 16 consecutive elements along `dim` (for dim = -2 on a matrix this is
-    H^T x, the left-multiplication of eq. 2)."""
+    """x . H applied to every group of 16 consecutive elements along `dim` (for dim = -2 on a matrix
+    this is H^T x, the left-multiplication of eq. 2)."""
     x = x.movedim(dim, -1)
     if x.shape[-1] % 16:
-        raise ValueError(f"hadamard_transform: dim {dim} has size {x.shape[-1]}, not a multiple of 16")
+        raise ValueError(f"hadamard_transform: dim {dim} has size {x.shape[-1]}, "
+                         "not a multiple of 16")
     y = (x.reshape(*x.shape[:-1], -1, 16) @ H.to(x.dtype)).reshape(x.shape)
     return y.movedim(-1, dim)
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The NVFP4 GEMM
 
 def nvfp4_matmul(a, b, out_dtype=torch.float32, trans_a=False, trans_b=False):
-    """a_hat @ b_hat^T for logical a (*, M, K) and b (N, K), both blocked along K. trans_a / trans_b: the tensor is
-    stored transposed ((K, M) / (K, N), blocked along its dim -2), e.g. the forward's Q16x16(W) (out, in) used as
-    the (in, out) operand of dX = dY W, without re-packing. Like a native NVFP4 GEMM: products of E2M1 values and
-    block scales are accumulated in fp32 and the two global scales applied once at the end."""
+    """a_hat @ b_hat^T for logical a (*, M, K) and b (N, K), both blocked along K. trans_a /
+    trans_b: the tensor is stored transposed ((K, M) / (K, N), blocked along its dim -2), e.g. the
+    forward's Q16x16(W) (out, in) used as the (in, out) operand of dX = dY W, without re-packing.
+    Like a native NVFP4 GEMM: products of E2M1 values and block scales are accumulated in fp32 and
+    the two global scales applied once at the end."""
     ka = (a.shape[-2], a.block[0]) if trans_a else (a.shape[-1], a.block[1])
     kb = (b.shape[-2], b.block[0]) if trans_b else (b.shape[-1], b.block[1])
     if ka[0] != kb[0] or ka[1] != 16 or kb[1] != 16:
-        raise ValueError(f"nvfp4_matmul: need a (M, K), b (N, K) both blocked along K; got {tuple(a.shape)} "
-                         f"{a.block} (trans_a={trans_a}) and {tuple(b.shape)} {b.block} (trans_b={trans_b})")
+        raise ValueError(f"nvfp4_matmul: need a (M, K), b (N, K) both blocked along K; "
+                         f"got {tuple(a.shape)} {a.block} (trans_a={trans_a}) and "
+                         f"{tuple(b.shape)} {b.block} (trans_b={trans_b})")
     if use_kernels(a.codes):
         lead = a.shape[:-2] if not trans_a else ()
         if lead:  # fold a's leading dims into its rows: the GEMM kernels take 2-D operands
             M, K = a.shape[:-1].numel(), a.shape[-1]
-            a = NVFP4Tensor(a.codes.reshape(M, K // 2), a.scales.reshape(M // a.block[0], -1), a.global_scale,
-                            (M, K), a.block)
+            a = NVFP4Tensor(a.codes.reshape(M, K // 2), a.scales.reshape(M // a.block[0], -1),
+                            a.global_scale, (M, K), a.block)
         out = nvfp4_gemm(a, b, out_dtype, trans_a, trans_b)
         return out.reshape(*lead, -1, out.shape[-1]) if lead else out
     ga, gb = a.grid_values(), b.grid_values()
@@ -430,11 +474,12 @@ def nvfp4_matmul(a, b, out_dtype=torch.float32, trans_a=False, trans_b=False):
     return ((ga @ gb) * (a.global_scale * b.global_scale)).to(out_dtype)
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Direct-NVFP4 linear layer: the three GEMMs of eqs. 1-2 (LINEAR's entries) without the LoRA branch
 
 def quantize_as(x, entry, seed=0, hadamard=None, name="x"):
-    """Quantize x as a contract entry says (`hadamard`: the drawn H when entry.hadamard is "random")."""
+    """Quantize x as a contract entry says (`hadamard`: the drawn H when entry.hadamard is
+    "random")."""
     return quantize(x, entry.block, entry.rounding, entry.four_over_six, name=name, seed=seed,
                     hadamard=hadamard if entry.hadamard == "random" else None)
 
@@ -445,9 +490,9 @@ def draws(entry):
 
 
 def backward_draws(c, need_dx, need_dw, device):
-    """The random draws of one backward, made once for whichever route runs it, in a fixed order: dX's SR
-    seed, then eq. 2's random Hadamard H (if the contract rotates) and the seeds of its two operands.
-    Returns (seed_dx, H, (seed_dy, seed_x)); H is None without a rotation."""
+    """The random draws of one backward, made once for whichever route runs it, in a fixed order:
+    dX's SR seed, then eq. 2's random Hadamard H (if the contract rotates) and the seeds of its two
+    operands. Returns (seed_dx, H, (seed_dy, seed_x)); H is None without a rotation."""
     seed_dx = draws(c["dgrad.dy"]) if need_dx else None
     H = random_hadamard(device=device) if need_dw and c["wgrad.dy"].hadamard == "random" else None
     seeds_dw = (draws(c["wgrad.dy"]), draws(c["wgrad.x"])) if need_dw else None
@@ -455,23 +500,28 @@ def backward_draws(c, need_dx, need_dw, device):
 
 
 def wgrad(dy, xq, c, hadamard, seeds, out_dtype=torch.float32):
-    """Eq. 2: dW = Q(dY^T H) . Q(H^T Q1x16(X)), H the drawn random Hadamard, both operands as c["wgrad.dy"] and
-    c["wgrad.x"] say (SR). dy (T, out); xq the forward's packed Q1x16(X) (T, in), dequantized in dy's dtype (bf16
-    in training: the precision the activations had) before its rotation. The rotation spreads outliers along the
-    token (contraction) dim before the 16-element blocks see them; H H^T = I leaves the product unbiased.
-    Both operands are quantized as stored, (T, out) and (T, in) with 16x1 blocks along T, and the GEMM reads them
-    transposed. seeds: (dY's, X's) SR seeds. Returns (out, in) in out_dtype."""
+    """Eq. 2: dW = Q(dY^T H) . Q(H^T Q1x16(X)), H the drawn random Hadamard, both operands as
+    c["wgrad.dy"] and c["wgrad.x"] say (SR). dy (T, out); xq the forward's packed Q1x16(X) (T, in),
+    dequantized in dy's dtype (bf16 in training: the precision the activations had) before its
+    rotation. The rotation spreads outliers along the token (contraction) dim before the 16-element
+    blocks see them; H H^T = I leaves the product unbiased. Both operands are quantized as stored,
+    (T, out) and (T, in) with 16x1 blocks along T, and the GEMM reads them transposed. seeds:
+    (dY's, X's) SR seeds. Returns (out, in) in out_dtype."""
     if dy.shape[0] % 16:
-        raise ValueError(f"wgrad: the number of tokens ({dy.shape[0]}) must be a multiple of 16 (the "
-                         "contraction dim of dW)")
-    dyq = quantize_as(dy, c["wgrad.dy"], seeds[0], hadamard, name="gradient dY")                   # (T, out)
-    xhq = quantize_as(xq.dequantize(dy.dtype), c["wgrad.x"], seeds[1], hadamard, name="activation Q(X)")
-    return nvfp4_matmul(dyq, xhq, out_dtype, trans_a=True, trans_b=True)                           # (out, in)
+        raise ValueError(f"wgrad: the number of tokens ({dy.shape[0]}) must be a multiple of 16 "
+                         "(the contraction dim of dW)")
+    # (T, out)
+    dyq = quantize_as(dy, c["wgrad.dy"], seeds[0], hadamard, name="gradient dY")
+    xhq = quantize_as(xq.dequantize(dy.dtype), c["wgrad.x"], seeds[1], hadamard,
+                      name="activation Q(X)")
+    # (out, in)
+    return nvfp4_matmul(dyq, xhq, out_dtype, trans_a=True, trans_b=True)
 
 
 class _NVFP4LinearFn(torch.autograd.Function):
-    """Y = Q1x16(X) Q16x16(W)^T, dX = Q1x16(dY) Q16x16(W) (W's forward quantization reused, eq. 1), dW = wgrad
-    (eq. 2), each operand as LINEAR says. On CUDA kernels/nvfp4_linear.py runs the same three GEMMs."""
+    """Y = Q1x16(X) Q16x16(W)^T, dX = Q1x16(dY) Q16x16(W) (W's forward quantization reused, eq. 1),
+    dW = wgrad (eq. 2), each operand as LINEAR says. On CUDA kernels/nvfp4_linear.py runs the same
+    three GEMMs."""
 
     @staticmethod
     def forward(ctx, x, weight, four_over_six):
@@ -487,7 +537,8 @@ class _NVFP4LinearFn(torch.autograd.Function):
             w_used = quantize_as(w, c["forward.w"], seeds[1], name="weight W")          # Q16x16(W)
             y = nvfp4_matmul(xq, w_used, out_dtype=x.dtype)                              # (T, out)
         # Save the packed 4-bit X (not X): that is where FP4 training saves activation memory.
-        ctx.xq, ctx.w_used, ctx.c, ctx.x_shape, ctx.weight_dtype = xq, w_used, c, x.shape, weight.dtype
+        ctx.xq, ctx.w_used, ctx.c, ctx.x_shape, ctx.weight_dtype = (xq, w_used, c, x.shape,
+                                                                     weight.dtype)
         return y.reshape(*x.shape[:-1], -1)
 
     @staticmethod
@@ -497,12 +548,15 @@ class _NVFP4LinearFn(torch.autograd.Function):
         need = ctx.needs_input_grad[:2]                                                 # (dX, dW)
         seed_dx, H, seeds_dw = backward_draws(c, *need, dy2.device)
         if use_kernels(dy2):
-            dx, dw = linear_kernels.backward(dy2, xq, w_used, c, need, seed_dx, H, seeds_dw, ctx.weight_dtype)
+            dx, dw = linear_kernels.backward(dy2, xq, w_used, c, need, seed_dx, H, seeds_dw,
+                                             ctx.weight_dtype)
         else:
             dx = dw = None
             if need[0]:
-                dyq = quantize_as(dy2, c["dgrad.dy"], seed_dx, name="gradient dY")        # Q1x16(dY)
-                dx = nvfp4_matmul(dyq, w_used, dy.dtype, trans_b=True)                    # Q16x16(W) reused
+                # Q1x16(dY)
+                dyq = quantize_as(dy2, c["dgrad.dy"], seed_dx, name="gradient dY")
+                # Q16x16(W) reused
+                dx = nvfp4_matmul(dyq, w_used, dy.dtype, trans_b=True)
             if need[1]:
                 dw = wgrad(dy2, xq, c, H, seeds_dw, out_dtype=ctx.weight_dtype)           # eq. 2
         ctx.xq = ctx.w_used = None
@@ -510,24 +564,29 @@ class _NVFP4LinearFn(torch.autograd.Function):
 
 
 def nvfp4_linear(x, weight, four_over_six=False):
-    """Y = Q1x16(X) Q16x16(W)^T with the eq. 1-2 backward (LINEAR). Under autocast X is cast to the autocast
-    dtype."""
+    """Y = Q1x16(X) Q16x16(W)^T with the eq. 1-2 backward (LINEAR). Under autocast X is cast to the
+    autocast dtype."""
     if torch.is_autocast_enabled(x.device.type):
         x = x.to(torch.get_autocast_dtype(x.device.type))
     return _NVFP4LinearFn.apply(x, weight, four_over_six)
 
 
 class NVFP4Linear(nn.Module):
-    """Drop-in nn.Linear (no bias by default) whose three GEMMs run in NVFP4; the master weight stays fp32."""
+    """Drop-in nn.Linear (no bias by default) whose three GEMMs run in NVFP4; the master weight
+    stays fp32."""
 
-    def __init__(self, in_features, out_features, bias=False, four_over_six=False, device=None, dtype=None):
+    def __init__(self, in_features, out_features, bias=False, four_over_six=False, device=None,
+                 dtype=None):
         super().__init__()
         if in_features % 16 or out_features % 16:
-            raise ValueError(f"NVFP4Linear: in_features ({in_features}) and out_features ({out_features}) "
-                             "must be multiples of 16 (the 16x16 weight blocks)")
-        self.in_features, self.out_features, self.four_over_six = in_features, out_features, four_over_six
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
+            raise ValueError(f"NVFP4Linear: in_features ({in_features}) and out_features "
+                             f"({out_features}) must be multiples of 16 (the 16x16 weight blocks)")
+        self.in_features, self.out_features, self.four_over_six = (in_features, out_features,
+                                                                   four_over_six)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device,
+                                               dtype=dtype))
+        self.bias = (nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias
+                     else None)
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Linear's default
 
     @classmethod
@@ -549,9 +608,9 @@ class NVFP4Linear(nn.Module):
                 f"four_over_six={self.four_over_six}")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Quantization error: the paper's Rel. MSE (the project's one error measure), and App. 7's growth with the
-# hidden dimension
+# --------------------------------------------------------------------------------------------------
+# Quantization error: the paper's Rel. MSE (the project's one error measure), and App. 7's growth
+# with the hidden dimension
 
 def relative_mse(x, x_hat):
     """Rel. MSE := MSE(x - x_hat) / mean(x^2), the paper's error measure (Fig. 3)."""
@@ -559,11 +618,12 @@ def relative_mse(x, x_hat):
 
 
 @torch.no_grad()
-def matmul_quant_error(hidden_dims=(512, 1024, 2048, 4096), rounding="rtn", tokens=256, out_features=256,
-                       four_over_six=False, seed=0, device=None):
+def matmul_quant_error(hidden_dims=(512, 1024, 2048, 4096), rounding="rtn", tokens=256,
+                       out_features=256, four_over_six=False, seed=0, device=None):
     """For each contraction length N: Y = X W^T with X (tokens, N), W (out, N) Gaussian, against
-    Q1x16(X) Q16x16(W)^T. Returns rows {N, mse, rel_mse}: App. 7 predicts mse = Theta(N) (each output sums N
-    independent rounding errors) while rel_mse = mse / mean(Y^2) stays flat for i.i.d. inputs."""
+    Q1x16(X) Q16x16(W)^T. Returns rows {N, mse, rel_mse}: App. 7 predicts mse = Theta(N) (each
+    output sums N independent rounding errors) while rel_mse = mse / mean(Y^2) stays flat for i.i.d.
+    inputs."""
     g = torch.Generator(device=device or "cpu").manual_seed(seed)
     rows = []
     for n in hidden_dims:
