@@ -285,8 +285,8 @@ class GPT(nn.Module):
 
 def compile_model(model):
     """torch.compile(model) with the FP4 parts left out of its graph, run eagerly between compiled
-    pieces: inductor re-traced our Triton kernels and turned their fp32 constants into fp64 (H200,
-    torch 2.11). torch._dynamo is imported only here: uncompiled runs never load it."""
+    pieces: inductor re-traced our Triton kernels and turned their fp32 constants into fp64
+    (docs/performance.md). torch._dynamo is imported only here: uncompiled runs never load it."""
     for m in model.modules():
         if isinstance(m, (nvfp4.NVFP4Linear, lora_svd.LoRASVDLinear, lora_svd.NaiveLoRALinear)):
             m.forward = torch.compiler.disable(m.forward)
