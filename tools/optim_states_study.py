@@ -141,7 +141,10 @@ def least_squares(variant, seed, checkpoints=(300, 600), lr=1e-2, d=256, out=64,
     return losses, opt.bytes_per_param()
 
 
-def mlp(variant, seed, steps=300, lr=3e-3, d=64, h=256, N=2048, batch=256):
+def teacher_student(seed, d, h, N):
+    """The teacher-student GELU MLP problem (also tools/root_momentum_study.py's): (generator, f,
+    X, Y, X_val, Y_val, W1, W2), the student's weights requiring grad; the generator goes on to draw
+    the batches."""
     g = torch.Generator().manual_seed(seed)
     teacher = [torch.randn(h, d, generator=g) / math.sqrt(d),
                torch.randn(d, h, generator=g) / math.sqrt(h)]
@@ -151,6 +154,11 @@ def mlp(variant, seed, steps=300, lr=3e-3, d=64, h=256, N=2048, batch=256):
     Y_val = f(X_val, *teacher) + 0.1 * torch.randn(1024, d, generator=g)
     W1 = (torch.randn(h, d, generator=g) / math.sqrt(d)).requires_grad_()
     W2 = (torch.randn(d, h, generator=g) / math.sqrt(h)).requires_grad_()
+    return g, f, X, Y, X_val, Y_val, W1, W2
+
+
+def mlp(variant, seed, steps=300, lr=3e-3, d=64, h=256, N=2048, batch=256):
+    g, f, X, Y, X_val, Y_val, W1, W2 = teacher_student(seed, d, h, N)
     opt = StudyAdamW([W1, W2], variant, lr, weight_decay=0.0, seed=seed)
     for _ in range(steps):
         idx = torch.randint(0, N, (batch,), generator=g)

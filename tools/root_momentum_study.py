@@ -44,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import nvfp4  # noqa: E402
 import optim  # noqa: E402
+from tools.optim_states_study import teacher_student  # noqa: E402
 
 MU = 0.95  # Root's momentum (optim.Root's default)
 
@@ -273,15 +274,7 @@ def mlp(codec, seed, steps=300, lr=2e-2, direction="root", trace=None, d=64, h=2
         batch=64):
     """Minibatch Root on the teacher-student MLP: (held-out loss, bytes/param). lr: fp32 Root's best
     of 5e-3 .. 4e-2 (x2 steps) at 300 steps."""
-    g = torch.Generator().manual_seed(seed)
-    teacher = [torch.randn(h, d, generator=g) / math.sqrt(d),
-               torch.randn(d, h, generator=g) / math.sqrt(h)]
-    f = lambda x, W1, W2: F.gelu(x @ W1.t()) @ W2.t()
-    X, X_val = torch.randn(N, d, generator=g), torch.randn(1024, d, generator=g)
-    Y = f(X, *teacher) + 0.1 * torch.randn(N, d, generator=g)
-    Y_val = f(X_val, *teacher) + 0.1 * torch.randn(1024, d, generator=g)
-    W1 = (torch.randn(h, d, generator=g) / math.sqrt(d)).requires_grad_()
-    W2 = (torch.randn(d, h, generator=g) / math.sqrt(h)).requires_grad_()
+    g, f, X, Y, X_val, Y_val, W1, W2 = teacher_student(seed, d, h, N)
     opt = StudyRoot([W1, W2], codec, seed=seed, direction=direction, trace=trace)
     for step in range(steps):
         idx = torch.randint(0, N, (batch,), generator=g)
