@@ -53,8 +53,9 @@ CONFIG_DEFAULTS = {
                warmup=PAPER_WARMUP, eval_every=500, eval_iters=20, save_every=1000, log_every=10),
 }
 SCHEDULE_FLAGS = ("lr", "min_lr", "lora_lr", "warmup", "lr_decay_steps")  # a resume keeps these
-RESUME_MUST_MATCH = ("config", "recipe", "attn_policy", "optimizer", "batch_size", "grad_accum",
-                     "seq_len", "lora_rank", "seed")
+SHAPE_FLAGS = ("n_layer", "n_embd", "n_head", "n_kv_head", "ffn_hidden")  # GPTConfig overrides
+RESUME_MUST_MATCH = ("config", *SHAPE_FLAGS, "recipe", "attn_policy", "optimizer", "batch_size",
+                     "grad_accum", "seq_len", "lora_rank", "seed")
 RUN_FILES = ("ckpt.pt", "ckpt_rank*.pt", "metrics.jsonl", "summary.json", "loss.png")  # a run's
 LORA_LINEARS = ("lora_naive", "lora_svd")  # the Recipe.linear kinds with a rank-r branch
 H200_BF16_PEAK_FLOPS = 989e12  # dense BF16 peak of one H100/H200 SXM: MFU's denominator
@@ -99,6 +100,9 @@ def parse_args(argv=None):
     add = p.add_argument
     add("--config", default=None,
         help=f"model size: {', '.join(CONFIGS)} (default: tiny on CPU, toy on GPU)")
+    for dim, what in (("n_layer", "blocks"), ("n_embd", "hidden size"), ("n_head", "query heads"),
+                      ("n_kv_head", "key/value heads (GQA)"), ("ffn_hidden", "SwiGLU width")):
+        add(f"--{dim}", type=int, default=None, help=f"model shape: {what} (default: --config's)")
     add("--recipe", default="fullstack",
         help=f"precision: {', '.join(RECIPES)} (default: %(default)s)")
     add("--attn_policy", default=None, help="replace the recipe's attention by one of "
@@ -256,7 +260,8 @@ def check_sizes(args, recipe, world_size):
     for flag in ("eval_every", "realign_every", "lora_rank"):
         if getattr(args, flag) < 0:
             die(f"--{flag} {getattr(args, flag)}: must be >= 0")
-    cfg = GPTConfig(**CONFIGS[args.config])
+    cfg = GPTConfig(**{**CONFIGS[args.config], **model_shape(args)})
+    check_shape(cfg, recipe)
     if recipe.linear in LORA_LINEARS:  # r of every block linear: 1 .. min(in, out)
         kv = cfg.n_kv_head * cfg.head_dim
         smallest, name = min((kv, f"k_proj/v_proj ({kv} x {cfg.n_embd})"),
@@ -275,6 +280,36 @@ def check_sizes(args, recipe, world_size):
     if args.fsdp and world_size == 1:
         die("--fsdp: shards over the ranks of a torchrun launch; run it under torchrun "
             "--nproc_per_node=N (N > 1)")
+
+
+def model_shape(args):
+    """The shape flags given (--n_embd ...): overrides of --config's GPTConfig."""
+    return {dim: getattr(args, dim) for dim in SHAPE_FLAGS if getattr(args, dim) is not None}
+
+
+def check_shape(cfg, recipe):
+    """A model shape the layers can build: heads that divide the width and share K/V evenly, a head
+    dim RoPE and the attention kernels take, NVFP4 dims in whole 16-element blocks."""
+    for dim in SHAPE_FLAGS:
+        if getattr(cfg, dim) < 1:
+            die(f"--{dim} {getattr(cfg, dim)}: must be >= 1")
+    if cfg.n_embd % cfg.n_head:
+        die(f"--n_embd {cfg.n_embd} / --n_head {cfg.n_head}: the heads must divide the width")
+    if cfg.n_head % cfg.n_kv_head:
+        die(f"--n_head {cfg.n_head} / --n_kv_head {cfg.n_kv_head}: GQA needs n_kv_head to divide "
+            "n_head")
+    if recipe.attention != "bf16" and cfg.head_dim not in attention.HEAD_DIMS:
+        die(f"--n_embd {cfg.n_embd} / --n_head {cfg.n_head}: head dim {cfg.head_dim}; recipe "
+            f"attention {recipe.attention} takes {' or '.join(map(str, attention.HEAD_DIMS))}")
+    if cfg.head_dim % 2:
+        die(f"--n_embd {cfg.n_embd} / --n_head {cfg.n_head}: head dim {cfg.head_dim} must be even "
+            "(RoPE rotates pairs)")
+    dims = {"n_embd": cfg.n_embd, "ffn_hidden": cfg.ffn_hidden,
+            "n_kv_head": cfg.n_kv_head * cfg.head_dim}
+    for dim, size in dims.items():
+        if recipe.linear != "bf16" and size % 16:
+            die(f"--{dim}: a layer dim of {size}; recipe {recipe.linear}'s linear layers quantize "
+                "in 16-element blocks, so every dim must be a multiple of 16")
 
 
 def fill_schedule(args):
@@ -408,7 +443,8 @@ def run_settings(args, recipe, world_size):
 def settings_line(s):
     """The first log line: what this run is."""
     lora = f" | lora_rank {s['lora_rank']}" if s["precision"]["linear"] in LORA_LINEARS else ""
-    return (f"run: config {s['config']} | recipe {s['recipe']}{lora} | optimizer "
+    shape = "".join(f", {dim} {s[dim]}" for dim in SHAPE_FLAGS if s.get(dim) is not None)
+    return (f"run: config {s['config']}{shape} | recipe {s['recipe']}{lora} | optimizer "
             f"{s['optimizer']} | lr {s['lr']:g} (lora {s['lora_lr']:g}), warmup {s['warmup']}, "
             f"cosine to {s['min_lr']:g} at step {s['lr_decay_steps']} | batch {s['batch_size']} "
             f"x grad_accum {s['grad_accum']} x seq_len {s['seq_len']} = "
@@ -535,7 +571,7 @@ def build_run(args, recipe, device, rank, world_size):
     except (FileNotFoundError, ValueError, RuntimeError) as e:  # e.g. a corpus package missing
         die(f"--data {args.data}: {e}")
     cfg = config_from_name(args.config, recipe=recipe, lora_rank=args.lora_rank,
-                           lora_beta=args.lora_beta)
+                           lora_beta=args.lora_beta, **model_shape(args))
     check_fits(args, cfg, len(loader.tokens), world_size)
     torch.manual_seed(args.seed)
     with torch.device(device):

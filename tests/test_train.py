@@ -213,6 +213,13 @@ BAD_FLAGS = [
     (["--max_steps", "5", "--max_tokens", "1e4"], "--max_steps and --max_tokens: give one"),
     (["--max_tokens", "0"], "--max_tokens 0: must be >= 1"),
     (["--lr", "-1"], "--lr -1 / --min_lr -0.1 / --lora_lr -2: need lr > 0"),
+    (["--n_layer", "0"], "--n_layer 0: must be >= 1"),
+    (["--n_head", "3"], "--n_embd 128 / --n_head 3: the heads must divide the width"),
+    (["--n_head", "2", "--n_kv_head", "4"], "--n_head 2 / --n_kv_head 4: GQA needs n_kv_head"),
+    (["--recipe", "fullstack", "--n_head", "4"],
+     "--n_embd 128 / --n_head 4: head dim 32; recipe attention fp4 takes 64 or 128"),
+    (["--recipe", "nvfp4", "--ffn_hidden", "200"],
+     "--ffn_hidden: a layer dim of 200; recipe nvfp4's linear layers quantize in 16-element"),
 ]
 
 
@@ -223,6 +230,26 @@ def test_bad_flags_give_one_line_and_exit_2(byte_data, micro, tmp_path, capsys, 
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("train.py: error: ") and message in err, err
+
+
+def test_shape_flags_build_and_record_the_model_they_name(byte_data, micro1, tmp_path, capsys):
+    """--n_embd & co. (the width grid of tools/ablation.py) override --config's shape: the model
+    trained, its checkpoint and the first log line have it, and a resume must give the same."""
+    shape = ["--n_embd", "64", "--n_head", "1", "--n_kv_head", "1", "--ffn_hidden", "192"]
+    rows = run(byte_data, tmp_path, "--recipe", "nvfp4_46", "--max_steps", "3", *shape)
+    assert len(train_losses(rows)) == 3 and all(math.isfinite(l) for l in train_losses(rows))
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    cfg = ckpt["config"]
+    assert (cfg["n_embd"], cfg["n_head"], cfg["ffn_hidden"], cfg["n_layer"]) == (64, 1, 192, 1)
+    down = [v for k, v in ckpt["model"].items() if k.endswith("down_proj.weight")]
+    assert [tuple(v.shape) for v in down] == [(64, 192)]
+    assert "run: config micro, n_embd 64, n_head 1, n_kv_head 1, ffn_hidden 192 |" in \
+        capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:  # a resume with another width is refused in one line
+        run(byte_data, tmp_path, "--recipe", "nvfp4_46", "--max_steps", "4", "--resume",
+            *shape[:-2], "--ffn_hidden", "256")
+    assert e.value.code == 2
+    assert "--ffn_hidden 256: the checkpoint" in capsys.readouterr().err
 
 
 def test_bad_flag_subprocess_has_no_traceback(tmp_path):
