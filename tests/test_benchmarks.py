@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import data
 
@@ -56,3 +57,27 @@ def test_bench_dry_run_writes_every_row_with_its_baseline(tmp_path):
 def test_bench_bad_flag_gives_one_line_and_exit_2():
     proc = bench("--dry_run", "--only", "attention,warp_drive")
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "warp_drive" in proc.stderr
+
+
+def test_profile_step_bad_recipe_gives_one_line_and_exit_2():
+    proc = subprocess.run([sys.executable, "bench/profile_step.py", "--dry_run", "--recipes",
+                           "bf16,int2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "int2" in proc.stderr
+
+
+@pytest.mark.gpu
+def test_profile_step_names_the_quantize_kernels_of_an_fp4_recipe(tmp_path):
+    """The profile that results/speed/ quotes: the FP4 recipe's micro-step holds the quantize
+    kernels and bf16's does not, and the kernel times add up to at most the wall time."""
+    out = tmp_path / "profile.json"
+    proc = subprocess.run([sys.executable, "bench/profile_step.py", "--config", "tiny", "--recipes",
+                           "bf16,nvfp4", "--batch_size", "2", "--seq_len", "256", "--iters", "1",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.load(open(out))["recipes"]
+    assert any("_quantize_rows_kernel" in k for k in r["nvfp4"]["kernels"])
+    assert not any("quantize" in k for k in r["bf16"]["kernels"])
+    for rec in r.values():
+        assert rec["wall_ms"] > 0 and 0 < rec["busy"] <= 1.05
+    assert "nvfp4 over bf16:" in proc.stdout

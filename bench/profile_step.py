@@ -1,0 +1,128 @@
+"""
+Where one micro-step's GPU time goes: torch.profiler over the forward and backward of one
+micro-batch through the public model API (model.GPT under bf16 autocast, as train.py runs it), per
+recipe, its CUDA kernels grouped by name. The once-per-step work (optimizer, LoRA-SVD projection)
+is not in it: bench/run.py's end-to-end rows have that.
+
+    python bench/profile_step.py --config 1b --recipes bf16,fullstack     # 8 x 2048 tokens
+    python bench/profile_step.py --dry_run                                 # CPU smoke run
+
+Prints, per recipe, the micro-step's wall time, the share of it the GPU is busy, and the kernels
+with the most time (ms per micro-step); then each kernel's extra time over the first recipe.
+Writes the numbers as JSON (--out).
+"""
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+if "--dry_run" in sys.argv and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from model import GPT, RECIPES, config_from_name  # noqa: E402
+
+
+def micro_step(model, x, y, device):
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+        _, loss = model(x, y)
+    loss.backward()
+    for p in model.parameters():
+        p.grad = None
+
+
+def profile_recipe(config, recipe, batch, seq_len, iters, device):
+    """{wall_ms, busy, kernels: {name: ms}} per micro-step of one recipe (fresh model, seed 0)."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = GPT(config_from_name(config, recipe=RECIPES[recipe]))
+    x = torch.randint(0, model.cfg.vocab_size, (batch, seq_len), device=device)
+    y = torch.roll(x, -1, dims=1)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for _ in range(2):  # warm-up: Triton's autotuning and compilation, cuBLAS's heuristics
+        micro_step(model, x, y, device)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        micro_step(model, x, y, device)
+    sync()
+    wall_ms = (time.perf_counter() - t0) * 1e3 / iters
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(iters):
+            micro_step(model, x, y, device)
+        sync()
+    kernels = collections.Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.name[:80]] += e.device_time / 1e3 / iters  # us -> ms per micro-step
+    busy = sum(kernels.values()) / wall_ms if kernels else 0.0
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return {"wall_ms": wall_ms, "busy": busy, "kernels": dict(kernels.most_common())}
+
+
+def report(results, top):
+    lines = []
+    for recipe, r in results.items():
+        lines.append(f"{recipe}: {r['wall_ms']:.1f} ms per micro-step, GPU busy {r['busy']:.0%}")
+        for name, ms in list(r["kernels"].items())[:top]:
+            lines.append(f"  {ms:9.2f} ms  {name}")
+    first, *others = results
+    for recipe in others:
+        base, ours = results[first]["kernels"], results[recipe]["kernels"]
+        extra = {k: ours.get(k, 0.0) - base.get(k, 0.0) for k in {*base, *ours}}
+        lines.append(f"{recipe} over {first}: "
+                     f"{results[recipe]['wall_ms'] - results[first]['wall_ms']:+.1f} ms wall")
+        for name, ms in sorted(extra.items(), key=lambda kv: -abs(kv[1]))[:top]:
+            lines.append(f"  {ms:+9.2f} ms  {name}")
+    return "\n".join(lines)
+
+
+def fail(msg):
+    print(f"bench/profile_step.py: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
+    p.add_argument("--config", default="1b")
+    p.add_argument("--recipes", default="bf16,fullstack", help="comma-separated; the first is the "
+                   "baseline of the difference table")
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--seq_len", type=int, default=2048)
+    p.add_argument("--iters", type=int, default=2, help="micro-steps timed and profiled")
+    p.add_argument("--top", type=int, default=15, help="kernels listed per table")
+    p.add_argument("--out", default=None, help="JSON file for the numbers")
+    p.add_argument("--dry_run", action="store_true", help="tiny config on the CPU: no timing claim")
+    args = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.dry_run:
+        args.config, args.batch_size, args.seq_len, args.iters = "tiny", 1, 64, 1
+    elif device != "cuda":
+        fail("needs a CUDA GPU (use --dry_run to check it on a CPU)")
+    recipes = args.recipes.split(",")
+    if bad := [r for r in recipes if r not in RECIPES]:
+        fail(f"--recipes: unknown recipe {bad[0]!r}; expected some of {', '.join(RECIPES)}")
+    results = {r: profile_recipe(args.config, r, args.batch_size, args.seq_len, args.iters, device)
+               for r in recipes}
+    print(report(results, args.top))
+    if args.out:
+        meta = {"config": args.config, "batch_size": args.batch_size, "seq_len": args.seq_len,
+                "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                "torch": torch.__version__}
+        with open(args.out, "w") as f:
+            json.dump({**meta, "recipes": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
