@@ -3,6 +3,8 @@
 #   bash tools/gpu_check.sh OUT_DIR [stage ...]          (stages default: tests bench)
 #   tests     python -m pytest -q -m gpu: every kernel against the reference at full size (TEST_ARGS: files, -k ...)
 #   bench     python bench/run.py: the speed table into results/speed/ (BENCH_ARGS: e.g. "--only attention,linear")
+#   profile   python bench/profile_step.py: one micro-step's kernels per recipe into OUT_DIR/profile.json
+#             (PROFILE_ARGS: default the 1b config, bf16 and fullstack, 8 x 2048 tokens)
 #   ablation  python tools/ablation.py over every visible GPU into results/ablation/ (ABLATION_ARGS: its flags)
 # Each stage writes OUT_DIR/<stage>.log, and the bench and the ablation copy their records (results/speed/,
 # results/ablation/) into OUT_DIR too. DEADLINE (seconds, default 560) bounds the whole call: every stage gets
@@ -11,7 +13,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -lt 1 ]; then
-  echo "usage: bash tools/gpu_check.sh OUT_DIR [tests] [bench] [ablation]" >&2
+  echo "usage: bash tools/gpu_check.sh OUT_DIR [tests] [bench] [profile] [ablation]" >&2
   exit 2
 fi
 OUT_DIR=$1; shift
@@ -38,7 +40,8 @@ for stage in ${*:-tests bench}; do
            cp -r results/speed "$OUT_DIR/" ;;
     ablation) timeout "$(left)" python tools/ablation.py --deadline "$(left)" ${ABLATION_ARGS:-} >> "$log" 2>&1; rc=$?
               cp -r results/ablation "$OUT_DIR/" 2>/dev/null ;;
-    *) echo "unknown stage $stage (expected tests, bench or ablation)" | tee -a "$log" >&2; exit 2 ;;
+    profile) timeout "$(left)" python bench/profile_step.py ${PROFILE_ARGS:-} --out "$OUT_DIR/profile.json" >> "$log" 2>&1; rc=$? ;;
+    *) echo "unknown stage $stage (expected tests, bench, profile or ablation)" | tee -a "$log" >&2; exit 2 ;;
   esac
   echo "== $stage exit $rc ($(left)s left)" | tee -a "$log"
 done
