@@ -292,10 +292,13 @@ class _Attention(torch.autograd.Function):
         else:
             ops = (q, k, v) if kernels else (q.float(), k.float(), v.float())
             sg = [1.0, 1.0, 1.0]
+            ctx.fp4 = None
         if kernels:
             scales = _global_scales(*sg, P_GLOBAL_SCALE if pol["p"] else 1.0, 1.0, 1.0,
                                     device=q.device)
-            o, lse = flash_attention.flash_forward(*ops, scales, causal, sm_scale, pol["p"], dtype)
+            # ctx.fp4: Q K^T on the FP4 tensor cores of a Blackwell GPU (flash_attention's FP4_MMA)
+            o, lse = flash_attention.flash_forward(*ops, scales, causal, sm_scale, pol["p"], dtype,
+                                                   packed=ctx.fp4)
         else:
             o, lse = reference_forward(*ops, causal, pol["p"], sm_scale, dtype)
             o = o.to(dtype)
@@ -347,7 +350,8 @@ class _Attention(torch.autograd.Function):
                 do_dov.grid_values().to(dtype) if pol["dov"] else None,
                 do_pdo.grid_values()[:, :, :T].to(dtype) if pol["pdo"] else None,
                 None if ds_amax is None else ds_amax.reshape(-1),
-                None if keys is None else keys.reshape(-1, 2), ctx.causal, sm_scale, dtype)
+                None if keys is None else keys.reshape(-1, 2), ctx.causal, sm_scale, dtype,
+                packed=(*ctx.fp4, do_dov, do_pdo) if pol["qkv"] else None)
         else:
             ops = [t.dequantize() for t in ctx.fp4] if pol["qkv"] else [x.float() for x in qkv]
             dq, dk, dv = reference_backward(

@@ -8,8 +8,19 @@ GQA without repeating K/V (query head h reads kv head h // G).
 Operands are plain tensors. With an NVFP4 policy Q, K, V arrive as their grid values q * s_b in bf16
 (exact: at most 6 significant bits) and the per-tensor global scales s_g multiply the fp32
 accumulators afterwards: on Hopper, which has no FP4 tensor cores, the arithmetic of a native NVFP4
-GEMM up to summation order. On Blackwell the native path would be `tl.dot_scaled` with e2m1 operands
-and e4m3 scales; not implemented here.
+GEMM up to summation order.
+
+On Blackwell (nvfp4_gemm.use_dot_scaled: capability 10.x; attention.py passes the packed tensors
+too) the same kernels, with the constexpr FP4_MMA, take the products whose two operands are blocked
+1x16 along the contraction to tl.dot_scaled on e2m1 codes + E4M3 scales (tcgen05.mma
+kind::mxf4nvf4): Q K^T in the forward and both backward passes (Q, K as attention.py packed them),
+dO V^T for fp4_dov / fp4_all (dO 1x16 along D, V), and P^T dO for fp4_all (P^T quantized to codes
+in registers by _quant_rows16, dO 16x1 along T re-packed K-major by nvfp4_gemm._k_major). Same
+numbers as the grid-value route up to fp32 summation order. P V, dS K and dS^T Q stay on the bf16
+MMA: they contract over T, where V, K, Q are blocked along D, and an E2M1 x E4M3 operand needs one
+scale per 16 elements of the contraction; a second quantization along T would change the numbers
+and break forward-backward consistency (docs/blackwell.md). Tiles: SM100_CONFIGS. Hopper compiles
+FP4_MMA=False, the code it compiled before.
 
 In-register quantization (`_fake_quant_rows16`): tiles of dS (and of P in the fp4_pv / fp4_all
 variants) are quantized in 1x16 blocks along the tile's last dim with nvfp4_quant's block scale and
@@ -29,6 +40,7 @@ import triton
 import triton.language as tl
 
 from kernels import nvfp4_quant
+from kernels.nvfp4_gemm import _k_major, use_dot_scaled
 
 LOG2E = 1.4426950408889634
 
@@ -58,6 +70,11 @@ def _patch_interpreter_loop_bounds():
 if _interpreting():
     _patch_interpreter_loop_bounds()
 P_S_ENC = tl.constexpr(448.0 * 6.0)  # P's encode scale: amax(P) <= 1 (attention.P_SCALES)
+# Triton 3.6 fails to compile, for sm_100a, a block-scaled MMA into a fresh zero accumulator inside
+# a loop (TritonGPUOptimizeAccumulatorInit: "'ttng.tmem_alloc' op uninitialized alloc must have a
+# mutable memdesc type"; also with no accumulator); a zero it cannot fold compiles. 3.9 takes the
+# plain zero (3.7 and 3.8 not checked: they keep the workaround).
+OPAQUE_ZERO = tl.constexpr(tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 9))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -73,6 +90,74 @@ def _load_tile(ptr, rows, T, D: tl.constexpr, MASK_ROWS: tl.constexpr, DTYPE: tl
     else:
         x = tl.load(ptr + rows[:, None] * D + cols[None, :])
     return x.to(DTYPE)
+
+
+@triton.jit
+def _load_packed(C, S, rows, T, D: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """FP4_MMA: rows `rows` of a packed (T, D) operand blocked 1x16 along D (its codes (T, D / 2),
+    E4M3 scales (T, D / 16)) as tl.dot_scaled reads a product over D: codes (R, D / 2), two per
+    byte along D, and scales (R, D / 16); rows >= T read as 0 when MASK_ROWS."""
+    return (_load_tile(C, rows, T, D // 2, MASK_ROWS, tl.uint8),
+            _load_tile(S, rows, T, D // 16, MASK_ROWS, tl.float8e4nv))
+
+
+@triton.jit
+def _load_packed_t(C, S, r0, T, D: tl.constexpr, R: tl.constexpr):
+    """FP4_MMA: rows r0 + arange(R) (r0 a multiple of 16) of a packed (T, D) operand
+    blocked 16x1 along T (codes (T, D / 2), scales (T / 16, D)) as the right operand of a product
+    over T: codes (R / 2, D), two per byte along T (re-packed in registers by nvfp4_gemm._k_major:
+    the FP4 MMA reads K-major operands only), and scales (D, R / 16); rows >= T read as 0."""
+    c = _load_tile(C, r0 + tl.arange(0, R), T, D // 2, True, tl.uint8)          # (R, D / 2)
+    srows = r0 // 16 + tl.arange(0, R // 16)
+    s = _load_tile(S, srows, tl.cdiv(T, 16), D, True, tl.float8e4nv)            # (R / 16, D)
+    return tl.trans(_k_major(c, D, R)), tl.trans(s)
+
+
+@triton.jit
+def _dot_fp4(a, sa, b, sb, T):
+    """FP4_MMA: a_hat b_hat^T (fp32) for packed tiles a (M, K / 2), b (N, K / 2) blocked 1x16 along
+    K, with E4M3 scales sa (M, K / 16), sb (N, K / 16): tl.dot_scaled, which lowers to the
+    block-scaled FP4 MMA (tcgen05.mma kind::mxf4nvf4, one scale per 16 elements). T: any runtime
+    int (see OPAQUE_ZERO)."""
+    acc = tl.zeros((a.shape[0], b.shape[0]), dtype=tl.float32)
+    if OPAQUE_ZERO:
+        acc += T * 0.0    # exactly 0, and not a constant the compiler can see
+    return tl.dot_scaled(a, sa, "e2m1", b.T, sb, "e2m1", acc)
+
+
+@triton.jit
+def _head(C, S, head, T, D: tl.constexpr, ALONG_T: tl.constexpr):
+    """FP4_MMA: one head's codes and scales in a packed (heads, T, D) operand blocked 1x16 along D,
+    or with ALONG_T 16x1 along T (T zero-padded to a multiple of 16, as attention.py quantizes dO
+    for P^T dO)."""
+    if ALONG_T:
+        Tp = tl.cdiv(T, 16) * 16
+        c, s = C + head.to(tl.int64) * Tp * (D // 2), S + head.to(tl.int64) * (Tp // 16) * D
+    else:
+        c, s = C + head.to(tl.int64) * T * (D // 2), S + head.to(tl.int64) * T * (D // 16)
+    return c, s
+
+
+@triton.jit
+def _load_head(C, S, head, rows, T, D: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """FP4_MMA: _load_packed of rows `rows` of one head of a packed 1x16 operand (_head)."""
+    c, s = _head(C, S, head, T, D, False)
+    return _load_packed(c, s, rows, T, D, MASK_ROWS)
+
+
+@triton.jit
+def _quant_rows16(x, s_enc, s_dec, R: tl.constexpr, C: tl.constexpr):
+    """FP4_MMA: _fake_quant_rows16's RTN quantization of an (R, C) fp32 tile as tl.dot_scaled reads
+    it: E2M1 codes (R, C / 2), two per byte along C (the even element low), and E4M3 scales
+    (R, C / 16). code * scale is _fake_quant_rows16's q * s_b bit for bit: the same block and
+    element scales, and nvfp4_quant's _rtn_e2m1 is the same ties-to-even rounding as its
+    value-domain one."""
+    xb = tl.reshape(x, (R, C // 16, 16))
+    _, bits, _, inv = nvfp4_quant._block_scale(tl.max(tl.abs(xb), axis=2), s_enc, s_dec, 6.0)
+    a = tl.minimum(tl.abs(xb) * inv[:, :, None], 6.0)
+    code = nvfp4_quant._rtn_e2m1(a) | (((xb < 0) & (a > 0)).to(tl.int32) << 3)
+    lo, hi = tl.split(tl.reshape(code, (R, C // 2, 2)))
+    return (lo | (hi << 4)).to(tl.uint8), bits.to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit
@@ -158,14 +243,18 @@ def _fake_quant_rows16(x, s_enc, s_dec, r, R: tl.constexpr, C: tl.constexpr, SR:
 # forward
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, K, V, start, end, offs_m, T, s_scale, sg_p,
+def _fwd_inner(acc, l_i, m_i, q, qs, K, KC, KS, V, start, end, offs_m, T, s_scale, sg_p,
                D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
                CAUSAL: tl.constexpr, QUANT_P: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr,
-               EMU: tl.constexpr):
+               EMU: tl.constexpr, FP4_MMA: tl.constexpr):
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(K, offs_n, T, D, MASK, DTYPE)                                   # (N, D)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * s_scale  # (M, N) log2 domain
+        if FP4_MMA:   # q, qs: Q's codes and scales; Q K^T on the FP4 MMA (blocks along D)
+            kc, ks = _load_packed(KC, KS, offs_n, T, D, MASK)
+            s = _dot_fp4(q, qs, kc, ks, T) * s_scale
+        else:
+            k = _load_tile(K, offs_n, T, D, MASK, DTYPE)                               # (N, D)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * s_scale  # (M, N) log2 domain
         if MASK:
             ok = offs_n[None, :] < T
             if CAUSAL:
@@ -187,9 +276,10 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, start, end, offs_m, T, s_scale, sg_p,
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, SG, O, LSE, T, H, G, qk_scale,
+def _attn_fwd(Q, K, V, SG, O, LSE, T, H, G, qk_scale, QC, QS, KC, KS,
               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-              QUANT_P: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
+              QUANT_P: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr,
+              FP4_MMA: tl.constexpr):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)   # heaviest causal tiles first
     bh = tl.program_id(1)
     bkv = (bh // H) * (H // G) + (bh % H) // G            # the kv head of query head h: h // G
@@ -200,7 +290,12 @@ def _attn_fwd(Q, K, V, SG, O, LSE, T, H, G, qk_scale,
     sg_v = tl.load(SG + 2)
     sg_p = tl.load(SG + 3)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    q = _load_tile(Q + bh.to(tl.int64) * T * D, offs_m, T, D, True, DTYPE)            # (M, D)
+    if FP4_MMA:
+        KC, KS = _head(KC, KS, bkv, T, D, False)
+        q, qs = _load_head(QC, QS, bh, offs_m, T, D, True)
+    else:
+        q = _load_tile(Q + bh.to(tl.int64) * T * D, offs_m, T, D, True, DTYPE)        # (M, D)
+        qs = None
     s_scale = qk_scale * sg_q * sg_k
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -211,10 +306,12 @@ def _attn_fwd(Q, K, V, SG, O, LSE, T, H, G, qk_scale,
     else:
         lo = (T // BLOCK_N) * BLOCK_N
         hi = T
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, 0, lo, offs_m, T, s_scale, sg_p,
-                               D, BLOCK_M, BLOCK_N, False, CAUSAL, QUANT_P, DTYPE, PREC, EMU)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, lo, hi, offs_m, T, s_scale, sg_p,
-                               D, BLOCK_M, BLOCK_N, True, CAUSAL, QUANT_P, DTYPE, PREC, EMU)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, qs, K, KC, KS, V, 0, lo, offs_m, T, s_scale,
+                               sg_p, D, BLOCK_M, BLOCK_N, False, CAUSAL, QUANT_P, DTYPE, PREC, EMU,
+                               FP4_MMA)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, qs, K, KC, KS, V, lo, hi, offs_m, T, s_scale,
+                               sg_p, D, BLOCK_M, BLOCK_N, True, CAUSAL, QUANT_P, DTYPE, PREC, EMU,
+                               FP4_MMA)
     o = acc * ((sg_v * sg_p) / l_i)[:, None]   # s_g(P) is 1 unless QUANT_P
     rmask = offs_m < T
     tl.store(LSE + bh.to(tl.int64) * T + offs_m, m_i + tl.math.log2(l_i), mask=rmask)
@@ -229,10 +326,11 @@ def _attn_fwd(Q, K, V, SG, O, LSE, T, H, G, qk_scale,
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, Q, DO, DOQ, DOT, LSE, DELTA, key, start, end, offs_n, T, s_scale,
-                sg_dp, se_ds, sg_ds, sg_p, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                sg_dp, se_ds, sg_ds, sg_p, kc, ks, vc, vs, QC, QS, DOQC, DOQS, DOTC, DOTS, bh,
+                D: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
                 QUANT_DS: tl.constexpr, QUANT_DOV: tl.constexpr, QUANT_PDO: tl.constexpr,
-                DTYPE: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
+                DTYPE: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr, FP4_MMA: tl.constexpr):
     cols = tl.arange(0, D)
     for start_m in range(start, end, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -242,7 +340,11 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, DOQ, DOT, LSE, DELTA, key, start, end, offs
                      other=0.0).to(DTYPE)
         lse = tl.load(LSE + offs_m, mask=rmask, other=float("inf"))  # rows >= T: P = 0
         delta = tl.load(DELTA + offs_m, mask=rmask, other=0.0)
-        sT = tl.dot(k, tl.trans(q), input_precision=PREC) * s_scale                  # (N, M)
+        if FP4_MMA:   # S^T = K Q^T on the FP4 MMA (both blocked along D, its contraction)
+            qc, qs = _load_head(QC, QS, bh, offs_m, T, D, True)
+            sT = _dot_fp4(kc, ks, qc, qs, T) * s_scale
+        else:
+            sT = tl.dot(k, tl.trans(q), input_precision=PREC) * s_scale              # (N, M)
         pT = tl.math.exp2(sT - lse[None, :])
         if MASK:
             if CAUSAL:
@@ -250,14 +352,22 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, DOQ, DOT, LSE, DELTA, key, start, end, offs
         if not CAUSAL:  # keys >= T (zero rows of a partial key tile) must not reach dS's block amax
             pT = tl.where(offs_n[:, None] < T, pT, 0.0)
         # fp4_all: P^T dO with P in 1x16 blocks along the queries (its contraction dim)
-        if QUANT_PDO:
+        if QUANT_PDO and FP4_MMA:   # P^T quantized to codes in registers, dO packed 16x1 along T
+            pc, ps = _quant_rows16(pT, P_S_ENC, sg_p, BLOCK_N, BLOCK_M)
+            dtc, dts = _head(DOTC, DOTS, bh, T, D, True)
+            dtc, dts = _load_packed_t(dtc, dts, start_m, T, D, BLOCK_M)
+            dv = tl.dot_scaled(pc, ps, "e2m1", dtc, dts, "e2m1", dv)
+        elif QUANT_PDO:
             doT = tl.load(DOT + offs_m[:, None] * D + cols[None, :], mask=rmask[:, None],
                           other=0.0).to(DTYPE)
             pq = _fake_quant_rows16(pT, P_S_ENC, sg_p, pT, BLOCK_N, BLOCK_M, False)
             dv = tl.dot(_op(pq, DTYPE, EMU), doT, dv, input_precision=PREC)
         else:
             dv = tl.dot(_op(pT, DTYPE, EMU), do, dv, input_precision=PREC)  # dV += P^T dO
-        if QUANT_DOV:
+        if QUANT_DOV and FP4_MMA:   # dP^T = V dO^T on the FP4 MMA (both blocked along D)
+            doc, dos = _load_head(DOQC, DOQS, bh, offs_m, T, D, True)
+            dpT = _dot_fp4(vc, vs, doc, dos, T) * sg_dp
+        elif QUANT_DOV:
             doq = tl.load(DOQ + offs_m[:, None] * D + cols[None, :], mask=rmask[:, None],
                           other=0.0).to(DTYPE)
             dpT = tl.dot(v, tl.trans(doq), input_precision=PREC) * sg_dp
@@ -274,10 +384,11 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, DOQ, DOT, LSE, DELTA, key, start, end, offs
 
 @triton.jit
 def _attn_bwd_dkdv(Q, K, V, SG, DO, DOQ, DOT, LSE, DELTA, SGDS, KEYS, DK, DV, T, H, G, qk_scale,
-                   sm_scale, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   sm_scale, QC, QS, KC, KS, VC, VS, DOQC, DOQS, DOTC, DOTS,
+                   D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, QUANT_DS: tl.constexpr, QUANT_DOV: tl.constexpr,
                    QUANT_PDO: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr,
-                   EMU: tl.constexpr):
+                   EMU: tl.constexpr, FP4_MMA: tl.constexpr):
     pid_n = tl.program_id(0)
     bkv = tl.program_id(1)                    # b * Hkv + kv head
     Hkv = H // G
@@ -293,6 +404,11 @@ def _attn_bwd_dkdv(Q, K, V, SG, DO, DOQ, DOT, LSE, DELTA, SGDS, KEYS, DK, DV, T,
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k = _load_tile(K + bkv.to(tl.int64) * T * D, offs_n, T, D, True, DTYPE)
     v = _load_tile(V + bkv.to(tl.int64) * T * D, offs_n, T, D, True, DTYPE)
+    kc, ks, vc, vs = None, None, None, None
+    if FP4_MMA:   # the packed K (and V) tiles of the FP4 products
+        kc, ks = _load_head(KC, KS, bkv, offs_n, T, D, True)
+        if QUANT_DOV:
+            vc, vs = _load_head(VC, VS, bkv, offs_n, T, D, True)
     s_scale = qk_scale * sg_q * sg_k
     dk = tl.zeros([BLOCK_N, D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, D], dtype=tl.float32)
@@ -320,17 +436,20 @@ def _attn_bwd_dkdv(Q, K, V, SG, DO, DOQ, DOT, LSE, DELTA, SGDS, KEYS, DK, DV, T,
         # the queries of the causal band (masked), then whole query tiles, then a partial last tile
         # (masked)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, DO + row, DOQ + row, DOT + row, LSE + bh * T,
-                             DELTA + bh * T, key, lo, mid, offs_n, T, s_scale, sg_dp, se_ds, sg_ds,
-                             sg_p, D, BLOCK_M, BLOCK_N, True,
-                             CAUSAL, QUANT_DS, QUANT_DOV, QUANT_PDO, DTYPE, PREC, EMU)
+                             DELTA + bh * T, key, lo, mid, offs_n, T, s_scale, sg_dp, se_ds,
+                             sg_ds, sg_p, kc, ks, vc, vs, QC, QS, DOQC, DOQS, DOTC, DOTS, bh, D,
+                             BLOCK_M, BLOCK_N, True, CAUSAL, QUANT_DS, QUANT_DOV, QUANT_PDO, DTYPE,
+                             PREC, EMU, FP4_MMA)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, DO + row, DOQ + row, DOT + row, LSE + bh * T,
                              DELTA + bh * T, key, mid, n_full, offs_n, T, s_scale, sg_dp, se_ds,
-                             sg_ds, sg_p, D, BLOCK_M, BLOCK_N, False,
-                             CAUSAL, QUANT_DS, QUANT_DOV, QUANT_PDO, DTYPE, PREC, EMU)
+                             sg_ds, sg_p, kc, ks, vc, vs, QC, QS, DOQC, DOQS, DOTC, DOTS, bh, D,
+                             BLOCK_M, BLOCK_N, False, CAUSAL, QUANT_DS, QUANT_DOV, QUANT_PDO, DTYPE,
+                             PREC, EMU, FP4_MMA)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, DO + row, DOQ + row, DOT + row, LSE + bh * T,
                              DELTA + bh * T, key, n_full, T, offs_n, T, s_scale, sg_dp, se_ds,
-                             sg_ds, sg_p, D, BLOCK_M, BLOCK_N, True,
-                             CAUSAL, QUANT_DS, QUANT_DOV, QUANT_PDO, DTYPE, PREC, EMU)
+                             sg_ds, sg_p, kc, ks, vc, vs, QC, QS, DOQC, DOQS, DOTC, DOTS, bh, D,
+                             BLOCK_M, BLOCK_N, True, CAUSAL, QUANT_DS, QUANT_DOV, QUANT_PDO, DTYPE,
+                             PREC, EMU, FP4_MMA)
     dk = dk * (sg_prev * sm_scale * sg_q)
     dv = dv * (sg_p * sg_pdo)                 # 1 unless QUANT_PDO
     cols = tl.arange(0, D)
@@ -345,21 +464,32 @@ def _attn_bwd_dkdv(Q, K, V, SG, DO, DOQ, DOT, LSE, DELTA, SGDS, KEYS, DK, DV, T,
 
 @triton.jit
 def _dq_inner(dq, q, do, lse, delta, K, V, key, start, end, offs_m, T, s_scale, sg_dp, se_ds, sg_ds,
+              qc, qs, doc, dos, KC, KS, VC, VS,
               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
               CAUSAL: tl.constexpr, QUANT_DS: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr,
-              EMU: tl.constexpr):
+              EMU: tl.constexpr, QUANT_DOV: tl.constexpr, FP4_MMA: tl.constexpr):
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_tile(K, offs_n, T, D, MASK, DTYPE)
-        v = _load_tile(V, offs_n, T, D, MASK, DTYPE)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * s_scale                   # (M, N)
+        if FP4_MMA:   # S = Q K^T on the FP4 MMA (both blocked along D, its contraction)
+            kc, ks = _load_packed(KC, KS, offs_n, T, D, MASK)
+            s = _dot_fp4(qc, qs, kc, ks, T) * s_scale
+        else:
+            v = _load_tile(V, offs_n, T, D, MASK, DTYPE)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * s_scale               # (M, N)
         p = tl.math.exp2(s - lse[:, None])
         if MASK:
             ok = offs_n[None, :] < T
             if CAUSAL:
                 ok = ok & (offs_n[None, :] <= offs_m[:, None])
             p = tl.where(ok, p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC) * sg_dp                   # dP = dO V^T
+        if FP4_MMA and QUANT_DOV:   # dP = dO V^T on the FP4 MMA (both blocked along D)
+            vc, vs = _load_packed(VC, VS, offs_n, T, D, MASK)
+            dp = _dot_fp4(doc, dos, vc, vs, T) * sg_dp
+        else:
+            if FP4_MMA:
+                v = _load_tile(V, offs_n, T, D, MASK, DTYPE)
+            dp = tl.dot(do, tl.trans(v), input_precision=PREC) * sg_dp               # dP = dO V^T
         ds = p * (dp - delta[:, None])
         if QUANT_DS:   # dQ = dS K contracts over keys: 1x16 blocks of dS along the keys, SR
             r = _ds_random_words(key, offs_m, start_n, T, BLOCK_M, BLOCK_N, False)
@@ -370,9 +500,11 @@ def _dq_inner(dq, q, do, lse, delta, K, V, key, start, end, offs_m, T, s_scale, 
 
 @triton.jit
 def _attn_bwd_dq(Q, K, V, SG, DO, LSE, DELTA, SGDS, KEYS, DQ, T, H, G, qk_scale, sm_scale,
+                 QC, QS, KC, KS, VC, VS, DOC, DOS,
                  D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  CAUSAL: tl.constexpr, QUANT_DS: tl.constexpr, DTYPE: tl.constexpr,
-                 PREC: tl.constexpr, EMU: tl.constexpr):
+                 PREC: tl.constexpr, EMU: tl.constexpr, QUANT_DOV: tl.constexpr,
+                 FP4_MMA: tl.constexpr):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1)
     bkv = (bh // H) * (H // G) + (bh % H) // G
@@ -395,6 +527,13 @@ def _attn_bwd_dq(Q, K, V, SG, DO, LSE, DELTA, SGDS, KEYS, DQ, T, H, G, qk_scale,
     delta = tl.load(DELTA + bh * T + offs_m, mask=rmask, other=0.0)
     K += bkv.to(tl.int64) * T * D
     V += bkv.to(tl.int64) * T * D
+    qc, qs, doc, dos = None, None, None, None
+    if FP4_MMA:   # the packed Q (and dO) tiles and K's (and V's) head of the FP4 products
+        qc, qs = _load_head(QC, QS, bh, offs_m, T, D, True)
+        KC, KS = _head(KC, KS, bkv, T, D, False)
+        if QUANT_DOV:
+            doc, dos = _load_head(DOC, DOS, bh, offs_m, T, D, True)
+            VC, VS = _head(VC, VS, bkv, T, D, False)
     s_scale = qk_scale * sg_q * sg_k
     dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     if CAUSAL:
@@ -404,9 +543,11 @@ def _attn_bwd_dq(Q, K, V, SG, DO, LSE, DELTA, SGDS, KEYS, DQ, T, H, G, qk_scale,
         lo = (T // BLOCK_N) * BLOCK_N
         hi = T
     dq = _dq_inner(dq, q, do, lse, delta, K, V, key, 0, lo, offs_m, T, s_scale, sg_dp, se_ds, sg_ds,
-                   D, BLOCK_M, BLOCK_N, False, CAUSAL, QUANT_DS, DTYPE, PREC, EMU)
+                   qc, qs, doc, dos, KC, KS, VC, VS, D, BLOCK_M, BLOCK_N, False, CAUSAL, QUANT_DS,
+                   DTYPE, PREC, EMU, QUANT_DOV, FP4_MMA)
     dq = _dq_inner(dq, q, do, lse, delta, K, V, key, lo, hi, offs_m, T, s_scale, sg_dp, se_ds,
-                   sg_ds, D, BLOCK_M, BLOCK_N, True, CAUSAL, QUANT_DS, DTYPE, PREC, EMU)
+                   sg_ds, qc, qs, doc, dos, KC, KS, VC, VS, D, BLOCK_M, BLOCK_N, True, CAUSAL,
+                   QUANT_DS, DTYPE, PREC, EMU, QUANT_DOV, FP4_MMA)
     dq = dq * (sm_scale * sg_k * sg_ds)
     tl.store(DQ + row + offs_m[:, None] * D + cols[None, :],
              _round_bf16(dq, EMU).to(DQ.dtype.element_ty), mask=rmask[:, None])
@@ -440,6 +581,12 @@ DQ_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
 # whatever the tile size.
 DKDV_CONFIG_QUANT_DS = dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3)
 DQ_CONFIG_QUANT_DS = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=4)
+# FP4_MMA (Blackwell): tl.dot_scaled lowers to the block-scaled FP4 MMA only for 128 rows (tiles of
+# 64 rows compile to a bf16 MMA on upcast operands), and P^T dO (fp4_all) contracts over the query
+# tile, which must hold the MMA's K step (64). Untuned: not run on a Blackwell GPU.
+SM100_CONFIGS = {"fwd": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
+                 "dkdv": dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
+                 "dq": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)}
 # The forward's key tile is part of the fp4_pv / fp4_all numbers (P~ = exp(S - running max) is
 # quantized per tile), so the reference uses it too. Every other policy gives the same numbers for
 # any tiles.
@@ -461,39 +608,53 @@ def _meta(dtype, kind, config, D):
                 PREC="ieee" if dtype == torch.float32 else "tf32", D=D, **cfg)
 
 
+def _packed(*tensors):
+    """FP4_MMA's operand arguments: (codes, scales) of each packed tensor (nvfp4.NVFP4Tensor), or
+    (None, None) for a product this call does not take to the FP4 MMA."""
+    return [x for t in tensors
+            for x in ((None, None) if t is None else (t.codes.contiguous(), t.scales.contiguous()))]
+
+
 def as_int32(keys):
     """uint32 values held in int64 -> the same bits as int32 (the kernels bitcast them back)."""
     return torch.where(keys >= 2**31, keys - 2**32, keys).to(torch.int32).contiguous()
 
 
-def flash_forward(q, k, v, scales, causal, sm_scale, quant_p, dtype):
+def flash_forward(q, k, v, scales, causal, sm_scale, quant_p, dtype, packed=None):
     """q (B, H, T, D), k, v (B, Hkv, T, D): operand values (bf16 grid values q * s_b for NVFP4
     operands).
     scales: fp32 (6,) [s_g(Q), s_g(K), s_g(V), s_g(P), s_g(dO for dO V^T), s_g(dO for P^T dO)],
-    1 where unused. Returns o (B, H, T, D) in dtype and lse2 (B, H, T) fp32 (log2 domain)."""
+    1 where unused. packed: the NVFP4Tensors (Q, K, V) whose grid values q, k, v are, or None; on
+    a GPU with FP4 tensor cores (use_dot_scaled) Q K^T multiplies their codes and scales.
+    Returns o (B, H, T, D) in dtype and lse2 (B, H, T) fp32 (log2 domain)."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     o = torch.empty(B, H, T, D, device=q.device, dtype=dtype)
     lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
-    meta = _meta(dtype, "fwd", FWD_CONFIG, D)
+    fp4_mma = packed is not None and use_dot_scaled(q.device)
+    meta = _meta(dtype, "fwd", SM100_CONFIGS["fwd"] if fp4_mma else FWD_CONFIG, D)
     # the numbers depend on the key tile: keep the reference's (and a query tile it divides)
     if quant_p:
         meta["BLOCK_N"] = P_BLOCK_N
         meta["BLOCK_M"] = max(meta["BLOCK_M"], P_BLOCK_N)
     grid = (triton.cdiv(T, meta["BLOCK_M"]), B * H)
-    _attn_fwd[grid](q, k, v, scales, o, lse, T, H, H // Hkv, sm_scale * LOG2E, CAUSAL=causal,
-                    QUANT_P=quant_p, **meta)
+    _attn_fwd[grid](q, k, v, scales, o, lse, T, H, H // Hkv, sm_scale * LOG2E,
+                    *_packed(*(packed[:2] if fp4_mma else (None, None))), CAUSAL=causal,
+                    QUANT_P=quant_p, FP4_MMA=fp4_mma, **meta)
     return o, lse
 
 
 def flash_backward(q, k, v, scales, do, lse, delta, do_dov, do_pdo, ds_amax, keys, causal, sm_scale,
-                   dtype):
+                   dtype, packed=None):
     """dq (B, H, T, D), dk, dv (B, Hkv, T, D) in dtype. q, k, v, scales: as flash_forward's.
     do_dov / do_pdo: dO's NVFP4 grid values (q * s_b) for dO V^T / P^T dO (fp4_dov, fp4_all), or
     None; ds_amax: (B*H,) fp32 bounds on |dS| (attention.ds_bound: its global scales derive from
     them), or None (dS in BF16); keys: (B*H, 2) uint32 values (int64) of the SR streams of the dQ
-    and dK passes."""
+    and dK passes. packed: the NVFP4Tensors (Q, K, V, dO for dO V^T or None, dO for P^T dO (T
+    zero-padded to a multiple of 16) or None) behind those grid values, or None; on a GPU with FP4
+    tensor cores (use_dot_scaled) the products whose operands are all blocked along the
+    contraction multiply their codes and scales."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
@@ -509,16 +670,24 @@ def flash_backward(q, k, v, scales, do, lse, delta, do_dov, do_pdo, ds_amax, key
     dq = torch.empty(B, H, T, D, device=dev, dtype=dtype)
     dk = torch.empty(B, Hkv, T, D, device=dev, dtype=dtype)
     dv = torch.empty(B, Hkv, T, D, device=dev, dtype=dtype)
-    meta = _meta(dtype, "dkdv", DKDV_CONFIG_QUANT_DS if quant_ds else DKDV_CONFIG, D)
+    fp4_mma = packed is not None and use_dot_scaled(dev)
+    qp, kp, vp, dovp, pdop = packed if fp4_mma else (None,) * 5
+    vp = vp if dovp is not None else None            # V's codes: only for dO V^T (fp4_dov, fp4_all)
+    meta = _meta(dtype, "dkdv", SM100_CONFIGS["dkdv"] if fp4_mma else
+                 DKDV_CONFIG_QUANT_DS if quant_ds else DKDV_CONFIG, D)
     grid = (triton.cdiv(T, meta["BLOCK_N"]), B * Hkv)
     _attn_bwd_dkdv[grid](q, k, v, scales, do, do_dov, do_pdo, lse, delta, ds_amax, keys, dk, dv,
-                         T, H, H // Hkv, sm_scale * LOG2E, sm_scale, CAUSAL=causal,
-                         QUANT_DS=quant_ds, QUANT_DOV=quant_dov, QUANT_PDO=quant_pdo, **meta)
-    meta = _meta(dtype, "dq", DQ_CONFIG_QUANT_DS if quant_ds else DQ_CONFIG, D)
+                         T, H, H // Hkv, sm_scale * LOG2E, sm_scale,
+                         *_packed(qp, kp, vp, dovp, pdop), CAUSAL=causal,
+                         QUANT_DS=quant_ds, QUANT_DOV=quant_dov, QUANT_PDO=quant_pdo,
+                         FP4_MMA=fp4_mma, **meta)
+    meta = _meta(dtype, "dq", SM100_CONFIGS["dq"] if fp4_mma else
+                 DQ_CONFIG_QUANT_DS if quant_ds else DQ_CONFIG, D)
     grid = (triton.cdiv(T, meta["BLOCK_M"]), B * H)
     _attn_bwd_dq[grid](q, k, v, scales, do_dov, lse, delta, ds_amax, keys, dq,
-                       T, H, H // Hkv, sm_scale * LOG2E, sm_scale, CAUSAL=causal, QUANT_DS=quant_ds,
-                       **meta)
+                       T, H, H // Hkv, sm_scale * LOG2E, sm_scale,
+                       *_packed(qp, kp, vp, dovp), CAUSAL=causal, QUANT_DS=quant_ds,
+                       QUANT_DOV=quant_dov, FP4_MMA=fp4_mma, **meta)
     return dq, dk, dv
 
 

@@ -17,6 +17,7 @@ checked as far as a machine without a Blackwell GPU allows:
 Neither speed nor numerics on Blackwell hardware is tested here (docs/blackwell.md).
 """
 
+import collections
 import importlib.util
 import os
 import re
@@ -334,3 +335,167 @@ def test_every_blackwell_product_lowers_to_the_block_scaled_fp4_mma():
     assert {line[0] for line in lines if line[3] == "layers"} == {
         "_nvfp4_gemm_sm100_kernel", "_quantize_rows_kernel", "_quantize_cols_kernel",
         "_quantize_kernel", "_dequantize_rows_kernel"}
+
+
+# --------------------------------------------------------------------------------------------
+# Attention's FP4 products (kernels/flash_attention.py, FP4_MMA): Q K^T in the forward and both
+# backward passes, dO V^T and P^T dO where the policy quantizes dO; the products that contract
+# over T with an operand blocked along D (P V, dS K, dS^T Q) stay on the bf16 MMA
+# (docs/blackwell.md)
+
+# packed operands a launch takes to the FP4 MMA: forward Q, K; dK/dV Q, K (+ V, dO, dO^T);
+# dQ Q, K (+ V, dO)
+ATTENTION_PACKED = {"fp4": [2, 2, 2], "fp4_pv": [2, 2, 2], "fp4_dov": [2, 4, 4],
+                    "fp4_all": [2, 5, 4]}
+
+
+@pytest.fixture
+def blackwell_attention(monkeypatch):
+    """attention.py's kernel route as a Blackwell GPU takes it (FP4_MMA), on CPU tensors in the
+    interpreter; yields the number of packed operands of each flash launch."""
+    from kernels import flash_attention as fa
+    counts, packed = [], fa._packed
+
+    def counted(*tensors):
+        counts.append(sum(t is not None for t in tensors))
+        return packed(*tensors)
+
+    monkeypatch.setattr(fa, "use_dot_scaled", lambda device: True)
+    monkeypatch.setattr(fa, "_packed", counted)
+    with e4m3_dot_scaled_scales():
+        yield counts
+
+
+def attention_grads(q, k, v, do, policy, causal, impl):
+    """O, dQ, dK, dV of attention.attention with the SR draws of seed 5."""
+    import attention
+    xs = [x.clone().requires_grad_() for x in (q, k, v)]
+    torch.manual_seed(5)
+    o = attention.attention(*xs, causal=causal, policy=policy, impl=impl)
+    return (o, *torch.autograd.grad(o, xs, do))
+
+
+def check_attention(counts, policy, causal, T, D, H=4, Hkv=2):
+    """The Blackwell kernels equal attention.py's reference with the same draws: fp32 sums in
+    another order, then the same roundings (as tests/test_attention.py's kernel == reference)."""
+    g = torch.Generator().manual_seed(T * D + H)
+    q, k, v, do = (torch.randn(1, h, T, D, generator=g) for h in (H, Hkv, Hkv, H))
+    v = v + 3.0  # |D_i| >> |dP - D|: a stray P on a padded key would own its dS block's amax
+    ref = attention_grads(q, k, v, do, policy, causal, "reference")
+    counts.clear()
+    out = attention_grads(q, k, v, do, policy, causal, "triton")
+    assert counts == ATTENTION_PACKED[policy]
+    for name, a, b in zip(("O", "dQ", "dK", "dV"), out, ref):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert nvfp4.relative_mse(b, a) < 1e-10, (name, nvfp4.relative_mse(b, a))
+
+
+@needs_interpreted_dot_scaled
+@pytest.mark.parametrize("policy,causal,T,D", [
+    ("fp4", True, 37, 64), ("fp4", False, 37, 128), ("fp4_pv", True, 40, 64),
+    ("fp4_dov", False, 50, 64), ("fp4_all", True, 70, 128), ("fp4_all", False, 37, 64)])
+def test_blackwell_attention_equals_the_reference(blackwell_attention, policy, causal, T, D):
+    """Forward and backward of each FP4 policy with FP4_MMA, GQA (4 query heads on 2 kv heads), T
+    not a multiple of any tile; the interpreter's small tiles."""
+    check_attention(blackwell_attention, policy, causal, T, D)
+
+
+@needs_interpreted_dot_scaled
+def test_blackwell_attention_on_its_gpu_tiles(blackwell_attention, monkeypatch):
+    """fp4_all (every FP4 product) on the tiles a Blackwell GPU runs (SM100_CONFIGS: 128-row
+    tiles, a 64-query tile for P^T dO's contraction), T a multiple of neither."""
+    from kernels import flash_attention as fa
+    monkeypatch.setattr(fa, "INTERPRET_CONFIGS", {
+        kind: {k: c[k] for k in ("BLOCK_M", "BLOCK_N")} for kind, c in fa.SM100_CONFIGS.items()})
+    check_attention(blackwell_attention, "fp4_all", True, 150, 64, H=2, Hkv=1)
+
+
+def record_attention_launches(policy, D, B=1, H=4, Hkv=2, T=256):
+    """The flash launches of one policy's forward and backward on the Blackwell route (zeros as
+    operands; run under tests/compile_for_target.py's launch recorder)."""
+    from kernels import flash_attention as fa
+    fa.use_dot_scaled = lambda device: True
+    pol, dtype = __import__("attention").POLICIES[policy], torch.bfloat16
+    x, kv = torch.zeros(B, H, T, D, dtype=dtype), torch.zeros(B, Hkv, T, D, dtype=dtype)
+    qp, kp = nvfp4.quantize(x.float(), (1, 16)), nvfp4.quantize(kv.float(), (1, 16))
+    dov = x if pol["dov"] else None
+    pdo = x if pol["pdo"] else None
+    ones, lse = torch.ones(6), torch.zeros(B, H, T)
+    fa.flash_forward(x, kv, kv, ones, True, 0.1, pol["p"], dtype, packed=(qp, kp, kp))
+    packed = (qp, kp, kp, qp if pol["dov"] else None,
+              nvfp4.quantize(x.float(), (16, 1)) if pol["pdo"] else None)
+    fa.flash_backward(x, kv, kv, ones, x, lse, lse, dov, pdo, torch.ones(B * H),
+                      torch.zeros(B * H, 2, dtype=torch.int64), True, 0.1, dtype, packed=packed)
+
+
+def compile_recorded(cft, target):
+    """Lines "<kernel> <arch> <MMA instruction>:<count>,..." for each recorded launch, compiled
+    for target with the launcher's argument types and options (None arguments as constexprs, as
+    Triton's launcher specializes them)."""
+    from triton.compiler import ASTSource
+    for fn, args, kwargs in cft.LAUNCHES:
+        bound = dict(zip(fn.arg_names, args), **kwargs)
+        signature, constexprs = {}, {}
+        for i, name in enumerate(fn.arg_names):
+            if i in fn.constexprs or bound[name] is None:
+                signature[name], constexprs[(i,)] = "constexpr", bound[name]
+            else:
+                signature[name] = cft.type_of(bound[name])
+        options = {k: v for k, v in kwargs.items() if k not in fn.arg_names}
+        ptx = triton.compile(ASTSource(fn, signature, constexprs), target=target,
+                             options=options).asm["ptx"]
+        mma = collections.Counter(re.findall(r"\b(?:tcgen05\.mma|wgmma\.mma_async|mma\.sync)"
+                                             r"[\w.:]*", ptx))
+        arch = re.search(r"\.target (\S+)", ptx).group(1)
+        print(fn.__name__, arch, ",".join(f"{k}:{n}" for k, n in sorted(mma.items())), flush=True)
+
+
+def compile_attention(policy, D):
+    """{kernel: (arch, {MMA instruction: count})} of the policy's flash kernels for sm_100a, from
+    this file run as a script (a subprocess: the suite runs interpreted)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    return subprocess.Popen([sys.executable, __file__, "attention", policy, str(D)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _compiled(proc):
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    kernels = {}
+    for line in out.splitlines():
+        kernel, arch, mma = line.split(" ")
+        kernels[kernel] = arch, {k: int(n) for k, n in (m.rsplit(":", 1) for m in mma.split(","))}
+    return kernels
+
+
+@pytest.mark.skipif(not _can_target_blackwell(), reason="this Triton cannot compile "
+                    "tl.dot_scaled for sm_100a (needs Triton >= 3.3 with its NVIDIA backend)")
+def test_attention_fp4_products_lower_to_the_block_scaled_fp4_mma():
+    """Each flash kernel of the fp4 policy (Q K^T) and of fp4_all (also dO V^T and P^T dO)
+    compiles for sm_100a with FP4_MMA: its FP4 products to the block-scaled FP4 MMA, the rest
+    (P V, dO V^T's and P^T dO's bf16 forms, dS K, dS^T Q) to the bf16 one. D = 64: every FP4
+    product has K = 64, so each is the same number of MMA instructions, and fp4_all's dK/dV
+    (3 FP4 products) and dQ (2) pass must hold 3x and 2x the fp4 policy's (1 each)."""
+    runs = {policy: compile_attention(policy, 64) for policy in ("fp4", "fp4_all")}
+    kernels = {policy: _compiled(proc) for policy, proc in runs.items()}
+    fp4_count = {}
+    for policy, compiled in kernels.items():
+        assert set(compiled) == {"_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq"}, compiled
+        for kernel, (arch, mma) in compiled.items():
+            assert arch == "sm_100a", (policy, kernel, arch)
+            fp4 = [k for k in mma if FP4_MMA.fullmatch(k)]
+            assert len(fp4) == 1, (policy, kernel, mma)
+            assert set(mma) == {fp4[0], "tcgen05.mma.cta_group::1.kind::f16"}, (policy, kernel, mma)
+            fp4_count[policy, kernel] = mma[fp4[0]]
+    assert fp4_count["fp4_all", "_attn_fwd"] == fp4_count["fp4", "_attn_fwd"]
+    assert fp4_count["fp4_all", "_attn_bwd_dkdv"] == 3 * fp4_count["fp4", "_attn_bwd_dkdv"]
+    assert fp4_count["fp4_all", "_attn_bwd_dq"] == 2 * fp4_count["fp4", "_attn_bwd_dq"]
+
+
+if __name__ == "__main__":  # python tests/test_blackwell.py attention <policy> <D>
+    import compile_for_target  # records launches instead of running them
+    from triton.backends.compiler import GPUTarget
+    record_attention_launches(sys.argv[2], int(sys.argv[3]))
+    compile_recorded(compile_for_target, GPUTarget("cuda", 100, 32))
