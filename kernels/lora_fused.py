@@ -6,8 +6,10 @@ residual needs anyway, as r extra columns of one bf16 cuBLAS GEMM over the exact
     dX = s_g (dY_hat W_hat)  + (beta dY L2) L1    = s_g ([dY_hat | beta dY L2 / s_g] [W_hat ; L1])
 
 with X_hat, W_hat the bf16 grid values q * s_b and s_g the product of the two global scales. The
-quantize pass writes X_hat (and the packed X kept for eq. 2), a small GEMM the branch columns beside
-it, and one GEMM with K + r columns writes Y once, for ~r/K more FLOPs. (A Triton kernel that
+quantize pass writes X_hat (and the packed X kept for eq. 2) straight into the left K columns of the
+(T, K + r) operand (no concatenation: no second copy of an activation), a small GEMM the branch
+columns beside it, W's decode W_hat into its own [W_hat | L2] buffer likewise, and one GEMM with
+K + r columns writes Y once, for ~r/K more FLOPs. (A Triton kernel that
 quantized X and down-projected it in one read, and a GEMM whose epilogue added the up-projection,
 were slower on Hopper: docs/nvfp4_kernels.md.) eq. 2's dW is the direct layer's
 (nvfp4_linear.wgrad): App. 8 takes the LoRA gradients from it later.
@@ -38,14 +40,31 @@ def _operand(x, L, beta, rounding, four_over_six, seed, s_g_other, name, return_
     if x.dim() != 2 or L.dim() != 2 or L.shape[1] != x.shape[1]:
         raise ValueError(f"{name}: need (T, K) and L (r, K), got {tuple(x.shape)} "
                          f"and {tuple(L.shape)}")
-    xv, s_g, *packed = quantize_dequant(x, (1, 16), rounding, four_over_six, seed=seed,
-                                        global_amax=global_amax, return_tensor=return_tensor,
-                                        name=name)
+    (T, K), r = x.shape, L.shape[0]
+    buf = torch.empty((T, K + r), device=x.device, dtype=torch.bfloat16)
+    # X_hat into buf[:, :K] (rows K + r apart), the branch columns untouched
+    _, s_g, *packed = quantize_dequant(x, (1, 16), rounding, four_over_six, seed=seed,
+                                       global_amax=global_amax, return_tensor=return_tensor,
+                                       name=name, out=buf[:, :K])
     a, b = x.to(L.dtype), L.t()
     xl = mm_fp32(a, b) if a.is_cuda and a.dtype == torch.bfloat16 else None
     xl = a.float() @ b.float() if xl is None else xl  # (T, r) fp32
-    branch = (xl * beta / (s_g * s_g_other)).to(torch.bfloat16)  # (T, r)
-    return torch.cat((xv, branch), dim=1), s_g, packed
+    buf[:, K:] = xl * beta / (s_g * s_g_other)  # (T, r), rounded to bf16 once (RNE, as .to)
+    return buf, s_g, packed
+
+
+def _weight_operand(qw, L, dim):
+    """[W_hat | L2] (dim 1: (out, in + r)) or [W_hat ; L1] (dim 0: (out + r, in)) in bf16: W's grid
+    values decoded straight into the buffer, L beside them (no concatenation)."""
+    R, K = qw.shape
+    buf = torch.empty((R, K + L.shape[1]) if dim else (R + L.shape[0], K), device=L.device,
+                      dtype=torch.bfloat16)
+    grid_values_bf16(qw, out=buf[:, :K] if dim else buf[:R])
+    if dim:
+        buf[:, K:] = L
+    else:
+        buf[R:] = L
+    return buf
 
 
 def _mm(a, b):
@@ -82,7 +101,7 @@ def forward(x, qw, L1, L2, beta, ex, seed, branch_dtype, out_dtype):
     # [X_hat | beta X L1^T / s_g]
     abuf, s_gx, (xc, xs) = _operand(x, L1, beta, ex.rounding, ex.four_over_six, seed,
                                     qw.global_scale, "activation X", return_tensor=True)
-    wbuf = torch.cat((grid_values_bf16(qw), L2), dim=1)  # (out, K + r) = [W_hat | L2]
+    wbuf = _weight_operand(qw, L2, 1)  # (out, K + r) = [W_hat | L2]
     return grid_values_mm(abuf, wbuf.t(), s_gx, qw.global_scale, out_dtype), (xc, xs, s_gx)
 
 
@@ -107,7 +126,7 @@ def backward(dy, xq, qw, L1, L2, beta, c, need, seed_dx, hadamard, seeds_dw, bra
         # [dY_hat | beta dY L2 / s_g]
         abuf, s_g, _ = _operand(dy, L2.t(), beta, edy.rounding, edy.four_over_six, seed_dx,
                                 qw.global_scale, "gradient dY", global_amax=amax_dy)
-        wbuf = torch.cat((grid_values_bf16(qw), L1), dim=0)  # (out + r, in) = [W_hat ; L1]
+        wbuf = _weight_operand(qw, L1, 0)  # (out + r, in) = [W_hat ; L1]
         dx = grid_values_mm(abuf, wbuf, s_g, qw.global_scale, dy.dtype)
     if need[1]:
         dw = wgrad(dy, xq, c, hadamard, seeds_dw, amax_dyh)

@@ -45,10 +45,11 @@ def _dequantize_rows_kernel(codes_ptr, scales_ptr, gs_ptr, out_ptr, n_blocks, NB
 
 
 @triton.jit
-def _dequantize_kernel(codes_ptr, scales_ptr, gs_ptr, out_ptr, M, N, BN: tl.constexpr,
+def _dequantize_kernel(codes_ptr, scales_ptr, gs_ptr, out_ptr, M, N, ld_out, BN: tl.constexpr,
                        SBN: tl.constexpr, APPLY_GLOBAL: tl.constexpr, ROUND_BF16: tl.constexpr):
     """16-row blocks ((16, 1) or (16, 16)): a (16, BN) tile shares one row of scales, loaded once
-    per column (16x1) or once per 16 columns (16x16) and broadcast down the rows."""
+    per column (16x1) or once per 16 columns (16x16) and broadcast down the rows. Output rows ld_out
+    elements apart (N, or a wider buffer's left columns: LoRA-SVD's [W_hat | L2])."""
     # rows on axis 0: no 65535 cap
     pid_m, pid_n, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * 16 + tl.arange(0, 16)
@@ -63,20 +64,21 @@ def _dequantize_kernel(codes_ptr, scales_ptr, gs_ptr, out_ptr, M, N, BN: tl.cons
     v = _decode_codes(code, s.to(tl.float8e4nv, bitcast=True).to(tl.float32)[None, :])
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     _dequant_store(v, gs_ptr, out_ptr,
-                   (pid_b.to(tl.int64) * M + offs_m[:, None]) * N + offs_n[None, :], mask,
+                   (pid_b.to(tl.int64) * M + offs_m[:, None]) * ld_out + offs_n[None, :], mask,
                    APPLY_GLOBAL, ROUND_BF16)
 
 
-def dequantize(codes, scales, global_scale, shape, block, dtype=torch.float32):
+def dequantize(codes, scales, global_scale, shape, block, dtype=torch.float32, out=None):
     """Packed NVFP4 -> dense tensor of `shape` in one pass: (q * s_b) * s_g rounded once to `dtype`,
     as nvfp4.NVFP4Tensor.dequantize computes it (bit-exact; bf16 rounding done explicitly, ties to
     even). global_scale None gives q * s_b, exact in bf16 (the grid values a bf16 GEMM
-    multiplies)."""
+    multiplies). out: a 2-D (M, N) tensor of `dtype` to write into, returned (16-row blocks: its
+    rows any stride apart, e.g. a wider buffer's left columns; 1x16: contiguous)."""
     M, N = shape[-2:]
     bm, bn = block
     codes = codes.reshape(-1, M, N // 2).contiguous()
     scales = scales.reshape(-1, M // bm, N // bn).contiguous().view(torch.uint8)
-    out = torch.empty((codes.shape[0], M, N), device=codes.device, dtype=dtype)
+    out = _check_out(out, codes.shape[0], M, N, bm, dtype, codes.device)
     apply_global = global_scale is not None
     # (an unused pointer without a global scale)
     gs = global_scale.float().reshape(1) if apply_global else out
@@ -92,11 +94,24 @@ def dequantize(codes, scales, global_scale, shape, block, dtype=torch.float32):
     else:
         BN = 256
         grid = (M // 16, triton.cdiv(N, BN), codes.shape[0])
-        _dequantize_kernel[grid](codes, scales, gs, out, M, N, BN=BN, SBN=bn, **flags, num_warps=4)
-    return out.reshape(shape)
+        _dequantize_kernel[grid](codes, scales, gs, out, M, N, out.stride(-2), BN=BN, SBN=bn,
+                                 **flags, num_warps=4)
+    return out.reshape(shape) if out.dim() == 3 else out
 
 
-def grid_values_bf16(t):
+def _check_out(out, B, M, N, bm, dtype, device):
+    """dequantize's output: a new (B, M, N) tensor, or the caller's 2-D `out` (B == 1)."""
+    if out is None:
+        return torch.empty((B, M, N), device=device, dtype=dtype)
+    if not (B == 1 and tuple(out.shape) == (M, N) and out.dtype == dtype and out.device == device
+            and out.stride(-1) == 1 and out.stride(0) >= N and (bm == 16 or out.is_contiguous())):
+        raise ValueError(f"dequantize: out must be a {dtype} ({M}, {N}) tensor on {device} with "
+                         f"unit column stride (contiguous for 1x16 blocks), got "
+                         f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
+    return out
+
+
+def grid_values_bf16(t, out=None):
     """q * s_b as bf16 (exact), in the stored layout (*, M, N), of a packed NVFP4 tensor t
-    (anything with codes, scales, shape and block: nvfp4.NVFP4Tensor)."""
-    return dequantize(t.codes, t.scales, None, t.shape, t.block, torch.bfloat16)
+    (anything with codes, scales, shape and block: nvfp4.NVFP4Tensor); out as dequantize's."""
+    return dequantize(t.codes, t.scales, None, t.shape, t.block, torch.bfloat16, out)

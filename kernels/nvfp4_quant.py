@@ -113,12 +113,13 @@ def _amax_kernel(x_ptr, h_ptr, part_ptr, M, N, stride_xb, stride_xm, stride_xn,
 # class.
 @triton.jit(do_not_specialize=["seed"])
 def _quantize_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, values_ptr, M, N,
-                     stride_xb, stride_xm, stride_xn, seed, BM: tl.constexpr, BN: tl.constexpr,
-                     SBM: tl.constexpr, SBN: tl.constexpr, FP8_BOUND: tl.constexpr,
-                     FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr, SCALE_UP: tl.constexpr,
-                     HAD_DIM: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr):
+                     stride_xb, stride_xm, stride_xn, ld_values, seed, BM: tl.constexpr,
+                     BN: tl.constexpr, SBM: tl.constexpr, SBN: tl.constexpr,
+                     FP8_BOUND: tl.constexpr, FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr,
+                     SCALE_UP: tl.constexpr, HAD_DIM: tl.constexpr, WRITE_CODES: tl.constexpr,
+                     WRITE_VALUES: tl.constexpr):
     """One (BM, BN) tile: block amax -> E4M3 block scale -> E2M1 codes (packed 2/byte, even element
-    low) and/or bf16 values q * s_b. Blocks are (SBM, SBN) = (1, 16), (16, 1) or (16, 16)."""
+    low) and/or bf16 values q * s_b (rows ld_values apart). Blocks (SBM, SBN): 1x16, 16x1, 16x16."""
     # rows on axis 0: no 65535 cap
     pid_m, pid_n, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m0, n0 = pid_m * BM, pid_n * BN
@@ -138,9 +139,7 @@ def _quantize_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, 
     s6, bits6, den6, inv6 = _block_scale(block_amax, s_enc, s_dec, 6.0, SCALE_UP)
     den6, inv6 = den6[:, None, :, None], inv6[:, None, :, None]
     a6 = tl.minimum(xb * inv6, 6.0)
-    a = a6
-    s_b = s6
-    bits = bits6
+    a, s_b, bits = a6, s6, bits6
     if FOUR_OVER_SIX:
         # 4/6 (paper §2; docs/nvfp4_format.md): also try "max -> 4" (its own E4M3 rounding of
         # amax_b * S_enc / 4) and keep the candidate whose RTN reconstruction has the lower squared
@@ -190,27 +189,44 @@ def _quantize_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, 
         # q * s_b: at most 6 significant bits and within bf16's range, so the bf16 store is exact
         q = _e2m1_value(idx).reshape(BM // SBM, SBM, BN // SBN, SBN) * s_b[:, None, :, None]
         q = _with_sign(q.reshape(BM, BN), (x < 0) & (a.reshape(BM, BN) > 0))
-        vptrs = values_ptr + (pid_b.to(tl.int64) * M + offs_m[:, None]) * N + offs_n[None, :]
-        tl.store(vptrs, q.to(tl.bfloat16), mask=mask)
+        vrows = (pid_b.to(tl.int64) * M + offs_m[:, None]) * ld_values
+        tl.store(values_ptr + vrows + offs_n[None, :], q.to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def _rows_values_ptrs(values_ptr, base, blk, offs, ld_values, ROW_BLOCKS: tl.constexpr):
+    """Where the rows kernel stores the values of blocks base + blk (element offsets offs from block
+    base): flat as x (ROW_BLOCKS 0), or in rows ld_values elements apart of ROW_BLOCKS blocks each
+    (x's rows in the left columns of a wider buffer: LoRA-SVD's [X_hat | branch],
+    kernels/lora_fused.py, written without a concatenation): shifted by ld_values - N per row."""
+    vptrs = values_ptr + base * 16 + offs
+    if ROW_BLOCKS:
+        row0 = base // ROW_BLOCKS  # the chunk's first row (a scalar)
+        # int32 and a constant divisor (a multiply and a shift) per block
+        row = row0 + ((base - row0 * ROW_BLOCKS).to(tl.int32) + blk) // ROW_BLOCKS
+        vptrs += (row * (ld_values - ROW_BLOCKS * 16))[:, None, None]
+    return vptrs
 
 
 @triton.jit(do_not_specialize=["seed"])
 def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, values_ptr,
-                          part_ptr, n_blocks, seed, NB: tl.constexpr, CHUNKS: tl.constexpr,
-                          FP8_BOUND: tl.constexpr, FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr,
-                          SCALE_UP: tl.constexpr, HADAMARD: tl.constexpr, WRITE_CODES: tl.constexpr,
-                          WRITE_VALUES: tl.constexpr, AMAX_ONLY: tl.constexpr):
+                          part_ptr, n_blocks, ld_values, seed, NB: tl.constexpr,
+                          CHUNKS: tl.constexpr, FP8_BOUND: tl.constexpr,
+                          FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr, SCALE_UP: tl.constexpr,
+                          HADAMARD: tl.constexpr, WRITE_CODES: tl.constexpr,
+                          WRITE_VALUES: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+                          AMAX_ONLY: tl.constexpr):
     """_quantize_kernel's arithmetic for the common case, 1x16 blocks of a contiguous x: CHUNKS
     chunks of NB consecutive blocks per program, each held as an (NB, 2, 8) tile (the two 8-element
     halves of each block) so that the compiler puts one block on each thread: both halves of a block
-    in one thread's registers, its amax, scale and division constants computed once (with the blocks
-    as (NB, 16) rows a block spanned two threads, which both computed its scale), its 16 codes
-    stored as two int32 words (8 codes each, element 0 in the low nibble: little-endian, the same
-    bytes) without a shared-memory shuffle. The chunk loop (unrolled) issues the next chunk's load
-    before this chunk's arithmetic (the kernel is arithmetic-bound: the loads' latency hides behind
-    it), and the global scale's two divisions are done once per program, not once per chunk. Same
-    results bit for bit (same operations per element; SR: the same Philox counters,
-    element index // 4). AMAX_ONLY: the global-amax pre-pass over the same (rotated) values."""
+    in one thread's registers, its amax, scale and division constants computed once (as (NB, 16)
+    rows a block spanned two threads, which both computed its scale), its 16 codes stored as two
+    int32 words (8 codes each, element 0 in the low nibble: little-endian, the same bytes) without a
+    shared-memory shuffle. The unrolled chunk loop issues the next chunk's load before this chunk's
+    arithmetic (arithmetic-bound: the loads' latency hides behind it), the global scale's two
+    divisions once per program. Same bits (same operations per element; SR: the same Philox
+    counters, element index // 4). AMAX_ONLY: the global-amax pre-pass over the same (rotated)
+    values. ROW_BLOCKS, ld_values: where the values go (_rows_values_ptrs)."""
     pid = tl.program_id(0)
     blk = tl.arange(0, NB)
     # (NB, 2, 8): the halves' dim after the blocks' dim, so Triton's coalescing (dims ordered by
@@ -219,9 +235,8 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
     half = tl.arange(0, 2)[None, :, None]
     offs = blk[:, None, None] * 16 + half * 8 + tl.arange(0, 8)[None, None, :]  # element offsets
     first = pid.to(tl.int64) * (NB * CHUNKS)  # first block of this program
-    if not AMAX_ONLY:
-        amax = tl.load(amax_ptr).to(tl.float32)  # fp32, or bf16: torch's amax of a bf16 x (exact)
-        s_enc, s_dec = _global_scales(amax, FP8_BOUND)
+    if not AMAX_ONLY:  # amax: fp32, or bf16 (torch's amax of a bf16 x, exact)
+        s_enc, s_dec = _global_scales(tl.load(amax_ptr).to(tl.float32), FP8_BOUND)
         if pid == 0:
             tl.store(gs_out_ptr, s_dec)
     else:
@@ -256,10 +271,8 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
                 bits = tl.where(use4, bits4, bits)
                 a = tl.where(use4[:, None, None], a4, a)
                 rtn_idx = tl.where(use4[:, None, None], i4, i6)  # = _rtn_e2m1(a), already computed
-            if SR:
-                # the flat tensor as rows of 16 elements: the same counters (element index // 4)
-                rand = _block_random_words(seed, base + blk, NB)
-                idx = _sr_e2m1(a, rand)
+            if SR:  # the flat tensor as rows of 16 elements: the counters element index // 4
+                idx = _sr_e2m1(a, _block_random_words(seed, base + blk, NB))
             elif FOUR_OVER_SIX:
                 idx = rtn_idx
             else:
@@ -272,14 +285,15 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
                 tl.store(scales_ptr + base + blk, bits, mask=bmask)
             if WRITE_VALUES:
                 q = _with_sign(_e2m1_value(idx) * s_b[:, None, None], (x < 0) & (a > 0))
-                tl.store(values_ptr + base * 16 + offs, q.to(tl.bfloat16), mask=mask)
+                tl.store(_rows_values_ptrs(values_ptr, base, blk, offs, ld_values, ROW_BLOCKS),
+                         q.to(tl.bfloat16), mask=mask)
     if AMAX_ONLY:
         tl.store(part_ptr + pid, tl.max(run_max, axis=0))
 
 
 @triton.jit(do_not_specialize=["seed"])
 def _quantize_cols_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, values_ptr,
-                          part_ptr, M, N, stride_xb, stride_xm, seed, C: tl.constexpr,
+                          part_ptr, M, N, stride_xb, stride_xm, ld_values, seed, C: tl.constexpr,
                           FP8_BOUND: tl.constexpr, FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr,
                           SCALE_UP: tl.constexpr, HADAMARD: tl.constexpr,
                           WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr,
@@ -292,7 +306,7 @@ def _quantize_cols_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
     several threads, which each recomputed its scale. Same results bit for bit as the tile kernel
     (same operations per element, same Philox counters: _column_random_words). AMAX_ONLY: the
     global-amax pre-pass over the same rotated values (with PLAIN_TOO also max |x|, stored after the
-    rotated partials: dY's two global amaxes in one read)."""
+    rotated partials: dY's two global amaxes in one read). Values rows: ld_values apart."""
     # rows on axis 0: no 65535 cap
     pid_m, pid_n, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m0, n0 = pid_m * 16, pid_n * (2 * C)
@@ -352,7 +366,7 @@ def _quantize_cols_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
                      mask=scol < N)
         if WRITE_VALUES:  # q * s_b, exact in bf16
             q = _with_sign(_e2m1_value(idx) * s_b[:, None, :], (xr < 0) & (a > 0))
-            tl.store(values_ptr + rows * N + col, q.to(tl.bfloat16), mask=mask)
+            tl.store(values_ptr + rows * ld_values + col, q.to(tl.bfloat16), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -412,6 +426,32 @@ def _prepare(x, block, rounding, hadamard, name):
     return x3, block, had_dim, hadamard
 
 
+def _row_stride(values, x3):
+    """The values output's row stride in elements (x's width N unless it is a wider buffer's left
+    columns)."""
+    return x3.shape[-1] if values is None else values.view(-1, x3.shape[-1]).stride(0)
+
+
+def _values_out(out, shape, device, name):
+    """quantize_dequant's values output: a new contiguous bf16 tensor, or the caller's `out` (x's
+    shape, bf16, unit column stride, rows any fixed stride apart: e.g. out=buf[:, :K] of a
+    (T, K + r) buffer)."""
+    if out is None:
+        return torch.empty(shape, device=device, dtype=torch.bfloat16)
+    N = shape[-1]
+    ok = (tuple(out.shape) == tuple(shape) and out.dtype == torch.bfloat16
+          and out.device == device and out.stride(-1) == 1)
+    try:
+        ok = ok and out.view(-1, N).stride(0) >= N
+    except RuntimeError:  # rows not evenly strided
+        ok = False
+    if not ok:
+        raise ValueError(f"{name}: out must be a bf16 tensor of shape {tuple(shape)} on {device}, "
+                         f"unit column stride, evenly strided rows; got {tuple(out.shape)} "
+                         f"{out.dtype} strides {out.stride()}")
+    return out
+
+
 def _fp8_bound(four_over_six):
     return E4M3_MAX_46 if four_over_six else E4M3_MAX
 
@@ -425,18 +465,20 @@ def _rows_launch(x3, amax, hadamard, four_over_six, seed, rounding="rtn", codes=
     grid = (triton.cdiv(n_blocks, NB * chunks),)
     partial = torch.empty(grid[0], device=x3.device, dtype=torch.float32) if amax_only else None
     dummy = partial if amax_only else gs_out  # an fp32 tensor for unused pointers
+    N, ld = x3.shape[-1], _row_stride(values, x3)
     _quantize_rows_kernel[grid](
         x3, hadamard if hadamard is not None else dummy,
         amax if amax is not None else dummy, gs_out if gs_out is not None else dummy,
         codes.view(torch.int32) if codes is not None else dummy,
         scales if scales is not None else dummy,
         values if values is not None else dummy, partial if partial is not None else dummy,
-        n_blocks, int(seed),
+        n_blocks, ld, int(seed),
         NB=NB, CHUNKS=chunks, FP8_BOUND=_fp8_bound(four_over_six),
         FOUR_OVER_SIX=bool(four_over_six),
         SR=rounding in SR_MODES, SCALE_UP=rounding == "sr_up",
         HADAMARD=hadamard is not None,
         WRITE_CODES=codes is not None, WRITE_VALUES=values is not None,
+        ROW_BLOCKS=0 if ld == N else N // 16,
         # no FMA contraction: roundings as the reference
         AMAX_ONLY=amax_only, num_warps=warps, enable_fp_fusion=False)
     return partial.amax() if amax_only else None
@@ -458,7 +500,7 @@ def _cols_launch(x3, amax, hadamard, four_over_six, seed, rounding="rtn", codes=
         amax if amax is not None else dummy, gs_out if gs_out is not None else dummy,
         codes if codes is not None else dummy, scales if scales is not None else dummy,
         values if values is not None else dummy, partial if partial is not None else dummy,
-        M, N, x3.stride(0), x3.stride(1), int(seed),
+        M, N, x3.stride(0), x3.stride(1), _row_stride(values, x3), int(seed),
         C=C, FP8_BOUND=_fp8_bound(four_over_six), FOUR_OVER_SIX=bool(four_over_six),
         SR=rounding in SR_MODES, SCALE_UP=rounding == "sr_up",
         HADAMARD=hadamard is not None, WRITE_CODES=codes is not None,
@@ -507,9 +549,9 @@ def global_amax_pair(x, hadamard, name="x"):
 
 
 def _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, write_codes, write_values,
-         name):
+         name, out=None):
     """Shared host side of quantize / quantize_dequant -> (codes, scales, values, s_g), None where
-    not written."""
+    not written; out: where the values go (_values_out)."""
     x3, block, had_dim, hadamard = _prepare(x, block, rounding, hadamard, name)
     device, shape = x3.device, x.shape
     M, N = shape[-2:]
@@ -527,7 +569,7 @@ def _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, write_c
              if write_codes else None)
     scales = (torch.empty((*lead, M // bm, N // bn), device=device, dtype=torch.uint8)
               if write_codes else None)
-    values = torch.empty(shape, device=device, dtype=torch.bfloat16) if write_values else None
+    values = _values_out(out, shape, device, name) if write_values else None
     if _use_cols(x3, block):
         _cols_launch(x3, amax, hadamard, four_over_six, seed, rounding, codes, scales, values,
                      gs_out)
@@ -541,7 +583,7 @@ def _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, write_c
             x3, hadamard if hadamard is not None else dummy, amax, gs_out,
             codes if codes is not None else dummy, scales if scales is not None else dummy,
             values if values is not None else dummy,
-            M, N, x3.stride(0), x3.stride(1), x3.stride(2), int(seed),
+            M, N, x3.stride(0), x3.stride(1), x3.stride(2), _row_stride(values, x3), int(seed),
             BM=BM, BN=BN, SBM=bm, SBN=bn, FP8_BOUND=_fp8_bound(four_over_six),
             FOUR_OVER_SIX=bool(four_over_six), SR=rounding in SR_MODES,
             SCALE_UP=rounding == "sr_up", HAD_DIM=had_dim,
@@ -569,11 +611,14 @@ def quantize(x, block=(1, 16), rounding="rtn", four_over_six=False, seed=0, hada
 
 
 def quantize_dequant(x, block=(1, 16), rounding="rtn", four_over_six=False, seed=0, hadamard=None,
-                     global_amax=None, return_tensor=False, name="x"):
+                     global_amax=None, return_tensor=False, name="x", out=None):
     """Same quantization, but writes the bf16 values q * s_b (exactly on the NVFP4 grid, without the
     global scale) for a bf16 GEMM: returns (values_bf16, global_scale), or with return_tensor=True
     (values_bf16, global_scale, codes, scales), the packed form written by the same pass
-    (the forward keeps the packed X for the backward and multiplies the bf16 values)."""
+    (the forward keeps the packed X for the backward and multiplies the bf16 values).
+    out: a bf16 tensor of x's shape to write the values into (returned as values_bf16), its rows
+    any fixed stride apart: LoRA-SVD's GEMM operand [X_hat | branch] takes X_hat in its left
+    columns."""
     codes, scales, values, s_g = _run(x, block, rounding, four_over_six, seed, hadamard,
-                                      global_amax, return_tensor, True, name)
+                                      global_amax, return_tensor, True, name, out)
     return (values, s_g, codes, scales) if return_tensor else (values, s_g)

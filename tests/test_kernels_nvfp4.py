@@ -387,6 +387,92 @@ def test_dequantize_bitwise_every_block(block):
 
 
 # --------------------------------------------------------------------------------------------------
+# values written into a wider buffer (LoRA-SVD's GEMM operands, kernels/lora_fused.py)
+
+def _bits16(t):
+    return t.view(torch.int16)
+
+
+def _noise_buffer(shape, g):
+    """bf16 buffer of random bit patterns (NaNs included): whatever a write outside its part
+    touches shows."""
+    return torch.randint(-2**15, 2**15, shape, generator=g, dtype=torch.int16).view(torch.bfloat16)
+
+
+@pytest.mark.parametrize("block,shape,options", [
+    ((1, 16), (40, 48), dict(rounding="rtn", four_over_six=True)),  # a partial rows program
+    ((1, 16), (24, 16), dict(rounding="sr", seed=5, hadamard=True)),  # the smallest K
+    ((1, 16), (16, 32), dict(rounding="sr_up", seed=5, four_over_six=True)),
+    ((16, 1), (32, 48), dict(rounding="sr", seed=5, hadamard=True)),  # the cols kernel
+    ((16, 16), (32, 48), dict(rounding="rtn", four_over_six=True))])  # the tile kernel
+def test_values_land_in_the_left_columns_of_a_wider_buffer(block, shape, options):
+    """quantize_dequant(out=buf[:, :K]) of a (T, K + r) buffer: the left K columns hold exactly the
+    reference's grid values (-0.0 included), the packed outputs are the reference's, and the r
+    right columns keep their bits (the quantize pass writes nothing there)."""
+    g = torch.Generator().manual_seed(13)
+    opts = dict(options)
+    H = nvfp4.random_hadamard(g) if opts.pop("hadamard", False) else None
+    # with H: multiples of 1/8, whose rotations are exact in any summation order
+    x = (torch.randint(-64, 65, shape, generator=g).float() / 8 if H is not None
+         else _heavy_tailed(shape, g))
+    (T, K), r = shape, 5
+    buf = _noise_buffer((T, K + r), g)
+    before = buf.clone()
+    values, s_g, codes, scales = kq.quantize_dequant(x, block, hadamard=H, return_tensor=True,
+                                                     out=buf[:, :K], **opts)
+    ref = nvfp4.quantize(x, block, opts["rounding"], opts.get("four_over_six", False),
+                         hadamard=H, seed=opts.get("seed", 0))
+    assert values.data_ptr() == buf.data_ptr() and values.stride() == (K + r, 1)
+    _same(nvfp4.NVFP4Tensor(codes, scales, s_g, x.shape, block), ref)
+    assert torch.equal(_bits16(buf[:, :K]), _bits16(ref.grid_values().to(torch.bfloat16)))
+    assert torch.equal(_bits16(buf[:, K:]), _bits16(before[:, K:]))
+
+
+def test_grid_values_decode_into_a_wider_buffer():
+    """LoRA-SVD's [W_hat | L2] and [W_hat ; L1]: W's 16x16 grid values decoded into the buffer's
+    left columns / top rows, bit for bit, the rest untouched; a strided 1x16 output and a wrong
+    dtype are refused."""
+    g = torch.Generator().manual_seed(17)
+    w = nvfp4.quantize_reference(_heavy_tailed((48, 32), g), (16, 16), "rtn", True)
+    want = _bits16(w.grid_values().to(torch.bfloat16))
+    for buf, part, rest in [(_noise_buffer((48, 35), g), (slice(None), slice(0, 32)),
+                             (slice(None), slice(32, None))),
+                            (_noise_buffer((51, 32), g), slice(0, 48), slice(48, None))]:
+        before = buf.clone()
+        out = kq.grid_values_bf16(w, out=buf[part])
+        assert out.data_ptr() == buf.data_ptr() and torch.equal(_bits16(buf[part]), want)
+        assert torch.equal(_bits16(buf[rest]), _bits16(before[rest]))
+    x = nvfp4.quantize_reference(torch.randn(16, 32, generator=g))
+    with pytest.raises(ValueError, match="out must be"):
+        kq.grid_values_bf16(x, out=torch.empty(16, 40, dtype=torch.bfloat16)[:, :32])
+    with pytest.raises(ValueError, match="out must be"):
+        kq.quantize_dequant(torch.randn(16, 32), out=torch.empty(16, 32))
+
+
+@pytest.mark.parametrize("rounding", ["rtn", "sr"])
+def test_lora_operands_equal_the_concatenations_bit_for_bit(rounding):
+    """kernels/lora_fused's buffers written in place are the concatenations they replace:
+    [X_hat | beta X L^T / (s_g s_g_other)] and [W_hat | L2], [W_hat ; L1], every bit."""
+    from kernels import lora_fused
+    g = torch.Generator().manual_seed(19)
+    x, L = _heavy_tailed((48, 64), g), torch.randn(5, 64, generator=g)
+    gs_other, beta = torch.tensor(0.37), 0.5
+    buf, s_g, (codes, scales) = lora_fused._operand(x, L, beta, rounding, True, 7, gs_other, "x",
+                                                    return_tensor=True)
+    xv, s_g_cat, *_ = kq.quantize_dequant(x, (1, 16), rounding, True, seed=7, return_tensor=True)
+    branch = (x.float() @ L.t().float() * beta / (s_g_cat * gs_other)).to(torch.bfloat16)
+    assert torch.equal(s_g, s_g_cat)
+    assert torch.equal(_bits16(buf), _bits16(torch.cat((xv, branch), dim=1)))
+    qw = nvfp4.quantize_reference(_heavy_tailed((32, 64), g), (16, 16), "rtn", True)
+    L1, L2 = L.bfloat16(), torch.randn(32, 5, generator=g).bfloat16()
+    w_hat = kq.grid_values_bf16(qw)
+    assert torch.equal(_bits16(lora_fused._weight_operand(qw, L2, 1)),
+                       _bits16(torch.cat((w_hat, L2), dim=1)))
+    assert torch.equal(_bits16(lora_fused._weight_operand(qw, L1, 0)),
+                       _bits16(torch.cat((w_hat, L1), dim=0)))
+
+
+# --------------------------------------------------------------------------------------------------
 # GEMM
 
 def _gemm_bound(a_hat, b_hat, gs, K, out_dtype):
