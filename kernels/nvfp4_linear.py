@@ -24,7 +24,7 @@ import collections
 import torch
 
 from kernels.nvfp4_gemm import grid_values_mm, nvfp4_gemm, use_dot_scaled
-from kernels.nvfp4_quant import dequantize, global_amax_pair, quantize, quantize_dequant
+from kernels.nvfp4_quant import global_amax_pair, quantize, quantize_dequant
 
 # A packed operand for nvfp4_gemm built here (nvfp4.NVFP4Tensor has the same fields)
 Packed = collections.namedtuple("Packed", "codes scales global_scale shape block")
@@ -86,7 +86,8 @@ def backward(dy, xq, w_used, c, need, seed_dx, hadamard, seeds_dw, dw_dtype):
 def wgrad(dy, xq, c, hadamard, seeds, dy_global_amax=None, out_dtype=torch.float32):
     """Eq. 2, dW = Q(dY^T H) Q(H^T X_hat) (out, in), both operands quantized as stored, (T, out)
     and (T, in) with 16x1 blocks along T (c["wgrad.dy"], c["wgrad.x"]), and read transposed by the
-    GEMM. X_hat = the packed xq dequantized in dY's dtype (the precision the activations had).
+    GEMM. X_hat = the packed xq dequantized in dY's dtype (the precision the activations had),
+    decoded inside the 16x1 quantize pass and its amax pre-pass (never written as a tensor).
     hadamard: H, or None without a rotation; seeds: the two SR seeds (dY's, X_hat's);
     dy_global_amax: max |H^T dY| if the caller has it."""
     edy, ex = _check(c["wgrad.dy"], "wgrad.dy", (16, 1)), _check(c["wgrad.x"], "wgrad.x", (16, 1))
@@ -94,14 +95,14 @@ def wgrad(dy, xq, c, hadamard, seeds, dy_global_amax=None, out_dtype=torch.float
         dyq = Packed(*quantize(dy, (16, 1), edy.rounding, edy.four_over_six, seed=seeds[0],
                                hadamard=hadamard, global_amax=dy_global_amax, name="gradient dY"),
                      dy.shape, (16, 1))
-        x_hat = dequantize(xq.codes, xq.scales, xq.global_scale, xq.shape, xq.block, dy.dtype)
-        xhq = Packed(*quantize(x_hat, (16, 1), ex.rounding, ex.four_over_six, seed=seeds[1],
-                               hadamard=hadamard, name="activation Q(X)"), x_hat.shape, (16, 1))
+        xhq = Packed(*quantize(xq, (16, 1), ex.rounding, ex.four_over_six, seed=seeds[1],
+                               hadamard=hadamard, name="activation Q(X)", source_dtype=dy.dtype),
+                     xq.shape, (16, 1))
         return nvfp4_gemm(dyq, xhq, out_dtype, trans_a=True, trans_b=True)           # (out, in)
     # (T, out)
     dyv, s_gdy = quantize_dequant(dy, (16, 1), edy.rounding, edy.four_over_six, seed=seeds[0],
                                   hadamard=hadamard, global_amax=dy_global_amax, name="gradient dY")
-    x_hat = dequantize(xq.codes, xq.scales, xq.global_scale, xq.shape, xq.block, dy.dtype)
-    xv, s_gx = quantize_dequant(x_hat, (16, 1), ex.rounding, ex.four_over_six, seed=seeds[1],
-                                hadamard=hadamard, name="activation Q(X)")  # (T, in)
+    xv, s_gx = quantize_dequant(xq, (16, 1), ex.rounding, ex.four_over_six, seed=seeds[1],
+                                hadamard=hadamard, name="activation Q(X)",
+                                source_dtype=dy.dtype)  # (T, in)
     return grid_values_mm(dyv.t(), xv, s_gdy, s_gx, out_dtype)  # (out, in)

@@ -138,6 +138,20 @@ def _decode_codes(code, s_b):
 
 
 @triton.jit
+def _decode_byte_pairs(byte, s_b, s_g):
+    """Packed code bytes (int32 (..., 1): two E2M1 codes each, the even element's in the low nibble),
+    their block scales s_b (fp32, broadcastable) and the global scale s_g -> (..., 2) fp32
+    (q * s_b) * s_g, rounded once as nvfp4.NVFP4Tensor.dequantize rounds it. Each nibble is shifted
+    straight into bits 31..28 (_e2m1_bits ignores the bits below): one shift per element. Two
+    multiplies per element instead of _decode_codes' two and then s_g's: (q 2^-126) (s_b 2^119) =
+    q s_b 2^-7 is exact (6 significant bits, none below 2^-17), and so are s_b 2^119
+    (<= 448 * 2^119 < FLT_MAX) and s_g 2^7 (a quantize pass's s_g is at most FLT_MAX / 1536), so
+    the second product is the exact q s_b s_g rounded once. s_b 2^119 once per scale."""
+    top = byte << (28 - 4 * tl.arange(0, 2))  # the even element: << 28; the odd one: << 24
+    return (_e2m1_bits(top) * (s_b * 6.646139978924579e35)) * (s_g * 128.0)  # 2^119, 2^7
+
+
+@triton.jit
 def _with_sign(q, neg):
     """q >= 0 with the sign bit set where `neg` (the code's sign bit): -q is 0 - q in Triton, which
     turns a negative code's -0.0 into +0.0, so set the fp32 sign bit instead."""

@@ -34,6 +34,8 @@ Three quantize kernels, each the fastest layout for its case (the same arithmeti
   _quantize_kernel       everything else (16x16 weight blocks, transposed views): (BM, BN) tiles
 """
 
+import collections
+import math
 import os
 
 import torch
@@ -42,8 +44,8 @@ import triton.language as tl
 
 from kernels.nvfp4_math import (  # noqa: F401
     E4M3_MAX, E4M3_MAX_46, FLT_MAX, FP4_MAX, _block_scale, _global_scales, _column_pair_sum,
-    _column_random_words, _block_random_words, _decode_codes, _div_by, _e2m1_bits,
-    _e2m1_value, _half_pair_sum, _hadamard16, _load_tile,
+    _column_random_words, _block_random_words, _decode_byte_pairs, _decode_codes, _div_by,
+    _e2m1_bits, _e2m1_value, _half_pair_sum, _hadamard16, _load_tile,
     _pairwise_block_sum, _random_words, _rotate, _round_to_bf16, _round_to_e4m3,
     _rtn_e2m1, _sr_e2m1, _with_sign)
 # re-exported (their home: nvfp4_dequant.py)
@@ -291,13 +293,42 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
         tl.store(part_ptr + pid, tl.max(run_max, axis=0))
 
 
+@triton.jit
+def _cols_source(x_ptr, xs_ptr, xgs_ptr, pid_b, m0, n0, row, pair, col, mask, M, N, stride_xb,
+                 stride_xm, PACKED_X: tl.constexpr, X_BF16: tl.constexpr):
+    """The cols kernel's (C, 16, 2) fp32 tile of x: as stored, or with PACKED_X decoded from a
+    packed 1x16 x (codes at x_ptr (B * M, N / 2), E4M3 scales at xs_ptr (B * M, N / 16), the global
+    scale at xgs_ptr) to exactly the values its dequantize gives, (q * s_b) * s_g (rounded to bf16
+    with X_BF16, as dequantize(..., bf16) rounds it): eq. 2's Q16x1(H^T Q1x16(X)) from the saved
+    packed X, with no bf16 X_hat written and read twice (amax pre-pass and quantize pass). A
+    thread's two columns of a row are one code byte and share one block scale."""
+    if PACKED_X:
+        byte = n0 // 2 + pair                                                          # (C, 1, 1)
+        bmask = (byte < N // 2) & (row < 16)                                           # (C, 16, 1)
+        r0 = pid_b.to(tl.int64) * M + m0  # the tile's first row: int64 once, int32 offsets
+        # one byte per thread and row: without the hint Triton's coalescing would give each thread
+        # 8 consecutive bytes (8 column pairs of one row) and then shuffle the tile through shared
+        # memory into the layout the butterfly needs (whole column pairs per thread)
+        offs = tl.max_contiguous(row * (N // 2) + byte, [1, 1, 1])
+        c8 = tl.load(x_ptr + r0 * (N // 2) + offs, mask=bmask, other=0)
+        s_b = tl.load(xs_ptr + r0 * (N // 16) + row * (N // 16) + (n0 + 2 * pair) // 16, mask=bmask,
+                      other=0)
+        s_b = s_b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        x = _decode_byte_pairs(c8.to(tl.int32), s_b, tl.load(xgs_ptr))                 # (C, 16, 2)
+        return _round_to_bf16(x) if X_BF16 else x
+    else:
+        ptrs = x_ptr + pid_b.to(tl.int64) * stride_xb + (m0 + row).to(tl.int64) * stride_xm + col
+        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["seed"])
-def _quantize_cols_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, values_ptr,
-                          part_ptr, M, N, stride_xb, stride_xm, ld_values, seed, C: tl.constexpr,
-                          FP8_BOUND: tl.constexpr, FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr,
-                          SCALE_UP: tl.constexpr, HADAMARD: tl.constexpr,
-                          WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr,
-                          AMAX_ONLY: tl.constexpr, PLAIN_TOO: tl.constexpr):
+def _quantize_cols_kernel(x_ptr, xs_ptr, xgs_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr,
+                          scales_ptr, values_ptr, part_ptr, M, N, stride_xb, stride_xm, ld_values,
+                          seed, C: tl.constexpr, FP8_BOUND: tl.constexpr,
+                          FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr, SCALE_UP: tl.constexpr,
+                          HADAMARD: tl.constexpr, WRITE_CODES: tl.constexpr,
+                          WRITE_VALUES: tl.constexpr, AMAX_ONLY: tl.constexpr,
+                          PLAIN_TOO: tl.constexpr, PACKED_X: tl.constexpr, X_BF16: tl.constexpr):
     """_quantize_kernel's arithmetic for 16x1 blocks of a row-major x (eq. 2's wgrad operands,
     Q16x1(H^T dY) and Q16x1(H^T X-hat)): a (16, 2C) tile held as (C, 16, 2), i.e. each thread holds
     two whole column blocks (16 rows x 2 adjacent columns: 4-byte loads, 128 bytes per row and warp,
@@ -306,7 +337,8 @@ def _quantize_cols_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
     several threads, which each recomputed its scale. Same results bit for bit as the tile kernel
     (same operations per element, same Philox counters: _column_random_words). AMAX_ONLY: the
     global-amax pre-pass over the same rotated values (with PLAIN_TOO also max |x|, stored after the
-    rotated partials: dY's two global amaxes in one read). Values rows: ld_values apart."""
+    rotated partials: dY's two global amaxes in one read). Values rows: ld_values apart.
+    PACKED_X, X_BF16: x is read as a packed 1x16 tensor (_cols_source)."""
     # rows on axis 0: no 65535 cap
     pid_m, pid_n, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m0, n0 = pid_m * 16, pid_n * (2 * C)
@@ -315,8 +347,8 @@ def _quantize_cols_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
     col = n0 + pair * 2 + tl.arange(0, 2)[None, None, :]                               # (C, 1, 2)
     mask = (col < N) & (row < 16)                                                      # (C, 16, 2)
     rows = pid_b.to(tl.int64) * M + m0 + row  # row index in (B * M, N)
-    x = tl.load(x_ptr + pid_b.to(tl.int64) * stride_xb + (m0 + row).to(tl.int64) * stride_xm + col,
-                mask=mask, other=0.0).to(tl.float32)
+    x = _cols_source(x_ptr, xs_ptr, xgs_ptr, pid_b, m0, n0, row, pair, col, mask, M, N,
+                     stride_xb, stride_xm, PACKED_X, X_BF16)
     xr = _hadamard16(x, h_ptr, C, 2) if HADAMARD else x  # H^T x along the rows
     ax = tl.abs(xr)
     if AMAX_ONLY:
@@ -396,13 +428,35 @@ def _use_rows(x3, block):
     return tuple(block) == (1, 16) and x3.is_contiguous()
 
 
-def _use_cols(x3, block):
-    return tuple(block) == (16, 1) and x3.stride(-1) == 1
+def _use_cols(x3, block):  # a _Packed1x16 source too
+    return tuple(block) == (16, 1) and (not torch.is_tensor(x3) or x3.stride(-1) == 1)
 
 
-def _prepare(x, block, rounding, hadamard, name):
-    """Checks -> x as (B, M, N), block, the Hadamard's dim (0: none, 1: along rows' 16-element
-    blocks, 2: along columns') and the Hadamard as contiguous fp32 on x's device."""
+# A packed 1x16 source that _quantize_cols_kernel decodes in registers (PACKED_X): codes
+# (B * M, N / 2) uint8, E4M3 scales (B * M, N / 16) as uint8, the global scale (1,) fp32, the
+# tensor's shape (*, M, N), its device, and whether the values are rounded to bf16
+_Packed1x16 = collections.namedtuple("_Packed1x16", "codes scales global_scale shape device bf16")
+
+
+def _packed_source(t, block, dtype):
+    """x given packed (t: codes, scales, global_scale, shape, block, as nvfp4.NVFP4Tensor), to be
+    quantized as its values dequantize(..., dtype) -> a _Packed1x16 where the cols kernel decodes it
+    itself (a 1x16 source quantized in 16x1 blocks: eq. 2's Q16x1(H^T Q1x16(X)), in fp32 or bf16),
+    else the dequantized tensor."""
+    shape = tuple(t.shape)
+    if (tuple(t.block) != (1, 16) or tuple(block) != (16, 1) or len(shape) < 2
+            or shape[-2] % 16 or dtype not in (torch.float32, torch.bfloat16)):
+        return dequantize(t.codes, t.scales, t.global_scale, t.shape, t.block, dtype)
+    M, N = shape[-2:]
+    codes = t.codes.reshape(-1, N // 2).contiguous()
+    scales = t.scales.reshape(-1, N // 16).contiguous().view(torch.uint8)
+    return _Packed1x16(codes, scales, t.global_scale.float().reshape(1), shape, codes.device,
+                       dtype == torch.bfloat16)
+
+
+def _options(block, rounding, hadamard, device, name):
+    """Checks -> block, the Hadamard's dim (0: none, 1: along rows' 16-element blocks, 2: along
+    columns') and the Hadamard as contiguous fp32 on the device."""
     block = tuple(block)
     if rounding not in ROUNDINGS:
         raise ValueError(f"{name}: rounding must be one of {ROUNDINGS}, got {rounding!r}")
@@ -414,7 +468,13 @@ def _prepare(x, block, rounding, hadamard, name):
             raise ValueError(f"{name}: hadamard must be a (16, 16) matrix, "
                              f"got {tuple(hadamard.shape)}")
         had_dim = 1 if block == (1, 16) else 2
-        hadamard = hadamard.to(device=x.device, dtype=torch.float32).contiguous()
+        hadamard = hadamard.to(device=device, dtype=torch.float32).contiguous()
+    return block, had_dim, hadamard
+
+
+def _prepare(x, block, rounding, hadamard, name):
+    """Checks -> x as (B, M, N), then _options' block, Hadamard dim and Hadamard."""
+    block, had_dim, hadamard = _options(block, rounding, hadamard, x.device, name)
     check_blocks(x, block, name)
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"{name}: expected an fp32/bf16/fp16 tensor, got {x.dtype}")
@@ -486,26 +546,29 @@ def _rows_launch(x3, amax, hadamard, four_over_six, seed, rounding="rtn", codes=
 
 def _cols_launch(x3, amax, hadamard, four_over_six, seed, rounding="rtn", codes=None, scales=None,
                  values=None, gs_out=None, amax_only=False, plain_too=False):
-    """_quantize_cols_kernel over x3 (B, M, N). amax_only: returns (max |H^T x|,) or with plain_too
-    (max |H^T x|, max |x|)."""
-    B, M, N = x3.shape
+    """_quantize_cols_kernel over x3 (B, M, N), or a _Packed1x16 source. amax_only: returns
+    (max |H^T x|,) or with plain_too (max |H^T x|, max |x|)."""
+    packed = not torch.is_tensor(x3)
+    *lead, M, N = x3.shape
     C = 32 * COLS_WARPS
-    grid = (M // 16, triton.cdiv(N, 2 * C), B)
+    grid = (M // 16, triton.cdiv(N, 2 * C), math.prod(lead))
     n = grid[0] * grid[1] * grid[2]
     partial = (torch.empty((2 if plain_too else 1) * n, device=x3.device, dtype=torch.float32)
                if amax_only else None)
     dummy = partial if amax_only else gs_out  # an fp32 tensor for unused pointers
+    x, xs, xgs = (x3.codes, x3.scales, x3.global_scale) if packed else (x3, dummy, dummy)
+    strides = (0, 0) if packed else (x3.stride(0), x3.stride(1))  # packed: contiguous rows
     _quantize_cols_kernel[grid](
-        x3, hadamard if hadamard is not None else dummy,
+        x, xs, xgs, hadamard if hadamard is not None else dummy,
         amax if amax is not None else dummy, gs_out if gs_out is not None else dummy,
         codes if codes is not None else dummy, scales if scales is not None else dummy,
         values if values is not None else dummy, partial if partial is not None else dummy,
-        M, N, x3.stride(0), x3.stride(1), _row_stride(values, x3), int(seed),
+        M, N, *strides, _row_stride(values, x3), int(seed),
         C=C, FP8_BOUND=_fp8_bound(four_over_six), FOUR_OVER_SIX=bool(four_over_six),
         SR=rounding in SR_MODES, SCALE_UP=rounding == "sr_up",
         HADAMARD=hadamard is not None, WRITE_CODES=codes is not None,
         WRITE_VALUES=values is not None, AMAX_ONLY=amax_only, PLAIN_TOO=plain_too,
-        num_warps=COLS_WARPS, maxnreg=COLS_MAXNREG, enable_fp_fusion=False)
+        PACKED_X=packed, X_BF16=packed and x3.bf16, num_warps=COLS_WARPS, maxnreg=COLS_MAXNREG, enable_fp_fusion=False)
     return partial.view(-1, n).amax(1).unbind() if amax_only else None
 
 
@@ -523,17 +586,19 @@ def _amax_launch(x3, hadamard, had_dim, tiles, plain_too):
     return partial.view(-1, n).amax(1).unbind()
 
 
-def _global_amax(x3, hadamard, had_dim, tiles):
+def _global_amax(x3, hadamard, had_dim, block):
     """max |x| (of x·H when rotating): one read of x, per-program partial maxima, then a tiny torch
     max. Without a rotation in x's dtype (exact: a maximum of x's values; the kernels read either
-    dtype)."""
+    dtype). A _Packed1x16 x: the cols kernel's pre-pass, decoding it as its quantize pass will."""
+    if not torch.is_tensor(x3):
+        return _cols_launch(x3, None, hadamard, False, 0, amax_only=True)[0]
     if had_dim == 0:  # max |x| without an |x| temporary
         return torch.linalg.vector_norm(x3, ord=float("inf"))
     if _use_rows(x3, (1, 16) if had_dim == 1 else (16, 1)):  # the quantize kernel's own pass over x
         return _rows_launch(x3, None, hadamard, False, 0, amax_only=True)
     if _use_cols(x3, (16, 1) if had_dim == 2 else (1, 16)):
         return _cols_launch(x3, None, hadamard, False, 0, amax_only=True)[0]
-    return _amax_launch(x3, hadamard, had_dim, tiles, plain_too=False)[0]
+    return _amax_launch(x3, hadamard, had_dim, _tiles(block, x3), plain_too=False)[0]
 
 
 def global_amax_pair(x, hadamard, name="x"):
@@ -549,14 +614,19 @@ def global_amax_pair(x, hadamard, name="x"):
 
 
 def _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, write_codes, write_values,
-         name, out=None):
+         name, out=None, source_dtype=torch.float32):
     """Shared host side of quantize / quantize_dequant -> (codes, scales, values, s_g), None where
-    not written; out: where the values go (_values_out)."""
-    x3, block, had_dim, hadamard = _prepare(x, block, rounding, hadamard, name)
+    not written; out: where the values go (_values_out); a packed x: _packed_source."""
+    if not torch.is_tensor(x):
+        x = _packed_source(x, block, source_dtype)
+    if torch.is_tensor(x):
+        x3, block, had_dim, hadamard = _prepare(x, block, rounding, hadamard, name)
+    else:  # decoded by the cols kernel: its codes and scales came out of a quantize pass
+        x3, (block, had_dim, hadamard) = x, _options(block, rounding, hadamard, x.device, name)
     device, shape = x3.device, x.shape
     M, N = shape[-2:]
     if global_amax is None:
-        global_amax = _global_amax(x3, hadamard, had_dim, _tiles(block, x3))
+        global_amax = _global_amax(x3, hadamard, had_dim, block)
     if not (torch.is_tensor(global_amax) and global_amax.device == device
             and global_amax.dtype in AMAX_DTYPES):
         global_amax = torch.as_tensor(global_amax, dtype=torch.float32, device=device)
@@ -595,7 +665,7 @@ def _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, write_c
 
 
 def quantize(x, block=(1, 16), rounding="rtn", four_over_six=False, seed=0, hadamard=None,
-             global_amax=None, name="x"):
+             global_amax=None, name="x", source_dtype=torch.float32):
     """Fused NVFP4 quantization of x (*, M, N) -> (codes uint8 (*, M, N/2),
     scales float8_e4m3fn (*, M/bm, N/bn), global_scale fp32 0-d). block (1, 16) | (16, 1) | (16, 16)
     on the last two dims.
@@ -604,21 +674,25 @@ def quantize(x, block=(1, 16), rounding="rtn", four_over_six=False, seed=0, hada
     hadamard: (16, 16) matrix of nvfp4.random_hadamard's form (diag(+-1) H16 / 4) applied first
     along the block's 16-long dim (x·H for 1x16, H^T·x for 16x1).
     global_amax: max |x| (of x·H with hadamard) if the caller already has it; else one extra read
-    pass."""
+    pass.
+    x may also be packed 1x16 (codes, scales, global_scale, shape, block: an nvfp4.NVFP4Tensor):
+    its values dequantize(..., source_dtype) are quantized, with 16x1 blocks (eq. 2's
+    Q16x1(H^T Q1x16(X))) decoded in the cols kernel's registers (fp32/bf16), not written out."""
     codes, scales, _, s_g = _run(x, block, rounding, four_over_six, seed, hadamard, global_amax,
-                                 True, False, name)
+                                 True, False, name, source_dtype=source_dtype)
     return codes, scales, s_g
 
 
 def quantize_dequant(x, block=(1, 16), rounding="rtn", four_over_six=False, seed=0, hadamard=None,
-                     global_amax=None, return_tensor=False, name="x", out=None):
+                     global_amax=None, return_tensor=False, name="x", out=None,
+                     source_dtype=torch.float32):
     """Same quantization, but writes the bf16 values q * s_b (exactly on the NVFP4 grid, without the
     global scale) for a bf16 GEMM: returns (values_bf16, global_scale), or with return_tensor=True
     (values_bf16, global_scale, codes, scales), the packed form written by the same pass
     (the forward keeps the packed X for the backward and multiplies the bf16 values).
     out: a bf16 tensor of x's shape to write the values into (returned as values_bf16), its rows
     any fixed stride apart: LoRA-SVD's GEMM operand [X_hat | branch] takes X_hat in its left
-    columns."""
+    columns. A packed x (with source_dtype) as in quantize."""
     codes, scales, values, s_g = _run(x, block, rounding, four_over_six, seed, hadamard,
-                                      global_amax, return_tensor, True, name, out)
+                                      global_amax, return_tensor, True, name, out, source_dtype)
     return (values, s_g, codes, scales) if return_tensor else (values, s_g)

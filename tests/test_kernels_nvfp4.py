@@ -243,7 +243,7 @@ def test_global_amax_pair_equals_each_quantizations_own_amax(dtype, transposed):
     plain, rotated = kq.global_amax_pair(x, H)
     assert plain.item() == -x[37, 5].item()
     x3 = x.reshape(1, *x.shape)
-    assert torch.equal(rotated, kq._global_amax(x3, H, 2, kq._tiles((16, 1), x3)))
+    assert torch.equal(rotated, kq._global_amax(x3, H, 2, (16, 1)))
     for block, hadamard, amax in [((1, 16), None, plain), ((16, 1), H, rotated)]:
         _same(kquantize(x, block, "rtn", False, hadamard=hadamard, global_amax=amax),
               kquantize(x, block, "rtn", False, hadamard=hadamard))
@@ -470,6 +470,63 @@ def test_lora_operands_equal_the_concatenations_bit_for_bit(rounding):
                        _bits16(torch.cat((w_hat, L2), dim=1)))
     assert torch.equal(_bits16(lora_fused._weight_operand(qw, L1, 0)),
                        _bits16(torch.cat((w_hat, L1), dim=0)))
+
+
+# --------------------------------------------------------------------------------------------------
+# eq. 2's X_hat decoded inside the 16x1 quantize pass (kernels/nvfp4_linear.wgrad)
+
+PACKED_SOURCE_OPTIONS = [dict(rounding="rtn"), dict(rounding="rtn", four_over_six=True),
+                         dict(rounding="sr", seed=5), dict(rounding="sr", seed=5, hadamard=True),
+                         dict(rounding="sr_up", seed=5, hadamard=True, four_over_six=True)]
+
+
+def _split_hadamard(options, g):
+    opts = dict(options)
+    return opts, nvfp4.random_hadamard(g) if opts.pop("hadamard", False) else None
+
+
+@pytest.mark.parametrize("options", PACKED_SOURCE_OPTIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_source_equals_dequantize_then_quantize(options, dtype):
+    """quantize_dequant of a packed 1x16 X with 16x1 blocks (the cols kernel decoding codes and
+    scales in registers, in its amax pre-pass too) gives every bit the separate dequantize(X, dtype)
+    then quantize route gave: codes, scales, global scale, grid values; on a width that is not a
+    multiple of the cols tile, the smallest K, and a batch."""
+    g = torch.Generator().manual_seed(29)
+    opts, H = _split_hadamard(options, g)
+    for shape in [(32, 48), (16, 16), (2, 16, 32)]:
+        xq = nvfp4.quantize_reference(_heavy_tailed(shape, g), (1, 16), "rtn", True)
+        x_hat = kq.dequantize(xq.codes, xq.scales, xq.global_scale, xq.shape, xq.block, dtype)
+        want_v, want_gs, *want = kq.quantize_dequant(x_hat, (16, 1), hadamard=H,
+                                                     return_tensor=True, **opts)
+        got_v, got_gs, *got = kq.quantize_dequant(xq, (16, 1), hadamard=H, return_tensor=True,
+                                                  source_dtype=dtype, **opts)
+        _same(nvfp4.NVFP4Tensor(*got, got_gs, shape, (16, 1)),
+              nvfp4.NVFP4Tensor(*want, want_gs, shape, (16, 1)))
+        assert torch.equal(_bits16(got_v), _bits16(want_v))
+    # codes only (the Blackwell route); fp16: not decoded in the kernel, dequantized first
+    for dt in (dtype, torch.float16) if H is not None else ():
+        x_hat = kq.dequantize(xq.codes, xq.scales, xq.global_scale, xq.shape, xq.block, dt)
+        _same(nvfp4.NVFP4Tensor(*kq.quantize(xq, (16, 1), hadamard=H, source_dtype=dt, **opts),
+                                shape, (16, 1)), kquantize(x_hat, (16, 1), hadamard=H, **opts))
+
+
+@pytest.mark.parametrize("options", PACKED_SOURCE_OPTIONS)
+def test_packed_source_equals_the_reference(options):
+    """Against the reference's eq. 2 operand, nvfp4.quantize(Q1x16(X).dequantize(bf16), 16x1):
+    bit for bit, on values whose rotations are exact in any summation order (multiples of 1/8 and
+    a power-of-two global scale: 16-term sums of 6-bit grid values a few binades apart)."""
+    g = torch.Generator().manual_seed(31)
+    opts, H = _split_hadamard(options, g)
+    x = torch.randint(-64, 65, (32, 32), generator=g).float() / 8
+    xq = nvfp4.quantize_reference(x, (1, 16), "rtn", False, global_amax=torch.tensor(10.5))
+    assert xq.global_scale.item() == 2.0**-8  # S_enc = 6 * 448 / 10.5 = 256
+    ref = nvfp4.quantize(xq.dequantize(torch.bfloat16), (16, 1), opts["rounding"],
+                         opts.get("four_over_six", False), hadamard=H, seed=opts.get("seed", 0))
+    values, s_g, *packed = kq.quantize_dequant(xq, (16, 1), hadamard=H, return_tensor=True,
+                                               source_dtype=torch.bfloat16, **opts)
+    _same(nvfp4.NVFP4Tensor(*packed, s_g, x.shape, (16, 1)), ref)
+    assert torch.equal(_bits16(values), _bits16(ref.grid_values().to(torch.bfloat16)))
 
 
 # --------------------------------------------------------------------------------------------------
