@@ -5,6 +5,8 @@ q * s_b (no global scale) are exact in bf16: the operands of the bf16 GEMM route
 (kernels/nvfp4_gemm.py).
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -14,19 +16,26 @@ from kernels.nvfp4_math import _decode_codes, _round_to_bf16
 DEQUANT_ROWS_LAUNCH = (256, 8)  # (blocks per program, num_warps) of _dequantize_rows_kernel
 
 
+def _hw_bf16():
+    # fp32 -> bf16 by the cast (cvt.rn.bf16.f32, ties to even) on a GPU; the interpreter's cast
+    # truncates, so there _round_to_bf16's integer arithmetic
+    return os.environ.get("TRITON_INTERPRET") != "1"
+
+
 @triton.jit
 def _dequant_store(v, gs_ptr, out_ptr, offs, mask, APPLY_GLOBAL: tl.constexpr,
-                   ROUND_BF16: tl.constexpr):
+                   ROUND_BF16: tl.constexpr, HW_BF16: tl.constexpr):
     if APPLY_GLOBAL:
         v = v * tl.load(gs_ptr)
     if ROUND_BF16:
-        v = _round_to_bf16(v)
+        v = _round_to_bf16(v, HW_BF16)
     tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _dequantize_rows_kernel(codes_ptr, scales_ptr, gs_ptr, out_ptr, n_blocks, NB: tl.constexpr,
-                            APPLY_GLOBAL: tl.constexpr, ROUND_BF16: tl.constexpr):
+                            APPLY_GLOBAL: tl.constexpr, ROUND_BF16: tl.constexpr,
+                            HW_BF16: tl.constexpr):
     """1x16 blocks: NB consecutive blocks per program, each block's 16 codes read as two int32 words
     (element 0 in the low nibble) and its scale read once (the tile kernel gathered a scale per
     element: one load each)."""
@@ -41,12 +50,13 @@ def _dequantize_rows_kernel(codes_ptr, scales_ptr, gs_ptr, out_ptr, n_blocks, NB
            .to(tl.float8e4nv, bitcast=True).to(tl.float32))
     v = _decode_codes(code, s_b[:, None])                                           # (NB, 16)
     _dequant_store(v, gs_ptr, out_ptr + base * 16, blk[:, None] * 16 + tl.arange(0, 16)[None, :],
-                   bmask[:, None], APPLY_GLOBAL, ROUND_BF16)
+                   bmask[:, None], APPLY_GLOBAL, ROUND_BF16, HW_BF16)
 
 
 @triton.jit
 def _dequantize_kernel(codes_ptr, scales_ptr, gs_ptr, out_ptr, M, N, ld_out, BN: tl.constexpr,
-                       SBN: tl.constexpr, APPLY_GLOBAL: tl.constexpr, ROUND_BF16: tl.constexpr):
+                       SBN: tl.constexpr, APPLY_GLOBAL: tl.constexpr, ROUND_BF16: tl.constexpr,
+                       HW_BF16: tl.constexpr):
     """16-row blocks ((16, 1) or (16, 16)): a (16, BN) tile shares one row of scales, loaded once
     per column (16x1) or once per 16 columns (16x16) and broadcast down the rows. Output rows ld_out
     elements apart (N, or a wider buffer's left columns: LoRA-SVD's [W_hat | L2])."""
@@ -65,7 +75,7 @@ def _dequantize_kernel(codes_ptr, scales_ptr, gs_ptr, out_ptr, M, N, ld_out, BN:
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     _dequant_store(v, gs_ptr, out_ptr,
                    (pid_b.to(tl.int64) * M + offs_m[:, None]) * ld_out + offs_n[None, :], mask,
-                   APPLY_GLOBAL, ROUND_BF16)
+                   APPLY_GLOBAL, ROUND_BF16, HW_BF16)
 
 
 def dequantize(codes, scales, global_scale, shape, block, dtype=torch.float32, out=None):
@@ -82,7 +92,8 @@ def dequantize(codes, scales, global_scale, shape, block, dtype=torch.float32, o
     apply_global = global_scale is not None
     # (an unused pointer without a global scale)
     gs = global_scale.float().reshape(1) if apply_global else out
-    flags = dict(APPLY_GLOBAL=apply_global, ROUND_BF16=dtype == torch.bfloat16)
+    flags = dict(APPLY_GLOBAL=apply_global, ROUND_BF16=dtype == torch.bfloat16,
+                 HW_BF16=_hw_bf16())
     if bm == 1:  # 1x16
         NB, warps = DEQUANT_ROWS_LAUNCH
         # an int32 view needs 4-byte alignment

@@ -49,7 +49,7 @@ from kernels.nvfp4_math import (  # noqa: F401
     _pairwise_block_sum, _random_words, _rotate, _round_to_bf16, _round_to_e4m3,
     _rtn_e2m1, _sr_e2m1, _with_sign)
 # re-exported (their home: nvfp4_dequant.py)
-from kernels.nvfp4_dequant import dequantize, grid_values_bf16  # noqa: F401
+from kernels.nvfp4_dequant import _hw_bf16, dequantize, grid_values_bf16  # noqa: F401
 
 BLOCKS = ((1, 16), (16, 1), (16, 16))
 # "sr_up": SR with the block scale rounded up to E4M3 instead of to nearest, so that the block max
@@ -295,7 +295,7 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
 
 @triton.jit
 def _cols_source(x_ptr, xs_ptr, xgs_ptr, pid_b, m0, n0, row, pair, col, mask, M, N, stride_xb,
-                 stride_xm, PACKED_X: tl.constexpr, X_BF16: tl.constexpr):
+                 stride_xm, PACKED_X: tl.constexpr, X_BF16: tl.constexpr, HW_BF16: tl.constexpr):
     """The cols kernel's (C, 16, 2) fp32 tile of x: as stored, or with PACKED_X decoded from a
     packed 1x16 x (codes at x_ptr (B * M, N / 2), E4M3 scales at xs_ptr (B * M, N / 16), the global
     scale at xgs_ptr) to exactly the values its dequantize gives, (q * s_b) * s_g (rounded to bf16
@@ -315,7 +315,7 @@ def _cols_source(x_ptr, xs_ptr, xgs_ptr, pid_b, m0, n0, row, pair, col, mask, M,
                       other=0)
         s_b = s_b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         x = _decode_byte_pairs(c8.to(tl.int32), s_b, tl.load(xgs_ptr))                 # (C, 16, 2)
-        return _round_to_bf16(x) if X_BF16 else x
+        return _round_to_bf16(x, HW_BF16) if X_BF16 else x
     else:
         ptrs = x_ptr + pid_b.to(tl.int64) * stride_xb + (m0 + row).to(tl.int64) * stride_xm + col
         return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -328,7 +328,8 @@ def _quantize_cols_kernel(x_ptr, xs_ptr, xgs_ptr, h_ptr, amax_ptr, gs_out_ptr, c
                           FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr, SCALE_UP: tl.constexpr,
                           HADAMARD: tl.constexpr, WRITE_CODES: tl.constexpr,
                           WRITE_VALUES: tl.constexpr, AMAX_ONLY: tl.constexpr,
-                          PLAIN_TOO: tl.constexpr, PACKED_X: tl.constexpr, X_BF16: tl.constexpr):
+                          PLAIN_TOO: tl.constexpr, PACKED_X: tl.constexpr, X_BF16: tl.constexpr,
+                          HW_BF16: tl.constexpr):
     """_quantize_kernel's arithmetic for 16x1 blocks of a row-major x (eq. 2's wgrad operands,
     Q16x1(H^T dY) and Q16x1(H^T X-hat)): a (16, 2C) tile held as (C, 16, 2), i.e. each thread holds
     two whole column blocks (16 rows x 2 adjacent columns: 4-byte loads, 128 bytes per row and warp,
@@ -338,7 +339,7 @@ def _quantize_cols_kernel(x_ptr, xs_ptr, xgs_ptr, h_ptr, amax_ptr, gs_out_ptr, c
     (same operations per element, same Philox counters: _column_random_words). AMAX_ONLY: the
     global-amax pre-pass over the same rotated values (with PLAIN_TOO also max |x|, stored after the
     rotated partials: dY's two global amaxes in one read). Values rows: ld_values apart.
-    PACKED_X, X_BF16: x is read as a packed 1x16 tensor (_cols_source)."""
+    PACKED_X, X_BF16, HW_BF16: x is read as a packed 1x16 tensor (_cols_source)."""
     # rows on axis 0: no 65535 cap
     pid_m, pid_n, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m0, n0 = pid_m * 16, pid_n * (2 * C)
@@ -348,7 +349,7 @@ def _quantize_cols_kernel(x_ptr, xs_ptr, xgs_ptr, h_ptr, amax_ptr, gs_out_ptr, c
     mask = (col < N) & (row < 16)                                                      # (C, 16, 2)
     rows = pid_b.to(tl.int64) * M + m0 + row  # row index in (B * M, N)
     x = _cols_source(x_ptr, xs_ptr, xgs_ptr, pid_b, m0, n0, row, pair, col, mask, M, N,
-                     stride_xb, stride_xm, PACKED_X, X_BF16)
+                     stride_xb, stride_xm, PACKED_X, X_BF16, HW_BF16)
     xr = _hadamard16(x, h_ptr, C, 2) if HADAMARD else x  # H^T x along the rows
     ax = tl.abs(xr)
     if AMAX_ONLY:
@@ -568,7 +569,8 @@ def _cols_launch(x3, amax, hadamard, four_over_six, seed, rounding="rtn", codes=
         SR=rounding in SR_MODES, SCALE_UP=rounding == "sr_up",
         HADAMARD=hadamard is not None, WRITE_CODES=codes is not None,
         WRITE_VALUES=values is not None, AMAX_ONLY=amax_only, PLAIN_TOO=plain_too,
-        PACKED_X=packed, X_BF16=packed and x3.bf16, num_warps=COLS_WARPS, maxnreg=COLS_MAXNREG, enable_fp_fusion=False)
+        PACKED_X=packed, X_BF16=packed and x3.bf16, HW_BF16=_hw_bf16(), num_warps=COLS_WARPS,
+        maxnreg=COLS_MAXNREG, enable_fp_fusion=False)
     return partial.view(-1, n).amax(1).unbind() if amax_only else None
 
 

@@ -683,6 +683,27 @@ def test_gpu_dequantize_bit_exact():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_packed_source_bit_exact(dtype):
+    """Eq. 2's X_hat decoded inside the cols kernel (on the GPU: the hardware bf16 cast) against
+    quantizing the reference's dequantize(dtype) of the same packed X: every bit, 4096^2, SR +
+    Hadamard + 4/6; and the grid-value decode (dequantize, hardware cast) against the reference."""
+    g = torch.Generator().manual_seed(12)
+    xq = nvfp4.quantize_reference(_heavy_tailed((4096, 4096), g, torch.bfloat16), (1, 16), "rtn",
+                                  True)
+    H = nvfp4.random_hadamard(g)
+    want = kq.quantize_dequant(xq.dequantize(dtype).cuda(), (16, 1), "sr", True, seed=3,
+                               hadamard=H, return_tensor=True)
+    packed = nvfp4.NVFP4Tensor(xq.codes.cuda(), xq.scales.cuda(), xq.global_scale.cuda(),
+                               xq.shape, xq.block)
+    got = kq.quantize_dequant(packed, (16, 1), "sr", True, seed=3, hadamard=H, return_tensor=True,
+                              source_dtype=dtype)
+    for k, r in zip(got, want):
+        assert torch.equal(k.reshape(-1).view(torch.uint8), r.reshape(-1).view(torch.uint8))
+    assert torch.equal(kdequantize(packed, dtype).cpu(), xq.dequantize(dtype))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("block", [(1, 16), (16, 1)])
 def test_gpu_hadamard_4096(block):
     g = torch.Generator().manual_seed(4)
