@@ -215,8 +215,24 @@ def quantize_rows(device, dry):
     }
     return [row("quantize", f"nvfp4.quantize {name}, {n}x{n} bf16",
                 time_ms(lambda: nvfp4.quantize(x, **kw), device),
-                "x.clone() (a copy: reads and writes 2 bytes per element)", copy_ms)
+                "x.clone() (a copy: reads and writes 2 bytes per element)", copy_ms,
+                device_ms=kernel_ms(lambda: nvfp4.quantize(x, **kw), device))
             for name, kw in cases.items()]
+
+
+def kernel_ms(fn, device, calls=10):
+    """The GPU kernels' own time per call (the profiler's device time, summed): below the call's
+    time when the host's work per call (checks, allocations, launches) is the longer of the two."""
+    if device != "cuda":
+        return 0.0
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.device_time for e in kernels) / 1e3 / calls
 
 
 SECTIONS = {"attention": attention_rows, "linear": linear_rows, "optim": optim_rows,

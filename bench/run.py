@@ -132,7 +132,8 @@ def tables(rows):
            "|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["section"] != "train":
-            out.append(f"| {r['section']} | {r['name']} | {r['ms']:.3f} | {r['baseline']} "
+            gpu = f" (kernels {r['device_ms']:.3f})" if r.get("device_ms") else ""
+            out.append(f"| {r['section']} | {r['name']} | {r['ms']:.3f}{gpu} | {r['baseline']} "
                        f"| {r['baseline_ms']:.3f} | **{r['speed_vs_baseline']:.2f}x** "
                        f"| {when(r)} |")
     train = [r for r in rows if r["section"] == "train"]
@@ -159,7 +160,8 @@ def main(argv=None):
     for section in (s for s in layers.SECTIONS if s in args.only):
         for r in layers.SECTIONS[section](device, args.dry_run):
             rows.append({**r, "measured": meta})
-            print(f"{r['section']:9s} {r['name']:72s} {r['ms']:9.3f} ms  "
+            gpu = f" (kernels {r['device_ms']:.3f} ms)" if r.get("device_ms") else ""
+            print(f"{r['section']:9s} {r['name']:72s} {r['ms']:9.3f} ms{gpu}  "
                   f"{r['speed_vs_baseline']:5.2f}x {r['baseline']} ({r['baseline_ms']:.3f} ms)",
                   flush=True)
     if "train" in args.only:

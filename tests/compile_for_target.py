@@ -67,6 +67,12 @@ def record_quantize_launches():
         nvfp4_quant.quantize(x, (1, 16), "sr", fos, seed=1, hadamard=H)       # rows + amax pass
         nvfp4_quant.quantize(x.t(), (1, 16), "rtn", fos)                      # the tile kernel
     nvfp4_quant.global_amax_pair(x, H)
+    buf = torch.zeros(64, 256 + 8, dtype=torch.bfloat16)  # LoRA-SVD's [X_hat | branch]
+    for fos in (False, True):
+        qd(x, (1, 16), "rtn", fos, return_tensor=True, out=buf[:, :256])
+        qd(x, (1, 16), "sr", fos, seed=1, global_amax=one, out=buf[:, :256])
+    xq = _packed((64, 256), (1, 16))  # eq. 2's X_hat decoded from the packed X in the cols kernel
+    qd(xq, (16, 1), "sr", False, seed=1, hadamard=H, source_dtype=torch.bfloat16)
     codes, s_g = torch.zeros(64, 128, dtype=torch.uint8), torch.ones(())
     for block, n_scales in (((1, 16), (64, 16)), ((16, 16), (4, 16))):
         scales = torch.zeros(n_scales, dtype=torch.uint8).view(torch.float8_e4m3fn)
@@ -108,13 +114,12 @@ def record_blackwell_gemms():
 def record_blackwell_layers():
     """Every launch the layers' kernel routes make on a Blackwell GPU (use_dot_scaled forced): the
     direct NVFP4 linear and LoRA-SVD, forward and backward, with the contract's 4/6, SR and
-    Hadamard (the packed-only quantize passes, the X_hat decode, the GEMMs)."""
+    Hadamard (the packed-only quantize passes, eq. 2's X_hat decoded inside the cols kernel, the
+    GEMMs)."""
     import nvfp4
     from kernels import lora_fused, nvfp4_linear
     for module in (nvfp4_gemm, nvfp4_linear, lora_fused):
         module.use_dot_scaled = lambda device: True
-    decode = nvfp4_linear.dequantize  # recorded, not run: its output is garbage, the checks see zeros
-    nvfp4_linear.dequantize = lambda *args: decode(*args).zero_()
     c = nvfp4.linear_contract(True)
     x, w, dy = torch.zeros(64, 256), torch.zeros(128, 256), torch.zeros(64, 128)
     H, need, n = torch.eye(16), (True, True), len(LAUNCHES)

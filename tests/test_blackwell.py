@@ -334,7 +334,7 @@ def test_every_blackwell_product_lowers_to_the_block_scaled_fp4_mma():
             assert product == "layers" and mma == "-", (product, kernel, mma)
     assert {line[0] for line in lines if line[3] == "layers"} == {
         "_nvfp4_gemm_sm100_kernel", "_quantize_rows_kernel", "_quantize_cols_kernel",
-        "_quantize_kernel", "_dequantize_rows_kernel"}
+        "_quantize_kernel"}
 
 
 # --------------------------------------------------------------------------------------------
