@@ -49,8 +49,8 @@ def parse_args(argv=None):
                    help="recipe:optimizer items of the end-to-end rows")
     p.add_argument("--compile", default="both", choices=("both", "eager", "compile"),
                    help="end-to-end rows without --compile, with it, or both")
-    p.add_argument("--steps", type=int, default=3,
-                   help="optimizer steps per end-to-end run (the first is not timed)")
+    p.add_argument("--steps", type=int, default=4, help="optimizer steps per end-to-end run "
+                   f"(the first {end_to_end.WARMUP_STEPS} are not timed)")
     p.add_argument("--run_timeout", type=float, default=600,
                    help="seconds before one train.py run is stopped")
     p.add_argument("--deadline", type=float, default=None,
@@ -79,12 +79,13 @@ def parse_args(argv=None):
              f"expected some of {list(end_to_end.MICRO_BATCH)}")
     if bad := [r for r in args.runs if len(r) != 2 or r[1] not in ("adamw", "root")]:
         fail(f"--runs: {':'.join(bad[0])!r} is not recipe:optimizer with optimizer adamw or root")
-    if args.steps < 2:
-        fail(f"--steps {args.steps}: need at least 2 (the first step is not timed)")
+    if args.steps <= end_to_end.WARMUP_STEPS:
+        fail(f"--steps {args.steps}: need more than {end_to_end.WARMUP_STEPS} (the first "
+             f"{end_to_end.WARMUP_STEPS} steps are not timed)")
     if not args.dry_run and not torch.cuda.is_available():
         fail("needs a CUDA GPU (use --dry_run to check the script on a CPU)")
     if args.dry_run:  # the tiny config and two recipes, eager: what a CPU can run in a minute
-        args.configs, args.compile, args.steps = ["tiny"], "eager", 2
+        args.configs, args.compile, args.steps = ["tiny"], "eager", end_to_end.WARMUP_STEPS + 1
         args.runs = [r for r in args.runs if r in (("bf16", "adamw"), ("fullstack", "adamw"))]
     args.out_dir = args.out_dir or ("runs/bench_dry" if args.dry_run else "results/speed")
     return args

@@ -41,7 +41,8 @@ def test_bench_dry_run_writes_every_row_with_its_baseline(tmp_path):
     assert set(train) == {("bf16", False), ("fullstack", False)}
     for r in train.values():
         assert "error" not in r, r["error"]
-        assert r["tokens_per_s"] > 0 and "--max_steps 2" in r["command"]
+        assert r["tokens_per_s"] > 0 and "--max_steps 3" in r["command"]
+        assert r["step_rates"] and r["tokens_per_s"] == r["step_rates"][0]  # step 3 only
     assert train[("bf16", False)]["vs_bf16"] == 1.0 and 0 < train[("fullstack", False)]["vs_bf16"]
     assert "| tiny | `fullstack` | adamw |" in (out / "speed.md").read_text()
 
