@@ -41,16 +41,29 @@ def type_of(v):
     return "fp32"
 
 
+def aligned(v, param):
+    """What a GPU launch assumes of an argument: a pointer 16-byte aligned, an integer (unless
+    do_not_specialize) a multiple of 16; without these attributes the compiler picks other layouts
+    (scalar loads, shuffles) than the GPU runs."""
+    if torch.is_tensor(v):
+        return v.data_ptr() % 16 == 0
+    return (isinstance(v, int) and not isinstance(v, bool) and v % 16 == 0
+            and not param.do_not_specialize)
+
+
 def compile_launch(fn, args, kwargs, target):
     bound = dict(zip(fn.arg_names, args), **{k: v for k, v in kwargs.items() if k in fn.arg_names})
     options = {k: v for k, v in kwargs.items() if k not in fn.arg_names}
-    signature, constexprs = {}, {}
+    signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
-        if i in fn.constexprs:
+        if i in fn.constexprs or bound[name] is None:  # None: a constexpr, as Triton's launcher
             signature[name], constexprs[(i,)] = "constexpr", bound[name]
-        else:
-            signature[name] = type_of(bound[name])
-    return triton.compile(ASTSource(fn, signature, constexprs), target=target, options=options)
+            continue
+        signature[name] = type_of(bound[name])
+        if aligned(bound[name], fn.params[i]):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                          options=options)
 
 
 def record_quantize_launches():

@@ -430,20 +430,9 @@ def record_attention_launches(policy, D, B=1, H=4, Hkv=2, T=256):
 
 def compile_recorded(cft, target):
     """Lines "<kernel> <arch> <MMA instruction>:<count>,..." for each recorded launch, compiled
-    for target with the launcher's argument types and options (None arguments as constexprs, as
-    Triton's launcher specializes them)."""
-    from triton.compiler import ASTSource
+    for target as a GPU launch would compile it (compile_for_target.compile_launch)."""
     for fn, args, kwargs in cft.LAUNCHES:
-        bound = dict(zip(fn.arg_names, args), **kwargs)
-        signature, constexprs = {}, {}
-        for i, name in enumerate(fn.arg_names):
-            if i in fn.constexprs or bound[name] is None:
-                signature[name], constexprs[(i,)] = "constexpr", bound[name]
-            else:
-                signature[name] = cft.type_of(bound[name])
-        options = {k: v for k, v in kwargs.items() if k not in fn.arg_names}
-        ptx = triton.compile(ASTSource(fn, signature, constexprs), target=target,
-                             options=options).asm["ptx"]
+        ptx = cft.compile_launch(fn, args, kwargs, target).asm["ptx"]
         mma = collections.Counter(re.findall(r"\b(?:tcgen05\.mma|wgmma\.mma_async|mma\.sync)"
                                              r"[\w.:]*", ptx))
         arch = re.search(r"\.target (\S+)", ptx).group(1)
