@@ -117,9 +117,11 @@ def main(argv=None):
                for r in recipes}
     print(report(results, args.top))
     if args.out:
+        from kernels.nvfp4_gemm import use_dot_scaled  # the NVFP4 GEMM route these kernels took
+        route = "blackwell dot_scaled" if use_dot_scaled(torch.device(device)) else "grid values"
         meta = {"config": args.config, "batch_size": args.batch_size, "seq_len": args.seq_len,
                 "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                "torch": torch.__version__}
+                "torch": torch.__version__, "gemm_route": route}
         with open(args.out, "w") as f:
             json.dump({**meta, "recipes": results}, f, indent=1)
 
