@@ -14,8 +14,9 @@ would run instead, on the same GPU in the same process.
 
 Every call is timed back to back, as in training: no cache flush between calls, the launch queue
 kept full, so host time that the GPU cannot hide shows up. Rows hold milliseconds per call of ours
-and of the baseline and the speed ratio baseline_ms / ours_ms (above 1: ours is faster). Only the
-modules' public calls are used.
+and of the baseline and the speed ratio baseline_ms / ours_ms (above 1: ours is faster), and for
+ours the host's time to issue a call (host_ms: where it reaches ms, the call is host-bound). Only
+the modules' public calls are used.
 """
 
 import contextlib
@@ -55,6 +56,24 @@ def time_ms(fn, device, calls=20, repeats=5):
         end.synchronize()
         times.append(start.elapsed_time(end) / calls)
     return statistics.median(times)
+
+
+def host_ms(fn, device, calls=20):
+    """Milliseconds the host takes to issue one call (its Python, checks, allocations and launches;
+    the launch queue absorbs them, so no wait on the GPU is in it): the mean over `calls` back-to-
+    back calls, timed before the closing synchronize, after three warm-up calls. A call whose
+    host_ms reaches its ms is host-bound. 0 on the CPU (the dry run)."""
+    if device != "cuda":
+        return 0.0
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) * 1e3 / calls
 
 
 def row(section, name, ms, baseline, baseline_ms, **extra):
@@ -117,12 +136,12 @@ def attention_rows(device, dry, policies=("bf16", "fp4", "fp4_all")):
     shape = f"B{B} H{H}/{Hkv} T{T} D{D} causal"
     rows = []
     for policy in policies:
-        ms = time_ms(fwd_bwd(lambda q, k, v: attention.attention(q, k, v, causal=True,
-                                                                 policy=policy)), device)
+        run = fwd_bwd(lambda q, k, v: attention.attention(q, k, v, causal=True, policy=policy))
+        ms = time_ms(run, device)
         rows.append(row("attention", f"attention(policy={policy!r}) fwd+bwd, {shape}", ms,
                         baseline, sdpa_ms,
                         tflops=flop / ms / 1e9, baseline_tflops=flop / sdpa_ms / 1e9,
-                        sdpa_backend=backend, sdpa_kernels=kernels))
+                        sdpa_backend=backend, sdpa_kernels=kernels, host_ms=host_ms(run, device)))
     return rows
 
 
@@ -160,10 +179,13 @@ def linear_rows(device, dry):
     flop = 3 * 2 * tokens * width * width  # forward, dgrad, wgrad
     shape = f"{tokens} tokens x {width}x{width}"
     baseline = "nn.Linear, bf16 autocast" if device == "cuda" else "nn.Linear, fp32"
-    return [row("linear", f"{name} fwd+bwd, {shape}", ms, baseline, dense_ms,
-                tflops=flop / ms / 1e9, baseline_tflops=flop / dense_ms / 1e9)
-            for name, ms in ((name, time_ms(fwd_bwd(layer), device))
-                             for name, layer in layers.items())]
+    rows = []
+    for name, layer in layers.items():
+        ms = time_ms(fwd_bwd(layer), device)
+        rows.append(row("linear", f"{name} fwd+bwd, {shape}", ms, baseline, dense_ms,
+                        tflops=flop / ms / 1e9, baseline_tflops=flop / dense_ms / 1e9,
+                        host_ms=host_ms(fwd_bwd(layer), device)))
+    return rows
 
 
 # --------------------------------------------------------------------------------------------------
@@ -216,7 +238,8 @@ def quantize_rows(device, dry):
     return [row("quantize", f"nvfp4.quantize {name}, {n}x{n} bf16",
                 time_ms(lambda: nvfp4.quantize(x, **kw), device),
                 "x.clone() (a copy: reads and writes 2 bytes per element)", copy_ms,
-                device_ms=kernel_ms(lambda: nvfp4.quantize(x, **kw), device))
+                device_ms=kernel_ms(lambda: nvfp4.quantize(x, **kw), device),
+                host_ms=host_ms(lambda: nvfp4.quantize(x, **kw), device))
             for name, kw in cases.items()]
 
 

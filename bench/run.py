@@ -134,6 +134,7 @@ def tables(rows):
     for r in rows:
         if r["section"] != "train":
             gpu = f" (kernels {r['device_ms']:.3f})" if r.get("device_ms") else ""
+            gpu += f" (host {r['host_ms']:.3f})" if r.get("host_ms") else ""
             out.append(f"| {r['section']} | {r['name']} | {r['ms']:.3f}{gpu} | {r['baseline']} "
                        f"| {r['baseline_ms']:.3f} | **{r['speed_vs_baseline']:.2f}x** "
                        f"| {when(r)} |")
@@ -162,6 +163,7 @@ def main(argv=None):
         for r in layers.SECTIONS[section](device, args.dry_run):
             rows.append({**r, "measured": meta})
             gpu = f" (kernels {r['device_ms']:.3f} ms)" if r.get("device_ms") else ""
+            gpu += f" (host {r['host_ms']:.3f} ms)" if r.get("host_ms") else ""
             print(f"{r['section']:9s} {r['name']:72s} {r['ms']:9.3f} ms{gpu}  "
                   f"{r['speed_vs_baseline']:5.2f}x {r['baseline']} ({r['baseline_ms']:.3f} ms)",
                   flush=True)
