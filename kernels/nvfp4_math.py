@@ -7,6 +7,8 @@ Every quantizing kernel (nvfp4_quant, flash_attention, optim_fused) builds on th
 round alike. kernels/nvfp4_quant.py re-exports them under the same names.
 """
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -16,12 +18,23 @@ E4M3_MAX = 448.0       # largest E4M3 block scale
 E4M3_MAX_46 = 256.0
 
 
+# On a GPU, E4M3 rounding is the hardware conversion (sm_89+: cvt.rn.satfinite.e4m3x2.f32, nearest
+# ties to even, subnormals kept: nvfp4.to_e4m3 exactly, which a GPU test checks on every tie).
+# Triton's interpreter converts otherwise (its subnormal ties do not round to even), so there the
+# integer arithmetic. Read when this module is imported, as TRITON_INTERPRET itself.
+HW_E4M3 = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+
+
 @triton.jit
 def _round_to_e4m3(s, UP: tl.constexpr = False):
     """fp32 s in [0, 448] -> (the nearest E4M3 value, ties to even, as fp32; its uint8 bit pattern).
     Rounds to a multiple of the E4M3 quantum at s's binade (2^(e-3), but at least 2^-9 for
-    subnormals) with the 2^23 magic-number trick, which is exact RNE for 0 <= t < 2^22. UP: the
-    smallest E4M3 value >= s instead (nvfp4.to_e4m3(s, up=True))."""
+    subnormals) with the 2^23 magic-number trick, which is exact RNE for 0 <= t < 2^22 (on a GPU
+    the hardware conversion instead, HW_E4M3). UP: the smallest E4M3 value >= s instead
+    (nvfp4.to_e4m3(s, up=True)), always by the arithmetic (no hardware rounding mode for it)."""
+    if HW_E4M3 and not UP:  # one conversion instead of the arithmetic below (no rounding up)
+        f8 = s.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+        return f8.to(tl.float32), f8.to(tl.uint8, bitcast=True)
     bits = s.to(tl.int32, bitcast=True)
     e = tl.maximum((bits >> 23) & 0xFF, 127 - 6)  # biased fp32 exponent, floored at 2^-6
     quantum = ((e - 3) << 23).to(tl.float32, bitcast=True)             # 2^(e-127-3)

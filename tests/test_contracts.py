@@ -352,6 +352,23 @@ def test_rtn_equals_transformer_engine_bit_for_bit(tile, kind):
         assert torch.equal(t.global_scale, s_dec)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [(1, 16), (16, 16)])
+def test_gpu_rtn_equals_transformer_engine_on_the_tie_blocks(tile):
+    """On the GPU the block scales are the hardware's E4M3 conversion (kernels/nvfp4_math.HW_E4M3):
+    the same codes and scales as TE on every E4M3-tie block maximum, grid tie and subnormal
+    scale. Rows and tile kernels (an fp32 input, a bf16 one, a transposed view)."""
+    x = hard_input(tile, torch.Generator().manual_seed(3 + (tile == (16, 16))))
+    for xs in (x, x.bfloat16().float()):
+        codes, scales, s_dec = te_quantize(xs, tile)
+        # contiguous (rows / tile kernel) and a transposed view (the strided tile kernel)
+        for xg in (xs.cuda(), xs.t().contiguous().cuda().t()):
+            t = nvfp4.quantize(xg, tile)
+            assert torch.equal(t.scales.view(torch.uint8).cpu(), scales.view(torch.uint8))
+            assert torch.equal(t.unpack_codes().cpu(), codes)
+            assert torch.equal(t.global_scale.cpu(), s_dec)
+
+
 def test_the_tie_inputs_tell_te_from_the_division_by_the_global_scale():
     """The hard input separates the two arithmetics: the previous
     s_b = e4m3(amax_b / 6 / s_g), s_g = amax / 2688, differs from TE's on the tie blocks

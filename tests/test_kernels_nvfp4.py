@@ -100,7 +100,7 @@ def _e4m3_probe(s_ptr, v_ptr, bits_ptr, n, BLOCK: tl.constexpr, UP: tl.constexpr
     tl.store(bits_ptr + offs, bits, mask=offs < n)
 
 
-def test_round_to_e4m3_matches_torch_including_ties_and_subnormals():
+def _check_round_to_e4m3(device):
     # all finite E4M3 >= 0
     grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     ties = (grid[:-1] + grid[1:]) / 2  # exact midpoints
@@ -110,14 +110,28 @@ def test_round_to_e4m3_matches_torch_including_ties_and_subnormals():
     s = torch.cat((grid, ties, torch.nextafter(ties, torch.zeros_like(ties)), rand,
                    torch.tensor([448.0, 1e-30])))
     for up in (False, True):
-        v, bits = torch.empty_like(s), torch.empty(s.shape, dtype=torch.uint8)
-        _e4m3_probe[(triton.cdiv(s.numel(), 1024),)](s, v, bits, s.numel(), BLOCK=1024, UP=up)
+        sd = s.to(device)
+        v, bits = torch.empty_like(sd), torch.empty(s.shape, dtype=torch.uint8, device=device)
+        _e4m3_probe[(triton.cdiv(s.numel(), 1024),)](sd, v, bits, s.numel(), BLOCK=1024, UP=up)
+        v, bits = v.cpu(), bits.cpu()
         want = nvfp4.to_e4m3(s, up=up)  # torch's RNE cast (+1 code up)
         assert torch.equal(v, want.float())
         assert torch.equal(bits, want.view(torch.uint8))
         if up:  # the smallest E4M3 value >= s
             below = torch.where(bits > 0, bits - 1, bits).view(torch.float8_e4m3fn).float()
             assert (v >= s).all() and ((below < s) | (bits == 0)).all()
+
+
+def test_round_to_e4m3_matches_torch_including_ties_and_subnormals():
+    """In the interpreter: the integer arithmetic (its own E4M3 conversion is not RNE on subnormal
+    ties)."""
+    _check_round_to_e4m3("cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_round_to_e4m3_hardware_conversion_on_every_tie():
+    """On the GPU: the hardware conversion (HW_E4M3) for nearest, the arithmetic for up."""
+    _check_round_to_e4m3("cuda")
 
 
 @triton.jit
