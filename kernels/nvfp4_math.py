@@ -167,12 +167,13 @@ def _sr_e2m1(a, r):
     u = (r >> 16) * 2^-16, nvfp4.sr_uniforms' u. Any 24-bit uniform on torch.rand's fp32 grid passes
     through exactly too (_noise_bits: the tests' given uniforms). For a >= 1, lo is a with its
     mantissa cut to one bit and (a - lo) / gap = m / 2^22 for the 22 bits m cut off, so
-    u < m / 2^22 <=> (r >> 10) < m: one integer compare. At a = 6, m = 0: never up. Below 1 the gap
-    is 0.5: lo = floor(2a) / 2, fraction f = 2a - floor(2a) (exact), and u < f <=>
-    float(r >> 8) < f * 2^24 (both sides exact). Same decisions as the reference for every such u,
-    so the kernels reproduce it bit for bit."""
+    u < m / 2^22 <=> (r >> 10) < m <=> r < m * 2^10 (for every uint32 r), and m * 2^10 is a's bits
+    shifted left by 10 (sign and exponent shift out): a shift and an unsigned compare, with nothing
+    done to r. At a = 6, m = 0: never up. Below 1 the gap is 0.5: lo = floor(2a) / 2, fraction
+    f = 2a - floor(2a) (exact), and u < f <=> float(r >> 8) < f * 2^24 (both sides exact). Same
+    decisions as the reference for every such u, so the kernels reproduce it bit for bit."""
     bits = a.to(tl.int32, bitcast=True)
-    up = (r >> 10).to(tl.int32) < (bits & 0x3FFFFF)
+    up = r < (bits << 10).to(tl.uint32)
     normal = (bits >> 22) - 252 + up.to(tl.int32)
     t = a * 2.0
     fl = tl.floor(t)
