@@ -188,7 +188,9 @@ def rtn_e2m1(a):
 
 def sr_e2m1(a, u):
     """Stochastic rounding of a in [0, 6]: up to the next grid value iff u < the fractional
-    distance, so E[q] = a for uniform u in [0, 1) (sr_uniforms)."""
+    distance, so E[q] = a for uniform u in [0, 1); sr_uniforms' u, on a 2^-16 grid, rounds up
+    with probability ceil(d * 2^16) * 2^-16 for a fractional distance d: E[q] - a in
+    [0, 2^-16) grid steps."""
     step = _grid_step(a)
     lo = torch.floor(a / step) * step
     return _e2m1_index(torch.where(u < (a - lo) / step, lo + step, lo).clamp(max=FP4_MAX))
@@ -222,23 +224,34 @@ def philox(seed, counter):
     return torch.stack((c0, c1, c2, c3))
 
 
+def _word_halves(words):
+    """Philox words (int64, < 2^32) -> (*words.shape, 2): each word's low 16 bits, then its high 16
+    bits, the random integers of two neighbouring elements."""
+    return torch.stack((words & 0xFFFF, words >> 16), dim=-1)
+
+
 def sr_uniforms(seed, shape, block, device=None):
-    """SR's uniforms for a tensor of `shape` quantized in `block`s: u = (r >> 8) * 2^-24
-    (torch.rand's fp32 grid) from Philox words r. One Philox call serves 4 neighbours along the
-    block: for 1x16 blocks element i of the flat tensor takes word i % 4 of counter i // 4; for 16x1
-    and 16x16 blocks element (row, col), rows over the flattened leading dims, takes word row % 4 of
-    counter (row // 4) * N + col. The draw depends on the seed and the element's position only,
-    never on a kernel's tiling."""
+    """SR's uniforms for a tensor of `shape` quantized in `block`s: u = h * 2^-16 for 16 random bits
+    h, half of a Philox word. One Philox call (4 words) serves 8 neighbours along the block, each
+    word two of them, the even element its low half and the odd one its high half: for 1x16
+    blocks element i of the flat tensor takes half i % 2 of word (i % 8) // 2 of counter i // 8;
+    for 16x1 and 16x16 blocks element (row, col), rows over the flattened leading dims, takes half
+    row % 2 of word (row % 8) // 2 of counter (row // 8) * N + col. The draw depends on the seed
+    and the element's position only, never on a kernel's tiling.
+    Why 16 bits: u on a 2^-16 grid rounds up with probability ceil(d * 2^16) * 2^-16 for a
+    fractional distance d, a bias below 2^-16 of a grid step (so App. 7's unbiasedness assumption
+    (A3) holds to that bound; every element has its own bits, so its draws stay independent), and
+    it halves the Philox calls per element, the bulk of an SR kernel's arithmetic. Even Blackwell's
+    hardware SR (cvt.rs.satfinite.e2m1x4.f32) takes only 32 random bits per 4 values."""
     *lead, M, N = shape
     rows = math.prod(lead) * M
     if tuple(block) == (1, 16):
-        # (4, rows * N / 4)
-        words = philox(seed, torch.arange(rows * N // 4, device=device))
-        r = words.t().reshape(rows, N)
+        words = philox(seed, torch.arange(rows * N // 8, device=device))           # (4, rows N / 8)
+        h = _word_halves(words.t())                                      # (rows N / 8, 4, 2)
     else:
-        quads = torch.arange(rows // 4, device=device)[:, None] * N + torch.arange(N, device=device)
-        r = philox(seed, quads).permute(1, 0, 2).reshape(rows, N)                  # (rows/4, 4, N)
-    return ((r >> 8).float() * 2.0**-24).reshape(shape)
+        octs = torch.arange(rows // 8, device=device)[:, None] * N + torch.arange(N, device=device)
+        h = _word_halves(philox(seed, octs)).permute(1, 0, 3, 2)         # (rows/8, 4, 2, N)
+    return (h.reshape(rows, N).float() * 2.0**-16).reshape(shape)
 
 
 def sr_seed(generator=None):

@@ -1,8 +1,9 @@
 """
 NVFP4 arithmetic as Triton device functions (paper §2; the numerics of the reference nvfp4.py, bit
 for bit): Transformer Engine's global and block scales (one reciprocal per block, a multiply per
-element), E4M3 rounding, E2M1 round-to-nearest and stochastic rounding from fp32 bits, Philox words
-for SR, the 16-point Hadamard butterfly, and the fixed summation tree 4/6 compares errors with.
+element), E4M3 rounding, E2M1 round-to-nearest and stochastic rounding from fp32 bits, SR's random
+bits (16 per element, from Philox), the 16-point Hadamard butterfly, and the fixed summation tree
+4/6 compares errors with.
 Every quantizing kernel (nvfp4_quant, flash_attention, optim_fused) builds on these, so they all
 round alike. kernels/nvfp4_quant.py re-exports them under the same names.
 """
@@ -174,16 +175,18 @@ def _with_sign(q, neg):
 @triton.jit
 def _sr_e2m1(a, r):
     """Stochastic rounding of a in [0, 6] (nvfp4.sr_e2m1: up to the next grid value iff
-    u < (a - lo) / gap), from a's fp32 bits, for the uniform u = (r >> 8) * 2^-24 of 32 random bits
-    r (uint32): torch.rand's fp32 grid, so the tests' torch uniforms pass through exactly
-    (_noise_bits). For a >= 1, lo is a with its mantissa cut to one bit and
-    (a - lo) / gap = m / 2^22 for the 22 bits m cut off, so u < m / 2^22 <=> (r >> 10) < m: one
-    integer compare. At a = 6, m = 0: never up. Below 1 the gap is 0.5: lo = floor(2a) / 2,
-    fraction f = 2a - floor(2a) (exact), and u < f <=> float(r >> 8) < f * 2^24 (both sides exact).
-    Same decisions as the reference for every torch uniform, so the tests' given uniforms reproduce
-    it bit for bit."""
+    u < (a - lo) / gap), from a's fp32 bits, for the uniform u = (r >> 8) * 2^-24 of a uint32 r.
+    The SR contract's words (_word_halves) carry 16 random bits in r's high half, low half zero:
+    u = (r >> 16) * 2^-16, nvfp4.sr_uniforms' u. Any 24-bit uniform on torch.rand's fp32 grid passes
+    through exactly too (_noise_bits: the tests' given uniforms). For a >= 1, lo is a with its
+    mantissa cut to one bit and (a - lo) / gap = m / 2^22 for the 22 bits m cut off, so
+    u < m / 2^22 <=> (r >> 10) < m <=> r < m * 2^10 (for every uint32 r), and m * 2^10 is a's bits
+    shifted left by 10 (sign and exponent shift out): a shift and an unsigned compare, with nothing
+    done to r. At a = 6, m = 0: never up. Below 1 the gap is 0.5: lo = floor(2a) / 2, fraction
+    f = 2a - floor(2a) (exact), and u < f <=> float(r >> 8) < f * 2^24 (both sides exact). Same
+    decisions as the reference for every such u, so the kernels reproduce it bit for bit."""
     bits = a.to(tl.int32, bitcast=True)
-    up = (r >> 10).to(tl.int32) < (bits & 0x3FFFFF)
+    up = r < (bits << 10).to(tl.uint32)
     normal = (bits >> 22) - 252 + up.to(tl.int32)
     t = a * 2.0
     fl = tl.floor(t)
@@ -198,43 +201,59 @@ def _noise_bits(u):
     return (u * 16777216.0).to(tl.uint32) << 8
 
 
+# SR's random bits (nvfp4.sr_uniforms): 16 per element, one Philox4x32-10 call (tl.randint4x,
+# 10 rounds, key = the seed) per 8 neighbouring elements along the block. Element 8c + 2k + h takes
+# half h (0: low, 1: high) of word k of counter c: 2k + h = 4a + 2b + h for the word index
+# k = 2a + b, so the words, joined as join(join(r0, r2), join(r1, r3)), then split in halves
+# (_word_halves), reshape straight into element order in registers.
+
+@triton.jit
+def _word_halves(w):
+    """uint32 words (any shape S) -> S + (2,): [..., 0] the low half's 16 bits, [..., 1] the high
+    half's, each in the high half of a word with the low half zero, where _sr_e2m1 reads its bits:
+    one shift or one mask per element."""
+    return tl.join(w << 16, w & 0xFFFF0000)
+
+
+@triton.jit
+def _philox_halves(seed, counters):
+    """The 8 random half-words of each counter (any shape S) -> S + (2, 2, 2): [..., a, b, h] is
+    element 4a + 2b + h of the counter's 8, half h of word 2a + b."""
+    r0, r1, r2, r3 = tl.randint4x(seed, counters.to(tl.uint32))
+    return _word_halves(tl.join(tl.join(r0, r2), tl.join(r1, r3)))
+
+
 @triton.jit
 def _random_words(seed, rows, n0, N, BM: tl.constexpr, BN: tl.constexpr):
-    """(BM, BN) random uint32 words (for _sr_e2m1) for the elements (rows[i], n0 + j) of a row-major
-    tensor with N columns: one Philox call (tl.randint4x, 10 rounds) per 4 consecutive elements,
-    counter = element index // 4, so a quarter of tl.rand's Philox work (the bulk of an SR
-    quantization's arithmetic) and a draw that does not depend on the tiling. Raw bits, not
-    tl.rand's floats: _sr_e2m1 compares integers (no conversion per element). n0 and N are multiples
-    of 4 (of 16, in fact)."""
-    offs4 = rows[:, None] * (N // 4) + (n0 // 4 + tl.arange(0, BN // 4))[None, :]
-    r0, r1, r2, r3 = tl.randint4x(seed, offs4.to(tl.uint32))
-    # element 4c + k gets r_k[c]: join(join(r0, r2), join(r1, r3))[.., a, b] = r_(2a + b)
-    return tl.join(tl.join(r0, r2), tl.join(r1, r3)).reshape(BM, BN)
+    """(BM, BN) random words (for _sr_e2m1) for the elements (rows[i], n0 + j) of a row-major
+    tensor with N columns, for 1x16 blocks: counter = element index // 8, so an eighth of tl.rand's
+    Philox work and a draw that does not depend on the tiling. Raw bits, not tl.rand's floats:
+    _sr_e2m1 compares integers (no conversion per element). n0 and N are multiples of 8 (of 16, in
+    fact)."""
+    offs8 = rows[:, None] * (N // 8) + (n0 // 8 + tl.arange(0, BN // 8))[None, :]
+    return _philox_halves(seed, offs8).reshape(BM, BN)
 
 
 @triton.jit
-def _column_random_words(seed, offs4):
-    """Random words for 16x1 blocks (as _random_words): one Philox call per 4 rows of a column,
-    counter = (row // 4) * N + column, word k for row 4i + k (four rows of one column, not four
-    columns of one row as _random_words for 1x16 blocks: a kernel holding whole column blocks per
-    thread then uses every word of a call).
-    offs4: the counters, any shape S; returns S + (2, 2) with [..., a, b] the word of row offset
-    2a + b; callers permute it into their tiles. The draw depends on (seed, row, column) only, not
-    on the tiling."""
-    r0, r1, r2, r3 = tl.randint4x(seed, offs4.to(tl.uint32))
-    return tl.join(tl.join(r0, r2), tl.join(r1, r3))
+def _column_random_words(seed, offs8):
+    """Random words for 16x1 and 16x16 blocks: one Philox call per 8 rows of a column, counter =
+    (row // 8) * N + column, half h of word k for row 8i + 2k + h (eight rows of one column, not
+    eight columns of one row as _random_words for 1x16 blocks: a kernel holding whole column blocks
+    per thread then uses every word of a call).
+    offs8: the counters, any shape S; returns S + (2, 2, 2) with [..., a, b, h] the word of row
+    offset 4a + 2b + h; callers permute it into their tiles. The draw depends on (seed, row,
+    column) only, not on the tiling."""
+    return _philox_halves(seed, offs8)
 
 
 @triton.jit
 def _block_random_words(seed, blocks, NB: tl.constexpr):
     """_random_words for whole 1x16 blocks of a flat tensor, as the rows kernel's (NB, 2, 8) tile:
-    the same Philox counters (element index // 4 = block * 4 + half * 2 + c) and the same assignment
-    (element 4c + k gets r_k[c]), generated in the tile's own arrangement (a reshape of
-    _random_words' (NB, 16) cost a layout shuffle)."""
-    offs4 = (blocks[:, None, None] * 4 + tl.arange(0, 2)[None, :, None] * 2
-             + tl.arange(0, 2)[None, None, :])
-    r0, r1, r2, r3 = tl.randint4x(seed, offs4.to(tl.uint32))                   # (NB, 2, 2) each
-    return tl.join(tl.join(r0, r2), tl.join(r1, r3)).reshape(NB, 2, 8)
+    the same Philox counters (element index // 8 = block * 2 + half) and the same assignment,
+    generated in the tile's own arrangement (a reshape of _random_words' (NB, 16) cost a layout
+    shuffle)."""
+    offs8 = blocks[:, None] * 2 + tl.arange(0, 2)[None, :]                         # (NB, 2)
+    return _philox_halves(seed, offs8).reshape(NB, 2, 8)
 
 
 @triton.jit

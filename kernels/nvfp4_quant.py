@@ -18,10 +18,14 @@ bit, with the device arithmetic of kernels/nvfp4_math.py:
         (nvfp4.sr_uniforms)
   sign = x * scale < 0                                        (-0.0 and underflow to -0.0 get
                                                               a + code)
-SR's uniforms are Philox words, 4 per tl.randint4x call (1x16 blocks: counter element index // 4, 4
-neighbours in a row; 16x1 and 16x16 blocks: counter (row // 4) * N + column, 4 neighbours in a
-column): the reference's nvfp4.sr_uniforms draws the same words in PyTorch, so a seed gives the same
-codes on both routes.
+SR's uniforms are 16 random bits per element, u = h * 2^-16 (a bias below 2^-16 of a grid step):
+one tl.randint4x call (Philox4x32-10, key = the seed) serves 8 neighbours, each 32-bit word two of
+them, the even element its low half (1x16 blocks: counter element index // 8, 8 neighbours in a
+row; 16x1 and 16x16 blocks: counter (row // 8) * N + column, 8 neighbours in a column). The
+reference's nvfp4.sr_uniforms draws the same bits in PyTorch, so a seed gives the same codes on
+both routes. 16 bits, not 32: Philox is most of an SR kernel's instructions (these kernels are
+bound by instruction issue) and 16 bits keep the bias negligible; Blackwell's own SR conversion
+takes 8 random bits per element.
 Where it can differ from the reference:
   * With `hadamard`, x·H sums 16 exact products in one fixed butterfly order (_hadamard16, the same
     in every kernel), the reference's torch matmul in its own: bit-exact where the sums are exact,
@@ -161,11 +165,11 @@ def _quantize_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, 
         rtn_idx = tl.where(use4[:, None, :, None], i4, i6)  # = _rtn_e2m1(a), already computed
 
     if SR:
-        if SBM == 16:  # 16x1, 16x16: four rows of a column per Philox call (_column_random_words)
-            quad = (pid_b.to(tl.int64) * M + m0) // 4 + tl.arange(0, BM // 4)  # BM % 16 == 0
-            # (BM / 4, BN, 2, 2)
-            rand = _column_random_words(seed, quad[:, None] * N + offs_n[None, :])
-            rand = tl.permute(rand, (0, 2, 3, 1)).reshape(BM, BN)
+        if SBM == 16:  # 16x1, 16x16: eight rows of a column per Philox call (_column_random_words)
+            octs = (pid_b.to(tl.int64) * M + m0) // 8 + tl.arange(0, BM // 8)  # BM % 16 == 0
+            # (BM / 8, BN, 2, 2, 2)
+            rand = _column_random_words(seed, octs[:, None] * N + offs_n[None, :])
+            rand = tl.permute(rand, (0, 2, 3, 4, 1)).reshape(BM, BN)
         else:  # counter-based: independent of the tiling
             rand = _random_words(seed, pid_b * M + offs_m, n0, N, BM, BN)
         idx = _sr_e2m1(a, rand.reshape(BM // SBM, SBM, BN // SBN, SBN))
@@ -227,7 +231,7 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
     shared-memory shuffle. The unrolled chunk loop issues the next chunk's load before this chunk's
     arithmetic (arithmetic-bound: the loads' latency hides behind it), the global scale's two
     divisions once per program. Same bits (same operations per element; SR: the same Philox
-    counters, element index // 4). AMAX_ONLY: the global-amax pre-pass over the same (rotated)
+    counters, element index // 8). AMAX_ONLY: the global-amax pre-pass over the same (rotated)
     values. ROW_BLOCKS, ld_values: where the values go (_rows_values_ptrs)."""
     pid = tl.program_id(0)
     blk = tl.arange(0, NB)
@@ -273,7 +277,7 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
                 bits = tl.where(use4, bits4, bits)
                 a = tl.where(use4[:, None, None], a4, a)
                 rtn_idx = tl.where(use4[:, None, None], i4, i6)  # = _rtn_e2m1(a), already computed
-            if SR:  # the flat tensor as rows of 16 elements: the counters element index // 4
+            if SR:  # the flat tensor as rows of 16 elements: the counters element index // 8
                 idx = _sr_e2m1(a, _block_random_words(seed, base + blk, NB))
             elif FOUR_OVER_SIX:
                 idx = rtn_idx
@@ -381,9 +385,10 @@ def _quantize_cols_kernel(x_ptr, xs_ptr, xgs_ptr, h_ptr, amax_ptr, gs_out_ptr, c
             a = tl.where(use4[:, None, :], a4, a)
             rtn_idx = tl.where(use4[:, None, :], i4, i6)  # = _rtn_e2m1(a), already computed
         if SR:
-            quad = (pid_b.to(tl.int64) * M + m0) // 4 + tl.arange(0, 4)[None, :, None]  # (1, 4, 1)
-            rand = _column_random_words(seed, quad * N + col)  # (C, 4, 2, 2, 2)
-            rand = tl.permute(rand, (0, 1, 3, 4, 2)).reshape(C, 16, 2)  # row 4i + 2a + b
+            octs = (pid_b.to(tl.int64) * M + m0) // 8 + tl.arange(0, 2)[None, :, None]  # (1, 2, 1)
+            rand = _column_random_words(seed, octs * N + col)  # (C, 2, 2, 2, 2, 2)
+            # row 8i + 4a + 2b + h
+            rand = tl.permute(rand, (0, 1, 3, 4, 5, 2)).reshape(C, 16, 2)
             idx = _sr_e2m1(a, rand)
         elif FOUR_OVER_SIX:
             idx = rtn_idx

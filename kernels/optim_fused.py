@@ -27,9 +27,10 @@ enable_fp_fusion=False:
     (nvfp4_quant._div_by: the same correctly rounded bits);
   - 4/6's block errors are summed with the same fixed pairwise tree as nvfp4._pairwise_block_sum.
 So with the same inputs p, the global scales, the E4M3 block scales (4/6 picks them by RTN error)
-and v's tile means equal the CPU reference bit for bit. m's and v's stochastic rounding draw Philox
-words keyed by (seed, element index) (nvfp4_quant._random_words, one seed each), not torch's
-generator: their codes are equal in distribution.
+and v's tile means equal the CPU reference bit for bit. m's and v's stochastic rounding draw the SR
+contract's 16 random bits per element (nvfp4.sr_uniforms: one Philox4x32-10 call per 8 elements,
+keyed by (seed, element index // 8); nvfp4_quant._random_words), one seed each, so given the seeds
+their codes equal the reference's too.
 
 The kernel is instruction-bound, so the layout keeps each 16-element block in one thread
 (codes in and out as one int64 per block, built by join / split, which stay in registers), E2M1

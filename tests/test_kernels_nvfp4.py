@@ -316,9 +316,9 @@ def test_sr_unbiased_reproducible_and_the_references_draws():
 @pytest.mark.parametrize("block", [(1, 16), (16, 1)])
 def test_sr_draws_independent_across_neighbours(block):
     """Every element sits halfway between two grid points (a = 1.25: up with probability 1/2). One
-    Philox call feeds 4 neighbouring elements (kernels.nvfp4_quant._random_words): a reused or
-    correlated draw would still be unbiased, so check the pair correlations of the up/down decisions
-    too, within and across the groups of 4."""
+    Philox call feeds 8 neighbouring elements, each word two of them (nvfp4.sr_uniforms): a reused
+    or correlated draw would still be unbiased, so check the pair correlations of the up/down
+    decisions too, within a word, within and across the groups of 8."""
     x = torch.full((128, 256), 1.25)
     # the first element of each block is 6: s_b * s_g = 1, a = 1.25
     firsts = torch.zeros(128, 256, dtype=torch.bool)
@@ -328,12 +328,80 @@ def test_sr_draws_independent_across_neighbours(block):
         firsts[::16, :] = True
     x[firsts] = 6.0
     d = kquantize(x, block, "sr", seed=77).dequantize()
-    up = (d[~firsts] > 1.25).float()           # the other 15/16 of the decisions, in memory order
+    if block == (16, 1):  # neighbours along the block: down the columns
+        d, firsts = d.t(), firsts.t()
+    up = (d[~firsts] > 1.25).float()           # the other 15/16 of the decisions, along the blocks
     assert abs(up.mean().item() - 0.5) < 0.02
     z = up - up.mean()
-    for lag in (1, 2, 3, 4, 5):
+    for lag in range(1, 10):
         corr = (z[:-lag] * z[lag:]).mean() / z.var()
         assert abs(corr.item()) < 0.03, lag
+
+
+@triton.jit
+def _words_probe(out_ptr, seed, M, N, WHICH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """The SR helpers' words for a (BM, BN) tile at the origin of an (M, N) tensor, as int32: WHICH
+    0 _random_words, 1 _block_random_words (the rows kernel's (NB, 2, 8) tile of blocks), 2
+    _column_random_words in the tile kernel's arrangement."""
+    rows, cols = tl.arange(0, BM), tl.arange(0, BN)
+    if WHICH == 0:
+        r = kq._random_words(seed, rows, 0, N, BM, BN)
+    elif WHICH == 1:
+        r = kq._block_random_words(seed, tl.arange(0, BM * BN // 16), BM * BN // 16)
+        r = r.reshape(BM, BN)
+    else:
+        r = kq._column_random_words(seed, tl.arange(0, BM // 8)[:, None] * N + cols[None, :])
+        r = tl.permute(r, (0, 2, 3, 4, 1)).reshape(BM, BN)
+    tl.store(out_ptr + rows[:, None] * N + cols[None, :], r.to(tl.int32, bitcast=True))
+
+
+@pytest.mark.parametrize("which, block", [(0, (1, 16)), (1, (1, 16)), (2, (16, 1))])
+def test_sr_words_are_the_references_half_words(which, block):
+    """Every SR helper draws nvfp4.sr_uniforms' 16 bits per element, in the high half of its word
+    (the low half zero: _sr_e2m1 reads u = (r >> 8) * 2^-24 = (r >> 16) * 2^-16)."""
+    M, N, seed = 32, 64, 424242
+    out = torch.zeros(M, N, dtype=torch.int32)
+    _words_probe[(1,)](out, seed, M, N, which, M, N)
+    r = out.long() & 0xFFFFFFFF
+    assert ((r & 0xFFFF) == 0).all()
+    assert torch.equal((r >> 16).float() * 2.0**-16, nvfp4.sr_uniforms(seed, (M, N), block))
+
+
+@triton.jit
+def _sr_probe(a_ptr, idx_ptr):
+    """_sr_e2m1 of one a (per program) with every 16-bit half-word h, placed as the SR helpers
+    place it (h << 16)."""
+    h = tl.arange(0, 65536)
+    a = tl.load(a_ptr + tl.program_id(0) + h * 0)
+    r = h.to(tl.uint32) << 16
+    tl.store(idx_ptr + tl.program_id(0) * 65536 + h, kq._sr_e2m1(a, r))
+
+
+def test_sr_rounds_up_for_exactly_ceil_d_2_16_of_the_half_words():
+    """The 16-bit contract, enumerated: over all 2^16 values of the half-word, a fractional distance
+    d rounds up for exactly ceil(d 2^16) of them (P(up) = ceil(d 2^16) 2^-16: a bias in
+    [0, 2^-16) of a step), on both sides of 1 (the kernel's two branches), at d on, just below and
+    just above multiples of 2^-16 and at d far off that grid; the kernel and the reference
+    (nvfp4.sr_e2m1) decide alike for every half-word."""
+    lo = torch.tensor([0.0, 0.5, 1.0, 2.0, 4.0])
+    gap = torch.tensor([0.5, 0.5, 0.5, 1.0, 2.0])
+    on = torch.tensor([1.0, 12345.0, 65535.0])[None, :] * 2.0**-16 * gap[:, None] + lo[:, None]
+    a = torch.cat((on.flatten(), torch.nextafter(on, lo[:, None]).flatten(),
+                   torch.nextafter(on, lo[:, None] + gap[:, None]).flatten(),
+                   lo + gap / 3, lo + 2.0**-30, lo, torch.tensor([6.0, 2.0**-100])))
+    idx = torch.zeros(len(a), 65536, dtype=torch.int32)
+    _sr_probe[(len(a),)](a, idx)
+    u = torch.arange(65536) * 2.0**-16
+    assert torch.equal(idx, nvfp4.sr_e2m1(a[:, None], u[None, :]).int())
+    lo_idx = nvfp4.sr_e2m1(a, torch.ones(()))       # u = 1: never up
+    g_lo = nvfp4.E2M1_VALUES[lo_idx.long()].double()
+    g_gap = torch.where(g_lo < 2, 0.5, torch.where(g_lo < 4, 1.0, 2.0))
+    d = (a.double() - g_lo) / g_gap
+    ups = (idx > lo_idx[:, None]).sum(1)
+    assert torch.equal(ups, torch.ceil(d * 2**16).long())
+    # the bias ups 2^-16 - d in [0, 2^-16): d 2^16 in (ups - 1, ups]
+    assert ((ups - 1 < d * 2**16) & (d * 2**16 <= ups)).all()
+    assert (d * 2**16 != (d * 2**16).round()).sum() > len(a) // 2   # most d off the grid
 
 
 @pytest.mark.parametrize("block", [(1, 16), (16, 1)])

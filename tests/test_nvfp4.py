@@ -303,3 +303,96 @@ def test_quantization_mse_grows_linearly_with_hidden_dim():
     growth = rows[-1]["mse"] / rows[0]["mse"]
     assert 12 < growth < 20  # 16x the contraction length -> ~16x the error (App. 7: Theta(N))
     assert rows[-1]["rel_mse"] < 2 * rows[0]["rel_mse"]
+
+
+# --------------------------------------------------------------------------------------------------
+# SR's random bits: the contract of nvfp4.sr_uniforms (16 bits per element, half a Philox word)
+
+def _documented_uniforms(seed, shape, block):
+    """sr_uniforms as its docstring states it, element by element: counter c, word k, half hh."""
+    *lead, M, N = shape
+    rows = math.prod(lead) * M
+    if tuple(block) == (1, 16):
+        i = torch.arange(rows * N)
+        c, k, hh = i // 8, (i % 8) // 2, i % 2
+    else:
+        row, col = torch.meshgrid(torch.arange(rows), torch.arange(N), indexing="ij")
+        row, col = row.flatten(), col.flatten()
+        c, k, hh = (row // 8) * N + col, (row % 8) // 2, row % 2
+    w = nvfp4.philox(seed, c).gather(0, k[None])[0]                 # word k of counter c
+    return (((w >> (16 * hh)) & 0xFFFF).float() * 2.0**-16).reshape(shape)
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_sr_uniforms_are_the_documented_half_words(block):
+    """Element i (1x16: of the flat tensor; 16x1, 16x16: row i over the flattened leading dims)
+    draws half i % 2 (even: low) of word (i % 8) // 2 of Philox counter i // 8 (1x16) or
+    (i // 8) * N + col: u = h * 2^-16. Every element has its own bits, and neighbours' draws are
+    distinct and uncorrelated."""
+    shape, seed = (2, 32, 48), 987654321
+    u = nvfp4.sr_uniforms(seed, shape, block)
+    assert torch.equal(u, _documented_uniforms(seed, shape, block))
+    assert ((u * 2**16) == (u * 2**16).round()).all() and (u >= 0).all() and (u < 1).all()
+    assert not torch.equal(u, nvfp4.sr_uniforms(seed + 1, shape, block))
+    # the 8 neighbours along the block that share one Philox call
+    along = u.reshape(-1, 48) if block == (1, 16) else u.transpose(-1, -2).reshape(-1, 64)
+    for lag in range(1, 9):
+        a, b = along[:, :-lag].flatten(), along[:, lag:].flatten()
+        assert (a == b).sum() <= 2, lag        # ~3000 pairs of 16-bit draws: ~0.05 coincide
+        assert abs(torch.corrcoef(torch.stack((a, b)))[0, 1].item()) < 0.1, lag
+
+
+def _unit_scale_grid(block, values, shape=(32, 64)):
+    """x of `shape` whose scaled values are x itself (s_g = 1 from one 2688 = 448 * 6; a 6 first in
+    every other block, so s_b = 1), with the test `values` cycled over every other position;
+    returns x and the mask of the test positions."""
+    (M, N), (bm, bn) = shape, block
+    firsts = ((torch.arange(M) % bm == 0)[:, None] & (torch.arange(N) % bn == 0)[None, :])
+    x = torch.zeros(shape)
+    x[firsts] = 6.0
+    x[0, 0] = 448 * 6
+    test = ~firsts
+    test[:bm, :bn] = False                       # the block of 2688 has its own scale
+    n = int(test.sum())
+    x[test] = values.repeat(n // len(values) + 1)[:n]
+    return x, test
+
+
+def _sr_ups(x, block, test, seeds):
+    """Per test position, how many of the seeds' SR draws rounded x up."""
+    up = 0
+    for seed in seeds:
+        q = nvfp4.quantize_reference(x, block, "sr", False, seed).dequantize()
+        up = up + (q[test] > x[test]).long()
+    return up
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_sr_mean_over_seeds_is_unbiased_within_the_16_bit_bound(block):
+    """What the contract promises: P(up) = ceil(d 2^16) 2^-16 for a fractional distance d, so
+    over seeds SR's mean is within 2^-16 of a grid step of x (plus sampling error), also for d that
+    are no multiple of 2^-16. And the 16-bit grid shows: d = 2^-20 rounds up 16 times as often as
+    an exact SR would (2^-16 instead of 2^-20)."""
+    lo = torch.tensor([0.0, 0.5, 1.0, 2.0, 4.0])
+    gap = torch.tensor([0.5, 0.5, 0.5, 1.0, 2.0])
+    d = torch.tensor([2.0**-20, 1 / 3, 0.5, 0.7, (12345 - 2.0**-4) * 2.0**-16, 0.999])
+    x, test = _unit_scale_grid(block, (lo[:, None] + d[None, :] * gap[:, None]).flatten())
+    vals, n_seeds = x[test], 300
+    up = _sr_ups(x, block, test, range(n_seeds))
+    g_lo = E2M1_VALUES[(vals[:, None] >= E2M1_VALUES[None, 1:]).sum(-1)].double()
+    g_gap = torch.where(g_lo < 2, 0.5, torch.where(g_lo < 4, 1.0, 2.0)).double()
+    frac = (vals.double() - g_lo) / g_gap                    # exact: fp32 a, power-of-two gaps
+    p = torch.ceil(frac * 2**16) * 2.0**-16                  # the contract's P(up)
+    assert ((p - frac >= 0) & (p - frac < 2.0**-16)).all()
+    assert (frac * 2**16 != (frac * 2**16).round()).any()   # d off the 2^-16 grid among them
+    for value in vals.unique():                              # pool the positions of one value
+        at = vals == value
+        n, k = at.sum().item() * n_seeds, up[at].sum().item()
+        pv, fv = p[at][0].item(), frac[at][0].item()
+        sampling = 6 * math.sqrt(pv * (1 - pv) / n) + 3 / n
+        assert abs(k / n - fv) <= 2.0**-16 + sampling, (value.item(), k / n, fv)
+    # the 2^-16 grid made visible: ~2^16 positions x 16 seeds of d = 2^-20 (a = 1 + 2^-21)
+    x, test = _unit_scale_grid(block, torch.tensor([1 + 2.0**-21]), (256, 256))
+    ups = int(_sr_ups(x, block, test, range(16)).sum())
+    # ~15 expected (0.94 * 2^20 draws at 2^-16); an exact SR: ~1 (P(>= 4) < 2%)
+    assert 4 <= ups <= 36, ups
