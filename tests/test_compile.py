@@ -26,20 +26,21 @@ from model import RECIPES, Block, GPTConfig, rope_cache
 T = 32  # tokens per sequence; 2 sequences
 
 
-def fullstack_block(n_embd=128, n_head=2, ffn_hidden=256):
+def fullstack_block(n_embd=128, n_head=2, ffn_hidden=256, tokens=T):
     """A model.Block of the fullstack recipe (head dim 64: FP4 attention takes it) and its RoPE."""
     torch.manual_seed(0)
     cfg = GPTConfig(n_layer=1, n_embd=n_embd, n_head=n_head, n_kv_head=1, ffn_hidden=ffn_hidden,
-                    block_size=T, lora_rank=8, recipe=RECIPES["fullstack"])
-    return Block(cfg), rope_cache(T, cfg.head_dim, cfg.rope_theta)
+                    block_size=tokens, lora_rank=8, recipe=RECIPES["fullstack"])
+    return Block(cfg), rope_cache(tokens, cfg.head_dim, cfg.rope_theta)
 
 
-def forward_backward(fn, module, rope, dtype, seed=1234, device="cpu", width=None):
-    """y, dX and every parameter's gradient of a forward and backward, from manual_seed(seed).
-    dtype bf16: fp32 inputs, the forward under bf16 autocast, as train.py runs it."""
+def forward_backward(fn, module, rope, dtype, seed=1234, device="cpu", width=None, shape=(2, T)):
+    """y, dX and every parameter's gradient of a forward and backward, from manual_seed(seed), on
+    inputs of shape (*shape, width). dtype bf16: fp32 inputs, the forward under bf16 autocast, as
+    train.py runs it."""
     module.zero_grad(set_to_none=True)
     width = width or module.mlp_norm.weight.shape[0]
-    x = torch.randn(2, T, width, generator=torch.Generator().manual_seed(5), device=device)
+    x = torch.randn(*shape, width, generator=torch.Generator().manual_seed(5), device=device)
     x.requires_grad_()
     torch.manual_seed(seed)
     with torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
@@ -76,15 +77,30 @@ def test_compiled_block_gives_eager_bits():
         assert_same_bits(eager, forward_backward(compiled, block, rope, torch.bfloat16, seed=99))
 
 
-@pytest.mark.slow  # ~70 s: the interpreter
-def test_compiled_block_gives_eager_bits_on_the_kernel_route(monkeypatch):
+class FP4Parts(nn.Module):
+    """A LoRA-SVD and a direct NVFP4 linear on one input, as q and k (= v) of FP4 attention: each
+    FP4 op once, small enough for Triton's interpreter."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = lora_svd.LoRASVDLinear(64, 64, 8), nvfp4.NVFP4Linear(64, 64)
+
+    def forward(self, x, *_):
+        q, k = (f(x).view(1, 1, 16, 64) for f in (self.a, self.b))
+        return attention.attention(q, k, k, policy="fp4")
+
+
+def test_compiled_fp4_ops_give_eager_bits_on_the_kernel_route(monkeypatch):
     """NANOFP4_ROUTE=kernels: the ops run the Triton kernels (the interpreter on a CPU), as on a
-    GPU; a narrower block (one head) keeps the interpreter's time down."""
+    GPU, under bf16 autocast through AOTAutograd: output, dX and every gradient bit for bit. (A
+    whole block on this route takes the interpreter ~25 s a pass: the FP4 parts alone here.)"""
     monkeypatch.setenv("NANOFP4_ROUTE", "kernels")
-    block, rope = fullstack_block(n_embd=64, n_head=1, ffn_hidden=64)
-    eager = forward_backward(block, block, rope, torch.bfloat16)
-    compiled = torch.compile(block, fullgraph=True, backend="aot_eager_decomp_partition")
-    assert_same_bits(eager, forward_backward(compiled, block, rope, torch.bfloat16))
+    torch.manual_seed(0)
+    model = FP4Parts()
+    run = lambda fn: forward_backward(fn, model, (), torch.bfloat16, width=64, shape=(16,))
+    eager = run(model)
+    assert_same_bits(eager, run(torch.compile(model, fullgraph=True,
+                                              backend="aot_eager_decomp_partition")))
 
 
 def assert_close_sums(eager, compiled, names):
