@@ -64,6 +64,18 @@ def test_fullstack_block_compiles_without_a_graph_break():
     assert {"nanofp4.lora_svd.default", "nanofp4.attention.default"} <= ops  # the FP4 parts, in it
 
 
+def test_eager_runs_the_autograd_functions():
+    """Eager calls the bodies through the autograd.Functions (a custom op's eager dispatch costs
+    more host time: docs/performance.md), torch.compile through the ops (the test above)."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 64, requires_grad=True)
+    q = torch.randn(1, 1, 16, 64, requires_grad=True)
+    outs = {"_NVFP4LinearFnBackward": nvfp4.NVFP4Linear(64, 64)(x),
+            "LoRASVDFunctionBackward": lora_svd.LoRASVDLinear(64, 64, 8)(x),
+            "_AttentionBackward": attention.attention(q, q, q, policy="fp4")}
+    assert {name: type(y.grad_fn).__name__ for name, y in outs.items()} == {n: n for n in outs}
+
+
 def test_compiled_block_gives_eager_bits():
     """fullgraph=True through AOTAutograd, under bf16 autocast as train.py runs: output, dX and
     every gradient (FP4 layers, L1/L2 zeros, norms) bit for bit; a second compiled step too; another
