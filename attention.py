@@ -311,7 +311,7 @@ def attention_forward(q, k, v, causal, policy, kernels):
 
 
 def _ds_bound(do, do_dov, do_norm, delta, vq):
-    """dS's SR stream keys (one seed drawn from torch's RNG) and its block-amax bound ds_bound."""
+    """dS in NVFP4 (§3.5, SR): its stream keys (one seed drawn from torch's RNG) and ds_bound."""
     B, H, T, D = do.shape
     seed = int(torch.randint(0, 2**31 - 1, ()))
     keys = sr_keys(seed, B * H, device=do.device).reshape(B, H, 2)
