@@ -277,90 +277,178 @@ def _global_scales(*sg, device):
                         for s in sg])
 
 
+# One policy's forward and backward, written once (attention_forward, attention_backward); eager
+# runs them through _Attention, torch.compile through the custom ops nanofp4::attention and
+# attention_backward (nvfp4's linear layer says why: the same split, the draws made inside the
+# bodies when they run, in eager's order).
+
+@nvfp4.without_autocast
+def attention_forward(q, k, v, causal, policy, kernels):
+    """-> (o, lse, fp4): fp4 the NVFP4 Q, K, V the backward reads (the saved activations are
+    4-bit), None where the policy keeps them in BF16."""
+    pol = POLICIES[policy]
+    sm_scale = 1.0 / math.sqrt(q.shape[-1])
+    dtype = q.dtype
+    fp4 = None
+    if pol["qkv"]:  # quantized ONCE: the backward reads these very codes (fwd-bwd consistency)
+        (qq, qv), (kq, kv), (vq, vv) = [_quantize_qkv(x, n, kernels)
+                                        for x, n in ((q, "Q"), (k, "K"), (v, "V"))]
+        ops, sg = (qv, kv, vv), [qq.global_scale, kq.global_scale, vq.global_scale]
+        fp4 = (qq, kq, vq)
+    else:
+        ops = (q, k, v) if kernels else (q.float(), k.float(), v.float())
+        sg = [1.0, 1.0, 1.0]
+    if kernels:
+        scales = _global_scales(*sg, P_GLOBAL_SCALE if pol["p"] else 1.0, 1.0, 1.0,
+                                device=q.device)
+        # fp4: Q K^T on the FP4 tensor cores of a Blackwell GPU (flash_attention's FP4_MMA)
+        o, lse = flash_attention.flash_forward(*ops, scales, causal, sm_scale, pol["p"], dtype,
+                                               packed=fp4)
+    else:
+        o, lse = reference_forward(*ops, causal, pol["p"], sm_scale, dtype)
+        o = o.to(dtype)
+    return o, lse, fp4
+
+
+def _ds_bound(do, do_dov, do_norm, delta, vq):
+    """dS in NVFP4 (§3.5, SR): its stream keys (one seed drawn from torch's RNG) and ds_bound."""
+    B, H, T, D = do.shape
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    keys = sr_keys(seed, B * H, device=do.device).reshape(B, H, 2)
+    do_eff_norm = do_dov.dequantize().norm(dim=-1) if do_dov is not None else do_norm
+    # >= every |V_hat| (s_b <= 448)
+    v_amax = vq.global_scale * (nvfp4.E4M3_MAX * nvfp4.FP4_MAX)
+    return keys, ds_bound(do_eff_norm, v_amax, delta, D, H // vq.shape[1])
+
+
+@nvfp4.without_autocast
+def attention_backward(do, o, lse, qkv, fp4, causal, policy, kernels):
+    """(dQ, dK, dV) from dO, the forward's o, lse and fp4 (qkv: the BF16 inputs, read where fp4 is
+    None)."""
+    pol = POLICIES[policy]
+    B, H, T, D = o.shape
+    dtype = o.dtype
+    sm_scale = 1.0 / math.sqrt(D)
+    do = do.to(dtype).contiguous()
+    do_dov = do_pdo = None
+    if pol["dov"]:   # dO V^T in NVFP4: dO in 1x16 blocks along D (the contraction), SR
+        do_dov = nvfp4.quantize(do, (1, 16), "sr", name="attention dO")
+    # P^T dO in NVFP4: dO in 16x1 blocks along T (the contraction), SR; T zero-padded
+    if pol["pdo"]:
+        pad = -T % 16
+        do_pdo = nvfp4.quantize(torch.nn.functional.pad(do, (0, 0, 0, pad)), (16, 1), "sr",
+                                name="attention dO")
+    if kernels:
+        delta, do_norm = flash_attention.bwd_preprocess(o, do)
+    else:
+        delta = (o.float() * do.float()).sum(-1)
+        do_norm = do.float().norm(dim=-1)
+    keys, ds_amax = _ds_bound(do, do_dov, do_norm, delta, fp4[2]) if pol["ds"] else (None, None)
+    if kernels:
+        if pol["qkv"]:
+            ops = [grid_values_bf16(t) for t in fp4]
+            sg = [t.global_scale for t in fp4]
+        else:
+            ops, sg = qkv, [1.0, 1.0, 1.0]
+        scales = _global_scales(*sg, P_GLOBAL_SCALE if pol["pdo"] else 1.0,
+                                do_dov.global_scale if pol["dov"] else 1.0,
+                                do_pdo.global_scale if pol["pdo"] else 1.0, device=do.device)
+        dq, dk, dv = flash_attention.flash_backward(
+            *ops, scales, do, lse, delta,
+            do_dov.grid_values().to(dtype) if pol["dov"] else None,
+            do_pdo.grid_values()[:, :, :T].to(dtype) if pol["pdo"] else None,
+            None if ds_amax is None else ds_amax.reshape(-1),
+            None if keys is None else keys.reshape(-1, 2), causal, sm_scale, dtype,
+            packed=(*fp4, do_dov, do_pdo) if pol["qkv"] else None)
+    else:
+        ops = [t.dequantize() for t in fp4] if pol["qkv"] else [x.float() for x in qkv]
+        dq, dk, dv = reference_backward(
+            *ops, o, lse, do, causal, sm_scale, dtype,
+            do_dov=do_dov.dequantize() if pol["dov"] else None,
+            do_pdo=do_pdo.dequantize()[:, :, :T] if pol["pdo"] else None,
+            ds_amax=ds_amax, keys=keys)
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype)
+
+
 class _Attention(torch.autograd.Function):
+    """Eager's autograd of one policy: attention_forward, attention_backward (o.grad_fn.fp4: the
+    4-bit Q, K, V the backward reads)."""
+
     @staticmethod
     def forward(ctx, q, k, v, causal, policy, kernels):
-        pol = POLICIES[policy]
-        sm_scale = 1.0 / math.sqrt(q.shape[-1])
-        dtype = q.dtype
-        # quantized ONCE: the backward reads these very codes (forward-backward consistency)
-        if pol["qkv"]:
-            (qq, qv), (kq, kv), (vq, vv) = [_quantize_qkv(x, n, kernels)
-                                            for x, n in ((q, "Q"), (k, "K"), (v, "V"))]
-            ops, sg = (qv, kv, vv), [qq.global_scale, kq.global_scale, vq.global_scale]
-            ctx.fp4 = (qq, kq, vq)   # the saved activations are 4-bit: codes + scales
-        else:
-            ops = (q, k, v) if kernels else (q.float(), k.float(), v.float())
-            sg = [1.0, 1.0, 1.0]
-            ctx.fp4 = None
-        if kernels:
-            scales = _global_scales(*sg, P_GLOBAL_SCALE if pol["p"] else 1.0, 1.0, 1.0,
-                                    device=q.device)
-            # ctx.fp4: Q K^T on the FP4 tensor cores of a Blackwell GPU (flash_attention's FP4_MMA)
-            o, lse = flash_attention.flash_forward(*ops, scales, causal, sm_scale, pol["p"], dtype,
-                                                   packed=ctx.fp4)
-        else:
-            o, lse = reference_forward(*ops, causal, pol["p"], sm_scale, dtype)
-            o = o.to(dtype)
-        ctx.save_for_backward(o, lse, *(() if pol["qkv"] else (q, k, v)))
+        o, lse, ctx.fp4 = attention_forward(q, k, v, causal, policy, kernels)
+        ctx.save_for_backward(o, lse, *(() if POLICIES[policy]["qkv"] else (q, k, v)))
         ctx.causal, ctx.policy, ctx.kernels = causal, policy, kernels
         return o
 
     @staticmethod
     def backward(ctx, do):
-        pol = POLICIES[ctx.policy]
         o, lse, *qkv = ctx.saved_tensors
-        B, H, T, D = o.shape
-        kernels, dtype = ctx.kernels, o.dtype
-        sm_scale = 1.0 / math.sqrt(D)
-        do = do.to(dtype).contiguous()
-        do_dov = do_pdo = None
-        if pol["dov"]:   # dO V^T in NVFP4: dO in 1x16 blocks along D (the contraction), SR
-            do_dov = nvfp4.quantize(do, (1, 16), "sr", name="attention dO")
-        # P^T dO in NVFP4: dO in 16x1 blocks along T (the contraction), SR; T zero-padded
-        if pol["pdo"]:
-            pad = -T % 16
-            do_pdo = nvfp4.quantize(torch.nn.functional.pad(do, (0, 0, 0, pad)), (16, 1), "sr",
-                                    name="attention dO")
-        if kernels:
-            delta, do_norm = flash_attention.bwd_preprocess(o, do)
-        else:
-            delta = (o.float() * do.float()).sum(-1)
-            do_norm = do.float().norm(dim=-1)
-        ds_amax = keys = None
-        if pol["ds"]:
-            vq = ctx.fp4[2]
-            seed = int(torch.randint(0, 2**31 - 1, ()))
-            keys = sr_keys(seed, B * H, device=do.device).reshape(B, H, 2)
-            do_eff_norm = do_dov.dequantize().norm(dim=-1) if pol["dov"] else do_norm
-            # >= every |V_hat| (s_b <= 448)
-            v_amax = vq.global_scale * (nvfp4.E4M3_MAX * nvfp4.FP4_MAX)
-            ds_amax = ds_bound(do_eff_norm, v_amax, delta, D, H // vq.shape[1])
-        if kernels:
-            if pol["qkv"]:
-                ops = [grid_values_bf16(t) for t in ctx.fp4]
-                sg = [t.global_scale for t in ctx.fp4]
-            else:
-                ops, sg = qkv, [1.0, 1.0, 1.0]
-            scales = _global_scales(*sg, P_GLOBAL_SCALE if pol["pdo"] else 1.0,
-                                    do_dov.global_scale if pol["dov"] else 1.0,
-                                    do_pdo.global_scale if pol["pdo"] else 1.0, device=do.device)
-            dq, dk, dv = flash_attention.flash_backward(
-                *ops, scales, do, lse, delta,
-                do_dov.grid_values().to(dtype) if pol["dov"] else None,
-                do_pdo.grid_values()[:, :, :T].to(dtype) if pol["pdo"] else None,
-                None if ds_amax is None else ds_amax.reshape(-1),
-                None if keys is None else keys.reshape(-1, 2), ctx.causal, sm_scale, dtype,
-                packed=(*ctx.fp4, do_dov, do_pdo) if pol["qkv"] else None)
-        else:
-            ops = [t.dequantize() for t in ctx.fp4] if pol["qkv"] else [x.float() for x in qkv]
-            dq, dk, dv = reference_backward(
-                *ops, o, lse, do, ctx.causal, sm_scale, dtype,
-                do_dov=do_dov.dequantize() if pol["dov"] else None,
-                do_pdo=do_pdo.dequantize()[:, :, :T] if pol["pdo"] else None,
-                ds_amax=ds_amax, keys=keys)
+        grads = attention_backward(do, o, lse, qkv, ctx.fp4, ctx.causal, ctx.policy, ctx.kernels)
         ctx.fp4 = None
-        return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None
+        return *grads, None, None, None
+
+
+@torch.library.custom_op(
+    "nanofp4::attention", mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, bool causal, str policy, str impl) -> (Tensor, "
+           "Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+def _attention_op(q, k, v, causal, policy, impl):
+    """attention_forward as a custom op (the route resolved when it runs) -> (o, lse, then Q, K, V
+    in NVFP4 as codes, scales, global scale each; empty tensors where the policy keeps them in
+    BF16)."""
+    o, lse, fp4 = attention_forward(q, k, v, causal, policy, _use_kernels(q, impl))
+    fp4 = ([q.new_empty(0) for _ in range(9)] if fp4 is None
+           else [t for x in fp4 for t in (x.codes, x.scales, x.global_scale)])
+    return o, lse, *fp4
+
+
+@torch.library.custom_op(
+    "nanofp4::attention_backward", mutates_args=(),
+    schema="(Tensor do, Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, Tensor[] fp4, "
+           "bool causal, str policy, str impl) -> (Tensor, Tensor, Tensor)")
+def _attention_backward_op(do, o, lse, q, k, v, fp4, causal, policy, impl):
+    """attention_backward as a custom op -> (dQ, dK, dV)."""
+    fp4 = (tuple(nvfp4.packed(*fp4[i:i + 3], (1, 16)) for i in (0, 3, 6))
+           if POLICIES[policy]["qkv"] else None)
+    return attention_backward(do, o, lse, (q, k, v), fp4, causal, policy, _use_kernels(o, impl))
+
+
+@_attention_op.register_fake
+def _(q, k, v, causal, policy, impl):
+    (B, H, T, D), Hkv = q.shape, k.shape[1]
+    fp4 = [q.new_empty(0) for _ in range(9)]
+    if POLICIES[policy]["qkv"]:  # codes, scales, global scale of Q, K, V
+        fp4 = [t for h in (H, Hkv, Hkv)
+               for t in (q.new_empty(B, h, T, D // 2, dtype=torch.uint8),
+                         q.new_empty(B, h, T, D // 16, dtype=torch.float8_e4m3fn),
+                         q.new_empty((), dtype=torch.float32))]
+    return q.new_empty(q.shape), q.new_empty(B, H, T, dtype=torch.float32), *fp4
+
+
+@_attention_backward_op.register_fake
+def _(do, o, lse, q, k, v, fp4, causal, policy, impl):
+    kv_shape = (o.shape[0], (fp4[3] if POLICIES[policy]["qkv"] else k).shape[1], *o.shape[2:])
+    return o.new_empty(o.shape), o.new_empty(kv_shape), o.new_empty(kv_shape)
+
+
+def _attention_setup_context(ctx, inputs, output):
+    q, k, v, causal, policy, impl = inputs
+    o, lse, *fp4 = output
+    qkv = (q.new_empty(0),) * 3 if POLICIES[policy]["qkv"] else (q, k, v)
+    ctx.save_for_backward(o, lse, *qkv, *fp4)
+    ctx.causal, ctx.policy, ctx.impl = causal, policy, impl
+
+
+def _attention_autograd(ctx, do, *_):
+    o, lse, q, k, v, *fp4 = ctx.saved_tensors
+    dq, dk, dv = _attention_backward_op(do, o, lse, q, k, v, fp4, ctx.causal, ctx.policy,
+                                        ctx.impl)
+    return dq, dk, dv, None, None, None
+
+
+torch.library.register_autograd("nanofp4::attention", _attention_autograd,
+                                setup_context=_attention_setup_context)
 
 
 def attention(q, k, v, causal=True, policy="fp4", impl="auto"):
@@ -388,6 +476,8 @@ def attention(q, k, v, causal=True, policy="fp4", impl="auto"):
     if q.dtype != k.dtype or q.dtype != v.dtype:
         raise ValueError(f"attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, "
                          f"{v.dtype}")
+    if torch.compiler.is_compiling():
+        return _attention_op(q, k, v, causal, policy, impl)[0]
     return _Attention.apply(q, k, v, causal, policy, _use_kernels(q, impl))
 
 

@@ -144,10 +144,55 @@ def _branch(x, A, B, dt):
     return t.float() @ B.to(dt).float().t()
 
 
+# eqs. 1-2 written once, in lora_forward and lora_backward; eager runs them through
+# LoRASVDFunction, torch.compile through the custom ops nanofp4::lora_svd and lora_svd_backward
+# (nvfp4's direct layer says why: the same split, the draws made inside the bodies).
+
+@nvfp4.without_autocast
+def lora_forward(x, weight_res, L1, L2, beta, c):
+    """eq. 1's Y = Q1x16(X) Q16x16(W_res)^T + beta (X L1^T) L2^T, the residual as the resolved
+    contract c (nvfp4.linear_contract) says, the branch in BRANCH. x (..., in), weight_res
+    (out, in), L1 (r, in), L2 (out, r) -> (Y (..., out) in x's dtype, the packed Q1x16(X) (T, in)
+    and Q16x16(W_res) the backward reads). Leading dims are flattened into tokens T inside, so Y
+    is not a view (FSDP2 wants that)."""
+    x2, bdt = x.reshape(-1, x.shape[-1]), branch_dtype()  # (T, in)
+    seed_x, seed_w = nvfp4.draws(c["forward.x"]), nvfp4.draws(c["forward.w"])
+    qw = nvfp4.quantize_as(weight_res.detach(), c["forward.w"], seed_w, name="weight W_res")
+    if nvfp4.use_kernels(x2):  # App. 9: the branch rides the residual's GEMM, Y is written once
+        y, qx = lora_fused.forward(x2, qw, L1, L2, beta, c["forward.x"], seed_x, bdt, x.dtype)
+        qx = nvfp4.NVFP4Tensor(*qx, x2.shape, (1, 16))
+    else:
+        qx = nvfp4.quantize_as(x2, c["forward.x"], seed_x, name="activation X")  # Q1x16(X)
+        y = nvfp4.nvfp4_matmul(qx, qw, out_dtype=torch.float32)  # (T, out)
+        y = (y + beta * _branch(x2, L1, L2, bdt)).to(x.dtype)
+    return y.reshape(*x.shape[:-1], y.shape[-1]), qx, qw
+
+
+@nvfp4.without_autocast
+def lora_backward(dy, qx, qw, L1, L2, beta, c, need):
+    """eq. 1's dX = Q1x16(dY) Q16x16(W_res) + beta (dY L2) L1 (the forward's qw reused) and eq.
+    2's dW (fp32) from the forward's qx; need: (dX, dW) wanted. -> (dX (..., in) in dY's dtype or
+    None, dW (out, in) or None)."""
+    lead, dy, bdt = dy.shape[:-1], dy.reshape(-1, dy.shape[-1]), branch_dtype()  # (T, out)
+    seed_dx, H, seeds_dw = nvfp4.backward_draws(c, *need, dy.device)
+    if nvfp4.use_kernels(dy):
+        dx, dw = lora_fused.backward(dy, qx, qw, L1, L2, beta, c, need, seed_dx, H, seeds_dw, bdt)
+    else:
+        dx = dw = None
+        # eq. 1's dX, the forward's Q16x16(W_res) reused (read transposed, not requantized)
+        if need[0]:
+            q_dy = nvfp4.quantize_as(dy, c["dgrad.dy"], seed_dx,
+                                     name="gradient dY")  # Q1x16(dY)
+            dx = nvfp4.nvfp4_matmul(q_dy, qw, out_dtype=torch.float32, trans_b=True)  # (T, in)
+            dx = (dx + beta * _branch(dy, L2.t(), L1.t(), bdt)).to(dy.dtype)
+        if need[1]:
+            dw = nvfp4.wgrad(dy, qx, c, H, seeds_dw)  # eq. 2, (out, in) fp32
+    return (dx.reshape(*lead, -1) if dx is not None else None), dw
+
+
 class LoRASVDFunction(torch.autograd.Function):
-    """eqs. 1-2. Inputs x (..., in), weight_res (out, in), L1 (r, in), L2 (out, r). Returns
-    y (..., out) (leading dims are flattened into tokens T inside, so the output is not a view:
-    FSDP2 wants that).
+    """Eager's autograd of eqs. 1-2: lora_forward, lora_backward. Inputs x (..., in), weight_res
+    (out, in), L1 (r, in), L2 (out, r). Returns y (..., out).
 
     The residual path is NVFP4Linear's (nvfp4._NVFP4LinearFn): the same contract (nvfp4.LINEAR), the
     packed Q1x16(X) and Q16x16(W_res) saved for backward, nvfp4.wgrad for eq. 2, the same random
@@ -160,46 +205,85 @@ class LoRASVDFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight_res, L1, L2, beta, four_over_six):
-        ctx.x_shape = x.shape
-        x = x.reshape(-1, x.shape[-1])  # (T, in)
-        c, bdt = nvfp4.linear_contract(four_over_six), branch_dtype()
-        seed_x, seed_w = nvfp4.draws(c["forward.x"]), nvfp4.draws(c["forward.w"])
-        qw = nvfp4.quantize_as(weight_res.detach(), c["forward.w"], seed_w, name="weight W_res")
-        if nvfp4.use_kernels(x):  # App. 9: the branch rides the residual's GEMM, Y is written once
-            y, qx = lora_fused.forward(x, qw, L1, L2, beta, c["forward.x"], seed_x, bdt, x.dtype)
-            qx = nvfp4.NVFP4Tensor(*qx, x.shape, (1, 16))
-        else:
-            qx = nvfp4.quantize_as(x, c["forward.x"], seed_x, name="activation X")  # Q1x16(X)
-            y = nvfp4.nvfp4_matmul(qx, qw, out_dtype=torch.float32)  # (T, out)
-            y = (y + beta * _branch(x, L1, L2, bdt)).to(x.dtype)
-        ctx.qx, ctx.qw, ctx.beta, ctx.c = qx, qw, beta, c
+        c = nvfp4.linear_contract(four_over_six)
+        y, ctx.qx, ctx.qw = lora_forward(x, weight_res, L1, L2, beta, c)
+        ctx.beta, ctx.c = beta, c
         ctx.save_for_backward(L1, L2)
-        return y.reshape(*ctx.x_shape[:-1], y.shape[-1])
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         L1, L2 = ctx.saved_tensors
-        qx, qw, beta, c, bdt = ctx.qx, ctx.qw, ctx.beta, ctx.c, branch_dtype()
-        dy = dy.reshape(-1, dy.shape[-1])  # (T, out)
-        need = ctx.needs_input_grad[:2]
-        seed_dx, H, seeds_dw = nvfp4.backward_draws(c, *need, dy.device)
-        if nvfp4.use_kernels(dy):
-            dx, dw = lora_fused.backward(dy, qx, qw, L1, L2, beta, c, need, seed_dx, H, seeds_dw,
-                                         bdt)
-        else:
-            dx = dw = None
-            # eq. 1's dX, the forward's Q16x16(W_res) reused (read transposed, not requantized)
-            if need[0]:
-                q_dy = nvfp4.quantize_as(dy, c["dgrad.dy"], seed_dx,
-                                         name="gradient dY")  # Q1x16(dY)
-                dx = nvfp4.nvfp4_matmul(q_dy, qw, out_dtype=torch.float32, trans_b=True)  # (T, in)
-                dx = (dx + beta * _branch(dy, L2.t(), L1.t(), bdt)).to(dy.dtype)
-            if need[1]:
-                dw = nvfp4.wgrad(dy, qx, c, H, seeds_dw)  # eq. 2, (out, in) fp32
-        dx = dx.reshape(ctx.x_shape) if dx is not None else None
+        need = ctx.needs_input_grad
+        dx, dw = lora_backward(dy, ctx.qx, ctx.qw, L1, L2, ctx.beta, ctx.c, need[:2])
         ctx.qx = ctx.qw = None
-        zero = lambda L, i: torch.zeros_like(L) if ctx.needs_input_grad[i] else None
-        return dx, dw, zero(L1, 2), zero(L2, 3), None, None
+        return dx, dw, _zeros(L1, need[2]), _zeros(L2, need[3]), None, None
+
+
+def _zeros(L, needed):
+    """The L1 / L2 gradient the backward returns: zeros (LoRASVDFunction says why)."""
+    return torch.zeros_like(L) if needed else None
+
+
+@torch.library.custom_op(
+    "nanofp4::lora_svd", mutates_args=(),
+    schema="(Tensor x, Tensor weight_res, Tensor L1, Tensor L2, float beta, "
+           "bool four_over_six) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+def _lora_op(x, weight_res, L1, L2, beta, four_over_six):
+    """lora_forward as a custom op (LINEAR and BRANCH read when it runs) -> (Y, then the packed
+    Q1x16(X) and Q16x16(W_res) as codes, scales, global scale each)."""
+    y, qx, qw = lora_forward(x, weight_res, L1, L2, beta, nvfp4.linear_contract(four_over_six))
+    return y, qx.codes, qx.scales, qx.global_scale, qw.codes, qw.scales, qw.global_scale
+
+
+@torch.library.custom_op(
+    "nanofp4::lora_svd_backward", mutates_args=(),
+    schema="(Tensor dy, Tensor x_codes, Tensor x_scales, Tensor x_scale, Tensor w_codes, "
+           "Tensor w_scales, Tensor w_scale, Tensor L1, Tensor L2, float beta, "
+           "bool four_over_six, bool need_dx, bool need_dw) -> (Tensor, Tensor)")
+def _lora_backward_op(dy, x_codes, x_scales, x_scale, w_codes, w_scales, w_scale, L1, L2, beta,
+                      four_over_six, need_dx, need_dw):
+    """lora_backward as a custom op -> (dX, dW), an empty tensor where not needed."""
+    qx = nvfp4.packed(x_codes, x_scales, x_scale, (1, 16))
+    qw = nvfp4.packed(w_codes, w_scales, w_scale, (16, 16))
+    dx, dw = lora_backward(dy, qx, qw, L1, L2, beta, nvfp4.linear_contract(four_over_six),
+                           (need_dx, need_dw))
+    return nvfp4.empty_if_none(dx, dy), nvfp4.empty_if_none(dw, dy)
+
+
+@_lora_op.register_fake
+def _(x, weight_res, L1, L2, beta, four_over_six):
+    (K, N), e4m3 = (x.shape[-1], weight_res.shape[0]), torch.float8_e4m3fn
+    T = x.numel() // K
+    shapes = [((*x.shape[:-1], N), x.dtype), ((T, K // 2), torch.uint8), ((T, K // 16), e4m3),
+              ((), torch.float32), ((N, K // 2), torch.uint8), ((N // 16, K // 16), e4m3),
+              ((), torch.float32)]
+    return tuple(x.new_empty(s, dtype=d) for s, d in shapes)
+
+
+@_lora_backward_op.register_fake
+def _(dy, x_codes, x_scales, x_scale, w_codes, w_scales, w_scale, L1, L2, beta, four_over_six,
+      need_dx, need_dw):
+    N, K = dy.shape[-1], 2 * x_codes.shape[1]
+    return (dy.new_empty((*dy.shape[:-1], K) if need_dx else (0,)),
+            dy.new_empty((N, K), dtype=torch.float32) if need_dw else dy.new_empty(0))
+
+
+def _lora_setup_context(ctx, inputs, output):
+    x, weight_res, L1, L2, beta, four_over_six = inputs
+    ctx.save_for_backward(*output[1:], L1, L2)
+    ctx.beta, ctx.four_over_six = beta, four_over_six
+
+
+def _lora_autograd(ctx, dy, *_):
+    need, (L1, L2) = ctx.needs_input_grad, ctx.saved_tensors[-2:]
+    dx, dw = _lora_backward_op(dy, *ctx.saved_tensors, ctx.beta, ctx.four_over_six, *need[:2])
+    dx, dw = (dx if need[0] else None), (dw if need[1] else None)
+    return dx, dw, _zeros(L1, need[2]), _zeros(L2, need[3]), None, None
+
+
+torch.library.register_autograd("nanofp4::lora_svd", _lora_autograd,
+                                setup_context=_lora_setup_context)
 
 
 def lora_svd_linear(x, weight_res, L1, L2, beta=1.0, four_over_six=True):
@@ -207,6 +291,8 @@ def lora_svd_linear(x, weight_res, L1, L2, beta=1.0, four_over_six=True):
     the autocast dtype, as in nvfp4.nvfp4_linear."""
     if torch.is_autocast_enabled(x.device.type):
         x = x.to(torch.get_autocast_dtype(x.device.type))
+    if torch.compiler.is_compiling():
+        return _lora_op(x, weight_res, L1, L2, float(beta), four_over_six)[0]
     return LoRASVDFunction.apply(x, weight_res, L1, L2, float(beta), four_over_six)
 
 
@@ -273,13 +359,19 @@ class LoRASVDLinear(nn.Module):
 
     def forward(self, x):
         y = lora_svd_linear(x, self.weight_res, self.L1, self.L2, self.beta, self.four_over_six)
-        # this backward adds a new dW to weight_res.grad: it needs eqs. 3-4 again
-        if y.requires_grad:
-            y.register_hook(self._new_gradient)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
-    def _new_gradient(self, dy):
-        self._projected = None
+    def _mark_projected(self, grad):
+        """project_gradients remembers the grad it projected; a backward that then adds a new dW
+        into weight_res.grad makes the layer forget it (eqs. 3-4 needed again). The forgetting is a
+        post-accumulate-grad hook on the parameter in use (FSDP2 swaps in its own and runs these
+        hooks too): the autograd engine runs it outside any compiled graph, so the forward has no
+        hook to trace."""
+        p = self.weight_res
+        if getattr(self, "_watched", lambda: None)() is not p:
+            p.register_post_accumulate_grad_hook(lambda _: setattr(self, "_projected", None))
+            self._watched = weakref.ref(p)
+        self._projected = weakref.ref(grad)
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -368,7 +460,7 @@ def project_gradients(layer):
     both train.py (before gradient clipping) and the optimizer may call it. "The same gradient"
     survives in-place scaling (clip_grad_norm_: a scaled projected gradient is still projected, eqs.
     3-4 being linear in dW): the layer remembers the grad tensor it projected, and forgets it when a
-    backward through the layer adds a new dW (a hook on its output) or when the grad is replaced by
+    backward through the layer adds a new dW (a hook on weight_res) or when the grad is replaced by
     another tensor. FSDP2 (DTensor parameters and grads, sharded): gathers dW, L1, L2 (every rank
     computes the same projection) and updates the local shards. Simple, at the cost of one
     all-gather of dW per layer per step; a sharded Cholesky-QR (all-reduce the r x r Gram matrices
@@ -399,7 +491,7 @@ def _project(layer, L1, L2, Q1, Q2):
         g.sub_(shard_like(g, (Q2 @ core).to(g.dtype)))
     else:
         g.addmm_(Q2.to(g.dtype), core.to(g.dtype), alpha=-1.0)  # dW_res = dW - dW_LoRA, in place
-    layer._projected = weakref.ref(g)
+    layer._mark_projected(g)
 
 
 def lora_svd_layers(model):

@@ -173,8 +173,6 @@ class Attention(nn.Module):
         self.k_proj = lin(cfg.n_embd, cfg.n_kv_head * hd)
         self.v_proj = lin(cfg.n_embd, cfg.n_kv_head * hd)
         self.o_proj = lin(cfg.n_head * hd, cfg.n_embd, proj_std)
-        # compile_model swaps in a torch.compiler.disable'd one for FP4 policies
-        self.core = attention_core
 
     def forward(self, x, cos, sin):
         B, T, C = x.shape
@@ -183,7 +181,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, self.cfg.n_kv_head, hd).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.v_proj(x).view(B, T, self.cfg.n_kv_head, hd).transpose(1, 2)  # (B, Hkv, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = self.core(q, k, v, self.cfg.recipe.attention)  # (B, H, T, D)
+        y = attention_core(q, k, v, self.cfg.recipe.attention)  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.cfg.n_head * hd))  # (B, T, C)
 
 
@@ -284,14 +282,12 @@ class GPT(nn.Module):
 
 
 def compile_model(model):
-    """torch.compile(model) with the FP4 parts left out of its graph, run eagerly between compiled
-    pieces: inductor re-traced our Triton kernels and turned their fp32 constants into fp64
-    (docs/performance.md). torch._dynamo is imported only here: uncompiled runs never load it."""
-    for m in model.modules():
-        if isinstance(m, (nvfp4.NVFP4Linear, lora_svd.LoRASVDLinear, lora_svd.NaiveLoRALinear)):
-            m.forward = torch.compiler.disable(m.forward)
-        elif isinstance(m, Attention) and m.cfg.recipe.attention != "bf16":
-            m.core = torch.compiler.disable(attention_core)
+    """torch.compile(model), the FP4 parts included: the NVFP4 linears, LoRA-SVD and FP4 attention
+    run as torch.library custom ops under compilation (nvfp4.nvfp4_linear, lora_svd.lora_svd_linear,
+    attention.attention), one opaque node each, so the graph has no break and inductor fuses what
+    lies between them (norms, RoPE, SwiGLU, residuals, the loss) without re-tracing the Triton
+    kernels inside. The ops' random draws are made when they run, in eager's order
+    (tests/test_compile.py; docs/performance.md: what compiles, where bits can differ)."""
     return torch.compile(model)
 
 

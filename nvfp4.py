@@ -17,6 +17,7 @@ and the choices of eqs. 1-2 (which operand gets which blocks and rounding) as da
 contract below.
 """
 
+import functools
 import math
 import os
 from dataclasses import dataclass, replace
@@ -26,7 +27,7 @@ import torch.nn as nn
 
 from kernels import nvfp4_linear as linear_kernels
 from kernels import nvfp4_quant as quant_kernels
-from kernels.nvfp4_gemm import nvfp4_gemm
+from kernels.nvfp4_gemm import nvfp4_gemm, use_dot_scaled
 # shapes, "rtn" | "sr" | "sr_up"; the checks
 from kernels.nvfp4_quant import BLOCKS, ROUNDINGS, check_blocks
 
@@ -531,49 +532,170 @@ def wgrad(dy, xq, c, hadamard, seeds, out_dtype=torch.float32):
     return nvfp4_matmul(dyq, xhq, out_dtype, trans_a=True, trans_b=True)
 
 
+# The layer's math is written once, in linear_forward and linear_backward. Eager runs call them
+# through _NVFP4LinearFn, an autograd.Function: the least host time per call (a custom op's
+# dispatch costs more, docs/performance.md). Under torch.compile (nvfp4_linear asks
+# torch.compiler.is_compiling) they run as the torch.library custom ops nanofp4::linear and
+# nanofp4::linear_backward instead: one opaque node each, so the graph has no break and inductor
+# never re-traces the Triton kernels inside. The random draws (draws, backward_draws) are made
+# inside the bodies when they run, so a compiled run draws in the order its graph runs the ops:
+# eager's order, the same bits from the same RNG state (tests/test_compile.py).
+
+def without_autocast(body):
+    """The body runs with autocast off: its arithmetic is the precision contract's, whatever
+    autocast the caller has on (a compiled graph runs the custom ops without autocast, eager
+    under the caller's; this way both give the same bits)."""
+    @functools.wraps(body)
+    def run(x, *args):
+        if not torch.is_autocast_enabled(x.device.type):
+            return body(x, *args)
+        with torch.autocast(x.device.type, enabled=False):
+            return body(x, *args)
+    return run
+
+
+@without_autocast
+def linear_forward(x, weight, c):
+    """Y = Q1x16(X) Q16x16(W)^T, each operand as the resolved contract c (linear_contract) says.
+    x (..., in), weight (out, in) -> (Y (..., out) in x's dtype, the packed Q1x16(X) (T, in) that
+    eq. 2 reads, W's quantization as dX multiplies it: an NVFP4Tensor, or on the Hopper kernels
+    (bf16 grid values, global scale)). Leading dims are flattened into tokens T: Y is not a view.
+    On CUDA kernels/nvfp4_linear.py runs the same GEMM."""
+    x2 = x.reshape(-1, x.shape[-1])                                                     # (T, in)
+    w = weight.detach()
+    seeds = draws(c["forward.x"]), draws(c["forward.w"])
+    if use_kernels(x2):
+        y, xq, w_used = linear_kernels.forward(x2, w, c["forward.x"], c["forward.w"], seeds)
+        xq = NVFP4Tensor(*xq, x2.shape, (1, 16))
+    else:
+        xq = quantize_as(x2, c["forward.x"], seeds[0], name="activation X")             # Q1x16(X)
+        w_used = quantize_as(w, c["forward.w"], seeds[1], name="weight W")              # Q16x16(W)
+        y = nvfp4_matmul(xq, w_used, out_dtype=x.dtype)                                  # (T, out)
+    return y.reshape(*x.shape[:-1], -1), xq, w_used
+
+
+@without_autocast
+def linear_backward(dy, xq, w_used, c, need, weight_dtype):
+    """dX = Q1x16(dY) Q16x16(W) (W's forward quantization reused, eq. 1) and dW = wgrad (eq. 2)
+    from the forward's xq and w_used; need: (dX, dW) wanted. -> (dX (..., in) or None, dW (out,
+    in) in weight_dtype or None)."""
+    dy2 = dy.reshape(-1, dy.shape[-1])                                                  # (T, out)
+    seed_dx, H, seeds_dw = backward_draws(c, *need, dy2.device)
+    if use_kernels(dy2):
+        dx, dw = linear_kernels.backward(dy2, xq, w_used, c, need, seed_dx, H, seeds_dw,
+                                         weight_dtype)
+    else:
+        dx = dw = None
+        if need[0]:
+            # Q1x16(dY)
+            dyq = quantize_as(dy2, c["dgrad.dy"], seed_dx, name="gradient dY")
+            # Q16x16(W) reused
+            dx = nvfp4_matmul(dyq, w_used, dy.dtype, trans_b=True)
+        if need[1]:
+            dw = wgrad(dy2, xq, c, H, seeds_dw, out_dtype=weight_dtype)                   # eq. 2
+    return (dx.reshape(*dy.shape[:-1], -1) if dx is not None else None), dw
+
+
 class _NVFP4LinearFn(torch.autograd.Function):
-    """Y = Q1x16(X) Q16x16(W)^T, dX = Q1x16(dY) Q16x16(W) (W's forward quantization reused, eq. 1),
-    dW = wgrad (eq. 2), each operand as LINEAR says. On CUDA kernels/nvfp4_linear.py runs the same
-    three GEMMs."""
+    """Eager's autograd of eqs. 1-2: linear_forward, linear_backward. What the backward keeps:
+    the packed 4-bit X (not X: that is where FP4 training saves activation memory) and W as the
+    forward quantized it (y.grad_fn.xq, y.grad_fn.w_used)."""
 
     @staticmethod
     def forward(ctx, x, weight, four_over_six):
         c = linear_contract(four_over_six)
-        x2 = x.reshape(-1, x.shape[-1])                                                 # (T, in)
-        w = weight.detach()
-        seeds = draws(c["forward.x"]), draws(c["forward.w"])
-        if use_kernels(x2):
-            y, xq, w_used = linear_kernels.forward(x2, w, c["forward.x"], c["forward.w"], seeds)
-            xq = NVFP4Tensor(*xq, x2.shape, (1, 16))
-        else:
-            xq = quantize_as(x2, c["forward.x"], seeds[0], name="activation X")         # Q1x16(X)
-            w_used = quantize_as(w, c["forward.w"], seeds[1], name="weight W")          # Q16x16(W)
-            y = nvfp4_matmul(xq, w_used, out_dtype=x.dtype)                              # (T, out)
-        # Save the packed 4-bit X (not X): that is where FP4 training saves activation memory.
-        ctx.xq, ctx.w_used, ctx.c, ctx.x_shape, ctx.weight_dtype = (xq, w_used, c, x.shape,
-                                                                     weight.dtype)
-        return y.reshape(*x.shape[:-1], -1)
+        y, ctx.xq, ctx.w_used = linear_forward(x, weight, c)
+        ctx.c, ctx.weight_dtype = c, weight.dtype
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        xq, w_used, c = ctx.xq, ctx.w_used, ctx.c
-        dy2 = dy.reshape(-1, dy.shape[-1])                                              # (T, out)
-        need = ctx.needs_input_grad[:2]                                                 # (dX, dW)
-        seed_dx, H, seeds_dw = backward_draws(c, *need, dy2.device)
-        if use_kernels(dy2):
-            dx, dw = linear_kernels.backward(dy2, xq, w_used, c, need, seed_dx, H, seeds_dw,
-                                             ctx.weight_dtype)
-        else:
-            dx = dw = None
-            if need[0]:
-                # Q1x16(dY)
-                dyq = quantize_as(dy2, c["dgrad.dy"], seed_dx, name="gradient dY")
-                # Q16x16(W) reused
-                dx = nvfp4_matmul(dyq, w_used, dy.dtype, trans_b=True)
-            if need[1]:
-                dw = wgrad(dy2, xq, c, H, seeds_dw, out_dtype=ctx.weight_dtype)           # eq. 2
+        dx, dw = linear_backward(dy, ctx.xq, ctx.w_used, ctx.c, ctx.needs_input_grad[:2],
+                                 ctx.weight_dtype)
         ctx.xq = ctx.w_used = None
-        return (dx.reshape(ctx.x_shape) if dx is not None else None), dw, None
+        return dx, dw, None
+
+
+def packed(codes, scales, global_scale, block):
+    """The NVFP4Tensor of an op's (codes, scales, global scale): shape (*, M, 2 * codes' N)."""
+    return NVFP4Tensor(codes, scales, global_scale, (*codes.shape[:-1], 2 * codes.shape[-1]),
+                       block)
+
+
+def empty_if_none(t, like):
+    """Ops return tensors: an empty one stands for a gradient nobody asked for."""
+    return like.new_empty(0) if t is None else t
+
+
+def _w_tensors(w_used):
+    """W as forward kept it, as three op outputs: (codes, scales, global scale), or the Hopper
+    kernels' (bf16 grid values, an empty E4M3 tensor, global scale)."""
+    if isinstance(w_used, tuple) and len(w_used) == 2:
+        return w_used[0], w_used[0].new_empty(0, dtype=torch.float8_e4m3fn), w_used[1]
+    return w_used.codes, w_used.scales, w_used.global_scale
+
+
+@torch.library.custom_op(
+    "nanofp4::linear", mutates_args=(),
+    schema="(Tensor x, Tensor weight, bool four_over_six) -> (Tensor, Tensor, Tensor, Tensor, "
+           "Tensor, Tensor, Tensor)")
+def _linear_op(x, weight, four_over_six):
+    """linear_forward as a custom op (LINEAR read when it runs) -> (Y; Q1x16(X)'s codes
+    (T, in / 2), scales and global scale; W's three tensors (_w_tensors))."""
+    y, xq, w_used = linear_forward(x, weight, linear_contract(four_over_six))
+    return y, xq.codes, xq.scales, xq.global_scale, *_w_tensors(w_used)
+
+
+@torch.library.custom_op(
+    "nanofp4::linear_backward", mutates_args=(),
+    schema="(Tensor dy, Tensor x_codes, Tensor x_scales, Tensor x_scale, Tensor w_a, "
+           "Tensor w_b, Tensor w_scale, ScalarType weight_dtype, bool four_over_six, "
+           "bool need_dx, bool need_dw) -> (Tensor, Tensor)")
+def _linear_backward_op(dy, x_codes, x_scales, x_scale, w_a, w_b, w_scale, weight_dtype,
+                        four_over_six, need_dx, need_dw):
+    """linear_backward as a custom op, from the forward op's six tensors -> (dX, dW), an empty
+    tensor where not needed."""
+    xq = packed(x_codes, x_scales, x_scale, (1, 16))
+    w = (w_a, w_scale) if w_a.dtype == torch.bfloat16 else packed(w_a, w_b, w_scale, (16, 16))
+    dx, dw = linear_backward(dy, xq, w, linear_contract(four_over_six), (need_dx, need_dw),
+                             weight_dtype)
+    return empty_if_none(dx, dy), empty_if_none(dw, dy)
+
+
+@_linear_op.register_fake
+def _(x, weight, four_over_six):
+    (K, N), e4m3 = (x.shape[-1], weight.shape[0]), torch.float8_e4m3fn
+    T = x.numel() // K
+    w = ([((N, K), torch.bfloat16), ((0,), e4m3)]  # the Hopper kernels' grid values
+         if use_kernels(x) and not use_dot_scaled(x.device)
+         else [((N, K // 2), torch.uint8), ((N // 16, K // 16), e4m3)])
+    shapes = [((*x.shape[:-1], N), x.dtype), ((T, K // 2), torch.uint8), ((T, K // 16), e4m3),
+              ((), torch.float32), *w, ((), torch.float32)]
+    return tuple(x.new_empty(s, dtype=d) for s, d in shapes)
+
+
+@_linear_backward_op.register_fake
+def _(dy, x_codes, x_scales, x_scale, w_a, w_b, w_scale, weight_dtype, four_over_six, need_dx,
+      need_dw):
+    N, K = dy.shape[-1], 2 * x_codes.shape[1]
+    return (dy.new_empty((*dy.shape[:-1], K) if need_dx else (0,)),
+            dy.new_empty((N, K), dtype=weight_dtype) if need_dw else dy.new_empty(0))
+
+
+def _linear_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*output[1:])
+    ctx.weight_dtype, ctx.four_over_six = inputs[1].dtype, inputs[2]
+
+
+def _linear_autograd(ctx, dy, *_):
+    need = ctx.needs_input_grad[:2]                                                     # (dX, dW)
+    dx, dw = _linear_backward_op(dy, *ctx.saved_tensors, ctx.weight_dtype, ctx.four_over_six,
+                                 *need)
+    return (dx if need[0] else None), (dw if need[1] else None), None
+
+
+torch.library.register_autograd("nanofp4::linear", _linear_autograd,
+                                setup_context=_linear_setup_context)
 
 
 def nvfp4_linear(x, weight, four_over_six=False):
@@ -581,6 +703,8 @@ def nvfp4_linear(x, weight, four_over_six=False):
     autocast dtype."""
     if torch.is_autocast_enabled(x.device.type):
         x = x.to(torch.get_autocast_dtype(x.device.type))
+    if torch.compiler.is_compiling():
+        return _linear_op(x, weight, four_over_six)[0]
     return _NVFP4LinearFn.apply(x, weight, four_over_six)
 
 

@@ -625,7 +625,7 @@ def begin(run, ckpt, settings):
         device_ids = [torch.device(run.device).index] if args.device == "cuda" else None
         run.model = torch.nn.parallel.DistributedDataParallel(run.model, device_ids=device_ids)
     if args.compile:
-        run.model = compile_model(run.model)  # the FP4 layers stay eager (model.compile_model)
+        run.model = compile_model(run.model)  # the FP4 layers as custom ops in the graph
     if run.master and not args.no_progress and sys.stderr.isatty():  # a log file gets plain lines
         from tqdm import tqdm
         run.bar = tqdm(total=args.max_steps, initial=run.step, desc="train", dynamic_ncols=True)

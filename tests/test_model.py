@@ -169,9 +169,9 @@ def test_generate_greedy_is_deterministic_and_extends():
 
 
 def _compiled_vs_eager(device):
-    """model.compile_model on a model with every FP4 part (LoRA-SVD linears, FP4 attention): the FP4 modules are
-    left out of the graph (torch.compiler.disable), the rest compiled; forward losses agree, backward gives finite
-    grads."""
+    """model.compile_model on a model with every FP4 part (LoRA-SVD linears, FP4 attention): the FP4 parts run
+    as custom ops inside the graph (tests/test_compile.py checks their bits); forward losses agree, backward gives
+    finite grads."""
     torch.manual_seed(0)
     cfg = small_config(n_embd=128, n_head=2, n_kv_head=1, ffn_hidden=256, block_size=64, lora_rank=8,  # head dim
                        recipe=Recipe(linear="lora_svd", four_over_six=True, attention="fp4"))  # 64: FP4 attention takes it

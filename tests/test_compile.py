@@ -1,0 +1,216 @@
+"""torch.compile of the FP4 recipes. Under compilation the NVFP4 linears, LoRA-SVD and FP4
+attention run as torch.library custom ops (nvfp4._linear_op, lora_svd._lora_op,
+attention._attention_op, each with its backward op), so a fullstack transformer block compiles
+into one graph, and a compiled run gives an eager run's bits from the same RNG state: eager's
+autograd.Functions and the ops run the same bodies, and the random draws (SR seeds, eq. 2's
+Hadamard, dS's stream seed) are made inside them when they run, in eager's order.
+
+Where bits may differ, and why: inductor generates its own code for what lies between the ops
+(RMSNorm, RoPE, SwiGLU), with its own summation order and without eager's bf16 rounding of every
+intermediate. So the bf16 bit-for-bit tests run the "aot_eager_decomp_partition" backend (dynamo,
+AOTAutograd's joint graph and functionalization, inductor's decompositions and min-cut partitioner:
+everything torch.compile does to the ops, without inductor's code generation); the inductor tests
+run fp32, where the FP4 layers' inputs come out bit-identical, and hold everything to the bit but
+the sums inductor orders its own way (dX over the residual's branches, the RMSNorm weights over the
+tokens)."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import attention
+import lora_svd
+import nvfp4
+from model import RECIPES, Block, GPTConfig, rope_cache
+
+T = 32  # tokens per sequence; 2 sequences
+
+
+def fullstack_block(n_embd=128, n_head=2, ffn_hidden=256, tokens=T):
+    """A model.Block of the fullstack recipe (head dim 64: FP4 attention takes it) and its RoPE."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=1, n_embd=n_embd, n_head=n_head, n_kv_head=1, ffn_hidden=ffn_hidden,
+                    block_size=tokens, lora_rank=8, recipe=RECIPES["fullstack"])
+    return Block(cfg), rope_cache(tokens, cfg.head_dim, cfg.rope_theta)
+
+
+def forward_backward(fn, module, rope, dtype, seed=1234, device="cpu", width=None, shape=(2, T)):
+    """y, dX and every parameter's gradient of a forward and backward, from manual_seed(seed), on
+    inputs of shape (*shape, width). dtype bf16: fp32 inputs, the forward under bf16 autocast, as
+    train.py runs it."""
+    module.zero_grad(set_to_none=True)
+    width = width or module.mlp_norm.weight.shape[0]
+    x = torch.randn(*shape, width, generator=torch.Generator().manual_seed(5), device=device)
+    x.requires_grad_()
+    torch.manual_seed(seed)
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        y = fn(x, *(t.to(device) for t in rope))
+    y.float().square().sum().backward()
+    return {"y": y, "dx": x.grad, **{n: p.grad for n, p in module.named_parameters()}}
+
+
+def assert_same_bits(eager, compiled, except_=()):
+    assert eager.keys() == compiled.keys()
+    different = [n for n in eager if n not in except_ and not torch.equal(eager[n], compiled[n])]
+    assert not different, f"compiled differs from eager in {different}"
+
+
+def test_fullstack_block_compiles_without_a_graph_break():
+    block, rope = fullstack_block()
+    x = torch.randn(2, T, 128, requires_grad=True)
+    explained = torch._dynamo.explain(block)(x, *rope)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+    ops = {str(n.target) for g in explained.graphs for n in g.graph.nodes}
+    assert {"nanofp4.lora_svd.default", "nanofp4.attention.default"} <= ops  # the FP4 parts, in it
+
+
+def test_eager_runs_the_autograd_functions():
+    """Eager calls the bodies through the autograd.Functions (a custom op's eager dispatch costs
+    more host time: docs/performance.md), torch.compile through the ops (the test above)."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 64, requires_grad=True)
+    q = torch.randn(1, 1, 16, 64, requires_grad=True)
+    outs = {"_NVFP4LinearFnBackward": nvfp4.NVFP4Linear(64, 64)(x),
+            "LoRASVDFunctionBackward": lora_svd.LoRASVDLinear(64, 64, 8)(x),
+            "_AttentionBackward": attention.attention(q, q, q, policy="fp4")}
+    assert {name: type(y.grad_fn).__name__ for name, y in outs.items()} == {n: n for n in outs}
+
+
+def test_compiled_block_gives_eager_bits():
+    """fullgraph=True through AOTAutograd, under bf16 autocast as train.py runs: output, dX and
+    every gradient (FP4 layers, L1/L2 zeros, norms) bit for bit; a second compiled step too; another
+    seed differs."""
+    block, rope = fullstack_block()
+    eager = forward_backward(block, block, rope, torch.bfloat16)
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager_decomp_partition")
+    assert_same_bits(eager, forward_backward(compiled, block, rope, torch.bfloat16))
+    assert_same_bits(eager, forward_backward(compiled, block, rope, torch.bfloat16))
+    with pytest.raises(AssertionError):  # the draws matter: another RNG state gives other bits
+        assert_same_bits(eager, forward_backward(compiled, block, rope, torch.bfloat16, seed=99))
+
+
+class FP4Parts(nn.Module):
+    """A LoRA-SVD and a direct NVFP4 linear on one input, as q and k (= v) of FP4 attention: each
+    FP4 op once, small enough for Triton's interpreter."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = lora_svd.LoRASVDLinear(64, 64, 8), nvfp4.NVFP4Linear(64, 64)
+
+    def forward(self, x, *_):
+        q, k = (f(x).view(1, 1, 16, 64) for f in (self.a, self.b))
+        return attention.attention(q, k, k, policy="fp4")
+
+
+def test_compiled_fp4_ops_give_eager_bits_on_the_kernel_route(monkeypatch):
+    """NANOFP4_ROUTE=kernels: the ops run the Triton kernels (the interpreter on a CPU), as on a
+    GPU, under bf16 autocast through AOTAutograd: output, dX and every gradient bit for bit. (A
+    whole block on this route takes the interpreter ~25 s a pass: the FP4 parts alone here.)"""
+    monkeypatch.setenv("NANOFP4_ROUTE", "kernels")
+    torch.manual_seed(0)
+    model = FP4Parts()
+    run = lambda fn: forward_backward(fn, model, (), torch.bfloat16, width=64, shape=(16,))
+    eager = run(model)
+    assert_same_bits(eager, run(torch.compile(model, fullgraph=True,
+                                              backend="aot_eager_decomp_partition")))
+
+
+def assert_close_sums(eager, compiled, names):
+    for n in names:  # a few fp32 roundings of the largest term
+        assert (compiled[n] - eager[n]).abs().max() <= 1e-5 * eager[n].abs().max(), n
+
+
+def test_inductor_block_gives_eager_bits_in_the_fp4_layers():
+    """The default backend (inductor, what train.py --compile runs) schedules the opaque ops in the
+    graph's order: the output and every FP4 layer's gradients bit for bit; dX and the norms' weight
+    gradients within fp32 rounding."""
+    block, rope = fullstack_block()
+    eager = forward_backward(block, block, rope, torch.float32)
+    compiled = forward_backward(torch.compile(block, fullgraph=True), block, rope, torch.float32)
+    sums = ("dx", "attn_norm.weight", "mlp_norm.weight")
+    assert_same_bits(eager, compiled, except_=sums)
+    assert_close_sums(eager, compiled, sums)
+
+
+class Siblings(nn.Module):
+    """Three FP4 layers on one input, as q, k and v: their backward ops depend on nothing of each
+    other, so a compiler free to reorder them would change which layer gets which draws."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.c = (lora_svd.LoRASVDLinear(128, 128, 8) for _ in "ac")
+        self.b = nvfp4.NVFP4Linear(128, 128)
+
+    def forward(self, x, *_):
+        return self.a(x) + self.b(x) + self.c(x)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_inductor_keeps_the_draws_of_independent_layers(device):
+    """Under inductor the layers' output and weight gradients equal eager's bit for bit (the dX sum
+    of the three branches is inductor's own)."""
+    torch.manual_seed(0)
+    model = Siblings().to(device)
+    eager = forward_backward(model, model, (), torch.float32, device=device, width=128)
+    compiled = forward_backward(torch.compile(model, fullgraph=True), model, (), torch.float32,
+                                device=device, width=128)
+    assert_same_bits(eager, compiled, except_=("dx",))
+    assert_close_sums(eager, compiled, ("dx",))
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_block_gives_eager_bits():
+    """On the GPU (the Triton kernels), under bf16 autocast, through AOTAutograd as on the CPU."""
+    block, rope = fullstack_block()
+    block = block.cuda()
+    eager = forward_backward(block, block, rope, torch.bfloat16, device="cuda")
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager_decomp_partition")
+    assert_same_bits(eager, forward_backward(compiled, block, rope, torch.bfloat16, device="cuda"))
+
+
+def test_compiled_lora_layer_forgets_its_projection_after_a_new_backward():
+    """LoRASVDLinear remembers the grad project_gradients projected; a new backward accumulating
+    into it (the layer compiled, fullgraph) makes it forget, so eqs. 3-4 run again; no recompile."""
+    torch.manual_seed(0)
+    layer = lora_svd.LoRASVDLinear(64, 64, 8)
+    compiled = torch.compile(layer, fullgraph=True)
+    x = torch.randn(32, 64)
+    compiled(x).sum().backward()
+    lora_svd.project_gradients(layer)
+    assert layer._projected() is layer.weight_res.grad
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled(x).sum().backward()  # accumulates into the same grad tensor
+    assert layer._projected is None
+
+
+def _op_cases():
+    """(op, args) for every custom op, with real inputs from one eager forward."""
+    torch.manual_seed(0)
+    bf16 = torch.bfloat16
+    x, w = torch.randn(2, 16, 64, dtype=bf16), torch.randn(32, 64)
+    L1, L2 = torch.randn(8, 64), torch.randn(32, 8)
+    dy = torch.randn(2, 16, 32, dtype=bf16)
+    lin = nvfp4._linear_op(x, w, True)
+    lora = lora_svd._lora_op(x, w, L1, L2, 0.5, True)
+    q, k = torch.randn(1, 2, 32, 64, dtype=bf16), torch.randn(1, 1, 32, 64, dtype=bf16)
+    att = attention._attention_op(q, k, k, True, "fp4", "auto")
+    none = q[:0]
+    return [(nvfp4._linear_op, (x, w, True)),
+            (nvfp4._linear_backward_op, (dy, *lin[1:], torch.float32, True, True, True)),
+            (nvfp4._linear_backward_op, (dy, *lin[1:], torch.float32, True, False, True)),
+            (lora_svd._lora_op, (x, w, L1, L2, 0.5, True)),
+            (lora_svd._lora_backward_op, (dy, *lora[1:], L1, L2, 0.5, True, True, True)),
+            (attention._attention_op, (q, k, k, True, "fp4", "auto")),
+            (attention._attention_op, (q, k, k, True, "bf16", "auto")),
+            (attention._attention_backward_op, (q, att[0], att[1], none, none, none,
+                                                 list(att[2:]), True, "fp4", "auto"))]
+
+
+@pytest.mark.parametrize("route", ["reference", "kernels"])
+def test_fake_ops_match_the_real_ones(route, monkeypatch):
+    """torch.library.opcheck: each op's register_fake gives the real outputs' shapes, dtypes and
+    strides, what the compiler plans with (on a CPU the kernel route keeps W as the Hopper kernels'
+    bf16 grid values)."""
+    monkeypatch.setenv("NANOFP4_ROUTE", route)
+    for op, args in _op_cases():
+        torch.library.opcheck(op, args, test_utils="test_faketensor")
