@@ -40,7 +40,7 @@ def forward_backward(fn, module, rope, dtype, seed=1234, device="cpu", width=Non
     train.py runs it."""
     module.zero_grad(set_to_none=True)
     width = width or module.mlp_norm.weight.shape[0]
-    x = torch.randn(*shape, width, generator=torch.Generator().manual_seed(5), device=device)
+    x = torch.randn(*shape, width, generator=torch.Generator().manual_seed(5)).to(device)
     x.requires_grad_()
     torch.manual_seed(seed)
     with torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
