@@ -160,12 +160,21 @@ def test_inductor_keeps_the_draws_of_independent_layers(device):
 
 @pytest.mark.gpu
 def test_gpu_compiled_block_gives_eager_bits():
-    """On the GPU (the Triton kernels), under bf16 autocast, through AOTAutograd as on the CPU."""
+    """On the GPU (the Triton kernels), under bf16 autocast, through AOTAutograd as on the CPU:
+    the output and every FP4 layer's gradients bit for bit. The RMSNorms' backward is decomposed
+    into other CUDA kernels than eager's fused one, which sum in another order (seen on the H200:
+    their weights' gradients and dX differ there, nothing else), so those are held to summation-
+    order closeness."""
     block, rope = fullstack_block()
     block = block.cuda()
     eager = forward_backward(block, block, rope, torch.bfloat16, device="cuda")
     compiled = torch.compile(block, fullgraph=True, backend="aot_eager_decomp_partition")
-    assert_same_bits(eager, forward_backward(compiled, block, rope, torch.bfloat16, device="cuda"))
+    ours = forward_backward(compiled, block, rope, torch.bfloat16, device="cuda")
+    norms = ("dx", "attn_norm.weight", "mlp_norm.weight")
+    assert_same_bits(eager, ours, except_=norms)
+    for name in norms:
+        e, c = eager[name].float(), ours[name].float()
+        assert (e - c).norm() <= 1e-2 * e.norm(), name
 
 
 def test_compiled_lora_layer_forgets_its_projection_after_a_new_backward():
