@@ -599,10 +599,6 @@ def _global_amax(x3, hadamard, had_dim, block):
     dtype). A _Packed1x16 x: the cols kernel's pre-pass, decoding it as its quantize pass will."""
     if not torch.is_tensor(x3):
         return _cols_launch(x3, None, hadamard, False, 0, amax_only=True)[0]
-    if had_dim == 0 and x3.is_cuda and x3.is_contiguous() and x3.shape[-1] % 16 == 0:
-        # the rows kernel's pre-pass over x as flat 16-element blocks: one read, faster than
-        # torch's reduction (which also clears its output first)
-        return _rows_launch(x3, None, None, False, 0, amax_only=True)
     if had_dim == 0:  # max |x| without an |x| temporary
         return torch.linalg.vector_norm(x3, ord=float("inf"))
     if _use_rows(x3, (1, 16) if had_dim == 1 else (16, 1)):  # the quantize kernel's own pass over x
