@@ -33,7 +33,6 @@ Scores live in the log2 domain (S * sm_scale * log2 e), as in Triton's fused-att
 forward saves lse2 = m + log2(l) per row and the backward recomputes P = exp2(S2 - lse2).
 """
 
-import os
 
 import torch
 import triton
@@ -46,7 +45,7 @@ LOG2E = 1.4426950408889634
 
 
 def _interpreting():
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return not nvfp4_quant.on_gpu()
 
 
 def _patch_interpreter_loop_bounds():

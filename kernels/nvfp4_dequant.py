@@ -5,13 +5,12 @@ q * s_b (no global scale) are exact in bf16: the operands of the bf16 GEMM route
 (kernels/nvfp4_gemm.py).
 """
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.nvfp4_math import _decode_codes, _round_to_bf16
+from kernels.nvfp4_math import _decode_codes, _round_to_bf16, on_gpu
 
 DEQUANT_ROWS_LAUNCH = (256, 8)  # (blocks per program, num_warps) of _dequantize_rows_kernel
 
@@ -19,7 +18,7 @@ DEQUANT_ROWS_LAUNCH = (256, 8)  # (blocks per program, num_warps) of _dequantize
 def _hw_bf16():
     # fp32 -> bf16 by the cast (cvt.rn.bf16.f32, ties to even) on a GPU; the interpreter's cast
     # truncates, so there _round_to_bf16's integer arithmetic
-    return os.environ.get("TRITON_INTERPRET") != "1"
+    return on_gpu()
 
 
 @triton.jit

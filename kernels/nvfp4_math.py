@@ -19,11 +19,18 @@ E4M3_MAX = 448.0       # largest E4M3 block scale
 E4M3_MAX_46 = 256.0
 
 
+def on_gpu():
+    """Do the kernels run on a GPU, not in Triton's interpreter (TRITON_INTERPRET=1)? Where the two
+    round differently (the interpreter's casts, its fma), the kernels take exact integer arithmetic
+    in the interpreter and the hardware instruction on a GPU: the same bits."""
+    return os.environ.get("TRITON_INTERPRET") != "1"
+
+
 # On a GPU, E4M3 rounding is the hardware conversion (sm_89+: cvt.rn.satfinite.e4m3x2.f32, nearest
 # ties to even, subnormals kept: nvfp4.to_e4m3 exactly, which a GPU test checks on every tie).
 # Triton's interpreter converts otherwise (its subnormal ties do not round to even), so there the
 # integer arithmetic. Read when this module is imported, as TRITON_INTERPRET itself.
-HW_E4M3 = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+HW_E4M3 = tl.constexpr(on_gpu())
 
 
 @triton.jit

@@ -25,7 +25,7 @@ row; 16x1 and 16x16 blocks: counter (row // 8) * N + column, 8 neighbours in a c
 reference's nvfp4.sr_uniforms draws the same bits in PyTorch, so a seed gives the same codes on
 both routes. 16 bits, not 32: Philox is most of an SR kernel's instructions (these kernels are
 bound by instruction issue) and 16 bits keep the bias negligible; Blackwell's own SR conversion
-takes 8 random bits per element.
+(cvt.rs.satfinite.e2m1x4.f32) takes one 32-bit word of random bits per 4 values.
 Where it can differ from the reference:
   * With `hadamard`, x·H sums 16 exact products in one fixed butterfly order (_hadamard16, the same
     in every kernel), the reference's torch matmul in its own: bit-exact where the sums are exact,
@@ -40,7 +40,6 @@ Three quantize kernels, each the fastest layout for its case (the same arithmeti
 
 import collections
 import math
-import os
 
 import torch
 import triton
@@ -51,7 +50,7 @@ from kernels.nvfp4_math import (  # noqa: F401
     _column_random_words, _block_random_words, _decode_byte_pairs, _decode_codes, _div_by,
     _e2m1_bits, _e2m1_value, _half_pair_sum, _hadamard16, _load_tile,
     _pairwise_block_sum, _random_words, _rotate, _round_to_bf16, _round_to_e4m3,
-    _rtn_e2m1, _sr_e2m1, _with_sign)
+    _rtn_e2m1, _sr_e2m1, _with_sign, on_gpu)
 # re-exported (their home: nvfp4_dequant.py)
 from kernels.nvfp4_dequant import _hw_bf16, dequantize, grid_values_bf16  # noqa: F401
 
@@ -88,7 +87,7 @@ def check_blocks(x, block, name):
 def _exact_fma():
     # Markstein's division step needs a true fma: the GPU has one, the interpreter's rounds twice
     # (tl.div_rn there)
-    return os.environ.get("TRITON_INTERPRET") != "1"
+    return on_gpu()
 
 
 # --------------------------------------------------------------------------------------------------
