@@ -115,9 +115,9 @@ def test_compiled_fp4_ops_give_eager_bits_on_the_kernel_route(monkeypatch):
                                               backend="aot_eager_decomp_partition")))
 
 
-def assert_close_sums(eager, compiled, names):
-    for n in names:  # a few fp32 roundings of the largest term
-        assert (compiled[n] - eager[n]).abs().max() <= 1e-5 * eager[n].abs().max(), n
+def assert_close_sums(eager, compiled, names, rel=1e-5):
+    for n in names:  # by default a few fp32 roundings of the largest term
+        assert (compiled[n] - eager[n]).abs().max() <= rel * eager[n].abs().max(), n
 
 
 def test_inductor_block_gives_eager_bits_in_the_fp4_layers():
@@ -172,9 +172,7 @@ def test_gpu_compiled_block_gives_eager_bits():
     ours = forward_backward(compiled, block, rope, torch.bfloat16, device="cuda")
     norms = ("dx", "attn_norm.weight", "mlp_norm.weight")
     assert_same_bits(eager, ours, except_=norms)
-    for name in norms:
-        e, c = eager[name].float(), ours[name].float()
-        assert (e - c).norm() <= 1e-2 * e.norm(), name
+    assert_close_sums(eager, ours, norms, rel=2e-2)  # bf16 intermediates: a few bf16 roundings
 
 
 def test_compiled_lora_layer_forgets_its_projection_after_a_new_backward():
