@@ -85,6 +85,23 @@ def test_tiny_runs_aggregate_and_skip(tmp_path, capsys):
     assert len(json.loads((results / "summary.json").read_text())) == 2
 
 
+def test_a_killed_run_continues_from_its_checkpoint(tmp_path, capsys):
+    """A run the deadline killed (a checkpoint, no summary.json) is resumed, not restarted; one
+    without a checkpoint, or under --force, starts over (train.py's resume is exact:
+    tests/test_train.py::test_resume_is_exact)."""
+    runs = tmp_path / "runs"
+    argv = TINY + ["--rows", "bf16_adamw", "--runs", str(runs), "--dry_run"]
+    ablation.main(argv)
+    assert "--resume" not in capsys.readouterr().out
+    (runs / "bf16_adamw_s0").mkdir(parents=True)
+    (runs / "bf16_adamw_s0" / "ckpt.pt").write_bytes(b"")
+    ablation.main(argv)
+    command = next(line for line in capsys.readouterr().out.splitlines() if "train.py" in line)
+    assert command.split()[-1] == "--resume" and "bf16_adamw_s0" in command
+    ablation.main(argv + ["--force"])
+    assert "--resume" not in capsys.readouterr().out
+
+
 def test_a_diverged_run_is_a_finished_result(tmp_path, capsys):
     runs = tmp_path / "runs"
     argv = TINY + ["--rows", "bf16_root", "--train_args", "--lr 1e30", "--runs", str(runs),

@@ -17,8 +17,9 @@ Each run writes into <runs>/<name>/ (name = <row>_<optimizer>_s<seed>, the row b
 here), its log into <runs>/<name>.log (the command on the first line) and the tool's record of it
 into <runs>/<name>.json. A run is finished when <runs>/<name>/summary.json exists, or when train.py
 stopped it for a non-finite loss (a diverged run is a result, not a failure); finished runs are
-skipped, the others start over. `--rows` picks rows by name: a row (`nvfp4`), a row and optimizer
-(`nvfp4_root`), a run (`nvfp4_root_s1`) or a glob (`lora_*`).
+skipped, an unfinished one continues from its last checkpoint (every SAVE_EVERY steps) or starts
+over. `--rows` picks rows by name: a row (`nvfp4`), a row and optimizer (`nvfp4_root`), a run
+(`nvfp4_root_s1`) or a glob (`lora_*`).
 
 --grid split: SPLIT_ROWS, lora_svd plus one part of fullstack at a time (a precision-contract entry,
 train.py --numerics), paired by seed with plain lora_svd. --grid width: WIDTH_RECIPES at --widths,
@@ -106,6 +107,7 @@ STEP_MS = {("bf16", "adamw"): 10, ("nvfp4_46", "adamw"): 11, ("lora_svd", "adamw
            ("fullstack", "root"): 22}
 EXTRA_MS = {NS_FP32: -4, MOMENTUM_FP32: -1}
 FLOP_RATE = 3e14
+SAVE_EVERY = 250  # steps between a run's checkpoints (a killed run resumes from its last one)
 GRID_DIRS = {"table3": ("runs/ablation", "results/ablation"),
              "split": ("runs/ablation_split", "results/ablation/split"),
              "width": ("runs/ablation_width", "results/ablation/width")}
@@ -334,9 +336,10 @@ def gpu_seconds(args, job):
 def train_command(args, row, optimizer, seed):
     recipe, numerics, flags = row_spec(args, row, optimizer)
     out_dir = shown(os.path.join(args.runs, run_name(row, optimizer, seed)))
-    # no checkpoints: an ablation run is short, and a killed one starts over
+    # a checkpoint every SAVE_EVERY steps: a run the deadline kills continues in the next call
+    # (train.py's resume is exact: tests/test_train.py::test_resume_is_exact)
     cmd = [sys.executable, "train.py", "--recipe", recipe, "--optimizer", optimizer, "--seed",
-           str(seed), "--out_dir", out_dir, "--no_progress", "--save_every", "-1"]
+           str(seed), "--out_dir", out_dir, "--no_progress", "--save_every", str(SAVE_EVERY)]
     for flag in TRAIN_FLAGS:
         value = flags.pop(flag) if flag in flags else getattr(args, flag)
         if value is not None:
@@ -347,6 +350,8 @@ def train_command(args, row, optimizer, seed):
         cmd += ["--numerics", entry]
     if recipe.startswith("lora") or recipe == "fullstack":  # the recipes with a LoRA branch
         cmd += ["--lora_lr", f"{args.lora_lr_scale * args.lr[optimizer]:g}"]
+    if not args.force and os.path.isfile(os.path.join(ROOT, out_dir, "ckpt.pt")):
+        cmd.append("--resume")  # killed by an earlier call's deadline: continue from its checkpoint
     return cmd + args.train_args
 
 
@@ -394,14 +399,15 @@ def run_one(args, job, label, env, stop_at):
     out_dir, log_path, record_path = (os.path.join(args.runs, name),
                                       os.path.join(args.runs, f"{name}.log"),
                                       os.path.join(args.runs, f"{name}.json"))
-    shutil.rmtree(out_dir, ignore_errors=True)  # unfinished or --force: start over
     cmd = train_command(args, *job)
+    if "--resume" not in cmd:
+        shutil.rmtree(out_dir, ignore_errors=True)  # unfinished without a checkpoint, or --force
     limit = args.timeout
     if stop_at is not None:
         limit = min(limit or math.inf, stop_at - time.time())
     print(f"[{label}] {time.strftime('%H:%M:%S')} start {name}", flush=True)
     start, status = time.time(), None
-    with open(log_path, "w") as log:
+    with open(log_path, "a" if "--resume" in cmd else "w") as log:
         log.write(shlex.join(cmd[1:]) + "\n")
         log.flush()
         proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
