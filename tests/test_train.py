@@ -1,5 +1,6 @@
 """train.py end to end on CPU, on a byte-level corpus (vocab 256) and a `micro` config so each run
 takes seconds."""
+import argparse
 import glob
 import io
 import json
@@ -15,7 +16,10 @@ import pytest
 import torch
 
 import data
+import lora_svd
 import model
+import nvfp4
+import optim
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -643,3 +647,39 @@ def test_ctrl_c_before_the_first_step_is_one_line(byte_data, micro, tmp_path, ca
     assert e.value.code == 130 and not os.path.exists(tmp_path / "x")
     assert capsys.readouterr().err == ("train.py: interrupted before the first step; --out_dir is "
                                        "as it was\n")
+
+
+def test_a_run_records_its_numerics_id_and_commit(byte_data, micro, tmp_path, capsys,
+                                                  monkeypatch):
+    """The first log line, metrics.jsonl's header and summary.json carry the run's numerics_id and
+    commit; the id moves with a contract entry, a number-changing flag and each scheme's version,
+    and not with a flag that changes no number."""
+    run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "1", "--eval_every", "0")
+    first = capsys.readouterr().out.splitlines()[0]
+    header = train.read_metrics(tmp_path / "metrics.jsonl")[0]["settings"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    nid, commit = summary["numerics_id"], summary["commit"]
+    assert re.fullmatch(r"[0-9a-f]{12}", nid) and (header["numerics_id"], header["commit"]) == (
+        nid, commit)
+    assert first.startswith("run: ") and f"numerics_id {nid} | commit {commit}" in first
+    args = train.parse_args(["--config", "micro", "--recipe", "bf16", "--max_steps", "1",
+                             "--eval_every", "0", "--data", byte_data, "--device", "cpu"])
+    train.resolve_args(args, 1)
+    train.fill_schedule(args)
+    assert train.numerics_id(train.numerics(args, 1)) == nid  # recomputed from the command
+
+    def nid_with(**change):
+        a = argparse.Namespace(**{**vars(args), **change})
+        return train.numerics_id(train.numerics(a, 1))
+    assert nid_with(log_every=7, eval_every=3, out_dir="elsewhere") == nid
+    assert len({nid, nid_with(lora_beta=2.0), nid_with(seed=1), nid_with(dtype="bfloat16")}) == 4
+    ids = {nid}
+    for table, key, value in [(nvfp4, "SR_SCHEME", "v3"), (nvfp4, "ENCODING", "v2"),
+                              (lora_svd, "BRANCH", "fp32")]:
+        with monkeypatch.context() as m:
+            m.setattr(table, key, value)
+            ids.add(nid_with())
+    with monkeypatch.context() as m:
+        m.setitem(optim.CONTRACT, "root.momentum", "fp32")
+        ids.add(nid_with())
+    assert len(ids) == 5
