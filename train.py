@@ -396,13 +396,11 @@ def load_resumable(args, ckpt_path, world_size, device):
     if "numerics" not in ckpt:
         die(f"--resume: {ckpt_path} records no numerics (an older train.py wrote it), so this run "
             "cannot be checked against it: --overwrite reruns it")
-    now = numerics(args, world_size)
-    for part in ("versions", "contracts"):
-        saved = ckpt["numerics"][part]
-        for key in sorted(set(saved) | set(now[part]), key=str):
-            if saved.get(key) != now[part].get(key):
-                die(f"--numerics {args.numerics}: {key} is {now[part].get(key)!r} here, the "
-                    f"checkpoint {ckpt_path} was trained with {saved.get(key)!r}")
+    differ = numerics_differ(ckpt["numerics"], numerics(args, world_size))
+    if differ:
+        key, saved, now = differ
+        die(f"--resume: {key} is {now} in this run, {saved} in the checkpoint {ckpt_path} (its "
+            f"--numerics: {' '.join(ckpt['args']['numerics']) or 'none'}): give the run's flags")
     if ckpt["world_size"] != world_size:
         die(f"--resume: checkpoint has {ckpt['world_size']} ranks, this run has {world_size}")
     if ckpt["step"] >= args.max_steps:
@@ -461,6 +459,16 @@ def numerics(args, world_size):
         "flags": {**{f: getattr(args, f) for f in NUMERIC_FLAGS}, "world_size": world_size},
         "recipe": dataclasses.asdict(RECIPES[args.recipe]), "contracts": contracts,
         "versions": {"nvfp4.SR_SCHEME": nvfp4.SR_SCHEME, "nvfp4.ENCODING": nvfp4.ENCODING}}))
+
+
+def numerics_differ(saved, now):
+    """The first contract or scheme version where two numerics() differ: (key, saved, now), or
+    None. (The flags are --resume's RESUME_MUST_MATCH.)"""
+    for part in ("versions", "contracts"):
+        for key in sorted(set(saved[part]) | set(now[part])):
+            if saved[part].get(key) != now[part].get(key):
+                return key, saved[part].get(key), now[part].get(key)
+    return None
 
 
 def numerics_id(numbers):
