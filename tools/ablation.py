@@ -71,7 +71,7 @@ SIGNIFICANT_SES = 2.0  # an ordering is resolved when its mean difference exceed
 # train.py's numerics_id and commit: tests/test_records.py checks the id against today's code)
 ROW_FIELDS = ("recipe", "optimizer", "seed", "val_loss", "train_loss", "tokens", "params", "steps",
               "status", "tokens_per_param", "epochs", "config", "tokens_per_s", "wall_s", "command",
-              "device", "numerics_id", "commit")
+              "best_train_loss", "hardware", "date", "device", "numerics_id", "commit")
 
 # --------------------------------------------------------------------------------------------------
 # Two more grids (--grid), each row one recipe plus precision-contract overrides (train.py
@@ -103,7 +103,7 @@ SPLIT_ROWS = (
 WIDTH_RECIPES = ("lora_svd", "nvfp4_46", "bf16")    # queue order: slowest first
 WIDTH_OPTIMIZER = "adamw"
 MAX_MICRO_BATCH = 64  # sequences per micro-step at most (memory, ~12 runs a GPU); then grad_accum
-# GPU-share ms per micro-step of a tiny run with ~10 runs on one H200 (results/ablation/: 8192
+# GPU-share ms per micro-step of a tiny run with ~10 runs on one H200 (the 2026-11-30 record: 8192
 # tokens / (tokens/s of a run x 10)), for the cost estimate of --dry_run; widths add
 # 6 x matmul params x tokens at FLOP_RATE
 STEP_MS = {("bf16", "adamw"): 10, ("nvfp4_46", "adamw"): 11, ("lora_svd", "adamw"): 22,
@@ -1030,7 +1030,7 @@ def main(argv=None):
                 print(shlex.join(train_command(args, *job)[1:]))
             cost = sum(gpu_seconds(args, job) for job in todo)
             print(f"ablation: estimated {cost / 60:.1f} min of one H200 for these {len(todo)} runs "
-                  "side by side (GPU share from results/ablation/'s timings; +-50%), plus ~1 min "
+                  "side by side (GPU share from the 2026-11-30 record's timings; +-50%), plus ~1 min "
                   "of start-up")
             return
         os.makedirs(runs, exist_ok=True)

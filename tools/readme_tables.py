@@ -1,0 +1,153 @@
+"""
+The README's result tables, written from the records, so that no hand-typed number can drift.
+
+    python tools/readme_tables.py            # rewrite README.md's generated blocks
+    python tools/readme_tables.py --check    # exit 1 if README.md is not what the records give
+
+README.md holds each generated block between `<!-- tables:NAME -->` and `<!-- /tables:NAME -->`;
+BLOCKS names the function that writes it from its record:
+  table3  results/ablation/summary.json (tools/ablation.py): Table 3's val losses, mean +- std over
+          seeds, gaps to bf16, the verdicts; until that record exists, a line saying so
+  cost    results/speed/speed.json (bench/run.py): what the paper's runs would take on H200s from
+          each 1b recipe's measured tokens/s: a 1b ablation row (20B tokens) and the 3b run (64B
+          tokens, at the MFU measured at 1b)
+tests/test_records.py checks that README.md equals what this writes.
+"""
+import argparse
+import functools
+import json
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from tools import ablation  # noqa: E402
+
+README = os.path.join(ROOT, "README.md")
+TABLE3 = os.path.join(ROOT, "results", "ablation", "summary.json")
+SPEED = os.path.join(ROOT, "results", "speed", "speed.json")
+ROW_TOKENS = 20e9  # the paper's 1B ablation rows
+MAIN_TOKENS = 64e9  # the paper's 3B run
+OPTIMIZER_NAMES = {"adamw": "AdamW", "root": "Root"}
+
+
+def read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def table3(rows):
+    """Table 3 as README.md shows it: one line per recipe, both optimizers side by side."""
+    if not rows:
+        return ("*Not recorded with today's numerics yet*: the command is in "
+                "[results/ablation/](results/ablation/README.md); the record of 2026-11-30, made "
+                "with older numerics, is [historical](results/historical/README.md).")
+    rows = [{"best_train_loss": None, **r} for r in rows]  # verdicts() reads it; older records lack it
+    seeds = sorted({r["seed"] for r in rows})
+    first = next((r for r in rows if r["status"] != "diverged"), rows[0])
+    hardware = ", ".join(sorted({r.get("hardware") or r.get("device") or "unknown" for r in rows}))
+    commits = ", ".join(sorted({r.get("commit") or "unknown" for r in rows}))
+    lines = [f"{len(seeds)} seeds, `{first['config']}` ({first['params'] / 1e6:.2f}M parameters, "
+             f"{first['steps']} steps, {first['tokens'] / 1e6:.1f}M tokens, "
+             f"{first['epochs']:.2g} epochs), {hardware}; commit {commits}. Final val loss, "
+             "mean ± std over seeds, and the gap to `bf16`:", "",
+             "| recipe | AdamW | gap | Root | gap |", "|---|---|---|---|---|"]
+    for recipe in ablation.RECIPES + (ablation.COLLAPSING,):
+        cells = []
+        for opt in ablation.OPTIMIZERS:
+            base, _, _ = ablation.stats(ablation.val_by_seed(rows, "bf16", opt).values())
+            mean, std, n = ablation.stats(ablation.val_by_seed(rows, recipe, opt).values())
+            mine = [r for r in rows if r["recipe"] == recipe and r["optimizer"] == opt]
+            bad = sorted({r["status"] for r in mine} - {"ok"})
+            loss = "–" if mean is None else f"{mean:.4f}" if std is None else \
+                f"{mean:.4f} ± {std:.4f}"
+            if bad:
+                loss += f": {', '.join(bad)}"
+            gap = "–" if recipe == "bf16" or None in (mean, base) else \
+                f"{100 * (mean - base) / base:+.2f}%"
+            cells += [loss, gap]
+        n_seeds = len({r["seed"] for r in rows if r["recipe"] == recipe})
+        name = f"`{recipe}`" + (f" ({n_seeds} seed{'s' * (n_seeds > 1)})"
+                                if n_seeds != len(seeds) else "")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    verdicts = {}
+    for claim, opt, verdict, _ in ablation.verdicts(rows):
+        verdicts.setdefault(claim, []).append(f"{OPTIMIZER_NAMES[opt]} **{verdict}**")
+    lines += ["", "Verdicts (paired by seed, 2 standard errors; the numbers: "
+              "[table.md](results/ablation/table.md)): "
+              + "; ".join(f"{claim}: {', '.join(v)}" for claim, v in verdicts.items()) + "."]
+    return "\n".join(lines)
+
+
+@functools.lru_cache
+def flops_per_token(config):
+    """Training FLOPs per token of a config at its context (model.GPT.flops_per_token, bf16)."""
+    import torch
+    from model import GPT, RECIPES, config_from_name
+    with torch.device("meta"):
+        model = GPT(config_from_name(config, recipe=RECIPES["bf16"]))
+    return model.flops_per_token(model.cfg.block_size)
+
+
+def cost(speed):
+    """H200-hours of the paper's runs from each 1b recipe's measured tokens/s on one H200."""
+    rows = [r for r in (speed or {}).get("rows", []) if r["section"] == "train"
+            and r["config"] == "1b" and r.get("tokens_per_s")]
+    if not rows:
+        return "*No 1b train.py rate in results/speed/speed.json*: `python bench/run.py --configs 1b`."
+    ratio = flops_per_token("3b") / flops_per_token("1b")
+    lines = ["| 1b run, one H200 | tokens/s | MFU | 1b row, 20B tokens | 3b run, 64B tokens |",
+             "|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: -r["tokens_per_s"]):
+        name = f"`{r['recipe']}`/{r['optimizer']}" + (" `--compile`" if r["compile"] else "")
+        hours = ROW_TOKENS / r["tokens_per_s"] / 3600
+        main = MAIN_TOKENS * ratio / r["tokens_per_s"] / 3600
+        lines.append(f"| {name} ({r['measured']['date']}) | {r['tokens_per_s']:,.0f} | "
+                     f"{100 * r['mfu']:.0f}% | {hours:,.0f} H200-hours | {main:,.0f} H200-hours |")
+    lines += ["", f"3b at the MFU measured at 1b: its {ratio:.2f}× FLOPs per token "
+              "(`model.GPT.flops_per_token`) at the same FLOP rate."]
+    return "\n".join(lines)
+
+
+BLOCKS = {"table3": lambda: table3(read_json(TABLE3)), "cost": lambda: cost(read_json(SPEED))}
+MARKED = re.compile(r"(<!-- tables:(\w+) -->\n)(.*?\n)?(<!-- /tables:\2 -->)", re.S)
+
+
+def render(text):
+    """README text with every generated block rewritten from its record."""
+    names = [m[2] for m in MARKED.finditer(text)]
+    missing = set(BLOCKS) - set(names)
+    if missing:
+        raise ValueError(f"README.md has no block for {', '.join(sorted(missing))}")
+    return MARKED.sub(lambda m: m[1] + BLOCKS[m[2]]() + "\n" + m[4], text)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--check", action="store_true", help="exit 1 if README.md is out of date")
+    args = p.parse_args(argv)
+    with open(README, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        new = render(text)
+    except ValueError as e:
+        print(f"readme_tables.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if args.check:
+        if new != text:
+            print("readme_tables.py: README.md differs from the records: run "
+                  "python tools/readme_tables.py", file=sys.stderr)
+            sys.exit(1)
+        return
+    with open(README, "w", encoding="utf-8") as f:
+        f.write(new)
+    print(f"README.md: {', '.join(BLOCKS)} written from the records")
+
+
+if __name__ == "__main__":
+    main()
