@@ -31,8 +31,9 @@ def records(historical):
                 continue
             with open(path) as f:
                 record = json.load(f)
-            out.append((os.path.relpath(path, ROOT),
-                        record["runs"] if isinstance(record, dict) else record))
+            if isinstance(record, dict):  # {"runs": [...]}, or one run's own summary
+                record = record.get("runs", [record])
+            out.append((os.path.relpath(path, ROOT), record))
     return out
 
 
@@ -56,7 +57,8 @@ def command_numerics_id(command, device, monkeypatch):
 @pytest.mark.parametrize("path,rows", records(historical=False))
 def test_current_records_match_todays_numerics(path, rows, monkeypatch):
     for row in rows:
-        assert row.get("numerics_id") and row.get("commit"), (path, row.get("command"))
+        assert row.get("numerics_id") and row.get("commit") and row.get("command"), \
+            f"{path}: a row without its numerics_id, commit or command ({row.get('command')})"
         assert command_numerics_id(row["command"], row["device"], monkeypatch) == \
             row["numerics_id"], f"{path}: {row['command']} was made with other numerics: move " \
             "the record under results/historical/ or rerun it"
@@ -136,3 +138,14 @@ def test_cost_is_the_measured_rate():
     main = 64e9 * ratio / 41080 / 3600
     assert line == (f"| `fullstack`/root (2026-12-01) | 41,080 | 24% | 135 H200-hours | "
                     f"{main:,.0f} H200-hours |")
+
+
+def test_figures_print_the_records_digits():
+    """The figure table's Fig. 3 cell is the record's range of reductions per rank, Fig. 4b's the
+    fitted sets' range, at the printed digits."""
+    record = json.load(open(os.path.join(ROOT, "results", "figures", "figures.json")))
+    block = readme_tables.figures(record)
+    rank32 = [r["reduction"] for r in record["fig3"]["random_init"] if r["rank"] == 32]
+    assert f"−{100 * min(rank32):.0f}…−{100 * max(rank32):.0f}% at rank 32" in block
+    roots = [r["nvfp4_root"] for r in record["fig4b"]["rows"]]
+    assert f"fitted Root coefficients {min(roots):.2f}–{max(roots):.2f} polar error" in block

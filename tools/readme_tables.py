@@ -12,6 +12,7 @@ BLOCKS names the function that writes it from its record:
   cost    the same record: what the paper's runs would take on H200s from
           each 1b recipe's measured tokens/s: a 1b ablation row (20B tokens) and the 3b run (64B
           tokens, at the MFU measured at 1b)
+  figures results/figures/figures.json (tools/figures.py): the analysis figures against the paper
 tests/test_records.py checks that README.md equals what this writes.
 """
 import argparse
@@ -28,6 +29,7 @@ from tools import ablation  # noqa: E402
 README = os.path.join(ROOT, "README.md")
 TABLE3 = os.path.join(ROOT, "results", "ablation", "summary.json")
 SPEED = os.path.join(ROOT, "results", "speed", "speed.json")
+FIGURES = os.path.join(ROOT, "results", "figures", "figures.json")
 ROW_TOKENS = 20e9  # the paper's 1B ablation rows
 MAIN_TOKENS = 64e9  # the paper's 3B run
 OPTIMIZER_NAMES = {"adamw": "AdamW", "root": "Root"}
@@ -50,7 +52,7 @@ def table3(rows):
     rows = [{"best_train_loss": None, **r} for r in rows]  # verdicts() reads it; older records lack it
     seeds = sorted({r["seed"] for r in rows})
     first = next((r for r in rows if r["status"] != "diverged"), rows[0])
-    hardware = ", ".join(sorted({r.get("hardware") or r.get("device") or "unknown" for r in rows}))
+    hardware = ", ".join(sorted({r.get("hardware") or f"device {r.get('device')}" for r in rows}))
     commits = ", ".join(sorted({r.get("commit") or "unknown" for r in rows}))
     lines = [f"{len(seeds)} seeds, `{first['config']}` ({first['params'] / 1e6:.2f}M parameters, "
              f"{first['steps']} steps, {first['tokens'] / 1e6:.1f}M tokens, "
@@ -68,7 +70,7 @@ def table3(rows):
                 f"{mean:.4f} ± {std:.4f}"
             if bad:
                 loss += f": {', '.join(bad)}"
-            gap = "–" if recipe == "bf16" or None in (mean, base) else \
+            gap = "–" if recipe == "bf16" or bad or None in (mean, base) else \
                 f"{100 * (mean - base) / base:+.2f}%"
             cells += [loss, gap]
         n_seeds = len({r["seed"] for r in rows if r["recipe"] == recipe})
@@ -144,8 +146,52 @@ def speed(record):
         "", f"Goals met: {sum(ratio >= goal for ratio, goal in goals)} of {len(goals)}."])
 
 
+def reductions(rows):
+    """The range of a list of relative reductions, as the tables print it: -a...-b%."""
+    return f"−{100 * min(rows):.0f}…−{100 * max(rows):.0f}%"
+
+
+def figures(record):
+    """The analysis figures' table: each figure's numbers (tools/figures.py), the paper's claim."""
+    if not record:
+        return "*No record*: `python tools/figures.py` writes results/figures/figures.json."
+    f3, f4a, f4b, f5, f7 = (record[f"fig{n}"] for n in ("3", "4a", "4b", "5", "7"))
+    meta = {f"`--size {f['meta']['size']}` on the {f['meta']['device'].upper()}"
+            for f in (f3, f4a, f4b, f5, f7)}
+    by_rank = {}
+    for r in f3["random_init"]:
+        by_rank.setdefault(r["rank"], []).append(r["reduction"])
+    fig3 = ", ".join(f"{reductions(v)} at rank {k}" for k, v in sorted(by_rank.items()))
+    roots, muons = ([r[k] for r in f4b["rows"]] for k in ("nvfp4_root", "nvfp4_muon"))
+    muon = "diverges" if min(muons) >= 10 else f"{min(muons):.1f}–{max(muons):.1f}"  # 10: the cap
+    p = f5["rows"][0]["policies"]
+    final = {}
+    for r in f7["measured"]["rows"]:  # the last step of each width
+        final[r["hidden"]] = r["nvfp4_mse"]
+    rel = [r["rel_mse"] for r in f7["matmul"] if r["rounding"] == "rtn"]
+    lines = [f"{', '.join(sorted(meta))}:", "", "| figure | ours | paper |", "|---|---|---|",
+             f"| Fig. 3: LoRA-SVD vs direct NVFP4, layer output error (random init) | {fig3} | "
+             "≈ −10% |",
+             f"| Fig. 4a: v pipeline vs direct NVFP4 | "
+             f"−{100 * f4a['pipeline_reduction_sqrt_rel_err']:.0f}% error in √v; "
+             f"{100 * f4a['pipeline']['zero_fraction']:.0f}% of positive v decode to 0 (direct: "
+             f"{100 * f4a['direct']['zero_fraction']:.0f}%) | ≈ −60% |",
+             f"| Fig. 4b: NVFP4 Newton–Schulz after 5 steps | fitted Root coefficients "
+             f"{min(roots):.2f}–{max(roots):.2f} polar error; Muon's set {muon} | Root's lower "
+             "than Muon's |",
+             f"| Fig. 5: attention variants | quantizing P (for PV) or dO·Vᵀ raises the rel. MSE over "
+             f"`fp4` (O {100 * p['fp4']['o']:.1f} → {100 * p['fp4_pv']['o']:.1f}%, dQ "
+             f"{100 * p['fp4']['dq']:.1f} → {100 * p['fp4_dov']['dq']:.1f}%) | both clearly worse |",
+             f"| Fig. 7: quantization error vs hidden dim | one matmul: MSE ∝ N (rel. MSE "
+             f"{100 * min(rel):.1f}–{100 * max(rel):.1f}%); 6-layer GPT: block-output MSE "
+             + " / ".join(f"{v:.0f}" if v >= 10 else f"{v:.2g}" for v in final.values())
+             + " at hidden "
+             + " / ".join(str(h) for h in final) + " | grows with dim |"]
+    return "\n".join(lines)
+
+
 BLOCKS = {"table3": lambda: table3(read_json(TABLE3)), "speed": lambda: speed(read_json(SPEED)),
-          "cost": lambda: cost(read_json(SPEED))}
+          "cost": lambda: cost(read_json(SPEED)), "figures": lambda: figures(read_json(FIGURES))}
 MARKED = re.compile(r"(<!-- tables:(\w+) -->\n)(.*?\n)?(<!-- /tables:\2 -->)", re.S)
 
 
