@@ -611,7 +611,8 @@ def test_every_resolved_setting_and_the_commit_are_recorded(byte_data, micro1, t
                      f"0.002 (lora 0.004), "
                      f"warmup 5, cosine to 0.0002 at step 2 | batch 8 x grad_accum 1 x seq_len 64 "
                      f"= 512 "
-                     f"tokens/step | 2 steps | seed 0 | commit {s['commit']}")
+                     f"tokens/step | 2 steps | seed 0 | numerics_id {s['numerics_id']} | "
+                     f"commit {s['commit']}")
 
 
 def test_a_batch_that_cannot_fit_memory_stops_before_training(byte_data, micro, tmp_path, capsys,
@@ -728,6 +729,11 @@ def test_resume_refuses_other_numerics(byte_data, micro1, tmp_path, capsys, cont
         err = refused(capsys, resume, *flags, flag, str(value))
         assert err.startswith(f"train.py: error: {flag} {value!r}: the checkpoint"), err
     assert len(train_losses(resume(*flags))) == 3  # its own flags continue it to step 3
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    del ckpt["numerics"]  # as an older train.py wrote it: its numbers cannot be checked
+    torch.save(ckpt, tmp_path / "ckpt.pt")
+    err = refused(capsys, lambda: train_run(*flags, "--max_steps", "4", "--resume"))
+    assert "records no numerics (an older train.py wrote it)" in err, err
 
 
 def test_sample_rebuilds_the_model_the_run_trained(byte_data, micro1, tmp_path, monkeypatch,
