@@ -1,0 +1,151 @@
+"""The records know their numerics, and the README quotes only current ones: every row of a
+results/**/summary.json outside a historical/ folder carries a numerics_id and a commit, and its id is
+what today's train.py computes for the row's command; the README's generated tables equal what
+tools/readme_tables.py writes from the records, to the printed digits; and no number of a
+historical record's rows appears in the README."""
+import glob
+import json
+import os
+import shlex
+
+import pytest
+import torch
+
+import attention
+import lora_svd
+import nvfp4
+import optim
+import train
+from tools import ablation, readme_tables
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def records(historical):
+    """[(path, rows)] of the train.py run records under results/ (summary.json: a list of rows,
+    runs.json: {"runs": [...]}), inside or outside historical/ folders."""
+    out = []
+    for pattern in ("summary.json", "runs.json"):
+        for path in glob.glob(os.path.join(ROOT, "results", "**", pattern), recursive=True):
+            if (f"{os.sep}historical{os.sep}" in path) != historical:
+                continue
+            with open(path) as f:
+                record = json.load(f)
+            if isinstance(record, dict):  # {"runs": [...]}, or one run's own summary
+                record = record.get("runs", [record])
+            out.append((os.path.relpath(path, ROOT), record))
+    return out
+
+
+def command_numerics_id(command, device, monkeypatch):
+    """The numerics_id today's train.py gives `command` ("train.py --flag ..."), run on `device`
+    with one rank: its flags resolved as train.main resolves them, contracts fresh, --numerics
+    applied."""
+    argv = shlex.split(command)
+    assert os.path.basename(argv[0]) == "train.py", command
+    with monkeypatch.context() as m:
+        m.setattr(nvfp4, "LINEAR", dict(nvfp4.LINEAR))
+        m.setattr(optim, "CONTRACT", dict(optim.CONTRACT))
+        m.setattr(lora_svd, "BRANCH", lora_svd.BRANCH)
+        m.setattr(torch.cuda, "is_available", lambda: device == "cuda")  # its defaults there
+        args = train.parse_args(argv[1:])
+        train.resolve_args(args, 1)
+        train.fill_schedule(args)
+        return train.numerics_id(train.numerics(args, 1))
+
+
+@pytest.mark.parametrize("path,rows", records(historical=False))
+def test_current_records_match_todays_numerics(path, rows, monkeypatch):
+    for row in rows:
+        assert row.get("numerics_id") and row.get("commit") and row.get("command"), \
+            f"{path}: a row without its numerics_id, commit or command ({row.get('command')})"
+        assert command_numerics_id(row["command"], row["device"], monkeypatch) == \
+            row["numerics_id"], f"{path}: {row['command']} was made with other numerics: move " \
+            "the record under results/historical/ or rerun it"
+
+
+def test_the_check_tells_a_fresh_record_from_another_numerics(tmp_path, monkeypatch):
+    """A row tools/ablation.py aggregates from a real 2-step run passes; the same row fails once a
+    scheme's version moves (what the 16-bit SR draws did to every older record)."""
+    runs, results = tmp_path / "runs", tmp_path / "results"
+    ablation.main(["--config", "tiny", "--lr", "3e-3", "--max_steps", "2", "--batch_size", "2",
+                   "--seq_len", "32", "--warmup", "1", "--eval_every", "2", "--eval_iters", "1",
+                   "--seeds", "0", "--gpus", "", "--rows", "nvfp4_adamw", "--runs", str(runs),
+                   "--results", str(results)])
+    row, = json.loads((results / "summary.json").read_text())
+    assert command_numerics_id(row["command"], row["device"], monkeypatch) == row["numerics_id"]
+    monkeypatch.setattr(nvfp4, "SR_SCHEME", "philox4x32-10/32bit/v1")
+    assert command_numerics_id(row["command"], row["device"], monkeypatch) != row["numerics_id"]
+
+
+def test_historical_records_are_not_current_and_not_quoted(monkeypatch):
+    """A historical record is one today's code no longer reproduces (a row with today's numerics_id
+    is misplaced there, e.g. a re-record merged into the old record's path), and the README quotes
+    none of its val losses."""
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    old = records(historical=True)
+    assert len(old) >= 5
+    for path, rows in old:
+        groups = {}  # each run's val loss, and each row's mean over seeds (what a table quotes)
+        for row in rows:
+            val = row.get("val_loss", row.get("summary", {}).get("final_val_loss"))
+            if isinstance(val, float) and val == val:
+                key = (row.get("recipe", row.get("row", row.get("name"))), row.get("optimizer"))
+                groups.setdefault(key, []).append(val)
+                assert f"{val:.4f}" not in readme, f"README quotes {path}: {val:.4f}"
+            if row.get("numerics_id"):
+                assert command_numerics_id(row["command"], row["device"], monkeypatch) != \
+                    row["numerics_id"], f"{path} holds a record of today's numerics"
+        for key, vals in groups.items():
+            mean = f"{sum(vals) / len(vals):.4f}"
+            assert mean not in readme, f"README quotes {path}'s {key}: {mean}"
+
+
+def test_readme_tables_are_the_records():
+    """README.md between its markers is what tools/readme_tables.py writes from the records now."""
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    assert readme_tables.render(readme) == readme, "run python tools/readme_tables.py"
+
+
+def test_table3_prints_the_records_digits():
+    """The Table 3 block from a record: each cell is the rows' mean ± std and gap at the printed
+    digits; a missing record says so."""
+    val = {("bf16", "adamw"): [2.4, 2.5, 2.6], ("lora_svd", "adamw"): [2.5, 2.6, 2.75],
+           ("bf16", "root"): [2.2, 2.3, 2.4], ("lora_svd", "root"): [2.3, 2.4, 2.5],
+           ("naive_fp4", "adamw"): [9237.0]}
+    rows = [{"recipe": r, "optimizer": o, "seed": s, "val_loss": v, "train_loss": v,
+             "status": "collapsed" if r == "naive_fp4" else "ok", "config": "tiny",
+             "params": 7.23e6, "steps": 1500, "tokens": 12288000, "epochs": 1.49,
+             "device": "cuda", "commit": "abc"} for (r, o), vs in val.items()
+            for s, v in enumerate(vs)]
+    block = readme_tables.table3(rows)
+    assert "| `bf16` | 2.5000 ± 0.1000 | – | 2.3000 ± 0.1000 | – |" in block
+    gap = 100 * ((2.5 + 2.6 + 2.75) / 3 - 2.5) / 2.5
+    assert f"| `lora_svd` | 2.6167 ± 0.1258 | {gap:+.2f}% | 2.4000 ± 0.1000 | +4.35% |" in block
+    assert "| `naive_fp4` (1 seed) | 9237.0000: collapsed |" in block
+    assert "3 seeds, `tiny` (7.23M parameters, 1500 steps, 12.3M tokens" in block
+    assert "Not recorded" in readme_tables.table3(None)
+
+
+def test_cost_is_the_measured_rate():
+    """A 1b ablation row of 20B tokens at 41,080 tokens/s is 135 H200-hours (the issue's check)."""
+    speed = {"rows": [{"section": "train", "config": "1b", "recipe": "fullstack",
+                       "optimizer": "root", "compile": False, "tokens_per_s": 41080.0,
+                       "mfu": 0.243, "measured": {"date": "2026-12-01"}}]}
+    line = readme_tables.cost(speed).splitlines()[2]
+    ratio = readme_tables.flops_per_token("3b") / readme_tables.flops_per_token("1b")
+    assert 3.0 < ratio < 3.2
+    main = 64e9 * ratio / 41080 / 3600
+    assert line == (f"| `fullstack`/root (2026-12-01) | 41,080 | 24% | 135 H200-hours | "
+                    f"{main:,.0f} H200-hours |")
+
+
+def test_figures_print_the_records_digits():
+    """The figure table's Fig. 3 cell is the record's range of reductions per rank, Fig. 4b's the
+    fitted sets' range, at the printed digits."""
+    record = json.load(open(os.path.join(ROOT, "results", "figures", "figures.json")))
+    block = readme_tables.figures(record)
+    rank32 = [r["reduction"] for r in record["fig3"]["random_init"] if r["rank"] == 32]
+    assert f"−{100 * min(rank32):.0f}…−{100 * max(rank32):.0f}% at rank 32" in block
+    roots = [r["nvfp4_root"] for r in record["fig4b"]["rows"]]
+    assert f"fitted Root coefficients {min(roots):.2f}–{max(roots):.2f} polar error" in block
