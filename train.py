@@ -428,19 +428,21 @@ def resume_schedule(args, saved, explicit):
 
 
 def git_commit():
-    """The checkout's commit, "+dirty" when tracked files differ from it; outside git (a copy of
-    the tree, e.g. on a GPU machine) $NANOFP4_COMMIT if set, else None."""
+    """$NANOFP4_COMMIT when set (a copy of the tree, e.g. on a GPU machine, whose .git, if any, is
+    not the tree's), else the checkout's commit, "+dirty" when tracked files differ; None outside
+    git."""
+    if os.environ.get("NANOFP4_COMMIT"):
+        return os.environ["NANOFP4_COMMIT"]
     root = os.path.dirname(os.path.abspath(__file__))
-    outside = os.environ.get("NANOFP4_COMMIT")
     try:
         head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, timeout=20,
                               capture_output=True, text=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
                                timeout=20, capture_output=True, text=True)
     except (OSError, subprocess.SubprocessError):
-        return outside
+        return None
     if head.returncode:
-        return outside
+        return None
     changed = dirty.returncode == 0 and dirty.stdout.strip()
     return head.stdout.strip() + ("+dirty" if changed else "")
 
