@@ -631,7 +631,8 @@ def begin(run, ckpt, settings):
     if args.compile:  # the FP4 layers as custom ops in the graph
         run.model = compile_model(run.model, "reduce-overhead" if args.cuda_graphs else None)
     elif args.cuda_graphs:
-        run.model = GraphedMicroStep(run)
+        run.model = GraphedMicroStep(run.model, run.autocast, (args.batch_size, args.seq_len),
+                                     run.device)
     if args.cuda_graphs:
         graph_grads(run.raw_model)
     if run.master and not args.no_progress and sys.stderr.isatty():  # a log file gets plain lines
@@ -695,12 +696,11 @@ class GraphedMicroStep(torch.nn.Module):
     replay advances, so a replay draws what eager would from the same RNG state. The warm-up and
     capture run with the RNG forked: the run's streams stay an eager run's."""
 
-    def __init__(self, run):
+    def __init__(self, model, autocast, batch_shape, device):
         super().__init__()
-        self.loss = _Loss(run.model, run.autocast)
-        x = torch.zeros((run.args.batch_size, run.args.seq_len), dtype=torch.long,
-                        device=run.device)
-        with torch.random.fork_rng(devices=[torch.device(run.device)]):
+        self.loss = _Loss(model, autocast)
+        x = torch.zeros(batch_shape, dtype=torch.long, device=device)  # (sequences, seq_len)
+        with torch.random.fork_rng(devices=[torch.device(device)]):
             torch.cuda.make_graphed_callables(self.loss, (x, x.clone()), allow_unused_input=True)
 
     def forward(self, x, y):
