@@ -12,7 +12,8 @@ measures the FP4 tensor-core route (docs/blackwell.md: what it should reach).
     # the layer rows: a couple of minutes
     python bench/run.py --only attention,linear,optim,quantize
     python bench/run.py --only train --configs 1b --runs bf16:adamw,fullstack:adamw --compile both
-    python bench/run.py --only train --configs toy --runs bf16:adamw,fullstack:adamw --cuda_graphs both
+    python bench/run.py --only train --configs toy --runs bf16:adamw,fullstack:adamw \
+        --cuda_graphs both
     # CPU smoke run: tiny shapes, the tiny config (tests)
     python bench/run.py --dry_run
 """
