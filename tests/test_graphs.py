@@ -10,6 +10,7 @@ import optim
 import train
 from kernels import nvfp4_quant
 from model import GPT, GPTConfig, Recipe
+from test_train import byte_data, micro  # noqa: F401  (fixtures)
 
 BLOCKS = ((1, 16), (16, 1), (16, 16))  # the rows, cols and tile kernels
 
@@ -123,3 +124,16 @@ def test_gpu_graphed_micro_step_equals_eager_bit_for_bit(linear):
     got = step(graphed)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert not all(torch.equal(a, b) for a, b in zip(step(graphed), want))  # fresh draws
+
+
+@pytest.mark.gpu
+def test_gpu_train_with_cuda_graphs_is_the_eager_run(byte_data, micro, tmp_path):  # noqa: F811
+    """train.py --cuda_graphs trains the eager run, bit for bit: each step's loss, gradient norm and
+    val loss (grad_accum 2: two replays add into the gradients; the evals run eagerly)."""
+    def rows(out, *flags):
+        train.main(["--config", "micro", "--recipe", "fullstack", "--data", byte_data,
+                    "--out_dir", str(out), "--device", "cuda", "--no_progress", "--max_steps", "4",
+                    "--grad_accum", "2", "--eval_every", "2", *flags])
+        return [(r.get("loss"), r.get("grad_norm"), r.get("val_loss"))
+                for r in train.read_metrics(out / "metrics.jsonl") if "settings" not in r]
+    assert rows(tmp_path / "graphs", "--cuda_graphs") == rows(tmp_path / "eager")
