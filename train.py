@@ -156,6 +156,8 @@ def parse_args(argv=None):
         "(optim.CONTRACT, e.g. optim.root.momentum=fp32), lora.branch=bf16|fp32")
     add("--compile", action="store_true",
         help="torch.compile the model (the FP4 layers stay eager)")
+    add("--cuda_graphs", action="store_true", help="replay each micro-step's forward + backward "
+        "as a CUDA graph (make_graphed_callables; with --compile: mode reduce-overhead)")
     add("--fsdp", action="store_true", help="FSDP2 under torchrun (default there: DDP)")
     add("--device", default=None, help="cpu | cuda (default: cuda if available)")
     add("--dtype", default=None,
@@ -190,6 +192,8 @@ def resolve_args(args, world_size):
         args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     if args.dtype not in ("bfloat16", "float32"):
         die(f"--dtype {args.dtype!r}: expected bfloat16 or float32")
+    if args.cuda_graphs and (args.device != "cuda" or world_size > 1):
+        die("--cuda_graphs: one CUDA GPU only (no CPU, no DDP / FSDP2 under torchrun)")
     if args.resume and args.overwrite:
         die("--resume and --overwrite: --resume continues the run in --out_dir, --overwrite "
             "replaces it; pick one")
@@ -676,8 +680,13 @@ def begin(run, ckpt, settings):
     if run.distributed and not args.fsdp:
         device_ids = [torch.device(run.device).index] if args.device == "cuda" else None
         run.model = torch.nn.parallel.DistributedDataParallel(run.model, device_ids=device_ids)
-    if args.compile:
-        run.model = compile_model(run.model)  # the FP4 layers as custom ops in the graph
+    if args.compile:  # the FP4 layers as custom ops in the graph
+        run.model = compile_model(run.model, "reduce-overhead" if args.cuda_graphs else None)
+    elif args.cuda_graphs:
+        run.model = GraphedMicroStep(run.model, run.autocast, (args.batch_size, args.seq_len),
+                                     run.device)
+    if args.cuda_graphs:
+        graph_grads(run.raw_model)
     if run.master and not args.no_progress and sys.stderr.isatty():  # a log file gets plain lines
         from tqdm import tqdm
         run.bar = tqdm(total=args.max_steps, initial=run.step, desc="train", dynamic_ncols=True)
@@ -716,6 +725,48 @@ def compute_gradients(run):
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
         grad_norm = grad_norm.full_tensor()
     return loss_mean, grad_norm
+
+
+class _Loss(torch.nn.Module):
+    """model(x, y)'s loss under the run's autocast: the module GraphedMicroStep captures."""
+
+    def __init__(self, model, autocast):
+        super().__init__()
+        self.model, self.autocast = model, autocast
+
+    def forward(self, x, y):
+        with self.autocast:
+            return self.model(x, y)[1]
+
+
+class GraphedMicroStep(torch.nn.Module):
+    """--cuda_graphs without --compile: the micro-step's forward and backward captured as CUDA
+    graphs (torch.cuda.make_graphed_callables) and replayed, so the host launches two graphs instead
+    of thousands of kernels; returns (None, loss) as the model does (an eval runs eagerly). Nothing
+    in them waits for the host: the global amaxes and scales stay on the device, and every SR seed
+    and Hadamard sign is drawn there by torch's CUDA RNG (nvfp4.sr_seed), whose Philox offset each
+    replay advances, so a replay draws what eager would from the same RNG state. The warm-up and
+    capture run with the RNG forked: the run's streams stay an eager run's."""
+
+    def __init__(self, model, autocast, batch_shape, device):
+        super().__init__()
+        self.loss = _Loss(model, autocast)
+        x = torch.zeros(batch_shape, dtype=torch.long, device=device)  # (sequences, seq_len)
+        with torch.random.fork_rng(devices=[torch.device(device)]):
+            torch.cuda.make_graphed_callables(self.loss, (x, x.clone()), allow_unused_input=True)
+
+    def forward(self, x, y):
+        return None, self.loss(x, y)
+
+
+def graph_grads(model):
+    """--cuda_graphs: every gradient allocated once and zeroed in place from here on
+    (zero_grad(set_to_none=False)), so each micro-step adds into it. A backward graph writes its
+    gradients into fixed buffers, which autograd would otherwise take over as .grad on a step's
+    first micro-step and the next replay overwrite. (0 + g is g, up to the sign of a zero.)"""
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
 
 
 @torch.no_grad()
@@ -919,7 +970,7 @@ def main(argv=None):
                 stop(run, f"non-finite loss {loss} / grad norm {grad_norm} at step {run.step + 1}: "
                      "stopped before the update", code=1)
             run.optimizer.step()
-            run.optimizer.zero_grad(set_to_none=True)
+            run.optimizer.zero_grad(set_to_none=not args.cuda_graphs)  # graphs: see graph_grads
             run.step += 1
             step = run.step
             realign = args.realign_every and step % args.realign_every == 0

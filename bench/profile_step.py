@@ -5,6 +5,7 @@ recipe, its CUDA kernels grouped by name. The once-per-step work (optimizer, LoR
 is not in it: bench/run.py's end-to-end rows have that.
 
     python bench/profile_step.py --config 1b --recipes bf16,fullstack     # 8 x 2048 tokens
+    python bench/profile_step.py --config 1b --recipes bf16,fullstack --cuda_graphs
     python bench/profile_step.py --dry_run                                 # CPU smoke run
 
 Prints, per recipe, the micro-step's wall time, the share of it the GPU is busy, and the kernels
@@ -29,36 +30,41 @@ if "--dry_run" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from model import GPT, RECIPES, config_from_name  # noqa: E402
+from train import GraphedMicroStep, graph_grads  # noqa: E402
 
 
-def micro_step(model, x, y, device):
+def micro_step(model, x, y, device, graphs=False):
     with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
         _, loss = model(x, y)
     loss.backward()
-    for p in model.parameters():
-        p.grad = None
+    model.zero_grad(set_to_none=not graphs)  # graphs: the gradients stay put (train.graph_grads)
 
 
-def profile_recipe(config, recipe, batch, seq_len, iters, device):
-    """{wall_ms, busy, kernels: {name: ms}} per micro-step of one recipe (fresh model, seed 0)."""
+def profile_recipe(config, recipe, batch, seq_len, iters, device, graphs=False):
+    """{wall_ms, busy, kernels: {name: ms}} per micro-step of one recipe (fresh model, seed 0);
+    graphs: replayed as CUDA graphs (train.py --cuda_graphs)."""
     torch.manual_seed(0)
     with torch.device(device):
         model = GPT(config_from_name(config, recipe=RECIPES[recipe]))
     x = torch.randint(0, model.cfg.vocab_size, (batch, seq_len), device=device)
     y = torch.roll(x, -1, dims=1)
+    if graphs:
+        graph_grads(model)
+        model = GraphedMicroStep(model, torch.autocast(device, dtype=torch.bfloat16), x.shape,
+                                 device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for _ in range(2):  # warm-up: Triton's autotuning and compilation, cuBLAS's heuristics
-        micro_step(model, x, y, device)
+        micro_step(model, x, y, device, graphs)
     sync()
     t0 = time.perf_counter()
     for _ in range(iters):
-        micro_step(model, x, y, device)
+        micro_step(model, x, y, device, graphs)
     sync()
     wall_ms = (time.perf_counter() - t0) * 1e3 / iters
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
         for _ in range(iters):
-            micro_step(model, x, y, device)
+            micro_step(model, x, y, device, graphs)
         sync()
     kernels = collections.Counter()
     for e in prof.events():
@@ -103,9 +109,13 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=2, help="micro-steps timed and profiled")
     p.add_argument("--top", type=int, default=15, help="kernels listed per table")
     p.add_argument("--out", default=None, help="JSON file for the numbers")
+    p.add_argument("--cuda_graphs", action="store_true",
+                   help="replay each micro-step as CUDA graphs (train.py --cuda_graphs)")
     p.add_argument("--dry_run", action="store_true", help="tiny config on the CPU: no timing claim")
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.cuda_graphs and device != "cuda":
+        fail("--cuda_graphs needs a CUDA GPU")
     if args.dry_run:
         args.config, args.batch_size, args.seq_len, args.iters = "tiny", 1, 64, 1
     elif device != "cuda":
@@ -113,13 +123,14 @@ def main(argv=None):
     recipes = args.recipes.split(",")
     if bad := [r for r in recipes if r not in RECIPES]:
         fail(f"--recipes: unknown recipe {bad[0]!r}; expected some of {', '.join(RECIPES)}")
-    results = {r: profile_recipe(args.config, r, args.batch_size, args.seq_len, args.iters, device)
-               for r in recipes}
+    results = {r: profile_recipe(args.config, r, args.batch_size, args.seq_len, args.iters, device,
+                                 args.cuda_graphs) for r in recipes}
     print(report(results, args.top))
     if args.out:
         from kernels.nvfp4_gemm import use_dot_scaled  # the NVFP4 GEMM route these kernels took
         route = "blackwell dot_scaled" if use_dot_scaled(torch.device(device)) else "grid values"
         meta = {"config": args.config, "batch_size": args.batch_size, "seq_len": args.seq_len,
+                "cuda_graphs": args.cuda_graphs,
                 "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                 "torch": torch.__version__, "gemm_route": route}
         with open(args.out, "w") as f:

@@ -12,12 +12,15 @@ measures the FP4 tensor-core route (docs/blackwell.md: what it should reach).
     # the layer rows: a couple of minutes
     python bench/run.py --only attention,linear,optim,quantize
     python bench/run.py --only train --configs 1b --runs bf16:adamw,fullstack:adamw --compile both
+    python bench/run.py --only train --configs toy --runs bf16:adamw,fullstack:adamw \
+        --cuda_graphs both
     # CPU smoke run: tiny shapes, the tiny config (tests)
     python bench/run.py --dry_run
 """
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import subprocess
@@ -49,6 +52,8 @@ def parse_args(argv=None):
                    help="recipe:optimizer items of the end-to-end rows")
     p.add_argument("--compile", default="both", choices=("both", "eager", "compile"),
                    help="end-to-end rows without --compile, with it, or both")
+    p.add_argument("--cuda_graphs", default="off", choices=("off", "on", "both"),
+                   help="end-to-end rows with train.py --cuda_graphs (default: %(default)s)")
     p.add_argument("--steps", type=int, default=4, help="optimizer steps per end-to-end run "
                    f"(the first {end_to_end.WARMUP_STEPS} are not timed)")
     p.add_argument("--run_timeout", type=float, default=600,
@@ -82,6 +87,8 @@ def parse_args(argv=None):
     if args.steps <= end_to_end.WARMUP_STEPS:
         fail(f"--steps {args.steps}: need more than {end_to_end.WARMUP_STEPS} (the first "
              f"{end_to_end.WARMUP_STEPS} steps are not timed)")
+    if args.dry_run and args.cuda_graphs != "off":
+        fail("--dry_run runs on the CPU: --cuda_graphs needs a CUDA GPU")
     if not args.dry_run and not torch.cuda.is_available():
         fail("needs a CUDA GPU (use --dry_run to check the script on a CPU)")
     if args.dry_run:  # the tiny config and two recipes, eager: what a CPU can run in a minute
@@ -151,7 +158,8 @@ def tables(rows):
                        f"{r['optimizer_bytes_per_param']:.2f}") if "error" not in r \
                 else f"failed: {r['error'].strip().splitlines()[-1][:100]} | | | | "
             out.append(f"| {r['config']} | `{r['recipe']}` | {r['optimizer']} | "
-                       f"{'yes' if r['compile'] else ''} | {numbers} | {when(r)} |")
+                       f"{'yes' if r['compile'] else ''}"
+                       f"{' (graphs)' if r.get('cuda_graphs') else ''} | {numbers} | {when(r)} |")
     return "\n".join(out) + "\n"
 
 
@@ -169,15 +177,17 @@ def main(argv=None):
                   flush=True)
     if "train" in args.only:
         modes = {"both": (False, True), "eager": (False,), "compile": (True,)}[args.compile]
+        graphs = {"both": (False, True), "off": (False,), "on": (True,)}[args.cuda_graphs]
         for config in args.configs:
             for recipe, optimizer in args.runs:
-                for compile in modes:
+                for compile, cuda_graphs in itertools.product(modes, graphs):
                     if args.deadline is not None and time.time() - start > args.deadline:
-                        print(f"train     {config} {recipe} {optimizer} compile={compile}: "
-                              "skipped (deadline)")
+                        print(f"train     {config} {recipe} {optimizer} compile={compile} "
+                              f"cuda_graphs={cuda_graphs}: skipped (deadline)")
                         continue
                     r = end_to_end.run_one(config, recipe, optimizer, compile, args.steps,
-                                           args.runs_dir, args.run_timeout, data=args.data,
+                                           args.runs_dir, args.run_timeout, cuda_graphs,
+                                           data=args.data,
                                            device=device if args.dry_run else None,
                                            step_tokens=(2 * 2 * 64 if args.dry_run
                                                         else end_to_end.STEP_TOKENS))

@@ -26,7 +26,8 @@ JITFunction.run = lambda self, *args, grid, warmup, **kwargs: LAUNCHES.append((s
 from kernels import nvfp4_gemm, nvfp4_quant  # noqa: E402
 
 TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16",
-         torch.uint8: "*u8", torch.int32: "*i32", torch.float8_e4m3fn: "*fp8e4nv"}
+         torch.uint8: "*u8", torch.int32: "*i32", torch.int64: "*i64",
+         torch.float8_e4m3fn: "*fp8e4nv"}
 # a packed operand as nvfp4_gemm takes it (the fields of nvfp4.NVFP4Tensor)
 Packed = collections.namedtuple("Packed", "codes scales global_scale shape block")
 
