@@ -324,7 +324,8 @@ class _StateMixin:
                     self.state[p][key] = value.to(device=_local(p).device, copy=True)
         for key, g_state in gen_states.items():
             use, device = key.split("/")
-            _generator(self._generators, torch.device(device), self.seed, use).set_state(g_state)
+            g = _generator(self._generators, torch.device(device), self.seed, use)
+            g.set_state(g_state.cpu())  # a checkpoint loaded onto the GPU moved it there
 
     def state_nbytes(self):
         """Bytes held in optimizer state (packed codes, scales, global scales, tile means, fp32

@@ -603,8 +603,11 @@ def test_quantized_adamw_cuda_converges_and_resumes_bit_exactly():
         loss = ((X @ W.t() - Y) ** 2).mean()
         W.grad = torch.autograd.grad(loss, W)[0]
         opt.step()
-        if i == 30:
-            saved_W, saved = W.detach().clone(), copy.deepcopy(opt.state_dict())
+        if i == 30:  # through a file loaded onto the GPU, as train.py's --resume does
+            buffer = io.BytesIO()
+            torch.save(opt.state_dict(), buffer)
+            buffer.seek(0)
+            saved_W, saved = W.detach().clone(), torch.load(buffer, map_location="cuda")
     assert loss.item() < 0.02 * loss0
     W2 = nn.Parameter(saved_W)
     opt2 = optim.QuantizedAdamW([W2], lr=3e-2, weight_decay=0.0)
