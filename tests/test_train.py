@@ -148,6 +148,20 @@ def test_resume_is_exact(byte_data, micro1, tmp_path, recipe, steps):
     assert e.value.code == 2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("optimizer", ["adamw", "root"])
+def test_gpu_resume_is_exact(byte_data, micro1, tmp_path, optimizer):
+    """On the GPU, where the SR seeds come from the device's RNG and the optimizers' generators
+    live on the device: N steps == N/2, then --resume to N, bit for bit."""
+    flags = ["--recipe", "fullstack", "--optimizer", optimizer, "--device", "cuda",
+             "--lr_decay_steps", "4", "--eval_every", "2", "--lora_rank", "8"]
+    full = train_losses(run(byte_data, tmp_path / "full", *flags, "--max_steps", "4"))
+    run(byte_data, tmp_path / "half", *flags, "--max_steps", "2")
+    resumed = train_losses(run(byte_data, tmp_path / "half", *flags, "--max_steps", "4",
+                               "--resume"))
+    assert len(full) == 4 and full == resumed
+
+
 @pytest.mark.parametrize("recipe,optimizer", [(r, "adamw") for r in train.RECIPES if r != "bf16"] +
                          [("fullstack", "root")])
 def test_every_recipe_trains(byte_data, micro1, tmp_path, recipe, optimizer):
