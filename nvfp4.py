@@ -292,6 +292,25 @@ def _rtn_error(idx, denom, ax):
     return _pairwise_block_sum(d * d)
 
 
+def scale_blocks(xb, s_enc, s_dec, four_over_six=False, up=False):
+    """§2's block scaling of xb (*, M/bm, bm, N/bn, bn) given the global scales: -> (s_b, |x| *
+    scale clamped to 6, the signed scaled x, the RTN index of the former). The block max maps to 6;
+    with 4/6 also to 4, and per block whichever candidate reconstructs with the lower squared
+    error is kept (ties to 6). The choice uses the RTN error also under SR, so the random draw
+    does not pick the scale. kernels/nvfp4_math._scale_blocks is this function in Triton."""
+    block_amax = xb.abs().amax(dim=(-3, -1), keepdim=True)               # (*, M/bm, 1, N/bn, 1)
+    s_b, a, scaled, denom = _candidate(xb, block_amax, s_enc, s_dec, FP4_MAX, up)
+    idx = rtn_e2m1(a)
+    if four_over_six:
+        s_b4, a4, scaled4, denom4 = _candidate(xb, block_amax, s_enc, s_dec, 4.0, up)
+        idx4 = rtn_e2m1(a4)
+        use4 = _rtn_error(idx4, denom4, xb.abs()) < _rtn_error(idx, denom, xb.abs())
+        s_b = torch.where(use4, s_b4.float(), s_b.float()).to(torch.float8_e4m3fn)
+        a, idx, scaled = (torch.where(use4, a4, a), torch.where(use4, idx4, idx),
+                          torch.where(use4, scaled4, scaled))
+    return s_b, a, scaled, idx
+
+
 def quantize_reference(x, block=(1, 16), rounding="rtn", four_over_six=False, seed=0,
                        global_amax=None):
     """The spec of NVFP4 quantization, in PyTorch: x (*, M, N) -> NVFP4Tensor with blocks on its
@@ -303,20 +322,7 @@ def quantize_reference(x, block=(1, 16), rounding="rtn", four_over_six=False, se
     xb = x.reshape(*lead, M // bm, bm, N // bn, bn)                      # (*, M/bm, bm, N/bn, bn)
     amax = x.abs().amax() if global_amax is None else torch.as_tensor(global_amax, device=x.device)
     s_enc, s_dec = global_scales(amax, four_over_six)
-    block_amax = xb.abs().amax(dim=(-3, -1), keepdim=True)               # (*, M/bm, 1, N/bn, 1)
-    s_b, a, scaled, denom = _candidate(xb, block_amax, s_enc, s_dec, FP4_MAX, rounding == "sr_up")
-    idx = rtn_e2m1(a)
-    if four_over_six:
-        # 4/6: per block keep whichever of max -> 6 / max -> 4 reconstructs with the lower squared
-        # error (ties to 6). The choice uses the RTN error also under SR, so the random draw does
-        # not pick the scale.
-        s_b4, a4, scaled4, denom4 = _candidate(xb, block_amax, s_enc, s_dec, 4.0,
-                                               rounding == "sr_up")
-        idx4 = rtn_e2m1(a4)
-        use4 = _rtn_error(idx4, denom4, xb.abs()) < _rtn_error(idx, denom, xb.abs())
-        s_b = torch.where(use4, s_b4.float(), s_b.float()).to(torch.float8_e4m3fn)
-        a, idx, scaled = (torch.where(use4, a4, a), torch.where(use4, idx4, idx),
-                          torch.where(use4, scaled4, scaled))
+    s_b, a, scaled, idx = scale_blocks(xb, s_enc, s_dec, four_over_six, rounding == "sr_up")
     if rounding != "rtn":
         idx = sr_e2m1(a, sr_uniforms(seed, shape, block, x.device).reshape(xb.shape))
     # sign bit: the scaled value is negative (as Transformer Engine's cast: -0.0 and an underflow to

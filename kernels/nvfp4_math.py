@@ -286,6 +286,36 @@ def _pairwise_block_sum(e, GM: tl.constexpr, SBM: tl.constexpr, GN: tl.constexpr
 
 
 @triton.jit
+def _scale_blocks(ax, s_enc, s_dec, GM: tl.constexpr, SBM: tl.constexpr, GN: tl.constexpr,
+                  SBN: tl.constexpr, FOUR_OVER_SIX: tl.constexpr, UP: tl.constexpr = False):
+    """§2's block scaling of |x| held as (GM, SBM, GN, SBN), GM x GN blocks of SBM x SBN, given the
+    global scales (nvfp4.scale_blocks, bit for bit): the block scale s_b with the block max mapped
+    to 6 and the scaled magnitudes a = min(|x| * RN(1 / (s_b * S_dec)), 6); with FOUR_OVER_SIX
+    also the candidate "max -> 4" (its own E4M3 rounding), kept per block where its RTN
+    reconstruction has the lower squared error (summed in the fixed tree), ties to 6 (paper §2;
+    docs/nvfp4_format.md). The choice uses the RTN error also under SR, so the random draw does not
+    pick the scale. -> (a, s_b (GM, GN), its E4M3 bits, _rtn_e2m1(a)); the last costs nothing where
+    a caller rounds otherwise (the compiler drops it)."""
+    block_amax = tl.max(tl.max(ax, axis=3), axis=1)                                    # (GM, GN)
+    s_b, bits, den, inv = _block_scale(block_amax, s_enc, s_dec, 6.0, UP)
+    a = tl.minimum(ax * inv[:, None, :, None], 6.0)
+    idx = _rtn_e2m1(a)
+    if FOUR_OVER_SIX:
+        s4, bits4, den4, inv4 = _block_scale(block_amax, s_enc, s_dec, 4.0, UP)
+        a4 = tl.minimum(ax * inv4[:, None, :, None], 6.0)
+        idx4 = _rtn_e2m1(a4)
+        d6 = _e2m1_value(idx) * den[:, None, :, None] - ax
+        d4 = _e2m1_value(idx4) * den4[:, None, :, None] - ax
+        use4 = (_pairwise_block_sum(d4 * d4, GM, SBM, GN, SBN)
+                < _pairwise_block_sum(d6 * d6, GM, SBM, GN, SBN))
+        s_b = tl.where(use4, s4, s_b)
+        bits = tl.where(use4, bits4, bits)
+        a = tl.where(use4[:, None, :, None], a4, a)
+        idx = tl.where(use4[:, None, :, None], idx4, idx)
+    return a, s_b, bits, idx
+
+
+@triton.jit
 def _butterfly_stage(y, P: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr, W: tl.constexpr):
     """(P, 16, W): in each of the G groups of 2 * HALF along dim 1, (a, b) -> (a + b, a - b) across
     its halves."""
@@ -346,24 +376,3 @@ def _round_to_bf16(v, HW: tl.constexpr = False):
     bits = v.to(tl.int32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
     return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _column_pair_sum(e, C: tl.constexpr):
-    """(C, 16, 2) squared errors -> (C, 2) sums over each 16x1 block in _pairwise_block_sum's fixed
-    tree for SBM == 16: neighbouring rows added pairwise, 16 -> 8 -> 4 -> 2 -> 1."""
-    e = tl.sum(e.reshape(C, 8, 2, 2), axis=2)
-    e = tl.sum(e.reshape(C, 4, 2, 2), axis=2)
-    e = tl.sum(e.reshape(C, 2, 2, 2), axis=2)
-    return tl.sum(e.reshape(C, 1, 2, 2), axis=2).reshape(C, 2)
-
-
-@triton.jit
-def _half_pair_sum(e, NB: tl.constexpr):
-    """(NB, 2, 8) squared errors -> (NB,) block sums in _pairwise_block_sum's fixed tree: pairwise
-    within each half (8 -> 4 -> 2 -> 1), then the two halves (the tree's last step adds elements
-    0-7's sum to 8-15's)."""
-    e = tl.sum(e.reshape(NB, 2, 4, 2), axis=3)
-    e = tl.sum(e.reshape(NB, 2, 2, 2), axis=3)
-    e = tl.sum(e.reshape(NB, 2, 1, 2), axis=3).reshape(NB, 2)
-    return tl.sum(e, axis=1)
