@@ -64,19 +64,28 @@ def _round_to_e4m3(s, UP: tl.constexpr = False):
 
 
 @triton.jit
+def _rtn_e2m1_value(a):
+    """The nearest E2M1 magnitude to a in [0, 6], ties to even (nvfp4.rtn_e2m1's grid value), as
+    fp32. E2M1's step is p / 2 for p = 2^floor(log2 max(a, 1)), read off the exponent bits (0.5 on
+    [0, 2), 1 on [2, 4), 2 on [4, 6]); adding c = 2^22 p, whose ulp is that step, and subtracting it
+    again rounds a to the grid, ties to even, exactly (a < c). Equals the reference's compare tree
+    on every fp32 (tested on every tie and its neighbours)."""
+    c = ((tl.maximum(a, 1.0).to(tl.int32, bitcast=True) & 0x7F800000)
+         + (22 << 23)).to(tl.float32, bitcast=True)
+    return (a + c) - c
+
+
+@triton.jit
+def _e2m1_index(q):
+    """Index 0..7 of an E2M1 magnitude q (fp32), the code's low 3 bits: q * 2^-126 holds it in bits
+    24..22 (_e2m1_value's placement inverted; exact: 0.5 becomes the subnormal 2^-127)."""
+    return (q * 1.1754943508222875e-38).to(tl.int32, bitcast=True) >> 22             # 2^-126
+
+
+@triton.jit
 def _rtn_e2m1(a):
-    """Index 0..7 of the nearest E2M1 magnitude for a in [0, 6], ties to the even index
-    (nvfp4.rtn_e2m1), from a's fp32 bits instead of a compare tree. For a >= 1 the E2M1 code is the
-    fp32 exponent and the top mantissa bit: round the mantissa to one bit, ties to even
-    (the carry of 1.75 -> 2 moves into the exponent), and (bits >> 22) - (126 << 1) is the index
-    (1.0 -> 2, 6.0 -> 7; a <= 6 cannot round past 6). Below 1 the grid is 0, 0.5, 1 (quantum 0.5):
-    RNE of 2a with the 2^23 magic number, whose low bits are then the index. Both are exact RNE, so
-    the index equals the compare tree's on every fp32 (tested on every tie and its neighbours)."""
-    bits = a.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252
-    # a * 2 is exact: one rounding either way
-    sub = tl.fma(a, 2.0, 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
-    return tl.where(a < 1.0, sub, normal)
+    """Index 0..7 of the nearest E2M1 magnitude for a in [0, 6], ties to even (nvfp4.rtn_e2m1)."""
+    return _e2m1_index(_rtn_e2m1_value(a))
 
 
 # the element scale's cap (TE's: an all-zero block's 1/0)
@@ -135,8 +144,8 @@ def _e2m1_bits(top):
     """fp32 q * 2^-126 for E2M1 codes held in bits 31..28 of an int32 (lower bits ignored): an
     arithmetic shift by 6 and a mask leave sign, exponent (2 bits) and mantissa (1 bit) where fp32
     keeps them (exponent 0 lands in fp32's subnormal range: 0.5 -> 2^-127, exactly E2M1's
-    subnormal). Code 8 gives -0.0, as the reference's -q. The inverse of _rtn_e2m1's bit trick;
-    callers undo the 2^-126 with exact power-of-two scalings."""
+    subnormal). Code 8 gives -0.0, as the reference's -q. The inverse of _e2m1_index; callers undo
+    the 2^-126 with exact power-of-two scalings."""
     return ((top >> 6) & -2118123520).to(tl.float32, bitcast=True)                  # 0x81C00000
 
 
@@ -294,25 +303,25 @@ def _scale_blocks(ax, s_enc, s_dec, GM: tl.constexpr, SBM: tl.constexpr, GN: tl.
     also the candidate "max -> 4" (its own E4M3 rounding), kept per block where its RTN
     reconstruction has the lower squared error (summed in the fixed tree), ties to 6 (paper §2;
     docs/nvfp4_format.md). The choice uses the RTN error also under SR, so the random draw does not
-    pick the scale. -> (a, s_b (GM, GN), its E4M3 bits, _rtn_e2m1(a)); the last costs nothing where
-    a caller rounds otherwise (the compiler drops it)."""
+    pick the scale. -> (a, s_b (GM, GN), its E4M3 bits, _rtn_e2m1_value(a)); the last costs nothing
+    where a caller rounds otherwise (the compiler drops it)."""
     block_amax = tl.max(tl.max(ax, axis=3), axis=1)                                    # (GM, GN)
     s_b, bits, den, inv = _block_scale(block_amax, s_enc, s_dec, 6.0, UP)
     a = tl.minimum(ax * inv[:, None, :, None], 6.0)
-    idx = _rtn_e2m1(a)
+    q = _rtn_e2m1_value(a)
     if FOUR_OVER_SIX:
         s4, bits4, den4, inv4 = _block_scale(block_amax, s_enc, s_dec, 4.0, UP)
         a4 = tl.minimum(ax * inv4[:, None, :, None], 6.0)
-        idx4 = _rtn_e2m1(a4)
-        d6 = _e2m1_value(idx) * den[:, None, :, None] - ax
-        d4 = _e2m1_value(idx4) * den4[:, None, :, None] - ax
+        q4 = _rtn_e2m1_value(a4)
+        d6 = q * den[:, None, :, None] - ax
+        d4 = q4 * den4[:, None, :, None] - ax
         use4 = (_pairwise_block_sum(d4 * d4, GM, SBM, GN, SBN)
                 < _pairwise_block_sum(d6 * d6, GM, SBM, GN, SBN))
         s_b = tl.where(use4, s4, s_b)
         bits = tl.where(use4, bits4, bits)
         a = tl.where(use4[:, None, :, None], a4, a)
-        idx = tl.where(use4[:, None, :, None], idx4, idx)
-    return a, s_b, bits, idx
+        q = tl.where(use4[:, None, :, None], q4, q)
+    return a, s_b, bits, q
 
 
 @triton.jit

@@ -48,7 +48,7 @@ import triton.language as tl
 from kernels.nvfp4_math import (  # noqa: F401
     E4M3_MAX, E4M3_MAX_46, FLT_MAX, FP4_MAX, _block_scale, _global_scales,
     _column_random_words, _block_random_words, _decode_byte_pairs, _decode_codes, _div_by,
-    _e2m1_bits, _e2m1_value, _hadamard16, _load_tile,
+    _e2m1_bits, _e2m1_index, _e2m1_value, _hadamard16, _load_tile,
     _pairwise_block_sum, _random_words, _rotate, _round_to_bf16, _round_to_e4m3,
     _rtn_e2m1, _scale_blocks, _sr_e2m1, _with_sign, on_gpu)
 # re-exported (their home: nvfp4_dequant.py)
@@ -137,9 +137,9 @@ def _quantize_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, 
         tl.store(gs_out_ptr, s_dec)  # the tensor's S_dec for the host: no extra torch kernels
 
     # s_b, a = min(|x| * RN(1 / (s_b * S_dec)), 6) and 4/6's choice (nvfp4.scale_blocks)
-    a, s_b, bits, rtn_idx = _scale_blocks(tl.abs(x).reshape(BM // SBM, SBM, BN // SBN, SBN),
-                                          s_enc, s_dec, BM // SBM, SBM, BN // SBN, SBN,
-                                          FOUR_OVER_SIX, SCALE_UP)
+    a, s_b, bits, q_rtn = _scale_blocks(tl.abs(x).reshape(BM // SBM, SBM, BN // SBN, SBN),
+                                        s_enc, s_dec, BM // SBM, SBM, BN // SBN, SBN,
+                                        FOUR_OVER_SIX, SCALE_UP)
     if SR:
         if SBM == 16:  # 16x1, 16x16: eight rows of a column per Philox call (_column_random_words)
             octs = (pid_b.to(tl.int64) * M + m0) // 8 + tl.arange(0, BM // 8)  # BM % 16 == 0
@@ -150,7 +150,7 @@ def _quantize_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, 
             rand = _random_words(seed, pid_b * M + offs_m, n0, N, BM, BN)
         idx = _sr_e2m1(a, rand.reshape(BM // SBM, SBM, BN // SBN, SBN))
     else:
-        idx = rtn_idx
+        idx = _e2m1_index(q_rtn)
     idx = idx.reshape(BM, BN)
 
     if WRITE_CODES:
@@ -237,13 +237,13 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
             run_max = tl.maximum(run_max, tl.max(tl.max(tl.abs(x), axis=2), axis=1))
         else:
             # the blocks as (NB, 1, 1, 16) for _scale_blocks (a reshape within each thread)
-            a, s_b, bits, rtn_idx = _scale_blocks(tl.abs(x).reshape(NB, 1, 1, 16), s_enc, s_dec,
-                                                  NB, 1, 1, 16, FOUR_OVER_SIX, SCALE_UP)
+            a, s_b, bits, q_rtn = _scale_blocks(tl.abs(x).reshape(NB, 1, 1, 16), s_enc, s_dec,
+                                                NB, 1, 1, 16, FOUR_OVER_SIX, SCALE_UP)
             a, s_b, bits = a.reshape(NB, 2, 8), s_b.reshape(NB), bits.reshape(NB)
             if SR:  # the flat tensor as rows of 16 elements: the counters element index // 8
                 idx = _sr_e2m1(a, _block_random_words(seed, base + blk, NB))
             else:
-                idx = rtn_idx.reshape(NB, 2, 8)
+                idx = _e2m1_index(q_rtn).reshape(NB, 2, 8)
             if WRITE_CODES:
                 code = idx | (((x < 0) & (a > 0)).to(tl.int32) << 3)
                 words = tl.sum(code << (tl.arange(0, 8) * 4)[None, None, :], axis=2)  # (NB, 2)
@@ -331,8 +331,8 @@ def _quantize_cols_kernel(x_ptr, xs_ptr, xgs_ptr, h_ptr, amax_ptr, gs_out_ptr, c
         if (pid_m == 0) & (pid_n == 0) & (pid_b == 0):
             tl.store(gs_out_ptr, s_dec)
         # the column blocks as (C, 16, 2, 1) for _scale_blocks: C x 2 blocks of 16 x 1
-        a, s_b, bits, rtn_idx = _scale_blocks(ax.reshape(C, 16, 2, 1), s_enc, s_dec, C, 16, 2, 1,
-                                              FOUR_OVER_SIX, SCALE_UP)
+        a, s_b, bits, q_rtn = _scale_blocks(ax.reshape(C, 16, 2, 1), s_enc, s_dec, C, 16, 2, 1,
+                                            FOUR_OVER_SIX, SCALE_UP)
         a = a.reshape(C, 16, 2)
         if SR:
             octs = (pid_b.to(tl.int64) * M + m0) // 8 + tl.arange(0, 2)[None, :, None]  # (1, 2, 1)
@@ -341,7 +341,7 @@ def _quantize_cols_kernel(x_ptr, xs_ptr, xgs_ptr, h_ptr, amax_ptr, gs_out_ptr, c
             rand = tl.permute(rand, (0, 1, 3, 4, 5, 2)).reshape(C, 16, 2)
             idx = _sr_e2m1(a, rand)
         else:
-            idx = rtn_idx.reshape(C, 16, 2)
+            idx = _e2m1_index(q_rtn).reshape(C, 16, 2)
         if WRITE_CODES:
             code = idx | (((xr < 0) & (a > 0)).to(tl.int32) << 3)
             lo, hi = tl.split(code)  # even / odd column: (C, 16)
