@@ -312,19 +312,24 @@ def scale_blocks(xb, s_enc, s_dec, four_over_six=False, up=False):
 
 
 def quantize_reference(x, block=(1, 16), rounding="rtn", four_over_six=False, seed=0,
-                       global_amax=None):
+                       global_amax=None, uniforms=None):
     """The spec of NVFP4 quantization, in PyTorch: x (*, M, N) -> NVFP4Tensor with blocks on its
     last two dims. seed: SR's Philox seed (sr_uniforms); global_amax: the amax the global scale
-    derives from (default max |x|; attention's dS passes a bound)."""
+    derives from (default max |x|), 0-d or one per leading index shaped (*, 1, 1) (then so is the
+    global scale); uniforms: SR's u, like x (default sr_uniforms'). Attention's P and dS pass a
+    bound and, for dS, their hashed uniforms: the in-register quantizer of its kernels."""
     shape, (bm, bn) = x.shape, block
     lead, (M, N) = shape[:-2], shape[-2:]
     x = x.float()
     xb = x.reshape(*lead, M // bm, bm, N // bn, bn)                      # (*, M/bm, bm, N/bn, bn)
     amax = x.abs().amax() if global_amax is None else torch.as_tensor(global_amax, device=x.device)
     s_enc, s_dec = global_scales(amax, four_over_six)
-    s_b, a, scaled, idx = scale_blocks(xb, s_enc, s_dec, four_over_six, rounding == "sr_up")
+    # per leading index (*, 1, 1) -> (*, 1, 1, 1, 1) against the blocks' dims
+    se, sd = (s.reshape(*s.shape[:-2], 1, 1, 1, 1) if s.dim() else s for s in (s_enc, s_dec))
+    s_b, a, scaled, idx = scale_blocks(xb, se, sd, four_over_six, rounding == "sr_up")
     if rounding != "rtn":
-        idx = sr_e2m1(a, sr_uniforms(seed, shape, block, x.device).reshape(xb.shape))
+        u = sr_uniforms(seed, shape, block, x.device) if uniforms is None else uniforms
+        idx = sr_e2m1(a, u.reshape(xb.shape))
     # sign bit: the scaled value is negative (as Transformer Engine's cast: -0.0 and an underflow to
     # -0.0 get code 0, a negative value that rounds to 0 keeps its sign, code 8; both decode to
     # zero)
