@@ -52,7 +52,8 @@ import torch
 
 import nvfp4
 from kernels import flash_attention
-from kernels.nvfp4_quant import grid_values_bf16, quantize_dequant
+from kernels.nvfp4_dequant import grid_values_bf16
+from kernels.nvfp4_quant import quantize_dequant
 
 # policy -> which matmul operands are NVFP4; every other operand stays BF16 (or the input dtype).
 # qkv: Q, K, V everywhere; ds: dS in dS K and dS^T Q; p: P in PV; dov: dO in dO V^T; pdo: P and dO

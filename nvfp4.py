@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 
+from kernels import nvfp4_dequant
 from kernels import nvfp4_linear as linear_kernels
 from kernels import nvfp4_quant as quant_kernels
 from kernels.nvfp4_gemm import nvfp4_gemm, use_dot_scaled
@@ -417,7 +418,7 @@ class NVFP4Tensor:
 
     def dequantize(self, dtype=torch.float32):
         if use_kernels(self.codes):  # one pass, same bits
-            return quant_kernels.dequantize(self.codes, self.scales, self.global_scale, self.shape,
+            return nvfp4_dequant.dequantize(self.codes, self.scales, self.global_scale, self.shape,
                                             self.block, dtype)
         return (self.grid_values() * self.global_scale).to(dtype)
 

@@ -27,7 +27,8 @@ import torch
 
 from kernels.nvfp4_gemm import grid_values_mm, mm_fp32, nvfp4_gemm, use_dot_scaled
 from kernels.nvfp4_linear import Packed, _check, wgrad
-from kernels.nvfp4_quant import global_amax_pair, grid_values_bf16, quantize, quantize_dequant
+from kernels.nvfp4_dequant import grid_values_bf16
+from kernels.nvfp4_quant import global_amax_pair, quantize, quantize_dequant
 
 
 def _operand(x, L, beta, rounding, four_over_six, seed, s_g_other, name, return_tensor=False,

@@ -36,7 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.nvfp4_quant import _round_to_bf16, grid_values_bf16
+from kernels.nvfp4_dequant import grid_values_bf16
+from kernels.nvfp4_math import _round_to_bf16
 
 # --------------------------------------------------------------------------------------------
 # Blackwell: native NVFP4 tensor cores through tl.dot_scaled

@@ -3,7 +3,7 @@ Triton NVFP4 quantization (paper §2): one pass that reads bf16/fp32 and writes 
 E4M3 block scales and/or the bf16 grid values q * s_b, for 1x16, 16x1 and 16x16 blocks, RTN or SR,
 optional 4/6, optional fused 16-point (random) Hadamard rotation. Tensors in, tensors out: nvfp4.py
 wraps the codes, scales and global scale into its NVFP4Tensor. (Decoding lives in
-kernels/nvfp4_dequant.py; `dequantize` and `grid_values_bf16` are importable from here too.)
+kernels/nvfp4_dequant.py.)
 
 It reproduces the reference `nvfp4.quantize` (the spec: Transformer Engine's arithmetic) bit for
 bit, with the device arithmetic of kernels/nvfp4_math.py:
@@ -45,14 +45,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.nvfp4_math import (  # noqa: F401
-    E4M3_MAX, E4M3_MAX_46, FLT_MAX, FP4_MAX, _block_scale, _global_scales,
-    _column_random_words, _block_random_words, _decode_byte_pairs, _decode_codes, _div_by,
-    _e2m1_bits, _e2m1_index, _e2m1_value, _hadamard16, _load_tile,
-    _pairwise_block_sum, _random_words, _rotate, _round_to_bf16, _round_to_e4m3,
-    _rtn_e2m1, _scale_blocks, _sr_e2m1, _with_sign, on_gpu)
-# re-exported (their home: nvfp4_dequant.py)
-from kernels.nvfp4_dequant import _hw_bf16, dequantize, grid_values_bf16  # noqa: F401
+from kernels.nvfp4_dequant import _hw_bf16, dequantize
+from kernels.nvfp4_math import (
+    E4M3_MAX, E4M3_MAX_46, _block_random_words, _column_random_words, _decode_byte_pairs,
+    _e2m1_index, _e2m1_value, _global_scales, _hadamard16, _load_tile, _random_words, _rotate,
+    _round_to_bf16, _scale_blocks, _sr_e2m1, _with_sign, on_gpu)
 
 BLOCKS = ((1, 16), (16, 1), (16, 16))
 # "sr_up": SR with the block scale rounded up to E4M3 instead of to nearest, so that the block max
