@@ -181,7 +181,7 @@ def _fmix32(x):
 
 @triton.jit
 def _ds_random_words(key, rows, c0, T, R: tl.constexpr, C: tl.constexpr, QUERY_PAIRS: tl.constexpr):
-    """(R, C) random words for SR (nvfp4_math._sr_e2m1's: the uniform is (word >> 8) * 2^-24) for
+    """(R, C) random words for SR (nvfp4_math._sr_e2m1_value's: the uniform is (word >> 8) * 2^-24) for
     a dS tile whose rows are `rows` and whose last dim runs over c0 + arange(C) (c0 even), of the
     head whose stream key is `key` (uint32). 16 random bits per element: the elements 2j and 2j + 1
     along the last dim share one hash of the pair's (query, key) counter, the even one taking its
@@ -207,7 +207,7 @@ def _fake_quant_rows16(x, s_enc, s_dec, r, R: tl.constexpr, C: tl.constexpr, SR:
     xb = tl.reshape(x, (R, 1, C // 16, 16))
     a, s_b, _, q = nvfp4_math._scale_blocks(tl.abs(xb), s_enc, s_dec, R, 1, C // 16, 16, False)
     if SR:
-        q = nvfp4_math._e2m1_value(nvfp4_math._sr_e2m1(a, tl.reshape(r, (R, 1, C // 16, 16))))
+        q = nvfp4_math._sr_e2m1_value(a, tl.reshape(r, (R, 1, C // 16, 16)))
     v = q * s_b[:, None, :, None]
     v = tl.where((xb < 0) & (a > 0), -v, v)
     return tl.reshape(v, (R, C))

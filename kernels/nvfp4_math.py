@@ -82,12 +82,6 @@ def _e2m1_index(q):
     return (q * 1.1754943508222875e-38).to(tl.int32, bitcast=True) >> 22             # 2^-126
 
 
-@triton.jit
-def _rtn_e2m1(a):
-    """Index 0..7 of the nearest E2M1 magnitude for a in [0, 6], ties to even (nvfp4.rtn_e2m1)."""
-    return _e2m1_index(_rtn_e2m1_value(a))
-
-
 # the element scale's cap (TE's: an all-zero block's 1/0)
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 RCP_6 = tl.constexpr(0.1666666716337204)       # RN(1/6) in fp32 (0x3E2AAAAB), Transformer Engine's
@@ -189,31 +183,33 @@ def _with_sign(q, neg):
 
 
 @triton.jit
-def _sr_e2m1(a, r):
-    """Stochastic rounding of a in [0, 6] (nvfp4.sr_e2m1: up to the next grid value iff
-    u < (a - lo) / gap), from a's fp32 bits, for the uniform u = (r >> 8) * 2^-24 of a uint32 r.
-    The SR contract's words (_word_halves) carry 16 random bits in r's high half, low half zero:
-    u = (r >> 16) * 2^-16, nvfp4.sr_uniforms' u. Any 24-bit uniform on torch.rand's fp32 grid passes
-    through exactly too (_noise_bits: the tests' given uniforms). For a >= 1, lo is a with its
-    mantissa cut to one bit and (a - lo) / gap = m / 2^22 for the 22 bits m cut off, so
-    u < m / 2^22 <=> (r >> 10) < m <=> r < m * 2^10 (for every uint32 r), and m * 2^10 is a's bits
-    shifted left by 10 (sign and exponent shift out): a shift and an unsigned compare, with nothing
-    done to r. At a = 6, m = 0: never up. Below 1 the gap is 0.5: lo = floor(2a) / 2, fraction
-    f = 2a - floor(2a) (exact), and u < f <=> float(r >> 8) < f * 2^24 (both sides exact). Same
-    decisions as the reference for every such u, so the kernels reproduce it bit for bit."""
+def _sr_e2m1_value(a, r):
+    """Stochastic rounding of a in [0, 6] to an E2M1 magnitude (nvfp4.sr_e2m1's grid value, as
+    fp32: up to the next grid value iff u < (a - lo) / gap), from a's fp32 bits, for the uniform
+    u = (r >> 8) * 2^-24 of a uint32 r. The SR contract's words (_word_halves) carry 16 random bits
+    in r's high half, low half zero: u = (r >> 16) * 2^-16, nvfp4.sr_uniforms' u. Any 24-bit
+    uniform on torch.rand's fp32 grid passes through exactly too (_noise_bits: the tests' given
+    uniforms). For a >= 1, lo is a with its mantissa cut to one bit and (a - lo) / gap = m / 2^22
+    for the 22 bits m cut off, so u < m / 2^22 <=> (r >> 10) < m <=> r < m * 2^10 (for every uint32
+    r), and m * 2^10 is a's bits shifted left by 10 (sign and exponent shift out): a shift and an
+    unsigned compare, with nothing done to r; going up adds one to the kept bits (1.5 + up is 2: the
+    carry moves into the exponent). At a = 6, m = 0: never up. Below 1 the gap is 0.5:
+    lo = floor(2a) / 2, fraction f = 2a - floor(2a) (exact), and u < f <=> float(r >> 8) < f * 2^24
+    (both sides exact). Same decisions as the reference for every such u, so the kernels reproduce
+    it bit for bit (tested at the boundary u = f, where "up" must not be taken)."""
     bits = a.to(tl.int32, bitcast=True)
     up = r < (bits << 10).to(tl.uint32)
-    normal = (bits >> 22) - 252 + up.to(tl.int32)
+    normal = (((bits >> 22) + up.to(tl.int32)) << 22).to(tl.float32, bitcast=True)
     t = a * 2.0
     fl = tl.floor(t)
-    sub = fl.to(tl.int32) + ((r >> 8).to(tl.float32) < (t - fl) * 16777216.0).to(tl.int32)
+    sub = (fl + ((r >> 8).to(tl.float32) < (t - fl) * 16777216.0).to(tl.float32)) * 0.5
     return tl.where(a < 1.0, sub, normal)
 
 
 @triton.jit
 def _noise_bits(u):
     """Given uniforms u = k * 2^-24 (torch.rand's fp32 grid, k < 2^24) -> the 32 random bits
-    _sr_e2m1 reads: k << 8, exactly."""
+    _sr_e2m1_value reads: k << 8, exactly."""
     return (u * 16777216.0).to(tl.uint32) << 8
 
 
@@ -226,7 +222,7 @@ def _noise_bits(u):
 @triton.jit
 def _word_halves(w):
     """uint32 words (any shape S) -> S + (2,): [..., 0] the low half's 16 bits, [..., 1] the high
-    half's, each in the high half of a word with the low half zero, where _sr_e2m1 reads its bits:
+    half's, each in the high half of a word with the low half zero, where _sr_e2m1_value reads them:
     one shift or one mask per element."""
     return tl.join(w << 16, w & 0xFFFF0000)
 
@@ -241,10 +237,10 @@ def _philox_halves(seed, counters):
 
 @triton.jit
 def _random_words(seed, rows, n0, N, BM: tl.constexpr, BN: tl.constexpr):
-    """(BM, BN) random words (for _sr_e2m1) for the elements (rows[i], n0 + j) of a row-major
+    """(BM, BN) random words (for _sr_e2m1_value) for the elements (rows[i], n0 + j) of a row-major
     tensor with N columns, for 1x16 blocks: counter = element index // 8, so an eighth of tl.rand's
     Philox work and a draw that does not depend on the tiling. Raw bits, not tl.rand's floats:
-    _sr_e2m1 compares integers (no conversion per element). n0 and N are multiples of 8 (of 16, in
+    _sr_e2m1_value compares integers (no conversion per element). n0 and N are multiples of 8 (of 16, in
     fact)."""
     offs8 = rows[:, None] * (N // 8) + (n0 // 8 + tl.arange(0, BN // 8))[None, :]
     return _philox_halves(seed, offs8).reshape(BM, BN)

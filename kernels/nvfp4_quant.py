@@ -48,8 +48,8 @@ import triton.language as tl
 from kernels.nvfp4_dequant import _hw_bf16, dequantize
 from kernels.nvfp4_math import (
     E4M3_MAX, E4M3_MAX_46, _block_random_words, _column_random_words, _decode_byte_pairs,
-    _e2m1_index, _e2m1_value, _global_scales, _hadamard16, _load_tile, _random_words, _rotate,
-    _round_to_bf16, _scale_blocks, _sr_e2m1, _with_sign, on_gpu)
+    _e2m1_index, _global_scales, _hadamard16, _load_tile, _random_words, _rotate, _round_to_bf16,
+    _scale_blocks, _sr_e2m1_value, _with_sign, on_gpu)
 
 BLOCKS = ((1, 16), (16, 1), (16, 16))
 # "sr_up": SR with the block scale rounded up to E4M3 instead of to nearest, so that the block max
@@ -134,9 +134,9 @@ def _quantize_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, 
         tl.store(gs_out_ptr, s_dec)  # the tensor's S_dec for the host: no extra torch kernels
 
     # s_b, a = min(|x| * RN(1 / (s_b * S_dec)), 6) and 4/6's choice (nvfp4.scale_blocks)
-    a, s_b, bits, q_rtn = _scale_blocks(tl.abs(x).reshape(BM // SBM, SBM, BN // SBN, SBN),
-                                        s_enc, s_dec, BM // SBM, SBM, BN // SBN, SBN,
-                                        FOUR_OVER_SIX, SCALE_UP)
+    a, s_b, bits, q = _scale_blocks(tl.abs(x).reshape(BM // SBM, SBM, BN // SBN, SBN),
+                                    s_enc, s_dec, BM // SBM, SBM, BN // SBN, SBN,
+                                    FOUR_OVER_SIX, SCALE_UP)
     if SR:
         if SBM == 16:  # 16x1, 16x16: eight rows of a column per Philox call (_column_random_words)
             octs = (pid_b.to(tl.int64) * M + m0) // 8 + tl.arange(0, BM // 8)  # BM % 16 == 0
@@ -145,13 +145,11 @@ def _quantize_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, 
             rand = tl.permute(rand, (0, 2, 3, 4, 1)).reshape(BM, BN)
         else:  # counter-based: independent of the tiling
             rand = _random_words(seed, pid_b * M + offs_m, n0, N, BM, BN)
-        idx = _sr_e2m1(a, rand.reshape(BM // SBM, SBM, BN // SBN, SBN))
-    else:
-        idx = _e2m1_index(q_rtn)
-    idx = idx.reshape(BM, BN)
+        q = _sr_e2m1_value(a, rand.reshape(BM // SBM, SBM, BN // SBN, SBN))
 
     if WRITE_CODES:
-        code = (idx | (((x < 0) & (a.reshape(BM, BN) > 0)).to(tl.int32) << 3)).to(tl.uint8)
+        code = (_e2m1_index(q.reshape(BM, BN))
+                | (((x < 0) & (a.reshape(BM, BN) > 0)).to(tl.int32) << 3)).to(tl.uint8)
         lo, hi = tl.split(code.reshape(BM, BN // 2, 2))  # even / odd elements along the row
         packed = lo | (hi << 4)
         offs_c = n0 // 2 + tl.arange(0, BN // 2)
@@ -164,8 +162,8 @@ def _quantize_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, 
         tl.store(sptrs, bits, mask=(offs_sm[:, None] < M // SBM) & (offs_sn[None, :] < N // SBN))
     if WRITE_VALUES:
         # q * s_b: at most 6 significant bits and within bf16's range, so the bf16 store is exact
-        q = _e2m1_value(idx).reshape(BM // SBM, SBM, BN // SBN, SBN) * s_b[:, None, :, None]
-        q = _with_sign(q.reshape(BM, BN), (x < 0) & (a.reshape(BM, BN) > 0))
+        q = _with_sign((q * s_b[:, None, :, None]).reshape(BM, BN),
+                       (x < 0) & (a.reshape(BM, BN) > 0))
         vrows = (pid_b.to(tl.int64) * M + offs_m[:, None]) * ld_values
         tl.store(values_ptr + vrows + offs_n[None, :], q.to(tl.bfloat16), mask=mask)
 
@@ -234,21 +232,20 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
             run_max = tl.maximum(run_max, tl.max(tl.max(tl.abs(x), axis=2), axis=1))
         else:
             # the blocks as (NB, 1, 1, 16) for _scale_blocks (a reshape within each thread)
-            a, s_b, bits, q_rtn = _scale_blocks(tl.abs(x).reshape(NB, 1, 1, 16), s_enc, s_dec,
-                                                NB, 1, 1, 16, FOUR_OVER_SIX, SCALE_UP)
-            a, s_b, bits = a.reshape(NB, 2, 8), s_b.reshape(NB), bits.reshape(NB)
+            a, s_b, bits, q = _scale_blocks(tl.abs(x).reshape(NB, 1, 1, 16), s_enc, s_dec,
+                                            NB, 1, 1, 16, FOUR_OVER_SIX, SCALE_UP)
+            a, s_b, bits, q = a.reshape(NB, 2, 8), s_b.reshape(NB), bits.reshape(NB), \
+                q.reshape(NB, 2, 8)
             if SR:  # the flat tensor as rows of 16 elements: the counters element index // 8
-                idx = _sr_e2m1(a, _block_random_words(seed, base + blk, NB))
-            else:
-                idx = _e2m1_index(q_rtn).reshape(NB, 2, 8)
+                q = _sr_e2m1_value(a, _block_random_words(seed, base + blk, NB))
             if WRITE_CODES:
-                code = idx | (((x < 0) & (a > 0)).to(tl.int32) << 3)
+                code = _e2m1_index(q) | (((x < 0) & (a > 0)).to(tl.int32) << 3)
                 words = tl.sum(code << (tl.arange(0, 8) * 4)[None, None, :], axis=2)  # (NB, 2)
                 tl.store(codes_ptr + base * 2 + blk[:, None] * 2 + tl.arange(0, 2)[None, :], words,
                          mask=bmask[:, None])
                 tl.store(scales_ptr + base + blk, bits, mask=bmask)
             if WRITE_VALUES:
-                q = _with_sign(_e2m1_value(idx) * s_b[:, None, None], (x < 0) & (a > 0))
+                q = _with_sign(q * s_b[:, None, None], (x < 0) & (a > 0))
                 tl.store(_rows_values_ptrs(values_ptr, base, blk, offs, ld_values, ROW_BLOCKS),
                          q.to(tl.bfloat16), mask=mask)
     if AMAX_ONLY:
@@ -328,19 +325,17 @@ def _quantize_cols_kernel(x_ptr, xs_ptr, xgs_ptr, h_ptr, amax_ptr, gs_out_ptr, c
         if (pid_m == 0) & (pid_n == 0) & (pid_b == 0):
             tl.store(gs_out_ptr, s_dec)
         # the column blocks as (C, 16, 2, 1) for _scale_blocks: C x 2 blocks of 16 x 1
-        a, s_b, bits, q_rtn = _scale_blocks(ax.reshape(C, 16, 2, 1), s_enc, s_dec, C, 16, 2, 1,
-                                            FOUR_OVER_SIX, SCALE_UP)
-        a = a.reshape(C, 16, 2)
+        a, s_b, bits, q = _scale_blocks(ax.reshape(C, 16, 2, 1), s_enc, s_dec, C, 16, 2, 1,
+                                        FOUR_OVER_SIX, SCALE_UP)
+        a, q = a.reshape(C, 16, 2), q.reshape(C, 16, 2)
         if SR:
             octs = (pid_b.to(tl.int64) * M + m0) // 8 + tl.arange(0, 2)[None, :, None]  # (1, 2, 1)
             rand = _column_random_words(seed, octs * N + col)  # (C, 2, 2, 2, 2, 2)
             # row 8i + 4a + 2b + h
             rand = tl.permute(rand, (0, 1, 3, 4, 5, 2)).reshape(C, 16, 2)
-            idx = _sr_e2m1(a, rand)
-        else:
-            idx = _e2m1_index(q_rtn).reshape(C, 16, 2)
+            q = _sr_e2m1_value(a, rand)
         if WRITE_CODES:
-            code = idx | (((xr < 0) & (a > 0)).to(tl.int32) << 3)
+            code = _e2m1_index(q) | (((xr < 0) & (a > 0)).to(tl.int32) << 3)
             lo, hi = tl.split(code)  # even / odd column: (C, 16)
             tl.store(codes_ptr + rows.reshape(1, 16) * (N // 2) + (n0 // 2 + pair.reshape(C, 1)),
                      (lo | (hi << 4)).to(tl.uint8), mask=(n0 // 2 + pair.reshape(C, 1)) < N // 2)
@@ -348,7 +343,7 @@ def _quantize_cols_kernel(x_ptr, xs_ptr, xgs_ptr, h_ptr, amax_ptr, gs_out_ptr, c
             tl.store(scales_ptr + (pid_b.to(tl.int64) * (M // 16) + pid_m) * N + scol, bits,
                      mask=scol < N)
         if WRITE_VALUES:  # q * s_b, exact in bf16
-            q = _with_sign(_e2m1_value(idx) * s_b[:, None, :], (xr < 0) & (a > 0))
+            q = _with_sign(q * s_b[:, None, :], (xr < 0) & (a > 0))
             tl.store(values_ptr + rows * ld_values + col, q.to(tl.bfloat16), mask=mask)
 
 

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from kernels.nvfp4_math import (_div_by, _e2m1_bits, _e2m1_index, _global_scales, _random_words,
-                                _scale_blocks, _sr_e2m1)
+                                _scale_blocks, _sr_e2m1_value)
 from kernels.nvfp4_quant import _exact_fma
 
 
@@ -183,14 +183,12 @@ def _encode(x, s_enc, s_dec, rand, codes_ptr, scales_ptr, blk, rmask, SR: tl.con
     """nvfp4.quantize(x, (1, 16), rtn | sr | sr_up (SR, UP), four_over_six=True) of a (BM, BN) tile
     given its global scales; stores in place."""
     # (BM, BN / 16) blocks of 1 x 16, the scales and 4/6's choice as every quantize kernel's
-    a, _, bits, q_rtn = _scale_blocks(tl.abs(x).reshape(BM, 1, BN // 16, 16), s_enc, s_dec,
+    a, _, bits, q = _scale_blocks(tl.abs(x).reshape(BM, 1, BN // 16, 16), s_enc, s_dec,
                                       BM, 1, BN // 16, 16, True, UP)
     a = a.reshape(BM, BN // 16, 16)
     if SR:
-        idx = _sr_e2m1(a, rand.reshape(BM, BN // 16, 16))
-    else:
-        idx = _e2m1_index(q_rtn)
-    code = (idx.reshape(BM, BN)
+        q = _sr_e2m1_value(a, rand.reshape(BM, BN // 16, 16))
+    code = (_e2m1_index(q).reshape(BM, BN)
             | (((x < 0) & (a.reshape(BM, BN) > 0)).to(tl.int32) << 3)).to(tl.uint32)
     # a block's 16 codes -> one int64, low nibble first (what _decode reads), by splits: a block
     # stays in a thread

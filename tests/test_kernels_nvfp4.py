@@ -140,10 +140,10 @@ def test_gpu_round_to_e4m3_hardware_conversion_on_every_tie():
 def _e2m1_probe(a_ptr, idx_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     a = tl.load(a_ptr + offs, mask=offs < n, other=0.0)
-    tl.store(idx_ptr + offs, nm._rtn_e2m1(a), mask=offs < n)
+    tl.store(idx_ptr + offs, nm._e2m1_index(nm._rtn_e2m1_value(a)), mask=offs < n)
 
 
-def test_rtn_e2m1_bit_trick_matches_the_reference_on_ties_and_neighbours():
+def test_rtn_e2m1_matches_the_reference_on_ties_and_neighbours():
     grid = nvfp4.E2M1_VALUES.clone()
     ties = (grid[:-1] + grid[1:]) / 2  # 0.25, 0.75, ..., 5: exact midpoints
     pts = torch.cat((grid, ties))
@@ -360,7 +360,7 @@ def _words_probe(out_ptr, seed, M, N, WHICH: tl.constexpr, BM: tl.constexpr, BN:
 @pytest.mark.parametrize("which, block", [(0, (1, 16)), (1, (1, 16)), (2, (16, 1))])
 def test_sr_words_are_the_references_half_words(which, block):
     """Every SR helper draws nvfp4.sr_uniforms' 16 bits per element, in the high half of its word
-    (the low half zero: _sr_e2m1 reads u = (r >> 8) * 2^-24 = (r >> 16) * 2^-16)."""
+    (the low half zero: _sr_e2m1_value reads u = (r >> 8) * 2^-24 = (r >> 16) * 2^-16)."""
     M, N, seed = 32, 64, 424242
     out = torch.zeros(M, N, dtype=torch.int32)
     _words_probe[(1,)](out, seed, M, N, which, M, N)
@@ -371,12 +371,12 @@ def test_sr_words_are_the_references_half_words(which, block):
 
 @triton.jit
 def _sr_probe(a_ptr, idx_ptr):
-    """_sr_e2m1 of one a (per program) with every 16-bit half-word h, placed as the SR helpers
-    place it (h << 16)."""
+    """_sr_e2m1_value's index of one a (per program) with every 16-bit half-word h, placed as the
+    SR helpers place it (h << 16)."""
     h = tl.arange(0, 65536)
     a = tl.load(a_ptr + tl.program_id(0) + h * 0)
     r = h.to(tl.uint32) << 16
-    tl.store(idx_ptr + tl.program_id(0) * 65536 + h, nm._sr_e2m1(a, r))
+    tl.store(idx_ptr + tl.program_id(0) * 65536 + h, nm._e2m1_index(nm._sr_e2m1_value(a, r)))
 
 
 def test_sr_rounds_up_for_exactly_ceil_d_2_16_of_the_half_words():
