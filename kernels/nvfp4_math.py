@@ -64,14 +64,19 @@ def _round_to_e4m3(s, UP: tl.constexpr = False):
 
 
 @triton.jit
+def _binade_bits(a):
+    """fp32 bits of p = 2^floor(log2 max(a, 1)) for a in [0, 6], read off the exponent: E2M1's grid
+    step is p / 2 (0.5 on [0, 2), 1 on [2, 4), 2 on [4, 6])."""
+    return tl.maximum(a, 1.0).to(tl.int32, bitcast=True) & 0x7F800000
+
+
+@triton.jit
 def _rtn_e2m1_value(a):
     """The nearest E2M1 magnitude to a in [0, 6], ties to even (nvfp4.rtn_e2m1's grid value), as
-    fp32. E2M1's step is p / 2 for p = 2^floor(log2 max(a, 1)), read off the exponent bits (0.5 on
-    [0, 2), 1 on [2, 4), 2 on [4, 6]); adding c = 2^22 p, whose ulp is that step, and subtracting it
+    fp32: adding c = 2^22 p, whose ulp is the grid step p / 2 (_binade_bits), and subtracting it
     again rounds a to the grid, ties to even, exactly (a < c). Equals the reference's compare tree
     on every fp32 (tested on every tie and its neighbours)."""
-    c = ((tl.maximum(a, 1.0).to(tl.int32, bitcast=True) & 0x7F800000)
-         + (22 << 23)).to(tl.float32, bitcast=True)
+    c = (_binade_bits(a) + (22 << 23)).to(tl.float32, bitcast=True)
     return (a + c) - c
 
 
@@ -185,25 +190,20 @@ def _with_sign(q, neg):
 @triton.jit
 def _sr_e2m1_value(a, r):
     """Stochastic rounding of a in [0, 6] to an E2M1 magnitude (nvfp4.sr_e2m1's grid value, as
-    fp32: up to the next grid value iff u < (a - lo) / gap), from a's fp32 bits, for the uniform
-    u = (r >> 8) * 2^-24 of a uint32 r. The SR contract's words (_word_halves) carry 16 random bits
-    in r's high half, low half zero: u = (r >> 16) * 2^-16, nvfp4.sr_uniforms' u. Any 24-bit
-    uniform on torch.rand's fp32 grid passes through exactly too (_noise_bits: the tests' given
-    uniforms). For a >= 1, lo is a with its mantissa cut to one bit and (a - lo) / gap = m / 2^22
-    for the 22 bits m cut off, so u < m / 2^22 <=> (r >> 10) < m <=> r < m * 2^10 (for every uint32
-    r), and m * 2^10 is a's bits shifted left by 10 (sign and exponent shift out): a shift and an
-    unsigned compare, with nothing done to r; going up adds one to the kept bits (1.5 + up is 2: the
-    carry moves into the exponent). At a = 6, m = 0: never up. Below 1 the gap is 0.5:
-    lo = floor(2a) / 2, fraction f = 2a - floor(2a) (exact), and u < f <=> float(r >> 8) < f * 2^24
-    (both sides exact). Same decisions as the reference for every such u, so the kernels reproduce
-    it bit for bit (tested at the boundary u = f, where "up" must not be taken)."""
-    bits = a.to(tl.int32, bitcast=True)
-    up = r < (bits << 10).to(tl.uint32)
-    normal = (((bits >> 22) + up.to(tl.int32)) << 22).to(tl.float32, bitcast=True)
-    t = a * 2.0
-    fl = tl.floor(t)
-    sub = (fl + ((r >> 8).to(tl.float32) < (t - fl) * 16777216.0).to(tl.float32)) * 0.5
-    return tl.where(a < 1.0, sub, normal)
+    fp32: up to the next grid value iff u < (a - lo) / step), for the uniform u = (r >> 8) * 2^-24
+    of a uint32 r. The SR contract's words (_word_halves) carry 16 random bits in r's high half,
+    low half zero: u = (r >> 16) * 2^-16, nvfp4.sr_uniforms' u. Any 24-bit uniform on torch.rand's
+    fp32 grid passes through exactly too (_noise_bits: the tests' given uniforms). In units of the
+    step p / 2 (_binade_bits), y = a / (p / 2) is exact (a power of two), lo = floor(y) and the
+    fractional distance f = y - floor(y) is exact, and so is f * 2^24 (f has at most 24 fractional
+    bits), so u < f <=> float(r >> 8) < f * 2^24 compares exact values: the same decisions as the
+    reference for every such u, so the kernels reproduce it bit for bit (tested on every 16-bit
+    half-word, at u = f too, where "up" must not be taken). At a = 6, f = 0: never up."""
+    pbits = _binade_bits(a)
+    y = a * ((255 << 23) - pbits).to(tl.float32, bitcast=True)                        # 2 / p
+    fl = tl.floor(y)
+    up = (r >> 8).to(tl.float32) < (y - fl) * 16777216.0
+    return (fl + up.to(tl.float32)) * (pbits - (1 << 23)).to(tl.float32, bitcast=True)  # p / 2
 
 
 @triton.jit
