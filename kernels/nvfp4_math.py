@@ -329,19 +329,25 @@ def _butterfly_stage(y, P: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr, W:
 
 
 @triton.jit
-def _hadamard16(x, h_ptr, P: tl.constexpr, W: tl.constexpr):
-    """x (P, 16, W) fp32 -> x . H along dim 1, for H = diag(s) . H16 / 4 (nvfp4.random_hadamard's
-    form: its column 0 is s / 4). The products x_i * H_ij are exact (a sign and a power of two), so
-    this is x * H[:, 0] then the 4-stage butterfly of Sylvester's H16: 5 operations per element
-    instead of a 16-term dot product. One fixed order of additions in every kernel that rotates
-    (quantize passes and amax pre-passes see the same bits); the reference's matmul sums the same
-    products in its own order: equal where the sums are exact, else within an ulp of the rotated
-    value."""
-    y = x * tl.load(h_ptr + tl.arange(0, 16) * 16)[None, :, None]
+def _butterfly16(y, P: tl.constexpr, W: tl.constexpr):
+    """y (P, 16, W) -> y . H16 along dim 1 for Sylvester's unnormalized H16 = [[H8, H8], [H8, -H8]]:
+    4 stages of (a, b) -> (a + b, a - b), halves 8, 4, 2, 1 (optim.fwht16's order, stage for
+    stage). The one 16-point Hadamard of every kernel."""
     y = _butterfly_stage(y, P, 1, 8, W)
     y = _butterfly_stage(y, P, 2, 4, W)
     y = _butterfly_stage(y, P, 4, 2, W)
     return _butterfly_stage(y, P, 8, 1, W)
+
+
+@triton.jit
+def _hadamard16(x, h_ptr, P: tl.constexpr, W: tl.constexpr):
+    """x (P, 16, W) fp32 -> x . H along dim 1, for H = diag(s) . H16 / 4 (nvfp4.random_hadamard's
+    form: its column 0 is s / 4). The products x_i * H_ij are exact (a sign and a power of two), so
+    this is x * H[:, 0] then _butterfly16: 5 operations per element instead of a 16-term dot
+    product. One fixed order of additions in every kernel that rotates (quantize passes and amax
+    pre-passes see the same bits); the reference's matmul sums the same products in its own order:
+    equal where the sums are exact, else within an ulp of the rotated value."""
+    return _butterfly16(x * tl.load(h_ptr + tl.arange(0, 16) * 16)[None, :, None], P, W)
 
 
 @triton.jit

@@ -18,8 +18,8 @@ adamw.v.tile): one tile mean per row.
 Same arithmetic as optim.py's reference (decode_first_moment / decode_second_moment,
 adamw_update_math, encode_first_moment / encode_second_moment), op for op, compiled with
 enable_fp_fusion=False:
-  - the 16-point Hadamard is the same 4-stage butterfly as optim.fwht16, the tile mean the same
-    pairwise tree;
+  - the 16-point Hadamard is every kernel's butterfly (nvfp4_math._butterfly16), optim.fwht16's
+    stage for stage, the tile mean the same pairwise tree;
   - quantization is kernels/nvfp4_math.py's, as in every quantize kernel (_scale_blocks: the block
     scales and 4/6's choice; the E2M1 roundings), bit-exact with nvfp4.quantize;
   - divisions and sqrt are correctly rounded (tl.div_rn / tl.sqrt_rn), like torch on the CPU; a
@@ -41,8 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.nvfp4_math import (_div_by, _e2m1_bits, _e2m1_index, _global_scales, _random_words,
-                                _scale_blocks, _sr_e2m1_value)
+from kernels.nvfp4_math import (_butterfly16, _div_by, _e2m1_bits, _e2m1_index, _global_scales,
+                                _random_words, _scale_blocks, _sr_e2m1_value)
 from kernels.nvfp4_quant import _exact_fma
 
 
@@ -50,26 +50,16 @@ _TWO_118 = tl.constexpr(2.0 ** 118)  # _decode: s_b * 2^118 (and s_g * 2^8) cann
 
 
 @triton.jit
-def _butterfly16(x, BM: tl.constexpr, BN: tl.constexpr):
-    """x . H16 (unnormalized) on groups of 16 along the columns: optim.fwht16's butterfly, stage for
-    stage."""
-    G: tl.constexpr = BM * BN // 16
-    y = x.reshape(G, 1, 2, 8)
-    a, b = tl.split(tl.permute(y, (0, 1, 3, 2)))
-    y = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)).reshape(G, 2, 2, 4)
-    a, b = tl.split(tl.permute(y, (0, 1, 3, 2)))
-    y = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)).reshape(G, 4, 2, 2)
-    a, b = tl.split(tl.permute(y, (0, 1, 3, 2)))
-    y = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)).reshape(G, 8, 2, 1)
-    a, b = tl.split(tl.permute(y, (0, 1, 3, 2)))
-    y = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
-    return y.reshape(BM, BN)
+def _h16(x, BM: tl.constexpr, BN: tl.constexpr):
+    """x . H16 (unnormalized) on groups of 16 along the columns of a (BM, BN) tile
+    (nvfp4_math._butterfly16)."""
+    return _butterfly16(x.reshape(BM * BN // 16, 16, 1), BM * BN // 16, 1).reshape(BM, BN)
 
 
 @triton.jit
 def _fwht16(x, BM: tl.constexpr, BN: tl.constexpr):
     """x . H16/4 (optim.fwht16): the butterfly, then the exact * 1/4."""
-    return _butterfly16(x, BM, BN) * 0.25
+    return _h16(x, BM, BN) * 0.25
 
 
 @triton.jit
@@ -170,8 +160,8 @@ def _amax_pass(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, gs_m_ptr, g
                                 bc2_sqrt, eps, step_size, FLOOR, EXACT_FMA, BM, BN, LOG2_BN)
     # max |y * 1/4| = (max |y|) * 1/4 exactly (rounding is monotone): the 1/4 once per program, not
     # per element
-    amax_m = tl.max(tl.max(tl.abs(_butterfly16(m, BM, BN)), axis=1), axis=0) * 0.25
-    amax_r = tl.max(tl.max(tl.abs(_butterfly16(r, BM, BN)), axis=1), axis=0) * 0.25
+    amax_m = tl.max(tl.max(tl.abs(_h16(m, BM, BN)), axis=1), axis=0) * 0.25
+    amax_r = tl.max(tl.max(tl.abs(_h16(r, BM, BN)), axis=1), axis=0) * 0.25
     pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     tl.store(part_ptr + 2 * pid, amax_m)
     tl.store(part_ptr + 2 * pid + 1, amax_r)
