@@ -20,7 +20,7 @@ numbers as the grid-value route up to fp32 summation order. P V, dS K and dS^T Q
 MMA: they contract over T, where V, K, Q are blocked along D, and an E2M1 x E4M3 operand needs one
 scale per 16 elements of the contraction; a second quantization along T would change the numbers
 and break forward-backward consistency (docs/blackwell.md). Tiles: SM100_CONFIGS. Hopper compiles
-FP4_MMA=False, the code it compiled before.
+FP4_MMA=False.
 
 In-register quantization (`_fake_quant_rows16`): tiles of dS (and of P in the fp4_pv / fp4_all
 variants) are quantized in 1x16 blocks along the tile's last dim with nvfp4_math's block scaling

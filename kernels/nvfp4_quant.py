@@ -194,10 +194,9 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
     """_quantize_kernel's arithmetic for the common case, 1x16 blocks of a contiguous x: CHUNKS
     chunks of NB consecutive blocks per program, each held as an (NB, 2, 8) tile (the two 8-element
     halves of each block) so that the compiler puts one block on each thread: both halves of a block
-    in one thread's registers, its amax, scale and division constants computed once (as (NB, 16)
-    rows a block spanned two threads, which both computed its scale), its 16 codes stored as two
-    int32 words (8 codes each, element 0 in the low nibble: little-endian, the same bytes) without a
-    shared-memory shuffle. The unrolled chunk loop issues the next chunk's load before this chunk's
+    in one thread's registers, its amax, scale and division constants computed once, its 16 codes
+    stored as two int32 words (8 codes each, element 0 in the low nibble: little-endian, the same
+    bytes) without a shared-memory shuffle. The unrolled chunk loop issues the next chunk's load before this chunk's
     arithmetic (arithmetic-bound: the loads' latency hides behind it), the global scale's two
     divisions once per program. Same bits (same operations per element; SR: the same Philox
     counters, element index // 8). AMAX_ONLY: the global-amax pre-pass over the same (rotated)
