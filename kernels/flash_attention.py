@@ -25,9 +25,9 @@ FP4_MMA=False.
 In-register quantization (`_fake_quant_rows16`): tiles of dS (and of P in the fp4_pv / fp4_all
 variants) are quantized in 1x16 blocks along the tile's last dim with nvfp4_math's block scaling
 and E2M1 rounding, the helpers of every quantize kernel, so nvfp4.quantize_reference (which
-attention.py's reference calls with the same global amax and uniforms) gives the same bits. SR draws 16 random bits per element from a counter hash of its
-(head, query, key) position (`_ds_random_words`), so the draw does not depend on the tiling and the
-reference reproduces it.
+attention.py's reference calls with the same global amax and uniforms) gives the same bits. SR
+draws 16 random bits per element from a counter hash of its (head, query, key) position
+(`_ds_random_words`), so the draw does not depend on the tiling and the reference reproduces it.
 
 Scores live in the log2 domain (S * sm_scale * log2 e), as in Triton's fused-attention tutorial; the
 forward saves lse2 = m + log2(l) per row and the backward recomputes P = exp2(S2 - lse2).
@@ -181,12 +181,13 @@ def _fmix32(x):
 
 @triton.jit
 def _ds_random_words(key, rows, c0, T, R: tl.constexpr, C: tl.constexpr, QUERY_PAIRS: tl.constexpr):
-    """(R, C) random words for SR (nvfp4_math._sr_e2m1_value's: the uniform is (word >> 8) * 2^-24) for
-    a dS tile whose rows are `rows` and whose last dim runs over c0 + arange(C) (c0 even), of the
-    head whose stream key is `key` (uint32). 16 random bits per element: the elements 2j and 2j + 1
-    along the last dim share one hash of the pair's (query, key) counter, the even one taking its
-    low half and the odd one its high half (half the hashing; u is then a multiple of 2^-16, which
-    biases a rounding decision by < 2^-16 of an E2M1 step).
+    """(R, C) random words for SR (nvfp4_math._sr_e2m1_value's: the uniform is
+    (word >> 8) * 2^-24) for a dS tile whose rows are `rows` and whose last dim runs over
+    c0 + arange(C) (c0 even), of the head whose stream key is `key` (uint32). 16 random bits per
+    element: the elements 2j and 2j + 1 along the last dim share one hash of the pair's (query,
+    key) counter, the even one taking its low half and the odd one its high half (half the
+    hashing; u is then a multiple of 2^-16, which biases a rounding decision by < 2^-16 of an E2M1
+    step).
     The tile is (queries, keys), or (keys, queries) when QUERY_PAIRS (dS^T in the dK/dV pass).
     attention.sr_uniforms draws the same u."""
     cols = c0 + 2 * tl.arange(0, C // 2)

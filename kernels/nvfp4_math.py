@@ -239,9 +239,9 @@ def _philox_halves(seed, counters):
 def _random_words(seed, rows, n0, N, BM: tl.constexpr, BN: tl.constexpr):
     """(BM, BN) random words (for _sr_e2m1_value) for the elements (rows[i], n0 + j) of a row-major
     tensor with N columns, for 1x16 blocks: counter = element index // 8, so an eighth of tl.rand's
-    Philox work and a draw that does not depend on the tiling. Raw bits, not tl.rand's floats:
-    _sr_e2m1_value compares integers (no conversion per element). n0 and N are multiples of 8 (of 16, in
-    fact)."""
+    Philox work and a draw that does not depend on the tiling. Raw bits, not tl.rand's floats
+    (_sr_e2m1_value compares their top 24 bits as an exact fp32 integer). n0 and N are multiples of
+    8 (of 16, in fact)."""
     offs8 = rows[:, None] * (N // 8) + (n0 // 8 + tl.arange(0, BN // 8))[None, :]
     return _philox_halves(seed, offs8).reshape(BM, BN)
 

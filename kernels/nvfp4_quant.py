@@ -196,11 +196,11 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
     halves of each block) so that the compiler puts one block on each thread: both halves of a block
     in one thread's registers, its amax, scale and division constants computed once, its 16 codes
     stored as two int32 words (8 codes each, element 0 in the low nibble: little-endian, the same
-    bytes) without a shared-memory shuffle. The unrolled chunk loop issues the next chunk's load before this chunk's
-    arithmetic (arithmetic-bound: the loads' latency hides behind it), the global scale's two
-    divisions once per program. Same bits (same operations per element; SR: the same Philox
-    counters, element index // 8). AMAX_ONLY: the global-amax pre-pass over the same (rotated)
-    values. ROW_BLOCKS, ld_values: where the values go (_rows_values_ptrs)."""
+    bytes) without a shared-memory shuffle. The unrolled chunk loop issues the next chunk's load
+    before this chunk's arithmetic (arithmetic-bound: the loads' latency hides behind it), the
+    global scale's two divisions once per program. Same bits (same operations per element; SR: the
+    same Philox counters, element index // 8). AMAX_ONLY: the global-amax pre-pass over the same
+    (rotated) values. ROW_BLOCKS, ld_values: where the values go (_rows_values_ptrs)."""
     pid = tl.program_id(0)
     blk = tl.arange(0, NB)
     # (NB, 2, 8): the halves' dim after the blocks' dim, so Triton's coalescing (dims ordered by
