@@ -52,7 +52,8 @@ import torch
 
 import nvfp4
 from kernels import flash_attention
-from kernels.nvfp4_quant import grid_values_bf16, quantize_dequant
+from kernels.nvfp4_dequant import grid_values_bf16
+from kernels.nvfp4_quant import quantize_dequant
 
 # policy -> which matmul operands are NVFP4; every other operand stays BF16 (or the input dtype).
 # qkv: Q, K, V everywhere; ds: dS in dS K and dS^T Q; p: P in PV; dov: dO in dO V^T; pdo: P and dO
@@ -85,33 +86,16 @@ def _use_kernels(x, impl):
 # --------------------------------------------------------------------------------------------------
 # NVFP4 pieces the fused kernels do in registers (torch mirrors of kernels/flash_attention.py)
 
-def fake_quantize_rows16(x, amax, rounding="rtn", rand=None):
-    """(q * s_b, S_dec) of x (..., N) in 1x16 blocks along the last dim, the global scales derived
-    from a GIVEN amax (a bound on |x|: a tensor that broadcasts against x, e.g. (B, H, 1, 1));
-    q * s_b * S_dec is the dequantized value. nvfp4's formulas (global_scales, block_scale,
-    element_scale, rtn_e2m1, sr_e2m1); N is zero-padded to a multiple of 16 (exact: zeros change no
-    block's amax). rand: uniforms like x for "sr"."""
-    N = x.shape[-1]
-    pad = -N % 16
-    xp = torch.nn.functional.pad(x.float(), (0, pad))
-    xb = xp.reshape(*xp.shape[:-1], -1, 16)                                    # (..., N/16, 16)
-    s_enc, s_dec = nvfp4.global_scales(torch.as_tensor(amax, dtype=torch.float32, device=x.device))
-    s_enc = s_enc.unsqueeze(-1)
-    s_b = nvfp4.block_scale(xb.abs().amax(-1, keepdim=True), s_enc)
-    scaled = xb * nvfp4.element_scale(s_b, s_dec.unsqueeze(-1))
-    a = scaled.abs().clamp(max=nvfp4.FP4_MAX)
-    if rounding == "rtn":
-        idx = nvfp4.rtn_e2m1(a)
-    else:
-        idx = nvfp4.sr_e2m1(a, torch.nn.functional.pad(rand, (0, pad)).reshape(xb.shape))
-    q = nvfp4.E2M1_VALUES.to(x.device)[idx.long()]
-    q = torch.where(scaled < 0, -q, q) * s_b.float()
-    return q.reshape(xp.shape)[..., :N], s_dec
-
-
-def _dequantized(values_and_scale):
-    values, s_dec = values_and_scale
-    return values * s_dec
+def fake_quantize_rows(x, amax, rounding="rtn", u=None):
+    """x (..., N) as the kernels quantize P and dS in registers, dequantized (fp32): nvfp4's
+    reference quantizer in 1x16 blocks along the last dim, with the global scale derived from a
+    GIVEN amax (a bound on |x|: 0-d or (B, H, 1, 1)) and, for "sr", the uniforms u (like x). N is
+    zero-padded to a multiple of 16 (exact: zeros change no block's amax)."""
+    N, pad = x.shape[-1], (0, -x.shape[-1] % 16)
+    t = nvfp4.quantize_reference(torch.nn.functional.pad(x.float(), pad), (1, 16), rounding,
+                                 global_amax=amax,
+                                 uniforms=None if u is None else torch.nn.functional.pad(u, pad))
+    return (t.grid_values() * t.global_scale)[..., :N]
 
 
 def _fmix32(x):
@@ -183,7 +167,7 @@ def reference_forward(q, k, v, causal, quant_p, sm_scale, dtype):
         l = l * alpha + p.sum(-1)
         if quant_p:
             # 1x16 along keys, RTN
-            p = _dequantized(fake_quantize_rows16(p, 1.0))
+            p = fake_quantize_rows(p, 1.0)
         else:
             p = p.to(dtype).float()
         acc = acc * alpha[..., None] + p @ v[:, :, cols]
@@ -219,7 +203,7 @@ def reference_backward(q, k, v, o, lse, do, causal, sm_scale, dtype, do_dov=None
             p = p.masked_fill(cols[None, :] > rows[:, None], 0.0)
         # P^T dO in NVFP4: P^T in 1x16 blocks along the queries (contraction), RTN
         if do_pdo is not None:
-            pT = _dequantized(fake_quantize_rows16(p.transpose(-1, -2), 1.0))
+            pT = fake_quantize_rows(p.transpose(-1, -2), 1.0)
             dv[:, :, cols] = pT @ do_pdo
         else:
             dv[:, :, cols] = p.to(dtype).float().transpose(-1, -2) @ do           # dV = P^T dO
@@ -230,9 +214,9 @@ def reference_backward(q, k, v, o, lse, do, causal, sm_scale, dtype, do_dov=None
             # dQ = dS K: 1x16 along the keys; dK = dS^T Q: 1x16 along the queries. SR, the kernels'
             # uniforms.
             u = sr_uniforms(keys[..., 0], rows, cols, T)
-            ds_q = _dequantized(fake_quantize_rows16(ds, bound, "sr", u))
+            ds_q = fake_quantize_rows(ds, bound, "sr", u)
             u = sr_uniforms(keys[..., 1], rows, cols, T, query_pairs=True).transpose(-1, -2)
-            ds_kT = _dequantized(fake_quantize_rows16(ds.transpose(-1, -2), bound, "sr", u))
+            ds_kT = fake_quantize_rows(ds.transpose(-1, -2), bound, "sr", u)
         else:
             ds_q = ds.to(dtype).float()
             ds_kT = ds_q.transpose(-1, -2)
@@ -507,7 +491,7 @@ def simplex_violation(p):
     (mean per row of the probability mass in entries that quantize to 0) and rel_mse (of P_hat
     against P)."""
     p = p.float()
-    p_hat = _dequantized(fake_quantize_rows16(p, 1.0))
+    p_hat = fake_quantize_rows(p, 1.0)
     dev = (1.0 - p_hat.double().sum(-1)).abs()
     zeroed = torch.where((p_hat == 0) & (p > 0), p, 0.0).double().sum(-1)
     return {"row_sum_dev_mean": dev.mean().item(), "row_sum_dev_max": dev.max().item(),

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 
+from kernels import nvfp4_dequant
 from kernels import nvfp4_linear as linear_kernels
 from kernels import nvfp4_quant as quant_kernels
 from kernels.nvfp4_gemm import nvfp4_gemm, use_dot_scaled
@@ -305,33 +306,44 @@ def _rtn_error(idx, denom, ax):
     return _pairwise_block_sum(d * d)
 
 
+def scale_blocks(xb, s_enc, s_dec, four_over_six=False, up=False):
+    """§2's block scaling of xb (*, M/bm, bm, N/bn, bn) given the global scales: -> (s_b, |x| *
+    scale clamped to 6, the signed scaled x, the RTN index of the former). The block max maps to 6;
+    with 4/6 also to 4, and per block whichever candidate reconstructs with the lower squared
+    error is kept (ties to 6). The choice uses the RTN error also under SR, so the random draw
+    does not pick the scale. kernels/nvfp4_math._scale_blocks is this function in Triton."""
+    block_amax = xb.abs().amax(dim=(-3, -1), keepdim=True)               # (*, M/bm, 1, N/bn, 1)
+    s_b, a, scaled, denom = _candidate(xb, block_amax, s_enc, s_dec, FP4_MAX, up)
+    idx = rtn_e2m1(a)
+    if four_over_six:
+        s_b4, a4, scaled4, denom4 = _candidate(xb, block_amax, s_enc, s_dec, 4.0, up)
+        idx4 = rtn_e2m1(a4)
+        use4 = _rtn_error(idx4, denom4, xb.abs()) < _rtn_error(idx, denom, xb.abs())
+        s_b = torch.where(use4, s_b4.float(), s_b.float()).to(torch.float8_e4m3fn)
+        a, idx, scaled = (torch.where(use4, a4, a), torch.where(use4, idx4, idx),
+                          torch.where(use4, scaled4, scaled))
+    return s_b, a, scaled, idx
+
+
 def quantize_reference(x, block=(1, 16), rounding="rtn", four_over_six=False, seed=0,
-                       global_amax=None):
+                       global_amax=None, uniforms=None):
     """The spec of NVFP4 quantization, in PyTorch: x (*, M, N) -> NVFP4Tensor with blocks on its
     last two dims. seed: SR's Philox seed (sr_uniforms); global_amax: the amax the global scale
-    derives from (default max |x|; attention's dS passes a bound)."""
+    derives from (default max |x|), 0-d or one per leading index shaped (*, 1, 1) (then so is the
+    global scale); uniforms: SR's u, like x (default sr_uniforms'). Attention's P and dS pass a
+    bound and, for dS, their hashed uniforms: the in-register quantizer of its kernels."""
     shape, (bm, bn) = x.shape, block
     lead, (M, N) = shape[:-2], shape[-2:]
     x = x.float()
     xb = x.reshape(*lead, M // bm, bm, N // bn, bn)                      # (*, M/bm, bm, N/bn, bn)
     amax = x.abs().amax() if global_amax is None else torch.as_tensor(global_amax, device=x.device)
     s_enc, s_dec = global_scales(amax, four_over_six)
-    block_amax = xb.abs().amax(dim=(-3, -1), keepdim=True)               # (*, M/bm, 1, N/bn, 1)
-    s_b, a, scaled, denom = _candidate(xb, block_amax, s_enc, s_dec, FP4_MAX, rounding == "sr_up")
-    idx = rtn_e2m1(a)
-    if four_over_six:
-        # 4/6: per block keep whichever of max -> 6 / max -> 4 reconstructs with the lower squared
-        # error (ties to 6). The choice uses the RTN error also under SR, so the random draw does
-        # not pick the scale.
-        s_b4, a4, scaled4, denom4 = _candidate(xb, block_amax, s_enc, s_dec, 4.0,
-                                               rounding == "sr_up")
-        idx4 = rtn_e2m1(a4)
-        use4 = _rtn_error(idx4, denom4, xb.abs()) < _rtn_error(idx, denom, xb.abs())
-        s_b = torch.where(use4, s_b4.float(), s_b.float()).to(torch.float8_e4m3fn)
-        a, idx, scaled = (torch.where(use4, a4, a), torch.where(use4, idx4, idx),
-                          torch.where(use4, scaled4, scaled))
+    # per leading index (*, 1, 1) -> (*, 1, 1, 1, 1) against the blocks' dims
+    se, sd = (s.reshape(*s.shape[:-2], 1, 1, 1, 1) if s.dim() else s for s in (s_enc, s_dec))
+    s_b, a, scaled, idx = scale_blocks(xb, se, sd, four_over_six, rounding == "sr_up")
     if rounding != "rtn":
-        idx = sr_e2m1(a, sr_uniforms(seed, shape, block, x.device).reshape(xb.shape))
+        u = sr_uniforms(seed, shape, block, x.device) if uniforms is None else uniforms
+        idx = sr_e2m1(a, u.reshape(xb.shape))
     # sign bit: the scaled value is negative (as Transformer Engine's cast: -0.0 and an underflow to
     # -0.0 get code 0, a negative value that rounds to 0 keeps its sign, code 8; both decode to
     # zero)
@@ -420,7 +432,7 @@ class NVFP4Tensor:
 
     def dequantize(self, dtype=torch.float32):
         if use_kernels(self.codes):  # one pass, same bits
-            return quant_kernels.dequantize(self.codes, self.scales, self.global_scale, self.shape,
+            return nvfp4_dequant.dequantize(self.codes, self.scales, self.global_scale, self.shape,
                                             self.block, dtype)
         return (self.grid_values() * self.global_scale).to(dtype)
 

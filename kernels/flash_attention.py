@@ -20,14 +20,14 @@ numbers as the grid-value route up to fp32 summation order. P V, dS K and dS^T Q
 MMA: they contract over T, where V, K, Q are blocked along D, and an E2M1 x E4M3 operand needs one
 scale per 16 elements of the contraction; a second quantization along T would change the numbers
 and break forward-backward consistency (docs/blackwell.md). Tiles: SM100_CONFIGS. Hopper compiles
-FP4_MMA=False, the code it compiled before.
+FP4_MMA=False.
 
 In-register quantization (`_fake_quant_rows16`): tiles of dS (and of P in the fp4_pv / fp4_all
-variants) are quantized in 1x16 blocks along the tile's last dim with nvfp4_quant's block scale and
-correctly rounded divisions (nvfp4.quantize's formulas), so attention.fake_quantize_rows16, the
-torch mirror, gives the same bits. SR draws 16 random bits per element from a counter hash of its
-(head, query, key) position (`_ds_random_words`), so the draw does not depend on the tiling and the
-reference reproduces it.
+variants) are quantized in 1x16 blocks along the tile's last dim with nvfp4_math's block scaling
+and E2M1 rounding, the helpers of every quantize kernel, so nvfp4.quantize_reference (which
+attention.py's reference calls with the same global amax and uniforms) gives the same bits. SR
+draws 16 random bits per element from a counter hash of its (head, query, key) position
+(`_ds_random_words`), so the draw does not depend on the tiling and the reference reproduces it.
 
 Scores live in the log2 domain (S * sm_scale * log2 e), as in Triton's fused-attention tutorial; the
 forward saves lse2 = m + log2(l) per row and the backward recomputes P = exp2(S2 - lse2).
@@ -38,14 +38,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import nvfp4_quant
+from kernels import nvfp4_math
 from kernels.nvfp4_gemm import _k_major, use_dot_scaled
 
 LOG2E = 1.4426950408889634
 
 
 def _interpreting():
-    return not nvfp4_quant.on_gpu()
+    return not nvfp4_math.on_gpu()
 
 
 def _patch_interpreter_loop_bounds():
@@ -68,7 +68,8 @@ def _patch_interpreter_loop_bounds():
 
 if _interpreting():
     _patch_interpreter_loop_bounds()
-P_S_ENC = tl.constexpr(448.0 * 6.0)  # P's encode scale: amax(P) <= 1 (attention.P_SCALES)
+# P's encode scale: amax(P) <= 1 (attention.P_GLOBAL_SCALE is its S_dec)
+P_S_ENC = tl.constexpr(448.0 * 6.0)
 # Triton 3.6 fails to compile, for sm_100a, a block-scaled MMA into a fresh zero accumulator inside
 # a loop (TritonGPUOptimizeAccumulatorInit: "'ttng.tmem_alloc' op uninitialized alloc must have a
 # mutable memdesc type"; also with no accumulator); a zero it cannot fold compiles. 3.9 takes the
@@ -148,35 +149,24 @@ def _load_head(C, S, head, rows, T, D: tl.constexpr, MASK_ROWS: tl.constexpr):
 def _quant_rows16(x, s_enc, s_dec, R: tl.constexpr, C: tl.constexpr):
     """FP4_MMA: _fake_quant_rows16's RTN quantization of an (R, C) fp32 tile as tl.dot_scaled reads
     it: E2M1 codes (R, C / 2), two per byte along C (the even element low), and E4M3 scales
-    (R, C / 16). code * scale is _fake_quant_rows16's q * s_b bit for bit: the same block and
-    element scales, and nvfp4_quant's _rtn_e2m1 is the same ties-to-even rounding as its
-    value-domain one."""
-    xb = tl.reshape(x, (R, C // 16, 16))
-    _, bits, _, inv = nvfp4_quant._block_scale(tl.max(tl.abs(xb), axis=2), s_enc, s_dec, 6.0)
-    a = tl.minimum(tl.abs(xb) * inv[:, :, None], 6.0)
-    code = nvfp4_quant._rtn_e2m1(a) | (((xb < 0) & (a > 0)).to(tl.int32) << 3)
+    (R, C / 16). code * scale is _fake_quant_rows16's q * s_b bit for bit (the same nvfp4_math
+    helpers)."""
+    xb = tl.reshape(x, (R, 1, C // 16, 16))
+    a, _, bits, q = nvfp4_math._scale_blocks(tl.abs(xb), s_enc, s_dec, R, 1, C // 16, 16, False)
+    code = nvfp4_math._e2m1_index(q) | (((xb < 0) & (a > 0)).to(tl.int32) << 3)
     lo, hi = tl.split(tl.reshape(code, (R, C // 2, 2)))
     return (lo | (hi << 4)).to(tl.uint8), bits.to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit
-def _round_bf16(x, EMULATE_BF16: tl.constexpr):
-    """Interpreter only (EMULATE_BF16): fp32 rounded to the nearest bf16, ties to even, still in
-    fp32. The interpreter's own fp32 -> bf16 cast truncates, and its tl.dot multiplies bf16 bit
-    patterns as integers, so bf16 runs there multiply bf16-valued fp32 tiles instead: the same
-    products. A no-op on the GPU."""
-    if EMULATE_BF16:
-        u = x.to(tl.uint32, bitcast=True)
-        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-        x = u.to(tl.float32, bitcast=True)
-    return x
-
-
-@triton.jit
 def _op(x, DTYPE: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """A computed tile (P, dS) as a matmul operand in DTYPE (fp32 holding bf16 values when
-    emulating)."""
-    return _round_bf16(x, EMULATE_BF16).to(DTYPE)
+    """A computed tile (P, dS, an output) in DTYPE. EMULATE_BF16 (the interpreter only): fp32
+    rounded to the nearest bf16 first, still in fp32 (the interpreter's own fp32 -> bf16 cast
+    truncates, and its tl.dot multiplies bf16 bit patterns as integers, so bf16 runs there multiply
+    bf16-valued fp32 tiles instead: the same products)."""
+    if EMULATE_BF16:
+        x = nvfp4_math._round_to_bf16(x)
+    return x.to(DTYPE)
 
 
 @triton.jit
@@ -191,12 +181,13 @@ def _fmix32(x):
 
 @triton.jit
 def _ds_random_words(key, rows, c0, T, R: tl.constexpr, C: tl.constexpr, QUERY_PAIRS: tl.constexpr):
-    """(R, C) random words for SR (nvfp4_quant's convention: the uniform is (word >> 8) * 2^-24) for
-    a dS tile whose rows are `rows` and whose last dim runs over c0 + arange(C) (c0 even), of the
-    head whose stream key is `key` (uint32). 16 random bits per element: the elements 2j and 2j + 1
-    along the last dim share one hash of the pair's (query, key) counter, the even one taking its
-    low half and the odd one its high half (half the hashing; u is then a multiple of 2^-16, which
-    biases a rounding decision by < 2^-16 of an E2M1 step).
+    """(R, C) random words for SR (nvfp4_math._sr_e2m1_value's: the uniform is
+    (word >> 8) * 2^-24) for a dS tile whose rows are `rows` and whose last dim runs over
+    c0 + arange(C) (c0 even), of the head whose stream key is `key` (uint32). 16 random bits per
+    element: the elements 2j and 2j + 1 along the last dim share one hash of the pair's (query,
+    key) counter, the even one taking its low half and the odd one its high half (half the
+    hashing; u is then a multiple of 2^-16, which biases a rounding decision by < 2^-16 of an E2M1
+    step).
     The tile is (queries, keys), or (keys, queries) when QUERY_PAIRS (dS^T in the dK/dV pass).
     attention.sr_uniforms draws the same u."""
     cols = c0 + 2 * tl.arange(0, C // 2)
@@ -211,29 +202,14 @@ def _ds_random_words(key, rows, c0, T, R: tl.constexpr, C: tl.constexpr, QUERY_P
 @triton.jit
 def _fake_quant_rows16(x, s_enc, s_dec, r, R: tl.constexpr, C: tl.constexpr, SR: tl.constexpr):
     """NVFP4 quantize-dequantize of an (R, C) fp32 tile in 1x16 blocks along its last dim, with
-    global scales (S_enc, S_dec): returns q * s_b (the caller applies S_dec). nvfp4_quant's own
-    block scale and E2M1 rounding (so the formulas are nvfp4.quantize's):
-    s_b = e4m3(amax_b * S_enc / 6), a = |x| * RN(1 / (s_b S_dec)) clamped to 6, RTN ties-to-even or
-    SR from the random words r (R, C) (up iff (r >> 8) * 2^-24 < the fractional distance)."""
-    xb = tl.reshape(x, (R, C // 16, 16))
-    s_b, _, den, inv = nvfp4_quant._block_scale(tl.max(tl.abs(xb), axis=2), s_enc, s_dec, 6.0)
-    a = tl.minimum(tl.abs(xb) * inv[:, :, None], 6.0)
-    # Rounded in the value domain (nvfp4_quant's _sr_e2m1 / _rtn_e2m1 make code indices, which a
-    # tile that is multiplied right away would have to decode again). E2M1's grid has step p / 2
-    # with p = 2^floor(log2 max(a, 1)), read off the exponent bits: 0.5 on [0, 2), 1 on [2, 4),
-    # 2 on [4, 6].
-    pbits = tl.maximum(a, 1.0).to(tl.int32, bitcast=True) & 0x7F800000
-    # up iff u = (r >> 8) * 2^-24 < y - floor(y) for y = a / step (exact: step is a power of two)
+    global scales (S_enc, S_dec): returns q * s_b (the caller applies S_dec). nvfp4_math's block
+    scaling and E2M1 rounding (nvfp4.quantize's formulas, bit for bit): RTN ties-to-even, or SR
+    from the random words r (R, C) (up iff (r >> 8) * 2^-24 < the fractional distance)."""
+    xb = tl.reshape(x, (R, 1, C // 16, 16))
+    a, s_b, _, q = nvfp4_math._scale_blocks(tl.abs(xb), s_enc, s_dec, R, 1, C // 16, 16, False)
     if SR:
-        y = a * ((255 << 23) - pbits).to(tl.float32, bitcast=True)                # 2 / p
-        fl = tl.floor(y)
-        # both sides exact
-        up = (tl.reshape(r, (R, C // 16, 16)) >> 8).to(tl.float32) < (y - fl) * 16777216.0
-        v = (fl + up.to(tl.float32)) * (pbits - (1 << 23)).to(tl.float32, bitcast=True)   # * p / 2
-    else:    # RTN ties-to-even: adding c = 2^22 p leaves exactly the grid's bits (ulp(c) = step)
-        c = (pbits + (22 << 23)).to(tl.float32, bitcast=True)
-        v = (a + c) - c
-    v = v * s_b[:, :, None]
+        q = nvfp4_math._sr_e2m1_value(a, tl.reshape(r, (R, 1, C // 16, 16)))
+    v = q * s_b[:, None, :, None]
     v = tl.where((xb < 0) & (a > 0), -v, v)
     return tl.reshape(v, (R, C))
 
@@ -316,7 +292,7 @@ def _attn_fwd(Q, K, V, SG, O, LSE, T, H, G, qk_scale, QC, QS, KC, KS,
     tl.store(LSE + bh.to(tl.int64) * T + offs_m, m_i + tl.math.log2(l_i), mask=rmask)
     cols = tl.arange(0, D)
     tl.store(O + bh.to(tl.int64) * T * D + offs_m[:, None] * D + cols[None, :],
-             _round_bf16(o, EMU).to(O.dtype.element_ty), mask=rmask[:, None])
+             _op(o, O.dtype.element_ty, EMU), mask=rmask[:, None])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -423,12 +399,12 @@ def _attn_bwd_dkdv(Q, K, V, SG, DO, DOQ, DOT, LSE, DELTA, SGDS, KEYS, DK, DV, T,
     # dK = sum_g s_g(dS_g) (dS_g^T Q_g) over the G query heads of this kv head. One accumulator for
     # all of them (a second BLOCK_N x D fp32 one makes the kernel spill): dk holds the sum in units
     # of the current head's s_g(dS), rescaled by s_g(previous) / s_g(current) at each head boundary.
-    _, sg_prev = nvfp4_quant._global_scales(tl.load(SGDS + b * H + g0), 448.0)
+    _, sg_prev = nvfp4_math._global_scales(tl.load(SGDS + b * H + g0), 448.0)
     for g in range(G):
         bh = b * H + g0 + g
         q_ptr = Q + bh.to(tl.int64) * T * D
         row = bh.to(tl.int64) * T * D
-        se_ds, sg_ds = nvfp4_quant._global_scales(tl.load(SGDS + bh), 448.0)  # from dS's bound
+        se_ds, sg_ds = nvfp4_math._global_scales(tl.load(SGDS + bh), 448.0)  # from dS's bound
         key = tl.load(KEYS + 2 * bh + 1).to(tl.uint32, bitcast=True)
         dk = dk * tl.div_rn(sg_prev, sg_ds)
         sg_prev = sg_ds
@@ -454,8 +430,8 @@ def _attn_bwd_dkdv(Q, K, V, SG, DO, DOQ, DOT, LSE, DELTA, SGDS, KEYS, DK, DV, T,
     cols = tl.arange(0, D)
     out = bkv.to(tl.int64) * T * D + offs_n[:, None] * D + cols[None, :]
     nmask = offs_n[:, None] < T
-    tl.store(DK + out, _round_bf16(dk, EMU).to(DK.dtype.element_ty), mask=nmask)
-    tl.store(DV + out, _round_bf16(dv, EMU).to(DV.dtype.element_ty), mask=nmask)
+    tl.store(DK + out, _op(dk, DK.dtype.element_ty, EMU), mask=nmask)
+    tl.store(DV + out, _op(dv, DV.dtype.element_ty, EMU), mask=nmask)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -512,7 +488,7 @@ def _attn_bwd_dq(Q, K, V, SG, DO, LSE, DELTA, SGDS, KEYS, DQ, T, H, G, qk_scale,
     sg_v = tl.load(SG + 2)
     sg_dov = tl.load(SG + 4)
     sg_dp = sg_v * sg_dov
-    se_ds, sg_ds = nvfp4_quant._global_scales(tl.load(SGDS + bh), 448.0)  # (1, 1) unless QUANT_DS
+    se_ds, sg_ds = nvfp4_math._global_scales(tl.load(SGDS + bh), 448.0)  # (1, 1) unless QUANT_DS
     key = tl.load(KEYS + 2 * bh).to(tl.uint32, bitcast=True)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = offs_m < T
@@ -549,7 +525,7 @@ def _attn_bwd_dq(Q, K, V, SG, DO, LSE, DELTA, SGDS, KEYS, DQ, T, H, G, qk_scale,
                    QUANT_DS, DTYPE, PREC, EMU, QUANT_DOV, FP4_MMA)
     dq = dq * (sm_scale * sg_k * sg_ds)
     tl.store(DQ + row + offs_m[:, None] * D + cols[None, :],
-             _round_bf16(dq, EMU).to(DQ.dtype.element_ty), mask=rmask[:, None])
+             _op(dq, DQ.dtype.element_ty, EMU), mask=rmask[:, None])
 
 
 @triton.jit

@@ -9,10 +9,9 @@ with X_hat, W_hat the bf16 grid values q * s_b and s_g the product of the two gl
 quantize pass writes X_hat (and the packed X kept for eq. 2) straight into the left K columns of the
 (T, K + r) operand (no concatenation: no second copy of an activation), a small GEMM the branch
 columns beside it, W's decode W_hat into its own [W_hat | L2] buffer likewise, and one GEMM with
-K + r columns writes Y once, for ~r/K more FLOPs. (A Triton kernel that
-quantized X and down-projected it in one read, and a GEMM whose epilogue added the up-projection,
-were slower on Hopper: docs/nvfp4_kernels.md.) eq. 2's dW is the direct layer's
-(nvfp4_linear.wgrad): App. 8 takes the LoRA gradients from it later.
+K + r columns writes Y once, for ~r/K more FLOPs (docs/nvfp4_kernels.md measures the
+alternatives). eq. 2's dW is the direct layer's (nvfp4_linear.wgrad): App. 8 takes the LoRA
+gradients from it later.
 
 The branch is BF16 (lora_svd.BRANCH: bf16 operands, fp32 accumulation, beta x L^T / s_g rounded to
 bf16 once); it equals the reference's branch up to where that intermediate is rounded.
@@ -27,7 +26,8 @@ import torch
 
 from kernels.nvfp4_gemm import grid_values_mm, mm_fp32, nvfp4_gemm, use_dot_scaled
 from kernels.nvfp4_linear import Packed, _check, wgrad
-from kernels.nvfp4_quant import global_amax_pair, grid_values_bf16, quantize, quantize_dequant
+from kernels.nvfp4_dequant import grid_values_bf16
+from kernels.nvfp4_quant import global_amax_pair, quantize, quantize_dequant
 
 
 def _operand(x, L, beta, rounding, four_over_six, seed, s_g_other, name, return_tensor=False,

@@ -26,17 +26,17 @@ The route is picked here, per GPU (use_dot_scaled):
     compiles it for sm_100a; none has run on a Blackwell GPU (docs/blackwell.md).
   * Everything else (Hopper has no FP4 tensor cores): the grid values q * s_b as bf16 (exact:
     at most 6 significant bits), cuBLAS's bf16 GEMM with fp32 accumulation, then the global
-    scales in one pass. Decoding packed operands in registers before tl.dot was slower: the
-    byte saving pays only where tensor cores read FP4. The quantize kernels can write those
-    grid values directly (nvfp4_quant.quantize_dequant); grid_values_mm multiplies them, and
-    kernels/nvfp4_linear.py uses it so.
+    scales in one pass (packed operands save bytes only where tensor cores read FP4). The
+    quantize kernels can write those grid values directly (nvfp4_quant.quantize_dequant);
+    grid_values_mm multiplies them, and kernels/nvfp4_linear.py uses it so.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.nvfp4_quant import _round_to_bf16, grid_values_bf16
+from kernels.nvfp4_dequant import grid_values_bf16
+from kernels.nvfp4_math import _round_to_bf16
 
 # --------------------------------------------------------------------------------------------
 # Blackwell: native NVFP4 tensor cores through tl.dot_scaled

@@ -64,19 +64,27 @@ def _round_to_e4m3(s, UP: tl.constexpr = False):
 
 
 @triton.jit
-def _rtn_e2m1(a):
-    """Index 0..7 of the nearest E2M1 magnitude for a in [0, 6], ties to the even index
-    (nvfp4.rtn_e2m1), from a's fp32 bits instead of a compare tree. For a >= 1 the E2M1 code is the
-    fp32 exponent and the top mantissa bit: round the mantissa to one bit, ties to even
-    (the carry of 1.75 -> 2 moves into the exponent), and (bits >> 22) - (126 << 1) is the index
-    (1.0 -> 2, 6.0 -> 7; a <= 6 cannot round past 6). Below 1 the grid is 0, 0.5, 1 (quantum 0.5):
-    RNE of 2a with the 2^23 magic number, whose low bits are then the index. Both are exact RNE, so
-    the index equals the compare tree's on every fp32 (tested on every tie and its neighbours)."""
-    bits = a.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252
-    # a * 2 is exact: one rounding either way
-    sub = tl.fma(a, 2.0, 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
-    return tl.where(a < 1.0, sub, normal)
+def _binade_bits(a):
+    """fp32 bits of p = 2^floor(log2 max(a, 1)) for a in [0, 6], read off the exponent: E2M1's grid
+    step is p / 2 (0.5 on [0, 2), 1 on [2, 4), 2 on [4, 6])."""
+    return tl.maximum(a, 1.0).to(tl.int32, bitcast=True) & 0x7F800000
+
+
+@triton.jit
+def _rtn_e2m1_value(a):
+    """The nearest E2M1 magnitude to a in [0, 6], ties to even (nvfp4.rtn_e2m1's grid value), as
+    fp32: adding c = 2^22 p, whose ulp is the grid step p / 2 (_binade_bits), and subtracting it
+    again rounds a to the grid, ties to even, exactly (a < c). Equals the reference's compare tree
+    on every fp32 (tested on every tie and its neighbours)."""
+    c = (_binade_bits(a) + (22 << 23)).to(tl.float32, bitcast=True)
+    return (a + c) - c
+
+
+@triton.jit
+def _e2m1_index(q):
+    """Index 0..7 of an E2M1 magnitude q (fp32), the code's low 3 bits: q * 2^-126 holds it in bits
+    24..22 (_e2m1_value's placement inverted; exact: 0.5 becomes the subnormal 2^-127)."""
+    return (q * 1.1754943508222875e-38).to(tl.int32, bitcast=True) >> 22             # 2^-126
 
 
 # the element scale's cap (TE's: an all-zero block's 1/0)
@@ -135,8 +143,8 @@ def _e2m1_bits(top):
     """fp32 q * 2^-126 for E2M1 codes held in bits 31..28 of an int32 (lower bits ignored): an
     arithmetic shift by 6 and a mask leave sign, exponent (2 bits) and mantissa (1 bit) where fp32
     keeps them (exponent 0 lands in fp32's subnormal range: 0.5 -> 2^-127, exactly E2M1's
-    subnormal). Code 8 gives -0.0, as the reference's -q. The inverse of _rtn_e2m1's bit trick;
-    callers undo the 2^-126 with exact power-of-two scalings."""
+    subnormal). Code 8 gives -0.0, as the reference's -q. The inverse of _e2m1_index; callers undo
+    the 2^-126 with exact power-of-two scalings."""
     return ((top >> 6) & -2118123520).to(tl.float32, bitcast=True)                  # 0x81C00000
 
 
@@ -180,31 +188,28 @@ def _with_sign(q, neg):
 
 
 @triton.jit
-def _sr_e2m1(a, r):
-    """Stochastic rounding of a in [0, 6] (nvfp4.sr_e2m1: up to the next grid value iff
-    u < (a - lo) / gap), from a's fp32 bits, for the uniform u = (r >> 8) * 2^-24 of a uint32 r.
-    The SR contract's words (_word_halves) carry 16 random bits in r's high half, low half zero:
-    u = (r >> 16) * 2^-16, nvfp4.sr_uniforms' u. Any 24-bit uniform on torch.rand's fp32 grid passes
-    through exactly too (_noise_bits: the tests' given uniforms). For a >= 1, lo is a with its
-    mantissa cut to one bit and (a - lo) / gap = m / 2^22 for the 22 bits m cut off, so
-    u < m / 2^22 <=> (r >> 10) < m <=> r < m * 2^10 (for every uint32 r), and m * 2^10 is a's bits
-    shifted left by 10 (sign and exponent shift out): a shift and an unsigned compare, with nothing
-    done to r. At a = 6, m = 0: never up. Below 1 the gap is 0.5: lo = floor(2a) / 2, fraction
-    f = 2a - floor(2a) (exact), and u < f <=> float(r >> 8) < f * 2^24 (both sides exact). Same
-    decisions as the reference for every such u, so the kernels reproduce it bit for bit."""
-    bits = a.to(tl.int32, bitcast=True)
-    up = r < (bits << 10).to(tl.uint32)
-    normal = (bits >> 22) - 252 + up.to(tl.int32)
-    t = a * 2.0
-    fl = tl.floor(t)
-    sub = fl.to(tl.int32) + ((r >> 8).to(tl.float32) < (t - fl) * 16777216.0).to(tl.int32)
-    return tl.where(a < 1.0, sub, normal)
+def _sr_e2m1_value(a, r):
+    """Stochastic rounding of a in [0, 6] to an E2M1 magnitude (nvfp4.sr_e2m1's grid value, as
+    fp32: up to the next grid value iff u < (a - lo) / step), for the uniform u = (r >> 8) * 2^-24
+    of a uint32 r. The SR contract's words (_word_halves) carry 16 random bits in r's high half,
+    low half zero: u = (r >> 16) * 2^-16, nvfp4.sr_uniforms' u. Any 24-bit uniform on torch.rand's
+    fp32 grid passes through exactly too (_noise_bits: the tests' given uniforms). In units of the
+    step p / 2 (_binade_bits), y = a / (p / 2) is exact (a power of two), lo = floor(y) and the
+    fractional distance f = y - floor(y) is exact, and so is f * 2^24 (f has at most 24 fractional
+    bits), so u < f <=> float(r >> 8) < f * 2^24 compares exact values: the same decisions as the
+    reference for every such u, so the kernels reproduce it bit for bit (tested on every 16-bit
+    half-word, at u = f too, where "up" must not be taken). At a = 6, f = 0: never up."""
+    pbits = _binade_bits(a)
+    y = a * ((255 << 23) - pbits).to(tl.float32, bitcast=True)                        # 2 / p
+    fl = tl.floor(y)
+    up = (r >> 8).to(tl.float32) < (y - fl) * 16777216.0
+    return (fl + up.to(tl.float32)) * (pbits - (1 << 23)).to(tl.float32, bitcast=True)  # p / 2
 
 
 @triton.jit
 def _noise_bits(u):
     """Given uniforms u = k * 2^-24 (torch.rand's fp32 grid, k < 2^24) -> the 32 random bits
-    _sr_e2m1 reads: k << 8, exactly."""
+    _sr_e2m1_value reads: k << 8, exactly."""
     return (u * 16777216.0).to(tl.uint32) << 8
 
 
@@ -217,7 +222,7 @@ def _noise_bits(u):
 @triton.jit
 def _word_halves(w):
     """uint32 words (any shape S) -> S + (2,): [..., 0] the low half's 16 bits, [..., 1] the high
-    half's, each in the high half of a word with the low half zero, where _sr_e2m1 reads its bits:
+    half's, each in the high half of a word with the low half zero, where _sr_e2m1_value reads them:
     one shift or one mask per element."""
     return tl.join(w << 16, w & 0xFFFF0000)
 
@@ -232,11 +237,11 @@ def _philox_halves(seed, counters):
 
 @triton.jit
 def _random_words(seed, rows, n0, N, BM: tl.constexpr, BN: tl.constexpr):
-    """(BM, BN) random words (for _sr_e2m1) for the elements (rows[i], n0 + j) of a row-major
+    """(BM, BN) random words (for _sr_e2m1_value) for the elements (rows[i], n0 + j) of a row-major
     tensor with N columns, for 1x16 blocks: counter = element index // 8, so an eighth of tl.rand's
-    Philox work and a draw that does not depend on the tiling. Raw bits, not tl.rand's floats:
-    _sr_e2m1 compares integers (no conversion per element). n0 and N are multiples of 8 (of 16, in
-    fact)."""
+    Philox work and a draw that does not depend on the tiling. Raw bits, not tl.rand's floats
+    (_sr_e2m1_value compares their top 24 bits as an exact fp32 integer). n0 and N are multiples of
+    8 (of 16, in fact)."""
     offs8 = rows[:, None] * (N // 8) + (n0 // 8 + tl.arange(0, BN // 8))[None, :]
     return _philox_halves(seed, offs8).reshape(BM, BN)
 
@@ -286,6 +291,36 @@ def _pairwise_block_sum(e, GM: tl.constexpr, SBM: tl.constexpr, GN: tl.constexpr
 
 
 @triton.jit
+def _scale_blocks(ax, s_enc, s_dec, GM: tl.constexpr, SBM: tl.constexpr, GN: tl.constexpr,
+                  SBN: tl.constexpr, FOUR_OVER_SIX: tl.constexpr, UP: tl.constexpr = False):
+    """§2's block scaling of |x| held as (GM, SBM, GN, SBN), GM x GN blocks of SBM x SBN, given the
+    global scales (nvfp4.scale_blocks, bit for bit): the block scale s_b with the block max mapped
+    to 6 and the scaled magnitudes a = min(|x| * RN(1 / (s_b * S_dec)), 6); with FOUR_OVER_SIX
+    also the candidate "max -> 4" (its own E4M3 rounding), kept per block where its RTN
+    reconstruction has the lower squared error (summed in the fixed tree), ties to 6 (paper §2;
+    docs/nvfp4_format.md). The choice uses the RTN error also under SR, so the random draw does not
+    pick the scale. -> (a, s_b (GM, GN), its E4M3 bits, _rtn_e2m1_value(a)); the last costs nothing
+    where a caller rounds otherwise (the compiler drops it)."""
+    block_amax = tl.max(tl.max(ax, axis=3), axis=1)                                    # (GM, GN)
+    s_b, bits, den, inv = _block_scale(block_amax, s_enc, s_dec, 6.0, UP)
+    a = tl.minimum(ax * inv[:, None, :, None], 6.0)
+    q = _rtn_e2m1_value(a)
+    if FOUR_OVER_SIX:
+        s4, bits4, den4, inv4 = _block_scale(block_amax, s_enc, s_dec, 4.0, UP)
+        a4 = tl.minimum(ax * inv4[:, None, :, None], 6.0)
+        q4 = _rtn_e2m1_value(a4)
+        d6 = q * den[:, None, :, None] - ax
+        d4 = q4 * den4[:, None, :, None] - ax
+        use4 = (_pairwise_block_sum(d4 * d4, GM, SBM, GN, SBN)
+                < _pairwise_block_sum(d6 * d6, GM, SBM, GN, SBN))
+        s_b = tl.where(use4, s4, s_b)
+        bits = tl.where(use4, bits4, bits)
+        a = tl.where(use4[:, None, :, None], a4, a)
+        q = tl.where(use4[:, None, :, None], q4, q)
+    return a, s_b, bits, q
+
+
+@triton.jit
 def _butterfly_stage(y, P: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr, W: tl.constexpr):
     """(P, 16, W): in each of the G groups of 2 * HALF along dim 1, (a, b) -> (a + b, a - b) across
     its halves."""
@@ -294,19 +329,25 @@ def _butterfly_stage(y, P: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr, W:
 
 
 @triton.jit
-def _hadamard16(x, h_ptr, P: tl.constexpr, W: tl.constexpr):
-    """x (P, 16, W) fp32 -> x . H along dim 1, for H = diag(s) . H16 / 4 (nvfp4.random_hadamard's
-    form: its column 0 is s / 4). The products x_i * H_ij are exact (a sign and a power of two), so
-    this is x * H[:, 0] then the 4-stage butterfly of Sylvester's H16: 5 operations per element
-    instead of a 16-term dot product. One fixed order of additions in every kernel that rotates
-    (quantize passes and amax pre-passes see the same bits); the reference's matmul sums the same
-    products in its own order: equal where the sums are exact, else within an ulp of the rotated
-    value."""
-    y = x * tl.load(h_ptr + tl.arange(0, 16) * 16)[None, :, None]
+def _butterfly16(y, P: tl.constexpr, W: tl.constexpr):
+    """y (P, 16, W) -> y . H16 along dim 1 for Sylvester's unnormalized H16 = [[H8, H8], [H8, -H8]]:
+    4 stages of (a, b) -> (a + b, a - b), halves 8, 4, 2, 1 (optim.fwht16's order, stage for
+    stage). The one 16-point Hadamard of every kernel."""
     y = _butterfly_stage(y, P, 1, 8, W)
     y = _butterfly_stage(y, P, 2, 4, W)
     y = _butterfly_stage(y, P, 4, 2, W)
     return _butterfly_stage(y, P, 8, 1, W)
+
+
+@triton.jit
+def _hadamard16(x, h_ptr, P: tl.constexpr, W: tl.constexpr):
+    """x (P, 16, W) fp32 -> x . H along dim 1, for H = diag(s) . H16 / 4 (nvfp4.random_hadamard's
+    form: its column 0 is s / 4). The products x_i * H_ij are exact (a sign and a power of two), so
+    this is x * H[:, 0] then _butterfly16: 5 operations per element instead of a 16-term dot
+    product. One fixed order of additions in every kernel that rotates (quantize passes and amax
+    pre-passes see the same bits); the reference's matmul sums the same products in its own order:
+    equal where the sums are exact, else within an ulp of the rotated value."""
+    return _butterfly16(x * tl.load(h_ptr + tl.arange(0, 16) * 16)[None, :, None], P, W)
 
 
 @triton.jit
@@ -346,24 +387,3 @@ def _round_to_bf16(v, HW: tl.constexpr = False):
     bits = v.to(tl.int32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
     return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _column_pair_sum(e, C: tl.constexpr):
-    """(C, 16, 2) squared errors -> (C, 2) sums over each 16x1 block in _pairwise_block_sum's fixed
-    tree for SBM == 16: neighbouring rows added pairwise, 16 -> 8 -> 4 -> 2 -> 1."""
-    e = tl.sum(e.reshape(C, 8, 2, 2), axis=2)
-    e = tl.sum(e.reshape(C, 4, 2, 2), axis=2)
-    e = tl.sum(e.reshape(C, 2, 2, 2), axis=2)
-    return tl.sum(e.reshape(C, 1, 2, 2), axis=2).reshape(C, 2)
-
-
-@triton.jit
-def _half_pair_sum(e, NB: tl.constexpr):
-    """(NB, 2, 8) squared errors -> (NB,) block sums in _pairwise_block_sum's fixed tree: pairwise
-    within each half (8 -> 4 -> 2 -> 1), then the two halves (the tree's last step adds elements
-    0-7's sum to 8-15's)."""
-    e = tl.sum(e.reshape(NB, 2, 4, 2), axis=3)
-    e = tl.sum(e.reshape(NB, 2, 2, 2), axis=3)
-    e = tl.sum(e.reshape(NB, 2, 1, 2), axis=3).reshape(NB, 2)
-    return tl.sum(e, axis=1)

@@ -3,7 +3,7 @@ Triton NVFP4 quantization (paper §2): one pass that reads bf16/fp32 and writes 
 E4M3 block scales and/or the bf16 grid values q * s_b, for 1x16, 16x1 and 16x16 blocks, RTN or SR,
 optional 4/6, optional fused 16-point (random) Hadamard rotation. Tensors in, tensors out: nvfp4.py
 wraps the codes, scales and global scale into its NVFP4Tensor. (Decoding lives in
-kernels/nvfp4_dequant.py; `dequantize` and `grid_values_bf16` are importable from here too.)
+kernels/nvfp4_dequant.py.)
 
 It reproduces the reference `nvfp4.quantize` (the spec: Transformer Engine's arithmetic) bit for
 bit, with the device arithmetic of kernels/nvfp4_math.py:
@@ -45,14 +45,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.nvfp4_math import (  # noqa: F401
-    E4M3_MAX, E4M3_MAX_46, FLT_MAX, FP4_MAX, _block_scale, _global_scales, _column_pair_sum,
-    _column_random_words, _block_random_words, _decode_byte_pairs, _decode_codes, _div_by,
-    _e2m1_bits, _e2m1_value, _half_pair_sum, _hadamard16, _load_tile,
-    _pairwise_block_sum, _random_words, _rotate, _round_to_bf16, _round_to_e4m3,
-    _rtn_e2m1, _sr_e2m1, _with_sign, on_gpu)
-# re-exported (their home: nvfp4_dequant.py)
-from kernels.nvfp4_dequant import _hw_bf16, dequantize, grid_values_bf16  # noqa: F401
+from kernels.nvfp4_dequant import _hw_bf16, dequantize
+from kernels.nvfp4_math import (
+    E4M3_MAX, E4M3_MAX_46, _block_random_words, _column_random_words, _decode_byte_pairs,
+    _e2m1_index, _global_scales, _hadamard16, _load_tile, _random_words, _rotate, _round_to_bf16,
+    _scale_blocks, _sr_e2m1_value, _with_sign, on_gpu)
 
 BLOCKS = ((1, 16), (16, 1), (16, 16))
 # "sr_up": SR with the block scale rounded up to E4M3 instead of to nearest, so that the block max
@@ -149,33 +146,10 @@ def _quantize_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, 
     if (pid_m == 0) & (pid_n == 0) & (pid_b == 0):
         tl.store(gs_out_ptr, s_dec)  # the tensor's S_dec for the host: no extra torch kernels
 
-    ax = tl.abs(x)
-    xb = ax.reshape(BM // SBM, SBM, BN // SBN, SBN)  # (bm-groups, bm, bn-groups, bn)
-    block_amax = tl.max(tl.max(xb, axis=3), axis=1)                    # (BM // SBM, BN // SBN)
-
-    # candidate "max -> 6": s_b = e4m3(amax_b * S_enc / 6); a = min(|x| * RN(1 / (s_b * S_dec)), 6)
-    s6, bits6, den6, inv6 = _block_scale(block_amax, s_enc, s_dec, 6.0, SCALE_UP)
-    den6, inv6 = den6[:, None, :, None], inv6[:, None, :, None]
-    a6 = tl.minimum(xb * inv6, 6.0)
-    a, s_b, bits = a6, s6, bits6
-    if FOUR_OVER_SIX:
-        # 4/6 (paper §2; docs/nvfp4_format.md): also try "max -> 4" (its own E4M3 rounding of
-        # amax_b * S_enc / 4) and keep the candidate whose RTN reconstruction has the lower squared
-        # error, ties to 6.
-        s4, bits4, den4, inv4 = _block_scale(block_amax, s_enc, s_dec, 4.0, SCALE_UP)
-        den4, inv4 = den4[:, None, :, None], inv4[:, None, :, None]
-        a4 = tl.minimum(xb * inv4, 6.0)
-        i6, i4 = _rtn_e2m1(a6), _rtn_e2m1(a4)
-        d6 = _e2m1_value(i6) * den6 - xb
-        d4 = _e2m1_value(i4) * den4 - xb
-        err6 = _pairwise_block_sum(d6 * d6, BM // SBM, SBM, BN // SBN, SBN)
-        err4 = _pairwise_block_sum(d4 * d4, BM // SBM, SBM, BN // SBN, SBN)
-        use4 = err4 < err6
-        s_b = tl.where(use4, s4, s6)
-        bits = tl.where(use4, bits4, bits6)
-        a = tl.where(use4[:, None, :, None], a4, a6)
-        rtn_idx = tl.where(use4[:, None, :, None], i4, i6)  # = _rtn_e2m1(a), already computed
-
+    # s_b, a = min(|x| * RN(1 / (s_b * S_dec)), 6) and 4/6's choice (nvfp4.scale_blocks)
+    a, s_b, bits, q = _scale_blocks(tl.abs(x).reshape(BM // SBM, SBM, BN // SBN, SBN),
+                                    s_enc, s_dec, BM // SBM, SBM, BN // SBN, SBN,
+                                    FOUR_OVER_SIX, SCALE_UP)
     if SR:
         if SBM == 16:  # 16x1, 16x16: eight rows of a column per Philox call (_column_random_words)
             octs = (pid_b.to(tl.int64) * M + m0) // 8 + tl.arange(0, BM // 8)  # BM % 16 == 0
@@ -184,15 +158,11 @@ def _quantize_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, 
             rand = tl.permute(rand, (0, 2, 3, 4, 1)).reshape(BM, BN)
         else:  # counter-based: independent of the tiling
             rand = _random_words(tl.load(seed_ptr), pid_b * M + offs_m, n0, N, BM, BN)
-        idx = _sr_e2m1(a, rand.reshape(BM // SBM, SBM, BN // SBN, SBN))
-    elif FOUR_OVER_SIX:
-        idx = rtn_idx
-    else:
-        idx = _rtn_e2m1(a)
-    idx = idx.reshape(BM, BN)
+        q = _sr_e2m1_value(a, rand.reshape(BM // SBM, SBM, BN // SBN, SBN))
 
     if WRITE_CODES:
-        code = (idx | (((x < 0) & (a.reshape(BM, BN) > 0)).to(tl.int32) << 3)).to(tl.uint8)
+        code = (_e2m1_index(q.reshape(BM, BN))
+                | (((x < 0) & (a.reshape(BM, BN) > 0)).to(tl.int32) << 3)).to(tl.uint8)
         lo, hi = tl.split(code.reshape(BM, BN // 2, 2))  # even / odd elements along the row
         packed = lo | (hi << 4)
         offs_c = n0 // 2 + tl.arange(0, BN // 2)
@@ -205,8 +175,8 @@ def _quantize_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, 
         tl.store(sptrs, bits, mask=(offs_sm[:, None] < M // SBM) & (offs_sn[None, :] < N // SBN))
     if WRITE_VALUES:
         # q * s_b: at most 6 significant bits and within bf16's range, so the bf16 store is exact
-        q = _e2m1_value(idx).reshape(BM // SBM, SBM, BN // SBN, SBN) * s_b[:, None, :, None]
-        q = _with_sign(q.reshape(BM, BN), (x < 0) & (a.reshape(BM, BN) > 0))
+        q = _with_sign((q * s_b[:, None, :, None]).reshape(BM, BN),
+                       (x < 0) & (a.reshape(BM, BN) > 0))
         vrows = (pid_b.to(tl.int64) * M + offs_m[:, None]) * ld_values
         tl.store(values_ptr + vrows + offs_n[None, :], q.to(tl.bfloat16), mask=mask)
 
@@ -237,14 +207,13 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
     """_quantize_kernel's arithmetic for the common case, 1x16 blocks of a contiguous x: CHUNKS
     chunks of NB consecutive blocks per program, each held as an (NB, 2, 8) tile (the two 8-element
     halves of each block) so that the compiler puts one block on each thread: both halves of a block
-    in one thread's registers, its amax, scale and division constants computed once (as (NB, 16)
-    rows a block spanned two threads, which both computed its scale), its 16 codes stored as two
-    int32 words (8 codes each, element 0 in the low nibble: little-endian, the same bytes) without a
-    shared-memory shuffle. The unrolled chunk loop issues the next chunk's load before this chunk's
-    arithmetic (arithmetic-bound: the loads' latency hides behind it), the global scale's two
-    divisions once per program. Same bits (same operations per element; SR: the same Philox
-    counters, element index // 8). AMAX_ONLY: the global-amax pre-pass over the same (rotated)
-    values. ROW_BLOCKS, ld_values: where the values go (_rows_values_ptrs)."""
+    in one thread's registers, its amax, scale and division constants computed once, its 16 codes
+    stored as two int32 words (8 codes each, element 0 in the low nibble: little-endian, the same
+    bytes) without a shared-memory shuffle. The unrolled chunk loop issues the next chunk's load
+    before this chunk's arithmetic (arithmetic-bound: the loads' latency hides behind it), the
+    global scale's two divisions once per program. Same bits (same operations per element; SR: the
+    same Philox counters, element index // 8). AMAX_ONLY: the global-amax pre-pass over the same
+    (rotated) values. ROW_BLOCKS, ld_values: where the values go (_rows_values_ptrs)."""
     pid = tl.program_id(0)
     blk = tl.arange(0, NB)
     # (NB, 2, 8): the halves' dim after the blocks' dim, so Triton's coalescing (dims ordered by
@@ -271,38 +240,24 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
                          mask=((blk < n_blocks - base - NB) & (c + 1 < CHUNKS))[:, None, None])
         if HADAMARD:  # x . H on each block (the reference's hadamard_transform(x, H, dim=-1))
             x = _hadamard16(x.reshape(NB, 16, 1), h_ptr, NB, 1).reshape(NB, 2, 8)
-        ax = tl.abs(x)
-        block_amax = tl.max(tl.max(ax, axis=2), axis=1)                             # (NB,)
         if AMAX_ONLY:  # (an else branch, not an early return: Triton would compile the rest anyway)
-            run_max = tl.maximum(run_max, block_amax)
+            run_max = tl.maximum(run_max, tl.max(tl.max(tl.abs(x), axis=2), axis=1))
         else:
-            s_b, bits, den, inv = _block_scale(block_amax, s_enc, s_dec, 6.0, SCALE_UP)
-            a = tl.minimum(ax * inv[:, None, None], 6.0)
-            if FOUR_OVER_SIX:  # 4/6 as in _quantize_kernel: the lower RTN error wins, ties to 6
-                s4, bits4, den4, inv4 = _block_scale(block_amax, s_enc, s_dec, 4.0, SCALE_UP)
-                a4 = tl.minimum(ax * inv4[:, None, None], 6.0)
-                i6, i4 = _rtn_e2m1(a), _rtn_e2m1(a4)
-                d6 = _e2m1_value(i6) * den[:, None, None] - ax
-                d4 = _e2m1_value(i4) * den4[:, None, None] - ax
-                use4 = _half_pair_sum(d4 * d4, NB) < _half_pair_sum(d6 * d6, NB)
-                s_b = tl.where(use4, s4, s_b)
-                bits = tl.where(use4, bits4, bits)
-                a = tl.where(use4[:, None, None], a4, a)
-                rtn_idx = tl.where(use4[:, None, None], i4, i6)  # = _rtn_e2m1(a), already computed
+            # the blocks as (NB, 1, 1, 16) for _scale_blocks (a reshape within each thread)
+            a, s_b, bits, q = _scale_blocks(tl.abs(x).reshape(NB, 1, 1, 16), s_enc, s_dec,
+                                            NB, 1, 1, 16, FOUR_OVER_SIX, SCALE_UP)
+            a, s_b, bits, q = a.reshape(NB, 2, 8), s_b.reshape(NB), bits.reshape(NB), \
+                q.reshape(NB, 2, 8)
             if SR:  # the flat tensor as rows of 16 elements: the counters element index // 8
-                idx = _sr_e2m1(a, _block_random_words(tl.load(seed_ptr), base + blk, NB))
-            elif FOUR_OVER_SIX:
-                idx = rtn_idx
-            else:
-                idx = _rtn_e2m1(a)
+                q = _sr_e2m1_value(a, _block_random_words(tl.load(seed_ptr), base + blk, NB))
             if WRITE_CODES:
-                code = idx | (((x < 0) & (a > 0)).to(tl.int32) << 3)
+                code = _e2m1_index(q) | (((x < 0) & (a > 0)).to(tl.int32) << 3)
                 words = tl.sum(code << (tl.arange(0, 8) * 4)[None, None, :], axis=2)  # (NB, 2)
                 tl.store(codes_ptr + base * 2 + blk[:, None] * 2 + tl.arange(0, 2)[None, :], words,
                          mask=bmask[:, None])
                 tl.store(scales_ptr + base + blk, bits, mask=bmask)
             if WRITE_VALUES:
-                q = _with_sign(_e2m1_value(idx) * s_b[:, None, None], (x < 0) & (a > 0))
+                q = _with_sign(q * s_b[:, None, None], (x < 0) & (a > 0))
                 tl.store(_rows_values_ptrs(values_ptr, base, blk, offs, ld_values, ROW_BLOCKS),
                          q.to(tl.bfloat16), mask=mask)
     if AMAX_ONLY:
@@ -381,33 +336,18 @@ def _quantize_cols_kernel(x_ptr, xs_ptr, xgs_ptr, h_ptr, amax_ptr, gs_out_ptr, c
         s_enc, s_dec = _global_scales(amax, FP8_BOUND)
         if (pid_m == 0) & (pid_n == 0) & (pid_b == 0):
             tl.store(gs_out_ptr, s_dec)
-        block_amax = tl.max(ax, axis=1)                                                # (C, 2)
-        s_b, bits, den, inv = _block_scale(block_amax, s_enc, s_dec, 6.0, SCALE_UP)
-        a = tl.minimum(ax * inv[:, None, :], 6.0)
-        # as in _quantize_kernel: the "max -> 4" candidate wins on a lower RTN error, ties to 6
-        if FOUR_OVER_SIX:
-            s4, bits4, den4, inv4 = _block_scale(block_amax, s_enc, s_dec, 4.0, SCALE_UP)
-            a4 = tl.minimum(ax * inv4[:, None, :], 6.0)
-            i6, i4 = _rtn_e2m1(a), _rtn_e2m1(a4)
-            d6 = _e2m1_value(i6) * den[:, None, :] - ax
-            d4 = _e2m1_value(i4) * den4[:, None, :] - ax
-            use4 = _column_pair_sum(d4 * d4, C) < _column_pair_sum(d6 * d6, C)
-            s_b = tl.where(use4, s4, s_b)
-            bits = tl.where(use4, bits4, bits)
-            a = tl.where(use4[:, None, :], a4, a)
-            rtn_idx = tl.where(use4[:, None, :], i4, i6)  # = _rtn_e2m1(a), already computed
+        # the column blocks as (C, 16, 2, 1) for _scale_blocks: C x 2 blocks of 16 x 1
+        a, s_b, bits, q = _scale_blocks(ax.reshape(C, 16, 2, 1), s_enc, s_dec, C, 16, 2, 1,
+                                        FOUR_OVER_SIX, SCALE_UP)
+        a, q = a.reshape(C, 16, 2), q.reshape(C, 16, 2)
         if SR:
             octs = (pid_b.to(tl.int64) * M + m0) // 8 + tl.arange(0, 2)[None, :, None]  # (1, 2, 1)
             rand = _column_random_words(tl.load(seed_ptr), octs * N + col)  # (C, 2, 2, 2, 2, 2)
             # row 8i + 4a + 2b + h
             rand = tl.permute(rand, (0, 1, 3, 4, 5, 2)).reshape(C, 16, 2)
-            idx = _sr_e2m1(a, rand)
-        elif FOUR_OVER_SIX:
-            idx = rtn_idx
-        else:
-            idx = _rtn_e2m1(a)
+            q = _sr_e2m1_value(a, rand)
         if WRITE_CODES:
-            code = idx | (((xr < 0) & (a > 0)).to(tl.int32) << 3)
+            code = _e2m1_index(q) | (((xr < 0) & (a > 0)).to(tl.int32) << 3)
             lo, hi = tl.split(code)  # even / odd column: (C, 16)
             tl.store(codes_ptr + rows.reshape(1, 16) * (N // 2) + (n0 // 2 + pair.reshape(C, 1)),
                      (lo | (hi << 4)).to(tl.uint8), mask=(n0 // 2 + pair.reshape(C, 1)) < N // 2)
@@ -415,7 +355,7 @@ def _quantize_cols_kernel(x_ptr, xs_ptr, xgs_ptr, h_ptr, amax_ptr, gs_out_ptr, c
             tl.store(scales_ptr + (pid_b.to(tl.int64) * (M // 16) + pid_m) * N + scol, bits,
                      mask=scol < N)
         if WRITE_VALUES:  # q * s_b, exact in bf16
-            q = _with_sign(_e2m1_value(idx) * s_b[:, None, :], (xr < 0) & (a > 0))
+            q = _with_sign(q * s_b[:, None, :], (xr < 0) & (a > 0))
             tl.store(values_ptr + rows * ld_values + col, q.to(tl.bfloat16), mask=mask)
 
 

@@ -18,18 +18,17 @@ adamw.v.tile): one tile mean per row.
 Same arithmetic as optim.py's reference (decode_first_moment / decode_second_moment,
 adamw_update_math, encode_first_moment / encode_second_moment), op for op, compiled with
 enable_fp_fusion=False:
-  - the 16-point Hadamard is the same 4-stage butterfly as optim.fwht16, the tile mean the same
-    pairwise tree;
-  - quantization reuses kernels/nvfp4_quant.py's E4M3 / E2M1 helpers (bit-exact with
-    nvfp4.quantize);
+  - the 16-point Hadamard is every kernel's butterfly (nvfp4_math._butterfly16), optim.fwht16's
+    stage for stage, the tile mean the same pairwise tree;
+  - quantization is kernels/nvfp4_math.py's, as in every quantize kernel (_scale_blocks: the block
+    scales and 4/6's choice; the E2M1 roundings), bit-exact with nvfp4.quantize;
   - divisions and sqrt are correctly rounded (tl.div_rn / tl.sqrt_rn), like torch on the CPU; a
     division by a per-block or per-program value is Markstein's fma step from one reciprocal
-    (nvfp4_quant._div_by: the same correctly rounded bits);
-  - 4/6's block errors are summed with the same fixed pairwise tree as nvfp4._pairwise_block_sum.
+    (nvfp4_math._div_by: the same correctly rounded bits);
 So with the same inputs p, the global scales, the E4M3 block scales (4/6 picks them by RTN error)
 and v's tile means equal the CPU reference bit for bit. m's and v's stochastic rounding draw the SR
 contract's 16 random bits per element (nvfp4.sr_uniforms: one Philox4x32-10 call per 8 elements,
-keyed by (seed, element index // 8); nvfp4_quant._random_words), one seed each, so given the seeds
+keyed by (seed, element index // 8); nvfp4_math._random_words), one seed each, so given the seeds
 their codes equal the reference's too.
 
 The kernel is instruction-bound, so the layout keeps each 16-element block in one thread
@@ -42,35 +41,25 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.nvfp4_quant import (_block_scale, _div_by, _e2m1_bits, _e2m1_value, _exact_fma,
-                                 _global_scales, seed_tensor, _pairwise_block_sum,
-                                 _rtn_e2m1, _sr_e2m1, _random_words)
+from kernels.nvfp4_math import (_butterfly16, _div_by, _e2m1_bits, _e2m1_index, _global_scales,
+                                _random_words, _scale_blocks, _sr_e2m1_value)
+from kernels.nvfp4_quant import _exact_fma, seed_tensor
 
 
 _TWO_118 = tl.constexpr(2.0 ** 118)  # _decode: s_b * 2^118 (and s_g * 2^8) cannot overflow
 
 
 @triton.jit
-def _butterfly16(x, BM: tl.constexpr, BN: tl.constexpr):
-    """x . H16 (unnormalized) on groups of 16 along the columns: optim.fwht16's butterfly, stage for
-    stage."""
-    G: tl.constexpr = BM * BN // 16
-    y = x.reshape(G, 1, 2, 8)
-    a, b = tl.split(tl.permute(y, (0, 1, 3, 2)))
-    y = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)).reshape(G, 2, 2, 4)
-    a, b = tl.split(tl.permute(y, (0, 1, 3, 2)))
-    y = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)).reshape(G, 4, 2, 2)
-    a, b = tl.split(tl.permute(y, (0, 1, 3, 2)))
-    y = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)).reshape(G, 8, 2, 1)
-    a, b = tl.split(tl.permute(y, (0, 1, 3, 2)))
-    y = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
-    return y.reshape(BM, BN)
+def _h16(x, BM: tl.constexpr, BN: tl.constexpr):
+    """x . H16 (unnormalized) on groups of 16 along the columns of a (BM, BN) tile
+    (nvfp4_math._butterfly16)."""
+    return _butterfly16(x.reshape(BM * BN // 16, 16, 1), BM * BN // 16, 1).reshape(BM, BN)
 
 
 @triton.jit
 def _fwht16(x, BM: tl.constexpr, BN: tl.constexpr):
     """x . H16/4 (optim.fwht16): the butterfly, then the exact * 1/4."""
-    return _butterfly16(x, BM, BN) * 0.25
+    return _h16(x, BM, BN) * 0.25
 
 
 @triton.jit
@@ -89,7 +78,7 @@ def _tile_mean(s, BM: tl.constexpr, BN: tl.constexpr, LOG2_BN: tl.constexpr):
 def _decode(codes_ptr, scales_ptr, gs, blk, rmask, BM: tl.constexpr, BN: tl.constexpr):
     """Packed (1, 16)-block NVFP4 -> (q * s_b) * s_g, (BM, BN) fp32 (NVFP4Tensor.dequantize). blk:
     (BM, BN // 16) block indices from the pointers. A block's 16 codes are one int64, low nibble
-    first. A code goes to fp32 by its bits (nvfp4_quant._e2m1_bits: q * 2^-126, code 8 -> -0.0).
+    first. A code goes to fp32 by its bits (nvfp4_math._e2m1_bits: q * 2^-126, code 8 -> -0.0).
     Then (q 2^-126)(s_b 2^118) = q s_b 2^-8 is exact (6 significant bits, none below 2^-18) and
     times s_g 2^8 rounds once to the bits of (q * s_b) * s_g, with no scale overflowing
     (s_b <= 448, s_g <= FLT_MAX / 1536)."""
@@ -171,8 +160,8 @@ def _amax_pass(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, gs_m_ptr, g
                                 bc2_sqrt, eps, step_size, FLOOR, EXACT_FMA, BM, BN, LOG2_BN)
     # max |y * 1/4| = (max |y|) * 1/4 exactly (rounding is monotone): the 1/4 once per program, not
     # per element
-    amax_m = tl.max(tl.max(tl.abs(_butterfly16(m, BM, BN)), axis=1), axis=0) * 0.25
-    amax_r = tl.max(tl.max(tl.abs(_butterfly16(r, BM, BN)), axis=1), axis=0) * 0.25
+    amax_m = tl.max(tl.max(tl.abs(_h16(m, BM, BN)), axis=1), axis=0) * 0.25
+    amax_r = tl.max(tl.max(tl.abs(_h16(r, BM, BN)), axis=1), axis=0) * 0.25
     pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     tl.store(part_ptr + 2 * pid, amax_m)
     tl.store(part_ptr + 2 * pid + 1, amax_r)
@@ -183,25 +172,13 @@ def _encode(x, s_enc, s_dec, rand, codes_ptr, scales_ptr, blk, rmask, SR: tl.con
             UP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """nvfp4.quantize(x, (1, 16), rtn | sr | sr_up (SR, UP), four_over_six=True) of a (BM, BN) tile
     given its global scales; stores in place."""
-    ax = tl.abs(x)
-    xb = ax.reshape(BM, BN // 16, 16)
-    block_amax = tl.max(xb, axis=2)                                            # (BM, BN // 16)
-    s6, bits6, den6, inv6 = _block_scale(block_amax, s_enc, s_dec, 6.0, UP)
-    s4, bits4, den4, inv4 = _block_scale(block_amax, s_enc, s_dec, 4.0, UP)
-    a6 = tl.minimum(xb * inv6[:, :, None], 6.0)
-    a4 = tl.minimum(xb * inv4[:, :, None], 6.0)
-    i6, i4 = _rtn_e2m1(a6), _rtn_e2m1(a4)
-    d6 = _e2m1_value(i6) * den6[:, :, None] - xb
-    d4 = _e2m1_value(i4) * den4[:, :, None] - xb
-    err6 = _pairwise_block_sum((d6 * d6).reshape(BM, 1, BN // 16, 16), BM, 1, BN // 16, 16)
-    err4 = _pairwise_block_sum((d4 * d4).reshape(BM, 1, BN // 16, 16), BM, 1, BN // 16, 16)
-    use4 = err4 < err6                                                         # 4/6, ties to 6
-    a = tl.where(use4[:, :, None], a4, a6)
+    # (BM, BN / 16) blocks of 1 x 16, the scales and 4/6's choice as every quantize kernel's
+    a, _, bits, q = _scale_blocks(tl.abs(x).reshape(BM, 1, BN // 16, 16), s_enc, s_dec,
+                                      BM, 1, BN // 16, 16, True, UP)
+    a = a.reshape(BM, BN // 16, 16)
     if SR:
-        idx = _sr_e2m1(a, rand.reshape(BM, BN // 16, 16))
-    else:
-        idx = tl.where(use4[:, :, None], i4, i6)  # = _rtn_e2m1(a), already computed
-    code = (idx.reshape(BM, BN)
+        q = _sr_e2m1_value(a, rand.reshape(BM, BN // 16, 16))
+    code = (_e2m1_index(q).reshape(BM, BN)
             | (((x < 0) & (a.reshape(BM, BN) > 0)).to(tl.int32) << 3)).to(tl.uint32)
     # a block's 16 codes -> one int64, low nibble first (what _decode reads), by splits: a block
     # stays in a thread
@@ -211,7 +188,7 @@ def _encode(x, s_enc, s_dec, rand, codes_ptr, scales_ptr, blk, rmask, SR: tl.con
     a, b = tl.split((a | (b << 16)).reshape(BM, BN // 16, 1, 2))
     w = a.reshape(BM, BN // 16).to(tl.int64) | (b.reshape(BM, BN // 16).to(tl.int64) << 32)
     tl.store(codes_ptr.to(tl.pointer_type(tl.int64)) + blk, w, mask=rmask)
-    tl.store(scales_ptr + blk, tl.where(use4, bits4, bits6), mask=rmask)
+    tl.store(scales_ptr + blk, bits, mask=rmask)
 
 
 @triton.jit

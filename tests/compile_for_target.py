@@ -23,7 +23,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 LAUNCHES = []
 JITFunction.run = lambda self, *args, grid, warmup, **kwargs: LAUNCHES.append((self, args, kwargs))
 
-from kernels import nvfp4_gemm, nvfp4_quant  # noqa: E402
+from kernels import nvfp4_dequant, nvfp4_gemm, nvfp4_quant  # noqa: E402
 
 TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16",
          torch.uint8: "*u8", torch.int32: "*i32", torch.int64: "*i64",
@@ -91,7 +91,7 @@ def record_quantize_launches():
     for block, n_scales in (((1, 16), (64, 16)), ((16, 16), (4, 16))):
         scales = torch.zeros(n_scales, dtype=torch.uint8).view(torch.float8_e4m3fn)
         for dtype in (torch.float32, torch.bfloat16):
-            nvfp4_quant.dequantize(codes, scales, s_g, (64, 256), block, dtype)
+            nvfp4_dequant.dequantize(codes, scales, s_g, (64, 256), block, dtype)
     nvfp4_gemm.scale_(torch.zeros(100, dtype=torch.bfloat16), s_g, s_g)
 
 

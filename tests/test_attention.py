@@ -35,9 +35,6 @@ def _run(fn, q, k, v, do):
     return (o, *torch.autograd.grad(o, xs, do))
 
 
-def _dequantized(values_and_scale):
-    values, s_dec = values_and_scale
-    return values * s_dec
 
 
 def _rel_mse(ours, ref):
@@ -157,7 +154,7 @@ def test_fp4_gradients_vs_float64_fake_quantized(impl):
     bound = attention.ds_bound(do.norm(dim=-1), v_amax, delta.float(), D, G)[..., None, None]
     keys = attention.sr_keys(seed, B * H).reshape(B, H, 2)
     rows = torch.arange(T)
-    fq = lambda x, u: _dequantized(attention.fake_quantize_rows16(x, bound, "sr", u))
+    fq = lambda x, u: attention.fake_quantize_rows(x, bound, "sr", u)
     ds_q = fq(ds64, attention.sr_uniforms(keys[..., 0], rows, rows, T))
     u_k = attention.sr_uniforms(keys[..., 1], rows, rows, T, query_pairs=True).transpose(-1, -2)
     ds_k = fq(ds64.transpose(-1, -2), u_k).transpose(-1, -2)
@@ -238,10 +235,11 @@ def test_kernel_quantizer_matches_torch_mirror_bitwise(rounding):
     u = torch.rand(x.shape, generator=torch.Generator().manual_seed(1))
     out = torch.empty_like(x)
     _quant_tile_kernel[(1,)](x, u, out, amax.reshape(1), 8, 64, rounding == "sr")
-    mirror, s_dec = attention.fake_quantize_rows16(x, amax, rounding, u)
-    assert torch.equal(out, mirror)
+    mirror = nvfp4.quantize_reference(x, (1, 16), rounding, global_amax=amax, uniforms=u)
+    assert torch.equal(out, mirror.grid_values())
     if rounding == "rtn":   # and the mirror is nvfp4.quantize when the amax is the tensor's own
-        assert torch.equal(mirror * s_dec, nvfp4.fake_quantize(x, (1, 16), "rtn"))
+        assert torch.equal(attention.fake_quantize_rows(x, amax),
+                           nvfp4.fake_quantize(x, (1, 16), "rtn"))
 
 
 def test_ties_round_to_even_with_unit_scale():
@@ -253,7 +251,7 @@ def test_ties_round_to_even_with_unit_scale():
     _quant_tile_kernel[(1,)](x, torch.zeros_like(x), out, amax.reshape(1), 1, 16, False)
     expected = torch.tensor([[0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0] * 2])
     assert torch.equal(out, expected) \
-        and torch.equal(attention.fake_quantize_rows16(x, amax)[0], expected)
+        and torch.equal(nvfp4.quantize_reference(x, global_amax=amax).grid_values(), expected)
 
 
 def test_sr_uniforms_kernel_equals_torch_and_unbiased():
@@ -278,8 +276,8 @@ def test_sr_uniforms_kernel_equals_torch_and_unbiased():
     x[0, 0] = 6.0
     u = (attention.sr_uniforms(keys[:, 0], torch.arange(4096), torch.arange(256), 256)
          .reshape(-1)[:2**20])
-    many = attention.fake_quantize_rows16(x.expand(2**16, 16), torch.tensor(2688.0), "sr",
-                                          u.reshape(2**16, 16))[0]
+    many = attention.fake_quantize_rows(x.expand(2**16, 16), torch.tensor(2688.0), "sr",
+                                        u.reshape(2**16, 16))
     assert (many.mean(0) - x[0]).abs().max() < 0.02
 
 
@@ -410,6 +408,7 @@ def test_gpu_kernel_quantizer_bitwise(rounding):
     out = torch.empty_like(x)
     _quant_tile_kernel[(1,)](x, u, out, amax.reshape(1), 8, 64, rounding == "sr")
     # mirror on the GPU
-    assert torch.equal(out, attention.fake_quantize_rows16(x, amax, rounding, u)[0])
-    assert torch.equal(out.cpu(),
-                       attention.fake_quantize_rows16(x.cpu(), amax.cpu(), rounding, u.cpu())[0])
+    for dev in ("cuda", "cpu"):   # the reference on the GPU and on the CPU
+        ref = nvfp4.quantize_reference(x.to(dev), (1, 16), rounding, global_amax=amax.to(dev),
+                                       uniforms=u.to(dev))
+        assert torch.equal(out.to(dev), ref.grid_values())

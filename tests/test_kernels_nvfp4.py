@@ -13,8 +13,10 @@ import triton
 import triton.language as tl
 
 import nvfp4
+from kernels import nvfp4_dequant as kd
 from kernels import nvfp4_gemm as kg
 from kernels import nvfp4_linear as kl
+from kernels import nvfp4_math as nm
 from kernels import nvfp4_quant as kq
 from oracles import transposed
 
@@ -39,7 +41,7 @@ def kquantize(x, block=(1, 16), *args, **kwargs):
 
 
 def kdequantize(t, dtype):
-    return kq.dequantize(t.codes, t.scales, t.global_scale, t.shape, t.block, dtype)
+    return kd.dequantize(t.codes, t.scales, t.global_scale, t.shape, t.block, dtype)
 
 
 def _same(k, r):
@@ -95,7 +97,7 @@ def test_quantize_ties_to_even_on_the_grid():
 def _e4m3_probe(s_ptr, v_ptr, bits_ptr, n, BLOCK: tl.constexpr, UP: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     s = tl.load(s_ptr + offs, mask=offs < n, other=0.0)
-    v, bits = kq._round_to_e4m3(s, UP)
+    v, bits = nm._round_to_e4m3(s, UP)
     tl.store(v_ptr + offs, v, mask=offs < n)
     tl.store(bits_ptr + offs, bits, mask=offs < n)
 
@@ -138,10 +140,10 @@ def test_gpu_round_to_e4m3_hardware_conversion_on_every_tie():
 def _e2m1_probe(a_ptr, idx_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     a = tl.load(a_ptr + offs, mask=offs < n, other=0.0)
-    tl.store(idx_ptr + offs, kq._rtn_e2m1(a), mask=offs < n)
+    tl.store(idx_ptr + offs, nm._e2m1_index(nm._rtn_e2m1_value(a)), mask=offs < n)
 
 
-def test_rtn_e2m1_bit_trick_matches_the_reference_on_ties_and_neighbours():
+def test_rtn_e2m1_matches_the_reference_on_ties_and_neighbours():
     grid = nvfp4.E2M1_VALUES.clone()
     ties = (grid[:-1] + grid[1:]) / 2  # 0.25, 0.75, ..., 5: exact midpoints
     pts = torch.cat((grid, ties))
@@ -162,7 +164,7 @@ def test_rtn_e2m1_bit_trick_matches_the_reference_on_ties_and_neighbours():
 def _pairwise_probe(e_ptr, out_ptr, BM: tl.constexpr, BN: tl.constexpr, SBM: tl.constexpr,
                     SBN: tl.constexpr):
     e = tl.load(e_ptr + tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :])
-    s = kq._pairwise_block_sum(e.reshape(BM // SBM, SBM, BN // SBN, SBN),
+    s = nm._pairwise_block_sum(e.reshape(BM // SBM, SBM, BN // SBN, SBN),
                                BM // SBM, SBM, BN // SBN, SBN)
     tl.store(out_ptr + tl.arange(0, BM // SBM)[:, None] * (BN // SBN)
              + tl.arange(0, BN // SBN)[None, :], s)
@@ -204,11 +206,11 @@ def test_four_over_six_error_sum_is_the_fixed_pairwise_tree(block):
 
 
 def test_markstein_division_step_is_correctly_rounded():
-    """The GPU path of kq._div_by (the interpreter cannot run it: its fma rounds twice):
+    """The GPU path of nm._div_by (the interpreter cannot run it: its fma rounds twice):
     q = RN(x / den) from inv = RN(1 / den) with one fma correction (emulated in float64: exact
     products), equals true division.
     Per-block divisors, and the block scale's constant ones
-    (kq._block_scale: amax / 6, then / s_g)."""
+    (nm._block_scale: amax / 6, then / s_g)."""
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(2_000_000, generator=g)
          * torch.exp(3 * torch.randn(2_000_000, generator=g))).abs()
@@ -345,12 +347,12 @@ def _words_probe(out_ptr, seed, M, N, WHICH: tl.constexpr, BM: tl.constexpr, BN:
     _column_random_words in the tile kernel's arrangement."""
     rows, cols = tl.arange(0, BM), tl.arange(0, BN)
     if WHICH == 0:
-        r = kq._random_words(seed, rows, 0, N, BM, BN)
+        r = nm._random_words(seed, rows, 0, N, BM, BN)
     elif WHICH == 1:
-        r = kq._block_random_words(seed, tl.arange(0, BM * BN // 16), BM * BN // 16)
+        r = nm._block_random_words(seed, tl.arange(0, BM * BN // 16), BM * BN // 16)
         r = r.reshape(BM, BN)
     else:
-        r = kq._column_random_words(seed, tl.arange(0, BM // 8)[:, None] * N + cols[None, :])
+        r = nm._column_random_words(seed, tl.arange(0, BM // 8)[:, None] * N + cols[None, :])
         r = tl.permute(r, (0, 2, 3, 4, 1)).reshape(BM, BN)
     tl.store(out_ptr + rows[:, None] * N + cols[None, :], r.to(tl.int32, bitcast=True))
 
@@ -358,7 +360,7 @@ def _words_probe(out_ptr, seed, M, N, WHICH: tl.constexpr, BM: tl.constexpr, BN:
 @pytest.mark.parametrize("which, block", [(0, (1, 16)), (1, (1, 16)), (2, (16, 1))])
 def test_sr_words_are_the_references_half_words(which, block):
     """Every SR helper draws nvfp4.sr_uniforms' 16 bits per element, in the high half of its word
-    (the low half zero: _sr_e2m1 reads u = (r >> 8) * 2^-24 = (r >> 16) * 2^-16)."""
+    (the low half zero: _sr_e2m1_value reads u = (r >> 8) * 2^-24 = (r >> 16) * 2^-16)."""
     M, N, seed = 32, 64, 424242
     out = torch.zeros(M, N, dtype=torch.int32)
     _words_probe[(1,)](out, seed, M, N, which, M, N)
@@ -369,12 +371,12 @@ def test_sr_words_are_the_references_half_words(which, block):
 
 @triton.jit
 def _sr_probe(a_ptr, idx_ptr):
-    """_sr_e2m1 of one a (per program) with every 16-bit half-word h, placed as the SR helpers
-    place it (h << 16)."""
+    """_sr_e2m1_value's index of one a (per program) with every 16-bit half-word h, placed as the
+    SR helpers place it (h << 16)."""
     h = tl.arange(0, 65536)
     a = tl.load(a_ptr + tl.program_id(0) + h * 0)
     r = h.to(tl.uint32) << 16
-    tl.store(idx_ptr + tl.program_id(0) * 65536 + h, kq._sr_e2m1(a, r))
+    tl.store(idx_ptr + tl.program_id(0) * 65536 + h, nm._e2m1_index(nm._sr_e2m1_value(a, r)))
 
 
 def test_sr_rounds_up_for_exactly_ceil_d_2_16_of_the_half_words():
@@ -447,7 +449,7 @@ def test_quantize_dequant_writes_the_grid_values(block):
     assert values.dtype == torch.bfloat16 and torch.equal(values.float(), r.grid_values())
     assert torch.equal(s_g, r.global_scale)
     _same(nvfp4.NVFP4Tensor(codes, scales, s_g, x.shape, block), r)
-    assert torch.equal(kq.grid_values_bf16(r).float(), r.grid_values())
+    assert torch.equal(kd.grid_values_bf16(r).float(), r.grid_values())
     assert torch.equal(kdequantize(r, torch.float32), r.dequantize(torch.float32))
     # explicit RNE to bf16
     assert torch.equal(kdequantize(r, torch.bfloat16), r.dequantize(torch.bfloat16))
@@ -455,7 +457,7 @@ def test_quantize_dequant_writes_the_grid_values(block):
 
 @pytest.mark.parametrize("block", BLOCKS)
 def test_dequantize_bitwise_every_block(block):
-    """kq.dequantize / grid_values_bf16 against the reference bit for bit (-0.0 of negative zero
+    """kd.dequantize / grid_values_bf16 against the reference bit for bit (-0.0 of negative zero
     codes and subnormal scales included), batched, with a block count that leaves a partial
     program."""
     x = _heavy_tailed((3, 48, 80), torch.Generator().manual_seed(11))
@@ -463,7 +465,7 @@ def test_dequantize_bitwise_every_block(block):
     r = nvfp4.quantize_reference(x, block, "rtn", False)
     assert (r.unpack_codes() == 8).any() and (r.scales.float() < 2**-6).any()
     bits = lambda t: t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
-    assert torch.equal(bits(kq.grid_values_bf16(r)), bits(r.grid_values().to(torch.bfloat16)))
+    assert torch.equal(bits(kd.grid_values_bf16(r)), bits(r.grid_values().to(torch.bfloat16)))
     for dtype in (torch.float32, torch.bfloat16):
         assert torch.equal(bits(kdequantize(r, dtype)), bits(r.dequantize(dtype)))
 
@@ -521,12 +523,12 @@ def test_grid_values_decode_into_a_wider_buffer():
                              (slice(None), slice(32, None))),
                             (_noise_buffer((51, 32), g), slice(0, 48), slice(48, None))]:
         before = buf.clone()
-        out = kq.grid_values_bf16(w, out=buf[part])
+        out = kd.grid_values_bf16(w, out=buf[part])
         assert out.data_ptr() == buf.data_ptr() and torch.equal(_bits16(buf[part]), want)
         assert torch.equal(_bits16(buf[rest]), _bits16(before[rest]))
     x = nvfp4.quantize_reference(torch.randn(16, 32, generator=g))
     with pytest.raises(ValueError, match="out must be"):
-        kq.grid_values_bf16(x, out=torch.empty(16, 40, dtype=torch.bfloat16)[:, :32])
+        kd.grid_values_bf16(x, out=torch.empty(16, 40, dtype=torch.bfloat16)[:, :32])
     with pytest.raises(ValueError, match="out must be"):
         kq.quantize_dequant(torch.randn(16, 32), out=torch.empty(16, 32))
 
@@ -547,7 +549,7 @@ def test_lora_operands_equal_the_concatenations_bit_for_bit(rounding):
     assert torch.equal(_bits16(buf), _bits16(torch.cat((xv, branch), dim=1)))
     qw = nvfp4.quantize_reference(_heavy_tailed((32, 64), g), (16, 16), "rtn", True)
     L1, L2 = L.bfloat16(), torch.randn(32, 5, generator=g).bfloat16()
-    w_hat = kq.grid_values_bf16(qw)
+    w_hat = kd.grid_values_bf16(qw)
     assert torch.equal(_bits16(lora_fused._weight_operand(qw, L2, 1)),
                        _bits16(torch.cat((w_hat, L2), dim=1)))
     assert torch.equal(_bits16(lora_fused._weight_operand(qw, L1, 0)),
@@ -578,7 +580,7 @@ def test_packed_source_equals_dequantize_then_quantize(options, dtype):
     opts, H = _split_hadamard(options, g)
     for shape in [(32, 48), (16, 16), (2, 16, 32)]:
         xq = nvfp4.quantize_reference(_heavy_tailed(shape, g), (1, 16), "rtn", True)
-        x_hat = kq.dequantize(xq.codes, xq.scales, xq.global_scale, xq.shape, xq.block, dtype)
+        x_hat = kd.dequantize(xq.codes, xq.scales, xq.global_scale, xq.shape, xq.block, dtype)
         want_v, want_gs, *want = kq.quantize_dequant(x_hat, (16, 1), hadamard=H,
                                                      return_tensor=True, **opts)
         got_v, got_gs, *got = kq.quantize_dequant(xq, (16, 1), hadamard=H, return_tensor=True,
@@ -588,7 +590,7 @@ def test_packed_source_equals_dequantize_then_quantize(options, dtype):
         assert torch.equal(_bits16(got_v), _bits16(want_v))
     # codes only (the Blackwell route); fp16: not decoded in the kernel, dequantized first
     for dt in (dtype, torch.float16) if H is not None else ():
-        x_hat = kq.dequantize(xq.codes, xq.scales, xq.global_scale, xq.shape, xq.block, dt)
+        x_hat = kd.dequantize(xq.codes, xq.scales, xq.global_scale, xq.shape, xq.block, dt)
         _same(nvfp4.NVFP4Tensor(*kq.quantize(xq, (16, 1), hadamard=H, source_dtype=dt, **opts),
                                 shape, (16, 1)), kquantize(x_hat, (16, 1), hadamard=H, **opts))
 
@@ -761,7 +763,7 @@ def test_gpu_dequantize_bit_exact():
     k = kquantize(x.cuda(), (1, 16))
     for dtype in (torch.float32, torch.bfloat16):
         assert torch.equal(kdequantize(k, dtype).cpu(), r.dequantize(dtype))
-    assert torch.equal(kq.grid_values_bf16(k).float().cpu(), r.grid_values())
+    assert torch.equal(kd.grid_values_bf16(k).float().cpu(), r.grid_values())
 
 
 @pytest.mark.gpu
