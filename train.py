@@ -229,17 +229,19 @@ def check_out_dir(out_dir):
 def unread_numerics(spec, recipe, args):
     """A --numerics entry this recipe and optimizer never read: refused, not stored in summary.json
     as if it had changed the run."""
-    key = spec.partition("=")[0]
-    states, direct_reads = recipe.optim_states, ("optim.adamw.m", "optim.adamw.v",
-                                                 "optim.root.momentum")  # only as "fp32"
-    why = (key.startswith("linear.") and recipe.linear == "bf16" and "its linear layers are bf16"
-           or key == "lora.branch" and recipe.linear not in LORA_LINEARS and "it has no LoRA branch"
-           or key.startswith("optim.") and states == "fp32" and "its optimizer states are fp32"
-           or key.startswith(("optim.root.", "optim.newton_schulz")) and args.optimizer != "root"
-           and "only --optimizer root has a momentum buffer and Newton-Schulz"
-           or key.startswith("optim.") and states == "direct" and key not in direct_reads
-           and not key.startswith("optim.newton_schulz")
-           and "its direct states read no contract but whole entries set to fp32")
+    key, states = spec.partition("=")[0], recipe.optim_states
+    optim_key, root_key = key.startswith("optim."), key.startswith(("optim.root.",
+                                                                    "optim.newton_schulz"))
+    direct_reads = ("optim.adamw.m", "optim.adamw.v", "optim.root.momentum")  # as "fp32" only
+    unread = [(key.startswith("linear.") and recipe.linear == "bf16", "its linear layers are bf16"),
+              (key == "lora.branch" and recipe.linear not in LORA_LINEARS, "it has no LoRA branch"),
+              (optim_key and states == "fp32", "its optimizer states are fp32"),
+              (root_key and args.optimizer != "root",
+               "only --optimizer root has a momentum buffer and Newton-Schulz"),
+              (optim_key and states == "direct" and key not in direct_reads
+               and not key.startswith("optim.newton_schulz"),
+               "its direct states read no contract but whole entries set to fp32")]
+    why = next((reason for hit, reason in unread if hit), None)
     if why:
         die(f"--numerics {spec!r}: recipe {args.recipe} with --optimizer {args.optimizer} never "
             f"reads {key} ({why})")
