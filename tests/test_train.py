@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -248,6 +249,111 @@ def test_bad_flags_give_one_line_and_exit_2(byte_data, micro, tmp_path, capsys, 
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("train.py: error: ") and message in err, err
+
+
+# --------------------------------------------------------------------------------------------------
+# Issue 39: every bad input one line and exit 2, before any file of the run is written
+
+@pytest.fixture
+def contracts(monkeypatch):
+    """--numerics edits the module-level contract tables: each test edits copies."""
+    monkeypatch.setattr(nvfp4, "LINEAR", dict(nvfp4.LINEAR))
+    monkeypatch.setattr(optim, "CONTRACT", dict(optim.CONTRACT))
+    monkeypatch.setattr(lora_svd, "BRANCH", lora_svd.BRANCH)
+
+
+def refused(byte_data, out_dir, capsys, *flags):
+    """run(...) exits 2 with one line on stderr and writes nothing; returns the line."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        run(byte_data, out_dir, *flags)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("train.py: error: "), err
+    assert not os.path.exists(out_dir)
+    return err
+
+
+BAD_NUMERICS = [
+    (["--numerics", "optim.adamw.m=fp5"],
+     "'optim.adamw.m=fp5': optim.adamw.m takes fp32 (full precision) or one field at a time"),
+    (["--optimizer", "root", "--numerics", "optim.root.momentum=fp5"],
+     "optim.root.momentum takes fp32 (full precision) or one field at a time"),
+    (["--numerics", "linear.forward.x=fp32"], "linear.forward.x takes one field at a time"),
+    (["--numerics", "optim.adamw.m.hadamard=random"], "optim.CONTRACT['adamw.m']: expected"),
+    (["--numerics", "linear.forward.x.block=16x1"], "nvfp4.LINEAR['forward.x'].block must be"),
+    (["--numerics", "optim.adamw.v.tile=24"], "adamw.v.tile must be a power of two >= 16"),
+    (["--optimizer", "root", "--numerics", "optim.root.momentum.levels=3"],
+     "root.momentum.levels must be 1 or 2"),
+    (["--numerics", "optim.root.momentum=fp32"], "recipe fullstack with --optimizer adamw never "
+     "reads optim.root.momentum (only --optimizer root has a momentum buffer"),
+    (["--numerics", "optim.newton_schulz.rounding=sr"], "never reads optim.newton_schulz.rounding"),
+    (["--recipe", "bf16", "--numerics", "linear.wgrad.dy.rounding=rtn"],
+     "recipe bf16 with --optimizer adamw never reads linear.wgrad.dy.rounding (its linear layers "
+     "are bf16)"),
+    (["--recipe", "lora_svd", "--numerics", "optim.adamw.m=fp32"],
+     "never reads optim.adamw.m (its optimizer states are fp32)"),
+    (["--recipe", "nvfp4", "--numerics", "lora.branch=fp32"], "(it has no LoRA branch)"),
+    (["--recipe", "naive_fp4", "--numerics", "optim.adamw.v.floor=1/8"],
+     "recipe naive_fp4 with --optimizer adamw never reads optim.adamw.v.floor (its direct states"),
+]
+
+
+@pytest.mark.parametrize("flags,message", BAD_NUMERICS)
+def test_bad_numerics_are_refused_when_the_flags_are_read(byte_data, micro, contracts, tmp_path,
+                                                          capsys, flags, message):
+    """A value its entry does not allow, or an entry the recipe and optimizer never read: one line
+    before anything is built (it used to be a traceback in optimizer.step(), or a silent no-op
+    recorded in summary.json)."""
+    err = refused(byte_data, tmp_path / "out", capsys, "--recipe", "fullstack", *flags)
+    assert f"--numerics " in err and message in err, err
+
+
+def test_the_grids_numerics_are_read_by_their_rows(monkeypatch):
+    """Every --numerics entry of tools/ablation.py's split grid is one its row's recipe reads."""
+    from tools import ablation
+    linear, contract = dict(nvfp4.LINEAR), dict(optim.CONTRACT)
+    for _, recipe, optimizer, numerics, flags in ablation.SPLIT_ROWS:
+        monkeypatch.setattr(nvfp4, "LINEAR", dict(linear))  # each row edits today's tables
+        monkeypatch.setattr(optim, "CONTRACT", dict(contract))
+        argv = ["--recipe", recipe, "--optimizer", optimizer, "--device", "cpu"]
+        argv += [f"--{k}={v}" for k, v in flags.items()]
+        args = train.parse_args(argv + [f"--numerics={e}" for e in numerics])
+        train.resolve_args(args, 1)
+
+
+def test_an_out_dir_that_is_a_file_and_a_bad_route_are_one_line(byte_data, micro, tmp_path,
+                                                                 capsys, monkeypatch):
+    (tmp_path / "f").write_text("not a folder")
+    for out in ("f", "f/run"):
+        err = refused(byte_data, tmp_path / "x", capsys, "--out_dir", str(tmp_path / out))
+        assert f"--out_dir {tmp_path / out}: {tmp_path / 'f'} is a file, not a directory" in err
+    monkeypatch.setenv("NANOFP4_ROUTE", "bogus")  # checked before the header and the run folder
+    err = refused(byte_data, tmp_path / "out", capsys, "--max_steps", "1")
+    assert "NANOFP4_ROUTE='bogus': expected one of auto, reference, kernels" in err, err
+
+
+def test_a_long_step_shows_its_micro_steps_and_an_estimate(byte_data, micro, tmp_path, capsys,
+                                                           monkeypatch):
+    """A step of minutes (1b on a CPU) shows progress inside the step. Here the interval is forced
+    down and each micro-step made to last longer than it."""
+    monkeypatch.setattr(train, "PROGRESS_EVERY", 0.05)
+    forward = model.GPT.forward
+
+    def slow(self, idx, targets=None):
+        time.sleep(0.3)
+        return forward(self, idx, targets)
+    monkeypatch.setattr(model.GPT, "forward", slow)
+    run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "2", "--grad_accum", "3",
+        "--eval_every", "0")
+    out = capsys.readouterr().out.splitlines()
+    lines = [l for l in out if "micro-steps done" in l]
+    line = r"step ([12])/2: ([0-3])/3 micro-steps done, [\d.]+ s into the step(.*)"
+    assert lines and all(re.fullmatch(line, l) for l in lines), out
+    steps = {re.fullmatch(line, l).group(1) for l in lines}
+    assert steps == {"1", "2"}
+    estimates = [float(x) for l in lines for x in re.findall(r"about ([\d.]+) s of micro-steps", l)]
+    assert estimates and all(0.9 <= e < 30 for e in estimates), lines  # 3 micro-steps of >= 0.3 s
+    assert out[-1].startswith("done: 2 steps")  # the watcher stopped with the run
 
 
 def test_shape_flags_build_and_record_the_model_they_name(byte_data, micro1, tmp_path, capsys):

@@ -1,11 +1,14 @@
 """docs/workshop.md runs as written, and says what it prints. The page is the single source:
 
-- every code block of each exercise is run from the repository root;
+- every code block of each exercise is run from the repository root, a python block as `python -`
+  (as the page says to run them);
 - every number the page states as a result (one with a decimal point, an exponent or a % sign, in
-the
-  "What you should see" and "Change this" paragraphs; integers are inputs, and section, equation and
-  figure numbers are skipped) must be among the numbers the blocks print, to the page's precision:
-  the printed value rounded to the page's digits equals the page's number;
+  the "What you should see" and "Change this" paragraphs; integers are inputs, and section, equation
+  and figure numbers are skipped) must be among the numbers the blocks print, to the page's
+  precision: the printed value rounded to the page's digits equals the page's number. So the page
+  quotes digits only of what is deterministic on any CPU (seeded inputs through the quantizers);
+  training runs and diverging iterations, whose digits differ between CPUs and thread counts, are
+  held to properties (exercise 4's losses, exercise 5's Muon set) in the exercise's own test;
 - every "Change this" names its edits as "replace `A` by `B`"; the test makes them, runs the changed
   blocks, and checks the numbers that paragraph states against what they print (and what the
   unchanged blocks print, which the paragraph compares with);
@@ -44,14 +47,16 @@ def exercises():
 
 
 def run_blocks(blocks, out_dir):
-    """Run each block (python or bash) from the repository root; returns what they printed."""
+    """Run each block as the page says, from the repository root (python blocks as `python -`, no
+    PYTHONPATH); returns what they printed."""
     printed = []
     for language, code in blocks:
         # keep the checkout's out/ clean
         code = code.replace("out/workshop_", f"{out_dir}/workshop_")
-        cmd = [sys.executable, "-c", code] if language == "python" else ["bash", "-ec", code]
-        env = {**os.environ, "PYTHONPATH": ROOT}
-        result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        cmd = [sys.executable, "-"] if language == "python" else ["bash", "-ec", code]
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+                                input=code if language == "python" else None)
         assert result.returncode == 0, f"block failed:\n{code}\n{result.stdout}\n{result.stderr}"
         printed.append(result.stdout)
     return "\n".join(printed)
@@ -131,6 +136,12 @@ def outputs(page, tmp_path_factory):
             cache[number, changed] = run_blocks(blocks, out_dir)
         return cache[number, changed]
     return get
+
+
+def test_the_page_says_how_to_run_a_block_and_which_digits_hold():
+    intro = open(DOC).read().split("\n## ")[0]
+    assert "from the repository root" in intro and "`python -`" in intro and "PYTHONPATH" in intro
+    assert "differ between CPUs and thread counts" in intro
 
 
 def test_six_exercises_each_with_code_results_a_change_and_its_figure(page):
@@ -218,9 +229,12 @@ def test_exercise4_optimizer_states(outputs):
     losses = {s: [float(x) for x in line.split()] for s, line in
               re.findall(r"^optimizer states (\w+): losses ([\d. ]+)$", out, re.M)}
     assert set(losses) == {"fp32", "direct", "nvfp4"}  # the same BF16 model, three kinds of states
-    assert max(losses["direct"]) > 100  # direct NVFP4 states blow up
+    # what holds on any CPU (the digits of these trajectories do not): direct NVFP4 states blow up
+    # past 100 within six steps; fp32 states train; the §3.3 states stay within half a nat of them
+    assert max(losses["direct"]) > 100
     for states in ("fp32", "nvfp4"):
         assert losses[states][-1] < losses[states][0] - 1 and max(losses[states]) < 12
+    assert max(abs(a - b) for a, b in zip(losses["fp32"], losses["nvfp4"])) < 0.5
 
 
 def test_exercise5_newton_schulz(outputs):
