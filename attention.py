@@ -73,15 +73,6 @@ P_GLOBAL_SCALE = nvfp4.global_scales(torch.tensor(1.0))[1].item()  # S_dec of P:
 M32 = 0xFFFFFFFF
 
 
-def _use_kernels(x, impl):
-    """The seam: True runs the Triton kernels (kernels/flash_attention.py; CPU tensors run in the
-    Triton interpreter), False this file's tiled PyTorch reference. impl "auto" asks the project's
-    seam, nvfp4.use_kernels (NANOFP4_ROUTE)."""
-    if impl == "auto":
-        return nvfp4.use_kernels(x)
-    return impl == "triton"
-
-
 # --------------------------------------------------------------------------------------------------
 # NVFP4 pieces the fused kernels do in registers (torch mirrors of kernels/flash_attention.py)
 
@@ -391,13 +382,13 @@ class _Attention(torch.autograd.Function):
 
 @torch.library.custom_op(
     "nanofp4::attention", mutates_args=(),
-    schema="(Tensor q, Tensor k, Tensor v, bool causal, str policy, str impl) -> (Tensor, "
+    schema="(Tensor q, Tensor k, Tensor v, bool causal, str policy) -> (Tensor, "
            "Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
-def _attention_op(q, k, v, causal, policy, impl):
+def _attention_op(q, k, v, causal, policy):
     """attention_forward as a custom op (the route resolved when it runs) -> (o, lse, then Q, K, V
     in NVFP4 as codes, scales, global scale each; empty tensors where the policy keeps them in
     BF16)."""
-    o, lse, fp4 = attention_forward(q, k, v, causal, policy, _use_kernels(q, impl))
+    o, lse, fp4 = attention_forward(q, k, v, causal, policy, nvfp4.use_kernels(q))
     fp4 = ([q.new_empty(0) for _ in range(9)] if fp4 is None
            else [t for x in fp4 for t in (x.codes, x.scales, x.global_scale)])
     return o, lse, *fp4
@@ -406,16 +397,17 @@ def _attention_op(q, k, v, causal, policy, impl):
 @torch.library.custom_op(
     "nanofp4::attention_backward", mutates_args=(),
     schema="(Tensor do, Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, Tensor[] fp4, "
-           "bool causal, str policy, str impl) -> (Tensor, Tensor, Tensor)")
-def _attention_backward_op(do, o, lse, q, k, v, fp4, causal, policy, impl):
+           "bool causal, str policy) -> (Tensor, Tensor, Tensor)")
+def _attention_backward_op(do, o, lse, q, k, v, fp4, causal, policy):
     """attention_backward as a custom op -> (dQ, dK, dV)."""
     fp4 = (tuple(nvfp4.packed(*fp4[i:i + 3], (1, 16)) for i in (0, 3, 6))
            if POLICIES[policy]["qkv"] else None)
-    return attention_backward(do, o, lse, (q, k, v), fp4, causal, policy, _use_kernels(o, impl))
+    return attention_backward(do, o, lse, (q, k, v), fp4, causal, policy,
+                              nvfp4.use_kernels(o))
 
 
 @_attention_op.register_fake
-def _(q, k, v, causal, policy, impl):
+def _(q, k, v, causal, policy):
     (B, H, T, D), Hkv = q.shape, k.shape[1]
     fp4 = [q.new_empty(0) for _ in range(9)]
     if POLICIES[policy]["qkv"]:  # codes, scales, global scale of Q, K, V
@@ -427,39 +419,37 @@ def _(q, k, v, causal, policy, impl):
 
 
 @_attention_backward_op.register_fake
-def _(do, o, lse, q, k, v, fp4, causal, policy, impl):
+def _(do, o, lse, q, k, v, fp4, causal, policy):
     kv_shape = (o.shape[0], (fp4[3] if POLICIES[policy]["qkv"] else k).shape[1], *o.shape[2:])
     return o.new_empty(o.shape), o.new_empty(kv_shape), o.new_empty(kv_shape)
 
 
 def _attention_setup_context(ctx, inputs, output):
-    q, k, v, causal, policy, impl = inputs
+    q, k, v, causal, policy = inputs
     o, lse, *fp4 = output
     qkv = (q.new_empty(0),) * 3 if POLICIES[policy]["qkv"] else (q, k, v)
     ctx.save_for_backward(o, lse, *qkv, *fp4)
-    ctx.causal, ctx.policy, ctx.impl = causal, policy, impl
+    ctx.causal, ctx.policy = causal, policy
 
 
 def _attention_autograd(ctx, do, *_):
     o, lse, q, k, v, *fp4 = ctx.saved_tensors
-    dq, dk, dv = _attention_backward_op(do, o, lse, q, k, v, fp4, ctx.causal, ctx.policy,
-                                        ctx.impl)
-    return dq, dk, dv, None, None, None
+    dq, dk, dv = _attention_backward_op(do, o, lse, q, k, v, fp4, ctx.causal, ctx.policy)
+    return dq, dk, dv, None, None
 
 
 torch.library.register_autograd("nanofp4::attention", _attention_autograd,
                                 setup_context=_attention_setup_context)
 
 
-def attention(q, k, v, causal=True, policy="fp4", impl="auto"):
+def attention(q, k, v, causal=True, policy="fp4"):
     """Scaled dot-product attention softmax(Q K^T / sqrt(D)) V with the precision `policy` (see
-    POLICIES). q (B, H, T, D), k, v (B, Hkv, T, D) with H % Hkv == 0 (GQA), D in {64, 128}. impl:
-    "reference" (tiled PyTorch, fp32), "triton" (the flash kernels; CPU tensors run in the
-    interpreter), "auto" (see _use_kernels)."""
+    POLICIES). q (B, H, T, D), k, v (B, Hkv, T, D) with H % Hkv == 0 (GQA), D in {64, 128}. The
+    route is the project's seam, nvfp4.use_kernels (NANOFP4_ROUTE): the flash kernels of
+    kernels/flash_attention.py (CPU tensors in Triton's interpreter) or this file's tiled PyTorch
+    reference (fp32)."""
     if policy not in POLICIES:
         raise ValueError(f"attention: policy must be one of {list(POLICIES)}, got {policy!r}")
-    if impl not in ("auto", "reference", "triton"):
-        raise ValueError(f"attention: impl must be 'auto', 'reference' or 'triton', got {impl!r}")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != 4 or not x.is_floating_point():
             raise ValueError(f"attention: {name} must be a 4-D float tensor (B, heads, T, D), got "
@@ -477,8 +467,8 @@ def attention(q, k, v, causal=True, policy="fp4", impl="auto"):
         raise ValueError(f"attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, "
                          f"{v.dtype}")
     if torch.compiler.is_compiling():
-        return _attention_op(q, k, v, causal, policy, impl)[0]
-    return _Attention.apply(q, k, v, causal, policy, _use_kernels(q, impl))
+        return _attention_op(q, k, v, causal, policy)[0]
+    return _Attention.apply(q, k, v, causal, policy, nvfp4.use_kernels(q))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -544,7 +534,7 @@ def ds_error(q, k, v, do, causal=True, peak=0.1):
     return out
 
 
-def policy_errors(q, k, v, do, causal=True, policies=tuple(POLICIES), impl="auto"):
+def policy_errors(q, k, v, do, causal=True, policies=tuple(POLICIES)):
     """Fig. 5: relative MSE of O, dQ, dK, dV for each policy against float64 attention on the same
     inputs. q (B, H, T, D), k, v (B, Hkv, T, D), do (B, H, T, D). Returns {policy: {"o": .., "dq":
     .., "dk": .., "dv": ..}}."""
@@ -554,7 +544,7 @@ def policy_errors(q, k, v, do, causal=True, policies=tuple(POLICIES), impl="auto
     results = {}
     for policy in policies:
         xs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-        o = attention(*xs, causal=causal, policy=policy, impl=impl)
+        o = attention(*xs, causal=causal, policy=policy)
         grads = torch.autograd.grad(o, xs, do.to(o.dtype))
         results[policy] = {name: nvfp4.relative_mse(ref, ours)
                            for name, ours, ref in zip(("o", "dq", "dk", "dv"), (o, *grads),
