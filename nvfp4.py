@@ -94,15 +94,15 @@ LINEAR = {
     # eq. 2: the forward's Q(X), dequantized, likewise
     "wgrad.x": Quant((16, 1), "sr", "random"),
 }
-LINEAR_BLOCKS = {"forward.x": (1, 16), "forward.w": (16, 16), "dgrad.dy": (1, 16),
-                 "wgrad.dy": (16, 1), "wgrad.x": (16, 1)}
+# each GEMM's contraction dim fixes its operands' blocks: a fork edits rounding, Hadamard and 4/6
+_EQ_BLOCKS = {name: q.block for name, q in LINEAR.items()}
 
 
 def linear_contract(four_over_six):
     """LINEAR as it is now (read at call time: a fork edits the table, both routes follow), 4/6
     resolved, checked against what eqs. 1-2 allow."""
-    entries = {name: LINEAR[name].resolved(four_over_six) for name in LINEAR_BLOCKS}
-    for name, block in LINEAR_BLOCKS.items():
+    entries = {name: LINEAR[name].resolved(four_over_six) for name in _EQ_BLOCKS}
+    for name, block in _EQ_BLOCKS.items():
         if tuple(entries[name].block) != block:
             raise ValueError(f"nvfp4.LINEAR[{name!r}].block must be {block} (the GEMM's "
                              f"contraction dim), got {entries[name].block}")
@@ -292,17 +292,14 @@ def _rtn_error(idx, denom, ax):
     return _pairwise_block_sum(d * d)
 
 
-def quantize_reference(x, block=(1, 16), rounding="rtn", four_over_six=False, seed=0,
-                       global_amax=None):
+def quantize_reference(x, block=(1, 16), rounding="rtn", four_over_six=False, seed=0):
     """The spec of NVFP4 quantization, in PyTorch: x (*, M, N) -> NVFP4Tensor with blocks on its
-    last two dims. seed: SR's Philox seed (sr_uniforms); global_amax: the amax the global scale
-    derives from (default max |x|; attention's dS passes a bound)."""
+    last two dims, the global scale from max |x|. seed: SR's Philox seed (sr_uniforms)."""
     shape, (bm, bn) = x.shape, block
     lead, (M, N) = shape[:-2], shape[-2:]
     x = x.float()
     xb = x.reshape(*lead, M // bm, bm, N // bn, bn)                      # (*, M/bm, bm, N/bn, bn)
-    amax = x.abs().amax() if global_amax is None else torch.as_tensor(global_amax, device=x.device)
-    s_enc, s_dec = global_scales(amax, four_over_six)
+    s_enc, s_dec = global_scales(x.abs().amax(), four_over_six)
     block_amax = xb.abs().amax(dim=(-3, -1), keepdim=True)               # (*, M/bm, 1, N/bn, 1)
     s_b, a, scaled, denom = _candidate(xb, block_amax, s_enc, s_dec, FP4_MAX, rounding == "sr_up")
     idx = rtn_e2m1(a)

@@ -373,9 +373,10 @@ def adamw_update_math(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step):
 class QuantizedAdamW(_StateMixin, torch.optim.Optimizer):
     """AdamW (decoupled weight decay) whose moments are stored in NVFP4 (§3.3).
 
-    states: "nvfp4" (§3.3: m rotated + SR + 4/6; v through sqrt/tile-mean/Hadamard, SR + 4/6),
-    "direct" (App. 13's naive baseline: plain NVFP4 of m and v) or "fp32" (full-precision states;
-    then the update is torch.optim.AdamW's, bit for bit).
+    states: "nvfp4" (§3.3: m rotated + SR + 4/6; v through sqrt/tile-mean/Hadamard, SR + 4/6) or
+    "direct" (App. 13's naive baseline: plain NVFP4 of m and v). Full-precision states are
+    torch.optim.AdamW's (build_optimizer's "fp32"); CONTRACT "fp32" for adamw.m or adamw.v keeps
+    fp32 states here, updated as torch.optim.AdamW does, bit for bit.
 
     Which tensors get packed states: 2-D tensors with >= 4096 elements whose last dim is a multiple
     of 16 (under FSDP2: the rank's local shard must be). Everything else keeps fp32 states: norms
@@ -391,8 +392,8 @@ class QuantizedAdamW(_StateMixin, torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                  states="nvfp4", seed=0):
-        if states not in STATES:
-            raise ValueError(f"QuantizedAdamW: states must be one of {', '.join(STATES)}; "
+        if states not in ENCODERS:
+            raise ValueError(f"QuantizedAdamW: states must be one of {', '.join(ENCODERS)}; "
                              f"got {states!r}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
@@ -402,15 +403,14 @@ class QuantizedAdamW(_StateMixin, torch.optim.Optimizer):
     def _quantized(self, p):
         local = _local(p)
         ok = local.dim() == 2 and local.numel() >= MIN_QUANT_NUMEL and local.shape[-1] % 16 == 0
-        if not ok and self.states != "fp32" and local is not p and p.dim() == 2 \
+        if not ok and local is not p and p.dim() == 2 \
                 and p.shape[-1] % 16 == 0 and p.numel() >= MIN_QUANT_NUMEL \
                 and id(p) not in self._warned:
             self._warned.add(id(p))
             warnings.warn(f"QuantizedAdamW: local shard {tuple(local.shape)} of a "
                           f"{tuple(p.shape)} parameter does not fit 16-element blocks / the size "
                           "threshold: fp32 states for it")
-        fp32 = self.states == "fp32" or "fp32" in (CONTRACT["adamw.m"], CONTRACT["adamw.v"])
-        return ok and not fp32
+        return ok and "fp32" not in (CONTRACT["adamw.m"], CONTRACT["adamw.v"])
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -665,9 +665,10 @@ class Root(_StateMixin, torch.optim.Optimizer):
         X = NS5(B)  (transposed if rows > cols, X0 = B / (||B||_F + 1e-7), shape-specific (a, b, c))
         p <- p (1 - lr wd) - lr * 0.2 sqrt(max(m, n)) X
 
-    states="nvfp4": buf stored like AdamW's m (Hadamard + SR + 4/6) and NS in NVFP4; "direct": buf
-    in plain NVFP4 (App. 13's naive baseline), NS in NVFP4; "fp32": fp32 momentum and fp32 NS
-    (the paper's high-precision baseline).
+    states="nvfp4": buf stored as CONTRACT["root.momentum"] says (H16, two NVFP4 levels, RTN, 4/6;
+    the module docstring says why) and NS in NVFP4; "direct": buf in plain NVFP4 (App. 13's naive
+    baseline), NS in NVFP4; "fp32": fp32 momentum and fp32 NS (the paper's high-precision
+    baseline).
     Under FSDP2 each rank keeps its shard's momentum, gathers the full M (full_tensor(): an
     all-gather of m*n fp32 per matrix per step) and every rank runs the same NS on it (compute
     repeated world-size times; the Hadamard generator is seeded identically everywhere), then keeps
@@ -676,7 +677,7 @@ class Root(_StateMixin, torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr=1e-3, momentum=0.95, weight_decay=0.1, states="nvfp4", ns_steps=5,
-                 threshold_quantile=0.9, seed=0, cuda_graphs=True):
+                 threshold_quantile=0.9, seed=0):
         if states not in STATES:
             raise ValueError(f"Root: states must be one of {', '.join(STATES)}; got {states!r}")
         # NVFP4 states come with the NVFP4 NS (§3.4), unless CONTRACT says fp32
@@ -693,8 +694,8 @@ class Root(_StateMixin, torch.optim.Optimizer):
                                      f"got {tuple(p.shape)}")
         self.states, self.ns_steps = states, ns_steps
         self.threshold_quantile, self.seed = threshold_quantile, seed
-        # NVFP4 NS on CUDA replayed from one captured graph per shape
-        self.cuda_graphs = cuda_graphs
+        # NVFP4 NS on CUDA replayed from one captured graph per shape (False after a failed capture)
+        self.cuda_graphs = True
         self._generators, self._graphs = {}, {}
 
     @property

@@ -285,7 +285,7 @@ def test_blackwell_root_step_equals_the_reference(blackwell_gpu, monkeypatch):
     def root_steps():
         g = torch.Generator().manual_seed(9)
         p = torch.nn.Parameter(torch.randn(64, 128, generator=g) * 0.02)
-        opt = optim.Root([p], lr=1e-2, states="nvfp4", cuda_graphs=False)
+        opt = optim.Root([p], lr=1e-2, states="nvfp4")
         for _ in range(2):
             p.grad = torch.randn(64, 128, generator=g)
             opt.step()

@@ -206,7 +206,7 @@ def test_fused_adamw_falls_back_to_the_reference_where_it_cannot_honour_the_cont
 def root_steps(steps=2):
     g = torch.Generator().manual_seed(9)
     p = torch.nn.Parameter(torch.randn(64, 128, generator=g) * 0.02)
-    opt = optim.Root([p], lr=1e-2, states="nvfp4", cuda_graphs=False)
+    opt = optim.Root([p], lr=1e-2, states="nvfp4")
     for _ in range(steps):
         p.grad = torch.randn(64, 128, generator=g)
         opt.step()

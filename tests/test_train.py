@@ -517,7 +517,7 @@ def test_too_little_val_data_is_one_line(micro, tmp_path, capsys):
 
 
 # --------------------------------------------------------------------------------------------------
-# Issue 29's first hour: interrupted runs, the run's settings, a batch that cannot fit
+# interrupted runs, the run's settings, a batch that cannot fit
 
 def interrupt_at(monkeypatch, at_call):
     def ctrl_c(loss):
@@ -624,8 +624,8 @@ def test_a_batch_that_cannot_fit_memory_stops_before_training(byte_data, micro, 
 
 
 def test_the_issue_batch_is_refused_by_the_memory_bound():
-    """Issue 29: tiny at --batch_size 512 --seq_len 256 died minutes in, in a 26 GB allocation (the
-    fp32 logits, 512 x 256 x 50304 x 4 bytes). The lower bound counts them with their gradient."""
+    """tiny at --batch_size 512 --seq_len 256 needs a 26 GB allocation minutes in (the fp32
+    logits, 512 x 256 x 50304 x 4 bytes): the lower bound counts them with their gradient."""
     args = train.parse_args(["--config", "tiny", "--device", "cpu", "--batch_size", "512",
                              "--seq_len", "256"])
     recipe = train.resolve_args(args, 1)
