@@ -391,11 +391,6 @@ def test_all_zero_tensor_encodes_to_zeros_with_unit_scales():
         assert not t.dequantize().any()
 
 
-def test_suite_draws_are_seeded():
-    """conftest seeds torch's global RNG before every test, so its draws repeat run after run."""
-    assert torch.equal(torch.rand(4), torch.rand(4, generator=torch.Generator().manual_seed(0)))
-
-
 def test_train_numerics_flag_changes_one_entry_and_refuses_bad_ones(monkeypatch, capsys):
     """train.py --numerics KEY=VALUE: the ablation's rows change contract entries, not code
     paths."""

@@ -896,4 +896,3 @@ def test_quantize_kernels_compile_for_hopper_without_a_gpu():
     assert {kernel for kernel, _, _ in lines} == {
         "_quantize_rows_kernel", "_quantize_cols_kernel", "_quantize_kernel",
         "_dequantize_rows_kernel", "_dequantize_kernel", "_scale_kernel"}
-    assert len(lines) >= 20
