@@ -274,8 +274,8 @@ def _global_scales(*sg, device):
 @nvfp4.without_autocast
 def attention_forward(q, k, v, causal, policy):
     """-> (o, made): made = (lse, then the NVFP4 Q, K, V the backward reads as (codes, scales,
-    global scale) each (the saved activations are 4-bit), none where the policy keeps them in
-    BF16: then the backward reads q, k, v)."""
+    global scale) each (the saved activations are 4-bit), empty tensors where the policy keeps
+    them in BF16: then the backward reads q, k, v)."""
     pol, kernels = POLICIES[policy], nvfp4.use_kernels(q)
     sm_scale = 1.0 / math.sqrt(q.shape[-1])
     dtype = q.dtype
@@ -297,7 +297,9 @@ def attention_forward(q, k, v, causal, policy):
     else:
         o, lse = reference_forward(*ops, causal, pol["p"], sm_scale, dtype)
         o = o.to(dtype)
-    return o, (lse, *(t for x in fp4 or () for t in (x.codes, x.scales, x.global_scale)))
+    fp4 = ([t for x in fp4 for t in (x.codes, x.scales, x.global_scale)] if fp4 is not None
+           else [q.new_empty(0) for _ in range(9)])
+    return o, (lse, *fp4)
 
 
 def _ds_bound(do, do_dov, do_norm, delta, vq):
@@ -368,7 +370,7 @@ def attention_fake(q, k, v, causal, policy):
             for t in (q.new_empty(B, h, T, D // 2, dtype=torch.uint8),
                       q.new_empty(B, h, T, D // 16, dtype=torch.float8_e4m3fn),
                       q.new_empty((), dtype=torch.float32))]
-           if POLICIES[policy]["qkv"] else [])
+           if POLICIES[policy]["qkv"] else [q.new_empty(0) for _ in range(9)])
     return q.new_empty(q.shape), [q.new_empty(B, H, T, dtype=torch.float32), *fp4]
 
 
@@ -379,9 +381,10 @@ def attention_grad_fake(do, o, made, qkv, dtypes, need, causal, policy):
 
 
 _attention = nvfp4.fp4_op(
-    "attention", "Tensor q, Tensor k, Tensor v, bool causal, str policy", attention_forward,
-    attention_backward, attention_fake, attention_grad_fake, save_output=True,
-    keep=lambda q, k, v, causal, policy: () if POLICIES[policy]["qkv"] else (q, k, v))
+    "attention", "Tensor q, Tensor k, Tensor v, bool causal, str policy", (10, 3),
+    attention_forward, attention_backward, attention_fake, attention_grad_fake, save_output=True,
+    keep=lambda q, k, v, causal, policy: ([q.new_empty(0) for _ in "qkv"]
+                                          if POLICIES[policy]["qkv"] else (q, k, v)))
 
 
 def attention(q, k, v, causal=True, policy="fp4"):

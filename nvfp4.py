@@ -545,17 +545,17 @@ def without_autocast(body):
     return run
 
 
-def fp4_op(name, inputs, forward, backward, fake, grad_fake, keep=lambda *inputs: (),
+def fp4_op(name, inputs, saves, forward, backward, fake, grad_fake, keep=lambda *inputs: (),
            save_output=False):
     """An FP4 op defined once; returns apply(*inputs) -> y. inputs: its schema ("Tensor x, bool
-    four_over_six"); the definition:
+    four_over_six"); saves: (len(made), len(kept)), fixed; the definition:
       forward(*inputs) -> (y, made): made the tensors it makes for its backward (the packed 4-bit
-          operands: where FP4 training saves activation memory)
+          operands: where FP4 training saves activation memory; empty ones where unused)
       keep(*inputs) -> the inputs the backward reads as they are
       backward(dy, y, made, kept, dtypes, need, *args) -> a gradient or None per tensor input; y
           the output if save_output, dtypes and need (needs_input_grad) per tensor input, args the
           inputs that are not tensors
-      fake(*inputs), grad_fake(as backward): empty tensors shaped as forward's (y, [made]) and
+      fake(*inputs), grad_fake(as backward): empty tensors shaped as forward's (y, made) and
           backward's gradients (None where not needed): what torch.compile plans with.
     Eager runs a thin autograd.Function over forward and backward (a custom op's eager dispatch
     costs more host time, docs/performance.md); under torch.compile the torch.library custom ops
@@ -563,12 +563,9 @@ def fp4_op(name, inputs, forward, backward, fake, grad_fake, keep=lambda *inputs
     kernel. The random draws (draws, backward_draws) are made inside the bodies when they run: a
     compiled run draws in eager's order, eager's bits from one RNG state (tests/test_compile.py)."""
     is_tensor = [a.split()[0] == "Tensor" for a in inputs.split(", ")]
-    args_schema = "".join(", " + a for a, t in zip(inputs.split(", "), is_tensor) if not t)
     split = lambda xs, t: [x for x, i in zip(xs, is_tensor) if i == t]
-
-    def per_input(grads):  # one gradient per input, None for the non-tensors
-        grads = iter(grads)
-        return tuple(next(grads) if t else None for t in is_tensor)
+    per_input = lambda grads: (lambda g: tuple(next(g) if t else None for t in is_tensor))(
+        iter(grads))
 
     def eager_forward(ctx, *xs):
         y, ctx.made = forward(*xs)
@@ -586,37 +583,16 @@ def fp4_op(name, inputs, forward, backward, fake, grad_fake, keep=lambda *inputs
 
     eager = type(f"FP4{name.title().replace('_', '')}", (torch.autograd.Function,),
                  dict(forward=staticmethod(eager_forward), backward=staticmethod(eager_backward)))
+    op, op_bwd = _custom_ops(name, inputs, is_tensor, saves, forward, backward, fake, grad_fake,
+                             save_output)
 
-    def op_forward(*xs):
-        y, made = forward(*xs)
-        return y, list(made)
-
-    def op_backward(dy, y, made, kept, dtypes, need, *args):
-        grads = backward(dy, y, made, kept, dtypes, need, *args)
-        return [dy.new_empty(0) if g is None else g for g in grads]
-
-    op = torch.library.custom_op(f"nanofp4::{name}", op_forward, mutates_args=(),
-                                 schema=f"({inputs}) -> (Tensor, Tensor[])")
-    op_bwd = torch.library.custom_op(
-        f"nanofp4::{name}_backward", op_backward, mutates_args=(),
-        schema=f"(Tensor dy, Tensor? y, Tensor[] made, Tensor[] kept, ScalarType[] dtypes, "
-               f"bool[] need{args_schema}) -> Tensor[]")
-    op.register_fake(fake)
-    op_bwd.register_fake(lambda dy, *rest: [dy.new_empty(0) if g is None else g
-                                            for g in grad_fake(dy, *rest)])
-
-    def setup_context(ctx, inputs, output):
-        y, made = output
-        kept = keep(*inputs)
-        ctx.save_for_backward(*made, *kept, *((y,) if save_output else ()))
-        ctx.n_made, ctx.n_kept = len(made), len(kept)
+    def setup_context(ctx, inputs, output):  # the backward op's tensors: made, kept, y
+        ctx.save_for_backward(*output[1:], *keep(*inputs), *output[:save_output])
         ctx.dtypes, ctx.args = [x.dtype for x in split(inputs, True)], split(inputs, False)
 
-    def compiled_backward(ctx, dy, _):
-        saved, need = ctx.saved_tensors, split(ctx.needs_input_grad, True)
-        made, kept = saved[:ctx.n_made], saved[ctx.n_made:ctx.n_made + ctx.n_kept]
-        y = saved[-1] if save_output else None
-        grads = op_bwd(dy, y, made, kept, ctx.dtypes, need, *ctx.args)
+    def compiled_backward(ctx, dy, *_):
+        need = split(ctx.needs_input_grad, True)
+        grads = op_bwd(dy, *ctx.saved_tensors, *ctx.dtypes, *need, *ctx.args)
         return per_input(g if n else None for g, n in zip(grads, need))
 
     op.register_autograd(compiled_backward, setup_context=setup_context)
@@ -625,6 +601,36 @@ def fp4_op(name, inputs, forward, backward, fake, grad_fake, keep=lambda *inputs
         return op(*xs)[0] if torch.compiler.is_compiling() else eager.apply(*xs)
     apply.eager, apply.op, apply.op_backward = eager, op, op_bwd
     return apply
+
+
+def _custom_ops(name, inputs, is_tensor, saves, forward, backward, fake, grad_fake, save_output):
+    """fp4_op's two custom ops, every output and argument one tensor or scalar (a (Tensor,
+    Tensor[]) return reaches inductor's generated code as one tensor): so the counts of saved
+    tensors are fixed per op."""
+    (n_made, n_kept), n = saves, sum(is_tensor)
+    saved = [f"Tensor made{i}" for i in range(n_made)] + [f"Tensor kept{i}" for i in range(n_kept)]
+    saved += ["Tensor y"] * save_output
+    saved += [f"ScalarType dtype{i}" for i in range(n)] + [f"bool need{i}" for i in range(n)]
+    saved += [a for a, t in zip(inputs.split(", "), is_tensor) if not t]
+    listed = lambda body: lambda *xs: (lambda y, made: (y, *made))(*body(*xs))
+
+    def backward_op(body):
+        def run(dy, *rest):
+            made, kept = rest[:n_made], rest[n_made:n_made + n_kept]
+            y, rest = (rest[n_made + n_kept], rest[n_made + n_kept + 1:]) if save_output else (
+                None, rest[n_made + n_kept:])
+            grads = body(dy, y, made, kept, rest[:n], rest[n:2 * n], *rest[2 * n:])
+            return [dy.new_empty(0) if g is None else g for g in grads]
+        return run
+
+    op = torch.library.custom_op(f"nanofp4::{name}", listed(forward), mutates_args=(),
+                                 schema=f"({inputs}) -> ({', '.join(['Tensor'] * (1 + n_made))})")
+    op_bwd = torch.library.custom_op(f"nanofp4::{name}_backward", backward_op(backward),
+                                     mutates_args=(),
+                                     schema=f"(Tensor dy, {', '.join(saved)}) -> Tensor[]")
+    op.register_fake(listed(fake))
+    op_bwd.register_fake(backward_op(grad_fake))
+    return op, op_bwd
 
 
 # --------------------------------------------------------------------------------------------------
@@ -700,7 +706,7 @@ def linear_grad_fake(dy, _, made, kept, dtypes, need, four_over_six):
             dy.new_empty((N, K), dtype=dtypes[1]) if need[1] else None)
 
 
-_linear = fp4_op("linear", "Tensor x, Tensor weight, bool four_over_six", linear_forward,
+_linear = fp4_op("linear", "Tensor x, Tensor weight, bool four_over_six", (6, 0), linear_forward,
                  linear_backward, linear_fake, linear_grad_fake)
 
 
