@@ -36,7 +36,6 @@ ordinary BF16 LoRA branch trained by plain autograd.
 
 import math
 import warnings
-import weakref
 
 import torch
 import torch.nn as nn
@@ -225,7 +224,8 @@ def lora_grad_fake(dy, _, made, kept, dtypes, need, beta, four_over_six):
 
 _lora_svd = nvfp4.fp4_op(
     "lora_svd", "Tensor x, Tensor weight_res, Tensor L1, Tensor L2, float beta, bool four_over_six",
-    lora_forward, lora_backward, lora_fake, lora_grad_fake, keep=lambda x, w, L1, L2, *_: (L1, L2))
+    (6, 2), lora_forward, lora_backward, lora_fake, lora_grad_fake,
+    keep=lambda x, w, L1, L2, *_: (L1, L2))
 
 
 def lora_svd_linear(x, weight_res, L1, L2, beta=1.0, four_over_six=True):
@@ -288,7 +288,6 @@ class LoRASVDLinear(nn.Module):
         W_res, L1, L2 = split_from_svd(W, U, S, Vh, self.beta)
         for p, full in ((self.weight_res, W_res), (self.L1, L1), (self.L2, L2)):
             p.copy_(shard_like(p, full))
-        self._projected = None
 
     @torch.no_grad()
     def effective_weight(self):
@@ -300,18 +299,6 @@ class LoRASVDLinear(nn.Module):
     def forward(self, x):
         y = lora_svd_linear(x, self.weight_res, self.L1, self.L2, self.beta, self.four_over_six)
         return y if self.bias is None else y + self.bias.to(y.dtype)
-
-    def _mark_projected(self, grad):
-        """project_gradients remembers the grad it projected; a backward that then adds a new dW
-        into weight_res.grad makes the layer forget it (eqs. 3-4 needed again). The forgetting is a
-        post-accumulate-grad hook on the parameter in use (FSDP2 swaps in its own and runs these
-        hooks too): the autograd engine runs it outside any compiled graph, so the forward has no
-        hook to trace."""
-        p = self.weight_res
-        if getattr(self, "_watched", lambda: None)() is not p:
-            p.register_post_accumulate_grad_hook(lambda _: setattr(self, "_projected", None))
-            self._watched = weakref.ref(p)
-        self._projected = weakref.ref(grad)
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -360,7 +347,7 @@ class NaiveLoRALinear(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# eqs. 3-4: subspace projection of the accumulated gradient (run by the optimizer, once per step)
+# eqs. 3-4: subspace projection of the accumulated gradient (once per optimizer step)
 
 _warned_householder = False
 
@@ -396,23 +383,12 @@ def project_gradients(layer):
     averaging the projections). Reads weight_res.grad = dW, writes
         weight_res.grad = dW - dW_LoRA,  L1.grad += beta L2^T dW_LoRA,
         L2.grad += beta dW_LoRA L1^T.
-    Idempotent: a second call on the same gradient is skipped (and would find Lambda ~ 0 anyway), so
-    both train.py (before gradient clipping) and the optimizer may call it. "The same gradient"
-    survives in-place scaling (clip_grad_norm_: a scaled projected gradient is still projected, eqs.
-    3-4 being linear in dW): the layer remembers the grad tensor it projected, and forgets it when a
-    backward through the layer adds a new dW (a hook on weight_res) or when the grad is replaced by
-    another tensor. FSDP2 (DTensor parameters and grads, sharded): gathers dW, L1, L2 (every rank
+    Once per step: train.py calls project_all before clipping, so the clipped norm is that of the
+    gradients applied. FSDP2 (DTensor parameters and grads, sharded): gathers dW, L1, L2 (every rank
     computes the same projection) and updates the local shards. Simple, at the cost of one
     all-gather of dW per layer per step; a sharded Cholesky-QR (all-reduce the r x r Gram matrices
     and Lambda) would avoid it."""
     _project_layers([layer])
-
-
-def _needs_projection(layer):
-    g = layer.weight_res.grad
-    # weakref to the grad tensor projected last, None after a backward
-    done = getattr(layer, "_projected", None)
-    return g is not None and not (done is not None and done() is g)
 
 
 def _project(layer, L1, L2, Q1, Q2):
@@ -431,7 +407,6 @@ def _project(layer, L1, L2, Q1, Q2):
         g.sub_(shard_like(g, (Q2 @ core).to(g.dtype)))
     else:
         g.addmm_(Q2.to(g.dtype), core.to(g.dtype), alpha=-1.0)  # dW_res = dW - dW_LoRA, in place
-    layer._mark_projected(g)
 
 
 def lora_svd_layers(model):
@@ -449,11 +424,11 @@ def project_all(model):
 
 
 def _project_layers(layers):
-    """eqs. 3-4 on every layer that still needs it, the bases of same-shaped layers from one batched
+    """eqs. 3-4 on every layer with a gradient, the bases of same-shaped layers from one batched
     Cholesky-QR."""
     groups = {}
     for layer in layers:
-        if _needs_projection(layer):
+        if layer.weight_res.grad is not None:
             L1, L2 = full_tensor(layer.L1).float(), full_tensor(layer.L2).float()
             groups.setdefault((L1.shape, L2.shape, L1.device), []).append((layer, L1, L2))
     for group in groups.values():

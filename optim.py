@@ -822,14 +822,12 @@ def route_parameters(model, optimizer="root", max_aspect=MAX_ROOT_ASPECT):
 
 class CombinedOptimizer:
     """The one optimizer object train.py steps: a Root and/or an AdamW over disjoint parameters.
-    step() first runs gradient_projection(model) if given: LoRA-SVD's eqs. 3-4
-    (lora_svd.project_all), which §3.2 defers to the optimizer; it must be idempotent, so train.py
-    may also call it before clipping. param_groups lists every inner group (each with its base_lr),
-    so a schedule that writes group["lr"] reaches all of them."""
+    param_groups lists every inner group (each with its base_lr), so a schedule that writes
+    group["lr"] reaches all of them. (LoRA-SVD's eqs. 3-4, which §3.2 defers to the optimizer
+    step, train.py runs just before it: lora_svd.project_all, then clipping, then step().)"""
 
-    def __init__(self, model, optimizers, gradient_projection=None):
-        self.model, self.optimizers, self.gradient_projection = (
-            model, optimizers, gradient_projection)
+    def __init__(self, optimizers):
+        self.optimizers = optimizers
 
     def __repr__(self):
         def describe(opt):
@@ -851,8 +849,6 @@ class CombinedOptimizer:
 
     @torch.no_grad()
     def step(self):
-        if self.gradient_projection is not None:
-            self.gradient_projection(self.model)
         for opt in self.optimizers:
             opt.step()
 
@@ -883,17 +879,14 @@ class CombinedOptimizer:
 
 
 def build_optimizer(model, optimizer="adamw", states="fp32", lr=1e-3, lora_lr=None,
-                    weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, momentum=0.95,
-                    gradient_projection=None):
+                    weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, momentum=0.95):
     """optimizer: "adamw" (AdamW for everything) or "root" (Root for 2-D hidden weights, AdamW for
     the rest).
     states (model.Recipe.optim_states): "fp32" (plain torch.optim.AdamW, fused on CUDA, and an fp32
     Root: the paper's baseline), "nvfp4" (§3.3 states + §3.4's NVFP4 NS: fullstack) or "direct"
     (App. 13's naive_fp4).
     lora_lr: LoRA L1/L2 learning rate (default lr). Every param group carries base_lr for the
-    schedule.
-    gradient_projection: called with the model at the start of every step (pass lora_svd.project_all
-    for LoRA-SVD models: eqs. 3-4)."""
+    schedule."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"build_optimizer: optimizer must be one of {', '.join(OPTIMIZERS)}; "
                          f"got {optimizer!r}")
@@ -919,4 +912,4 @@ def build_optimizer(model, optimizer="adamw", states="fp32", lr=1e-3, lora_lr=No
         root_groups = [dict(params=[p for _, p in routes["root"]], lr=lr, base_lr=lr,
                             weight_decay=weight_decay)]
         optimizers.append(Root(root_groups, lr=lr, momentum=momentum, states=states))
-    return CombinedOptimizer(model, optimizers, gradient_projection)
+    return CombinedOptimizer(optimizers)
