@@ -98,9 +98,19 @@ LINEAR = {
 _EQ_BLOCKS = {name: q.block for name, q in LINEAR.items()}
 
 
+_CONTRACTS = {}  # (4/6, LINEAR's entries) -> the resolved contract: each layer call reads it
+
+
 def linear_contract(four_over_six):
     """LINEAR as it is now (read at call time: a fork edits the table, both routes follow), 4/6
     resolved, checked against what eqs. 1-2 allow."""
+    key = (four_over_six, *LINEAR.values())
+    if key not in _CONTRACTS:
+        _CONTRACTS[key] = _resolve_contract(four_over_six)
+    return _CONTRACTS[key]
+
+
+def _resolve_contract(four_over_six):
     entries = {name: LINEAR[name].resolved(four_over_six) for name in _EQ_BLOCKS}
     for name, block in _EQ_BLOCKS.items():
         if tuple(entries[name].block) != block:
@@ -545,13 +555,12 @@ def without_autocast(body):
     return run
 
 
-def fp4_op(name, inputs, saves, forward, backward, fake, grad_fake, keep=lambda *inputs: (),
-           save_output=False):
+def fp4_op(name, inputs, saves, forward, backward, fake, grad_fake, keep=None, save_output=False):
     """An FP4 op defined once; returns apply(*inputs) -> y. inputs: its schema ("Tensor x, bool
     four_over_six"); saves: (len(made), len(kept)), fixed; the definition:
       forward(*inputs) -> (y, made): made the tensors it makes for its backward (the packed 4-bit
           operands: where FP4 training saves activation memory; empty ones where unused)
-      keep(*inputs) -> the inputs the backward reads as they are
+      keep(*inputs) -> the inputs the backward reads as they are (None: none)
       backward(dy, y, made, kept, dtypes, need, *args) -> a gradient or None per tensor input; y
           the output if save_output, dtypes and need (needs_input_grad) per tensor input, args the
           inputs that are not tensors
@@ -563,19 +572,27 @@ def fp4_op(name, inputs, saves, forward, backward, fake, grad_fake, keep=lambda 
     kernel. The random draws (draws, backward_draws) are made inside the bodies when they run: a
     compiled run draws in eager's order, eager's bits from one RNG state (tests/test_compile.py)."""
     is_tensor = [a.split()[0] == "Tensor" for a in inputs.split(", ")]
-    split = lambda xs, t: [x for x, i in zip(xs, is_tensor) if i == t]
-    per_input = lambda grads: (lambda g: tuple(next(g) if t else None for t in is_tensor))(
-        iter(grads))
+    tensors, others = ([i for i, t in enumerate(is_tensor) if t == want] for want in (1, 0))
+    split = lambda xs, t: [xs[i] for i in (tensors if t else others)]
+    none = (None,) * len(is_tensor)
+    keep, saving = keep or (lambda *xs: ()), keep is not None or save_output
 
-    def eager_forward(ctx, *xs):
+    def per_input(grads):  # one gradient per input, None for the non-tensors
+        out = list(none)
+        for i, g in zip(tensors, grads):
+            out[i] = g
+        return tuple(out)
+
+    def eager_forward(ctx, *xs):  # as little host work as a hand-written Function
         y, ctx.made = forward(*xs)
-        ctx.save_for_backward(*keep(*xs), *((y,) if save_output else ()))
-        ctx.dtypes, ctx.args = [x.dtype for x in split(xs, True)], split(xs, False)
+        if saving:
+            ctx.save_for_backward(*keep(*xs), *((y,) if save_output else ()))
+        ctx.dtypes, ctx.args = [xs[i].dtype for i in tensors], split(xs, False)
         return y
 
     def eager_backward(ctx, dy):
-        kept, y = ((ctx.saved_tensors[:-1], ctx.saved_tensors[-1]) if save_output
-                   else (ctx.saved_tensors, None))
+        saved = ctx.saved_tensors if saving else ()
+        kept, y = (saved[:-1], saved[-1]) if save_output else (saved, None)
         grads = backward(dy, y, ctx.made, kept, ctx.dtypes, split(ctx.needs_input_grad, True),
                          *ctx.args)
         ctx.made = None
