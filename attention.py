@@ -74,15 +74,6 @@ P_GLOBAL_SCALE = nvfp4.global_scales(torch.tensor(1.0))[1].item()  # S_dec of P:
 M32 = 0xFFFFFFFF
 
 
-def _use_kernels(x, impl):
-    """The seam: True runs the Triton kernels (kernels/flash_attention.py; CPU tensors run in the
-    Triton interpreter), False this file's tiled PyTorch reference. impl "auto" asks the project's
-    seam, nvfp4.use_kernels (NANOFP4_ROUTE)."""
-    if impl == "auto":
-        return nvfp4.use_kernels(x)
-    return impl == "triton"
-
-
 # --------------------------------------------------------------------------------------------------
 # NVFP4 pieces the fused kernels do in registers (torch mirrors of kernels/flash_attention.py)
 
@@ -261,16 +252,15 @@ def _global_scales(*sg, device):
                         for s in sg])
 
 
-# One policy's forward and backward, written once (attention_forward, attention_backward); eager
-# runs them through _Attention, torch.compile through the custom ops nanofp4::attention and
-# attention_backward (nvfp4's linear layer says why: the same split, the draws made inside the
-# bodies when they run, in eager's order).
+# One policy's forward and backward as one FP4 op (nvfp4.fp4_op: eager's autograd.Function and
+# torch.compile's custom ops from this one definition)
 
 @nvfp4.without_autocast
-def attention_forward(q, k, v, causal, policy, kernels):
-    """-> (o, lse, fp4): fp4 the NVFP4 Q, K, V the backward reads (the saved activations are
-    4-bit), None where the policy keeps them in BF16."""
-    pol = POLICIES[policy]
+def attention_forward(q, k, v, causal, policy):
+    """-> (o, made): made = (lse, then the NVFP4 Q, K, V the backward reads as (codes, scales,
+    global scale) each (the saved activations are 4-bit), empty tensors where the policy keeps
+    them in BF16: then the backward reads q, k, v)."""
+    pol, kernels = POLICIES[policy], nvfp4.use_kernels(q)
     sm_scale = 1.0 / math.sqrt(q.shape[-1])
     dtype = q.dtype
     fp4 = None
@@ -291,7 +281,9 @@ def attention_forward(q, k, v, causal, policy, kernels):
     else:
         o, lse = reference_forward(*ops, causal, pol["p"], sm_scale, dtype)
         o = o.to(dtype)
-    return o, lse, fp4
+    fp4 = ([t for x in fp4 for t in (x.codes, x.scales, x.global_scale)] if fp4 is not None
+           else [q.new_empty(0) for _ in range(9)])
+    return o, (lse, *fp4)
 
 
 def _ds_bound(do, do_dov, do_norm, delta, vq):
@@ -307,10 +299,11 @@ def _ds_bound(do, do_dov, do_norm, delta, vq):
 
 
 @nvfp4.without_autocast
-def attention_backward(do, o, lse, qkv, fp4, causal, policy, kernels):
-    """(dQ, dK, dV) from dO, the forward's o, lse and fp4 (qkv: the BF16 inputs, read where fp4 is
-    None)."""
-    pol = POLICIES[policy]
+def attention_backward(do, o, made, qkv, dtypes, need, causal, policy):
+    """(dQ, dK, dV) from dO, the forward's o and made (qkv: the BF16 inputs, kept where the
+    policy does not quantize them)."""
+    pol, kernels, lse = POLICIES[policy], nvfp4.use_kernels(o), made[0]
+    fp4 = tuple(nvfp4.packed(*made[i:i + 3], (1, 16)) for i in (1, 4, 7)) if pol["qkv"] else None
     B, H, T, D = o.shape
     dtype = o.dtype
     sm_scale = 1.0 / math.sqrt(D)
@@ -355,96 +348,38 @@ def attention_backward(do, o, lse, qkv, fp4, causal, policy, kernels):
     return dq.to(dtype), dk.to(dtype), dv.to(dtype)
 
 
-class _Attention(torch.autograd.Function):
-    """Eager's autograd of one policy: attention_forward, attention_backward (o.grad_fn.fp4: the
-    4-bit Q, K, V the backward reads)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, causal, policy, kernels):
-        o, lse, ctx.fp4 = attention_forward(q, k, v, causal, policy, kernels)
-        ctx.save_for_backward(o, lse, *(() if POLICIES[policy]["qkv"] else (q, k, v)))
-        ctx.causal, ctx.policy, ctx.kernels = causal, policy, kernels
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        o, lse, *qkv = ctx.saved_tensors
-        grads = attention_backward(do, o, lse, qkv, ctx.fp4, ctx.causal, ctx.policy, ctx.kernels)
-        ctx.fp4 = None
-        return *grads, None, None, None
-
-
-@torch.library.custom_op(
-    "nanofp4::attention", mutates_args=(),
-    schema="(Tensor q, Tensor k, Tensor v, bool causal, str policy, str impl) -> (Tensor, "
-           "Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
-def _attention_op(q, k, v, causal, policy, impl):
-    """attention_forward as a custom op (the route resolved when it runs) -> (o, lse, then Q, K, V
-    in NVFP4 as codes, scales, global scale each; empty tensors where the policy keeps them in
-    BF16)."""
-    o, lse, fp4 = attention_forward(q, k, v, causal, policy, _use_kernels(q, impl))
-    fp4 = ([q.new_empty(0) for _ in range(9)] if fp4 is None
-           else [t for x in fp4 for t in (x.codes, x.scales, x.global_scale)])
-    return o, lse, *fp4
-
-
-@torch.library.custom_op(
-    "nanofp4::attention_backward", mutates_args=(),
-    schema="(Tensor do, Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, Tensor[] fp4, "
-           "bool causal, str policy, str impl) -> (Tensor, Tensor, Tensor)")
-def _attention_backward_op(do, o, lse, q, k, v, fp4, causal, policy, impl):
-    """attention_backward as a custom op -> (dQ, dK, dV)."""
-    fp4 = (tuple(nvfp4.packed(*fp4[i:i + 3], (1, 16)) for i in (0, 3, 6))
-           if POLICIES[policy]["qkv"] else None)
-    return attention_backward(do, o, lse, (q, k, v), fp4, causal, policy, _use_kernels(o, impl))
-
-
-@_attention_op.register_fake
-def _(q, k, v, causal, policy, impl):
+def attention_fake(q, k, v, causal, policy):
+    """attention_forward's outputs, empty."""
     (B, H, T, D), Hkv = q.shape, k.shape[1]
-    fp4 = [q.new_empty(0) for _ in range(9)]
-    if POLICIES[policy]["qkv"]:  # codes, scales, global scale of Q, K, V
-        fp4 = [t for h in (H, Hkv, Hkv)
-               for t in (q.new_empty(B, h, T, D // 2, dtype=torch.uint8),
-                         q.new_empty(B, h, T, D // 16, dtype=torch.float8_e4m3fn),
-                         q.new_empty((), dtype=torch.float32))]
-    return q.new_empty(q.shape), q.new_empty(B, H, T, dtype=torch.float32), *fp4
+    fp4 = ([t for h in (H, Hkv, Hkv)  # codes, scales, global scale of Q, K, V
+            for t in (q.new_empty(B, h, T, D // 2, dtype=torch.uint8),
+                      q.new_empty(B, h, T, D // 16, dtype=torch.float8_e4m3fn),
+                      q.new_empty((), dtype=torch.float32))]
+           if POLICIES[policy]["qkv"] else [q.new_empty(0) for _ in range(9)])
+    return q.new_empty(q.shape), [q.new_empty(B, H, T, dtype=torch.float32), *fp4]
 
 
-@_attention_backward_op.register_fake
-def _(do, o, lse, q, k, v, fp4, causal, policy, impl):
-    kv_shape = (o.shape[0], (fp4[3] if POLICIES[policy]["qkv"] else k).shape[1], *o.shape[2:])
+def attention_grad_fake(do, o, made, qkv, dtypes, need, causal, policy):
+    kv_shape = (o.shape[0], (made[4] if POLICIES[policy]["qkv"] else qkv[1]).shape[1],
+                *o.shape[2:])
     return o.new_empty(o.shape), o.new_empty(kv_shape), o.new_empty(kv_shape)
 
 
-def _attention_setup_context(ctx, inputs, output):
-    q, k, v, causal, policy, impl = inputs
-    o, lse, *fp4 = output
-    qkv = (q.new_empty(0),) * 3 if POLICIES[policy]["qkv"] else (q, k, v)
-    ctx.save_for_backward(o, lse, *qkv, *fp4)
-    ctx.causal, ctx.policy, ctx.impl = causal, policy, impl
+_attention = nvfp4.fp4_op(
+    "attention", "Tensor q, Tensor k, Tensor v, bool causal, str policy", (10, 3),
+    attention_forward, attention_backward, attention_fake, attention_grad_fake, save_output=True,
+    keep=lambda q, k, v, causal, policy: ([q.new_empty(0) for _ in "qkv"]
+                                          if POLICIES[policy]["qkv"] else (q, k, v)))
 
 
-def _attention_autograd(ctx, do, *_):
-    o, lse, q, k, v, *fp4 = ctx.saved_tensors
-    dq, dk, dv = _attention_backward_op(do, o, lse, q, k, v, fp4, ctx.causal, ctx.policy,
-                                        ctx.impl)
-    return dq, dk, dv, None, None, None
-
-
-torch.library.register_autograd("nanofp4::attention", _attention_autograd,
-                                setup_context=_attention_setup_context)
-
-
-def attention(q, k, v, causal=True, policy="fp4", impl="auto"):
+def attention(q, k, v, causal=True, policy="fp4"):
     """Scaled dot-product attention softmax(Q K^T / sqrt(D)) V with the precision `policy` (see
-    POLICIES). q (B, H, T, D), k, v (B, Hkv, T, D) with H % Hkv == 0 (GQA), D in {64, 128}. impl:
-    "reference" (tiled PyTorch, fp32), "triton" (the flash kernels; CPU tensors run in the
-    interpreter), "auto" (see _use_kernels)."""
+    POLICIES). q (B, H, T, D), k, v (B, Hkv, T, D) with H % Hkv == 0 (GQA), D in {64, 128}. The
+    route is the project's seam, nvfp4.use_kernels (NANOFP4_ROUTE): the flash kernels of
+    kernels/flash_attention.py (CPU tensors in Triton's interpreter) or this file's tiled PyTorch
+    reference (fp32)."""
     if policy not in POLICIES:
         raise ValueError(f"attention: policy must be one of {list(POLICIES)}, got {policy!r}")
-    if impl not in ("auto", "reference", "triton"):
-        raise ValueError(f"attention: impl must be 'auto', 'reference' or 'triton', got {impl!r}")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != 4 or not x.is_floating_point():
             raise ValueError(f"attention: {name} must be a 4-D float tensor (B, heads, T, D), got "
@@ -461,9 +396,7 @@ def attention(q, k, v, causal=True, policy="fp4", impl="auto"):
     if q.dtype != k.dtype or q.dtype != v.dtype:
         raise ValueError(f"attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, "
                          f"{v.dtype}")
-    if torch.compiler.is_compiling():
-        return _attention_op(q, k, v, causal, policy, impl)[0]
-    return _Attention.apply(q, k, v, causal, policy, _use_kernels(q, impl))
+    return _attention(q, k, v, causal, policy)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -529,7 +462,7 @@ def ds_error(q, k, v, do, causal=True, peak=0.1):
     return out
 
 
-def policy_errors(q, k, v, do, causal=True, policies=tuple(POLICIES), impl="auto"):
+def policy_errors(q, k, v, do, causal=True, policies=tuple(POLICIES)):
     """Fig. 5: relative MSE of O, dQ, dK, dV for each policy against float64 attention on the same
     inputs. q (B, H, T, D), k, v (B, Hkv, T, D), do (B, H, T, D). Returns {policy: {"o": .., "dq":
     .., "dk": .., "dv": ..}}."""
@@ -539,7 +472,7 @@ def policy_errors(q, k, v, do, causal=True, policies=tuple(POLICIES), impl="auto
     results = {}
     for policy in policies:
         xs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-        o = attention(*xs, causal=causal, policy=policy, impl=impl)
+        o = attention(*xs, causal=causal, policy=policy)
         grads = torch.autograd.grad(o, xs, do.to(o.dtype))
         results[policy] = {name: nvfp4.relative_mse(ref, ours)
                            for name, ours, ref in zip(("o", "dq", "dk", "dv"), (o, *grads),

@@ -36,7 +36,6 @@ ordinary BF16 LoRA branch trained by plain autograd.
 
 import math
 import warnings
-import weakref
 
 import torch
 import torch.nn as nn
@@ -144,146 +143,89 @@ def _branch(x, A, B, dt):
     return t.float() @ B.to(dt).float().t()
 
 
-# eqs. 1-2 written once, in lora_forward and lora_backward; eager runs them through
-# LoRASVDFunction, torch.compile through the custom ops nanofp4::lora_svd and lora_svd_backward
-# (nvfp4's direct layer says why: the same split, the draws made inside the bodies).
+# eqs. 1-2 as one FP4 op (nvfp4.fp4_op: eager's autograd.Function and torch.compile's custom ops
+# from this one definition). W_res takes the direct layer's route: one quantize pass writes what dX
+# reads again (nvfp4.linear_forward).
 
 @nvfp4.without_autocast
-def lora_forward(x, weight_res, L1, L2, beta, c):
-    """eq. 1's Y = Q1x16(X) Q16x16(W_res)^T + beta (X L1^T) L2^T, the residual as the resolved
-    contract c (nvfp4.linear_contract) says, the branch in BRANCH. x (..., in), weight_res
-    (out, in), L1 (r, in), L2 (out, r) -> (Y (..., out) in x's dtype, the packed Q1x16(X) (T, in)
-    and Q16x16(W_res) the backward reads). Leading dims are flattened into tokens T inside, so Y
-    is not a view (FSDP2 wants that)."""
+def lora_forward(x, weight_res, L1, L2, beta, four_over_six):
+    """eq. 1's Y = Q1x16(X) Q16x16(W_res)^T + beta (X L1^T) L2^T, the residual as nvfp4.LINEAR
+    says (4/6 resolved), the branch in BRANCH. x (..., in), weight_res (out, in), L1 (r, in), L2
+    (out, r) -> (Y (..., out) in x's dtype, made: the packed Q1x16(X) (T, in) as (codes, scales,
+    global scale), then W_res's quantization as dX multiplies it: the packed Q16x16(W_res)
+    likewise, or the Hopper kernels' ([W_hat | L2] bf16, an empty scales tensor, global scale),
+    kernels/lora_fused.py). Leading dims are flattened into tokens T inside, so Y is not a view
+    (FSDP2 wants that)."""
+    c = nvfp4.linear_contract(four_over_six)
     x2, bdt = x.reshape(-1, x.shape[-1]), branch_dtype()  # (T, in)
-    seed_x, seed_w = (nvfp4.draws(c[k], x.device) for k in ("forward.x", "forward.w"))
-    qw = nvfp4.quantize_as(weight_res.detach(), c["forward.w"], seed_w, name="weight W_res")
+    w = weight_res.detach()
+    seeds = nvfp4.draws(c["forward.x"], x.device), nvfp4.draws(c["forward.w"], x.device)
     if nvfp4.use_kernels(x2):  # App. 9: the branch rides the residual's GEMM, Y is written once
-        y, qx = lora_fused.forward(x2, qw, L1, L2, beta, c["forward.x"], seed_x, bdt, x.dtype)
-        qx = nvfp4.NVFP4Tensor(*qx, x2.shape, (1, 16))
+        y, qx, w_made = lora_fused.forward(x2, w, L1, L2, beta, c["forward.x"], c["forward.w"],
+                                           seeds, bdt, x.dtype)
     else:
-        qx = nvfp4.quantize_as(x2, c["forward.x"], seed_x, name="activation X")  # Q1x16(X)
+        qw = nvfp4.quantize_as(w, c["forward.w"], seeds[1], name="weight W_res")  # Q16x16(W_res)
+        qx = nvfp4.quantize_as(x2, c["forward.x"], seeds[0], name="activation X")  # Q1x16(X)
         y = nvfp4.nvfp4_matmul(qx, qw, out_dtype=torch.float32)  # (T, out)
         y = (y + beta * _branch(x2, L1, L2, bdt)).to(x.dtype)
-    return y.reshape(*x.shape[:-1], y.shape[-1]), qx, qw
+        qx, w_made = (qx.codes, qx.scales, qx.global_scale), (qw.codes, qw.scales, qw.global_scale)
+    return y.reshape(*x.shape[:-1], y.shape[-1]), (*qx, *w_made)
 
 
 @nvfp4.without_autocast
-def lora_backward(dy, qx, qw, L1, L2, beta, c, need):
-    """eq. 1's dX = Q1x16(dY) Q16x16(W_res) + beta (dY L2) L1 (the forward's qw reused) and eq.
-    2's dW (fp32) from the forward's qx; need: (dX, dW) wanted. -> (dX (..., in) in dY's dtype or
-    None, dW (out, in) or None)."""
+def lora_backward(dy, _, made, kept, dtypes, need, beta, four_over_six):
+    """eq. 1's dX = Q1x16(dY) Q16x16(W_res) + beta (dY L2) L1 (the forward's W_res reused) and eq.
+    2's dW (fp32) from the forward's made tensors; kept: (L1, L2). -> (dX (..., in) in dY's dtype,
+    dW (out, in), then zeros for L1 and L2; None where need says no). The zeros keep every
+    parameter "used" for DDP (no find_unused_parameters) and give project_gradients a grad to add
+    into; the true dL1, dL2 come from project_gradients (eqs. 3-4): App. 8 takes them from dW
+    instead of from a second large GEMM with the high-precision X, which is why neither X nor
+    X L1^T is saved."""
+    c, (L1, L2) = nvfp4.linear_contract(four_over_six), kept
     lead, dy, bdt = dy.shape[:-1], dy.reshape(-1, dy.shape[-1]), branch_dtype()  # (T, out)
-    seed_dx, H, seeds_dw = nvfp4.backward_draws(c, *need, dy.device)
+    qx = nvfp4.packed(*made[:3], (1, 16))
+    seed_dx, H, seeds_dw = nvfp4.backward_draws(c, *need[:2], dy.device)
     if nvfp4.use_kernels(dy):
-        dx, dw = lora_fused.backward(dy, qx, qw, L1, L2, beta, c, need, seed_dx, H, seeds_dw, bdt)
+        dx, dw = lora_fused.backward(dy, qx, made[3:], L1, L2, beta, c, need[:2], seed_dx, H,
+                                     seeds_dw, bdt)
     else:
         dx = dw = None
         # eq. 1's dX, the forward's Q16x16(W_res) reused (read transposed, not requantized)
         if need[0]:
             q_dy = nvfp4.quantize_as(dy, c["dgrad.dy"], seed_dx,
                                      name="gradient dY")  # Q1x16(dY)
+            qw = nvfp4.packed(*made[3:], (16, 16))
             dx = nvfp4.nvfp4_matmul(q_dy, qw, out_dtype=torch.float32, trans_b=True)  # (T, in)
             dx = (dx + beta * _branch(dy, L2.t(), L1.t(), bdt)).to(dy.dtype)
         if need[1]:
             dw = nvfp4.wgrad(dy, qx, c, H, seeds_dw)  # eq. 2, (out, in) fp32
-    return (dx.reshape(*lead, -1) if dx is not None else None), dw
+    zeros = [torch.zeros_like(L) if n else None for L, n in zip(kept, need[2:])]
+    return (dx.reshape(*lead, -1) if dx is not None else None), dw, *zeros
 
 
-class LoRASVDFunction(torch.autograd.Function):
-    """Eager's autograd of eqs. 1-2: lora_forward, lora_backward. Inputs x (..., in), weight_res
-    (out, in), L1 (r, in), L2 (out, r). Returns y (..., out).
-
-    The residual path is NVFP4Linear's (nvfp4._NVFP4LinearFn): the same contract (nvfp4.LINEAR), the
-    packed Q1x16(X) and Q16x16(W_res) saved for backward, nvfp4.wgrad for eq. 2, the same random
-    draws (nvfp4.backward_draws). Saved besides: L1, L2; neither X nor X L1^T, since dX needs only
-    dY, W_res, L1, L2 and the LoRA gradients come from dW (App. 8). Gradients returned: dX, dW for
-    weight_res, and zeros for L1 and L2. The zeros keep every parameter "used" for DDP (no
-    find_unused_parameters) and give project_gradients a grad to add into; the true dL1, dL2 come
-    from project_gradients (eqs. 3-4).
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight_res, L1, L2, beta, four_over_six):
-        c = nvfp4.linear_contract(four_over_six)
-        y, ctx.qx, ctx.qw = lora_forward(x, weight_res, L1, L2, beta, c)
-        ctx.beta, ctx.c = beta, c
-        ctx.save_for_backward(L1, L2)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        L1, L2 = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        dx, dw = lora_backward(dy, ctx.qx, ctx.qw, L1, L2, ctx.beta, ctx.c, need[:2])
-        ctx.qx = ctx.qw = None
-        return dx, dw, _zeros(L1, need[2]), _zeros(L2, need[3]), None, None
-
-
-def _zeros(L, needed):
-    """The L1 / L2 gradient the backward returns: zeros (LoRASVDFunction says why)."""
-    return torch.zeros_like(L) if needed else None
-
-
-@torch.library.custom_op(
-    "nanofp4::lora_svd", mutates_args=(),
-    schema="(Tensor x, Tensor weight_res, Tensor L1, Tensor L2, float beta, "
-           "bool four_over_six) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
-def _lora_op(x, weight_res, L1, L2, beta, four_over_six):
-    """lora_forward as a custom op (LINEAR and BRANCH read when it runs) -> (Y, then the packed
-    Q1x16(X) and Q16x16(W_res) as codes, scales, global scale each)."""
-    y, qx, qw = lora_forward(x, weight_res, L1, L2, beta, nvfp4.linear_contract(four_over_six))
-    return y, qx.codes, qx.scales, qx.global_scale, qw.codes, qw.scales, qw.global_scale
-
-
-@torch.library.custom_op(
-    "nanofp4::lora_svd_backward", mutates_args=(),
-    schema="(Tensor dy, Tensor x_codes, Tensor x_scales, Tensor x_scale, Tensor w_codes, "
-           "Tensor w_scales, Tensor w_scale, Tensor L1, Tensor L2, float beta, "
-           "bool four_over_six, bool need_dx, bool need_dw) -> (Tensor, Tensor)")
-def _lora_backward_op(dy, x_codes, x_scales, x_scale, w_codes, w_scales, w_scale, L1, L2, beta,
-                      four_over_six, need_dx, need_dw):
-    """lora_backward as a custom op -> (dX, dW), an empty tensor where not needed."""
-    qx = nvfp4.packed(x_codes, x_scales, x_scale, (1, 16))
-    qw = nvfp4.packed(w_codes, w_scales, w_scale, (16, 16))
-    dx, dw = lora_backward(dy, qx, qw, L1, L2, beta, nvfp4.linear_contract(four_over_six),
-                           (need_dx, need_dw))
-    return nvfp4.empty_if_none(dx, dy), nvfp4.empty_if_none(dw, dy)
-
-
-@_lora_op.register_fake
-def _(x, weight_res, L1, L2, beta, four_over_six):
-    (K, N), e4m3 = (x.shape[-1], weight_res.shape[0]), torch.float8_e4m3fn
+def lora_fake(x, weight_res, L1, L2, beta, four_over_six):
+    """lora_forward's outputs, empty (W_res's tensors as the route makes them)."""
+    (K, N), r, e4m3 = (x.shape[-1], weight_res.shape[0]), L1.shape[0], torch.float8_e4m3fn
     T = x.numel() // K
-    shapes = [((*x.shape[:-1], N), x.dtype), ((T, K // 2), torch.uint8), ((T, K // 16), e4m3),
-              ((), torch.float32), ((N, K // 2), torch.uint8), ((N // 16, K // 16), e4m3),
-              ((), torch.float32)]
-    return tuple(x.new_empty(s, dtype=d) for s, d in shapes)
+    w = ([((N, K + r), torch.bfloat16), ((0,), e4m3)]  # the Hopper kernels' [W_hat | L2]
+         if nvfp4.use_kernels(x) and not lora_fused.use_dot_scaled(x.device)
+         else [((N, K // 2), torch.uint8), ((N // 16, K // 16), e4m3)])
+    made = [((T, K // 2), torch.uint8), ((T, K // 16), e4m3), ((), torch.float32), *w,
+            ((), torch.float32)]
+    return x.new_empty((*x.shape[:-1], N)), [x.new_empty(s, dtype=d) for s, d in made]
 
 
-@_lora_backward_op.register_fake
-def _(dy, x_codes, x_scales, x_scale, w_codes, w_scales, w_scale, L1, L2, beta, four_over_six,
-      need_dx, need_dw):
-    N, K = dy.shape[-1], 2 * x_codes.shape[1]
-    return (dy.new_empty((*dy.shape[:-1], K) if need_dx else (0,)),
-            dy.new_empty((N, K), dtype=torch.float32) if need_dw else dy.new_empty(0))
+def lora_grad_fake(dy, _, made, kept, dtypes, need, beta, four_over_six):
+    N, K = dy.shape[-1], 2 * made[0].shape[1]
+    return (dy.new_empty((*dy.shape[:-1], K)) if need[0] else None,
+            dy.new_empty((N, K), dtype=torch.float32) if need[1] else None,
+            *(torch.empty_like(L) if n else None for L, n in zip(kept, need[2:])))
 
 
-def _lora_setup_context(ctx, inputs, output):
-    x, weight_res, L1, L2, beta, four_over_six = inputs
-    ctx.save_for_backward(*output[1:], L1, L2)
-    ctx.beta, ctx.four_over_six = beta, four_over_six
-
-
-def _lora_autograd(ctx, dy, *_):
-    need, (L1, L2) = ctx.needs_input_grad, ctx.saved_tensors[-2:]
-    dx, dw = _lora_backward_op(dy, *ctx.saved_tensors, ctx.beta, ctx.four_over_six, *need[:2])
-    dx, dw = (dx if need[0] else None), (dw if need[1] else None)
-    return dx, dw, _zeros(L1, need[2]), _zeros(L2, need[3]), None, None
-
-
-torch.library.register_autograd("nanofp4::lora_svd", _lora_autograd,
-                                setup_context=_lora_setup_context)
+_lora_svd = nvfp4.fp4_op(
+    "lora_svd", "Tensor x, Tensor weight_res, Tensor L1, Tensor L2, float beta, bool four_over_six",
+    (6, 2), lora_forward, lora_backward, lora_fake, lora_grad_fake,
+    keep=lambda x, w, L1, L2, *_: (L1, L2))
 
 
 def lora_svd_linear(x, weight_res, L1, L2, beta=1.0, four_over_six=True):
@@ -291,9 +233,7 @@ def lora_svd_linear(x, weight_res, L1, L2, beta=1.0, four_over_six=True):
     the autocast dtype, as in nvfp4.nvfp4_linear."""
     if torch.is_autocast_enabled(x.device.type):
         x = x.to(torch.get_autocast_dtype(x.device.type))
-    if torch.compiler.is_compiling():
-        return _lora_op(x, weight_res, L1, L2, float(beta), four_over_six)[0]
-    return LoRASVDFunction.apply(x, weight_res, L1, L2, float(beta), four_over_six)
+    return _lora_svd(x, weight_res, L1, L2, float(beta), four_over_six)
 
 
 # -----------------------------------------------------------------------------
@@ -348,7 +288,6 @@ class LoRASVDLinear(nn.Module):
         W_res, L1, L2 = split_from_svd(W, U, S, Vh, self.beta)
         for p, full in ((self.weight_res, W_res), (self.L1, L1), (self.L2, L2)):
             p.copy_(shard_like(p, full))
-        self._projected = None
 
     @torch.no_grad()
     def effective_weight(self):
@@ -360,18 +299,6 @@ class LoRASVDLinear(nn.Module):
     def forward(self, x):
         y = lora_svd_linear(x, self.weight_res, self.L1, self.L2, self.beta, self.four_over_six)
         return y if self.bias is None else y + self.bias.to(y.dtype)
-
-    def _mark_projected(self, grad):
-        """project_gradients remembers the grad it projected; a backward that then adds a new dW
-        into weight_res.grad makes the layer forget it (eqs. 3-4 needed again). The forgetting is a
-        post-accumulate-grad hook on the parameter in use (FSDP2 swaps in its own and runs these
-        hooks too): the autograd engine runs it outside any compiled graph, so the forward has no
-        hook to trace."""
-        p = self.weight_res
-        if getattr(self, "_watched", lambda: None)() is not p:
-            p.register_post_accumulate_grad_hook(lambda _: setattr(self, "_projected", None))
-            self._watched = weakref.ref(p)
-        self._projected = weakref.ref(grad)
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -420,7 +347,7 @@ class NaiveLoRALinear(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# eqs. 3-4: subspace projection of the accumulated gradient (run by the optimizer, once per step)
+# eqs. 3-4: subspace projection of the accumulated gradient (once per optimizer step)
 
 _warned_householder = False
 
@@ -456,23 +383,12 @@ def project_gradients(layer):
     averaging the projections). Reads weight_res.grad = dW, writes
         weight_res.grad = dW - dW_LoRA,  L1.grad += beta L2^T dW_LoRA,
         L2.grad += beta dW_LoRA L1^T.
-    Idempotent: a second call on the same gradient is skipped (and would find Lambda ~ 0 anyway), so
-    both train.py (before gradient clipping) and the optimizer may call it. "The same gradient"
-    survives in-place scaling (clip_grad_norm_: a scaled projected gradient is still projected, eqs.
-    3-4 being linear in dW): the layer remembers the grad tensor it projected, and forgets it when a
-    backward through the layer adds a new dW (a hook on weight_res) or when the grad is replaced by
-    another tensor. FSDP2 (DTensor parameters and grads, sharded): gathers dW, L1, L2 (every rank
+    Once per step: train.py calls project_all before clipping, so the clipped norm is that of the
+    gradients applied. FSDP2 (DTensor parameters and grads, sharded): gathers dW, L1, L2 (every rank
     computes the same projection) and updates the local shards. Simple, at the cost of one
     all-gather of dW per layer per step; a sharded Cholesky-QR (all-reduce the r x r Gram matrices
     and Lambda) would avoid it."""
     _project_layers([layer])
-
-
-def _needs_projection(layer):
-    g = layer.weight_res.grad
-    # weakref to the grad tensor projected last, None after a backward
-    done = getattr(layer, "_projected", None)
-    return g is not None and not (done is not None and done() is g)
 
 
 def _project(layer, L1, L2, Q1, Q2):
@@ -491,7 +407,6 @@ def _project(layer, L1, L2, Q1, Q2):
         g.sub_(shard_like(g, (Q2 @ core).to(g.dtype)))
     else:
         g.addmm_(Q2.to(g.dtype), core.to(g.dtype), alpha=-1.0)  # dW_res = dW - dW_LoRA, in place
-    layer._mark_projected(g)
 
 
 def lora_svd_layers(model):
@@ -509,11 +424,11 @@ def project_all(model):
 
 
 def _project_layers(layers):
-    """eqs. 3-4 on every layer that still needs it, the bases of same-shaped layers from one batched
+    """eqs. 3-4 on every layer with a gradient, the bases of same-shaped layers from one batched
     Cholesky-QR."""
     groups = {}
     for layer in layers:
-        if _needs_projection(layer):
+        if layer.weight_res.grad is not None:
             L1, L2 = full_tensor(layer.L1).float(), full_tensor(layer.L2).float()
             groups.setdefault((L1.shape, L2.shape, L1.device), []).append((layer, L1, L2))
     for group in groups.values():

@@ -95,15 +95,25 @@ LINEAR = {
     # eq. 2: the forward's Q(X), dequantized, likewise
     "wgrad.x": Quant((16, 1), "sr", "random"),
 }
-LINEAR_BLOCKS = {"forward.x": (1, 16), "forward.w": (16, 16), "dgrad.dy": (1, 16),
-                 "wgrad.dy": (16, 1), "wgrad.x": (16, 1)}
+# each GEMM's contraction dim fixes its operands' blocks: a fork edits rounding, Hadamard and 4/6
+_EQ_BLOCKS = {name: q.block for name, q in LINEAR.items()}
+
+
+_CONTRACTS = {}  # (4/6, LINEAR's entries) -> the resolved contract: each layer call reads it
 
 
 def linear_contract(four_over_six):
     """LINEAR as it is now (read at call time: a fork edits the table, both routes follow), 4/6
     resolved, checked against what eqs. 1-2 allow."""
-    entries = {name: LINEAR[name].resolved(four_over_six) for name in LINEAR_BLOCKS}
-    for name, block in LINEAR_BLOCKS.items():
+    key = (four_over_six, *LINEAR.values())
+    if key not in _CONTRACTS:
+        _CONTRACTS[key] = _resolve_contract(four_over_six)
+    return _CONTRACTS[key]
+
+
+def _resolve_contract(four_over_six):
+    entries = {name: LINEAR[name].resolved(four_over_six) for name in _EQ_BLOCKS}
+    for name, block in _EQ_BLOCKS.items():
         if tuple(entries[name].block) != block:
             raise ValueError(f"nvfp4.LINEAR[{name!r}].block must be {block} (the GEMM's "
                              f"contraction dim), got {entries[name].block}")
@@ -558,14 +568,8 @@ def wgrad(dy, xq, c, hadamard, seeds, out_dtype=torch.float32):
     return nvfp4_matmul(dyq, xhq, out_dtype, trans_a=True, trans_b=True)
 
 
-# The layer's math is written once, in linear_forward and linear_backward. Eager runs call them
-# through _NVFP4LinearFn, an autograd.Function: the least host time per call (a custom op's
-# dispatch costs more, docs/performance.md). Under torch.compile (nvfp4_linear asks
-# torch.compiler.is_compiling) they run as the torch.library custom ops nanofp4::linear and
-# nanofp4::linear_backward instead: one opaque node each, so the graph has no break and inductor
-# never re-traces the Triton kernels inside. The random draws (draws, backward_draws) are made
-# inside the bodies when they run, so a compiled run draws in the order its graph runs the ops:
-# eager's order, the same bits from the same RNG state (tests/test_compile.py).
+# --------------------------------------------------------------------------------------------------
+# One definition per FP4 op (this layer, lora_svd's, attention's), two paths made from it
 
 def without_autocast(body):
     """The body runs with autocast off: its arithmetic is the precision contract's, whatever
@@ -580,66 +584,148 @@ def without_autocast(body):
     return run
 
 
+def fp4_op(name, inputs, saves, forward, backward, fake, grad_fake, keep=None, save_output=False):
+    """An FP4 op defined once; returns apply(*inputs) -> y. inputs: its schema ("Tensor x, bool
+    four_over_six"); saves: (len(made), len(kept)), fixed; the definition:
+      forward(*inputs) -> (y, made): made the tensors it makes for its backward (the packed 4-bit
+          operands: where FP4 training saves activation memory; empty ones where unused)
+      keep(*inputs) -> the inputs the backward reads as they are (None: none)
+      backward(dy, y, made, kept, dtypes, need, *args) -> a gradient or None per tensor input; y
+          the output if save_output, dtypes and need (needs_input_grad) per tensor input, args the
+          inputs that are not tensors
+      fake(*inputs), grad_fake(as backward): empty tensors shaped as forward's (y, made) and
+          backward's gradients (None where not needed): what torch.compile plans with.
+    Eager runs a thin autograd.Function over forward and backward (a custom op's eager dispatch
+    costs more host time, docs/performance.md); under torch.compile the torch.library custom ops
+    nanofp4::name and name_backward run them, opaque nodes: no graph break, no re-traced Triton
+    kernel. The random draws (draws, backward_draws) are made inside the bodies when they run: a
+    compiled run draws in eager's order, eager's bits from one RNG state (tests/test_compile.py)."""
+    is_tensor = [a.split()[0] == "Tensor" for a in inputs.split(", ")]
+    tensors, others = ([i for i, t in enumerate(is_tensor) if t == want] for want in (1, 0))
+    split = lambda xs, t: [xs[i] for i in (tensors if t else others)]
+    none = (None,) * len(is_tensor)
+    keep, saving = keep or (lambda *xs: ()), keep is not None or save_output
+
+    def per_input(grads):  # one gradient per input, None for the non-tensors
+        out = list(none)
+        for i, g in zip(tensors, grads):
+            out[i] = g
+        return tuple(out)
+
+    def eager_forward(ctx, *xs):  # as little host work as a hand-written Function
+        y, ctx.made = forward(*xs)
+        if saving:
+            ctx.save_for_backward(*keep(*xs), *((y,) if save_output else ()))
+        ctx.dtypes, ctx.args = [xs[i].dtype for i in tensors], split(xs, False)
+        return y
+
+    def eager_backward(ctx, dy):
+        saved = ctx.saved_tensors if saving else ()
+        kept, y = (saved[:-1], saved[-1]) if save_output else (saved, None)
+        grads = backward(dy, y, ctx.made, kept, ctx.dtypes, split(ctx.needs_input_grad, True),
+                         *ctx.args)
+        ctx.made = None
+        return per_input(grads)
+
+    eager = type(f"FP4{name.title().replace('_', '')}", (torch.autograd.Function,),
+                 dict(forward=staticmethod(eager_forward), backward=staticmethod(eager_backward)))
+    op, op_bwd = _custom_ops(name, inputs, is_tensor, saves, forward, backward, fake, grad_fake,
+                             save_output)
+
+    def setup_context(ctx, inputs, output):  # the backward op's tensors: made, kept, y
+        ctx.save_for_backward(*output[1:], *keep(*inputs), *output[:save_output])
+        ctx.dtypes, ctx.args = [x.dtype for x in split(inputs, True)], split(inputs, False)
+
+    def compiled_backward(ctx, dy, *_):
+        need = split(ctx.needs_input_grad, True)
+        grads = op_bwd(dy, *ctx.saved_tensors, *ctx.dtypes, *need, *ctx.args)
+        return per_input(g if n else None for g, n in zip(grads, need))
+
+    op.register_autograd(compiled_backward, setup_context=setup_context)
+
+    def apply(*xs):
+        return op(*xs)[0] if torch.compiler.is_compiling() else eager.apply(*xs)
+    apply.eager, apply.op, apply.op_backward = eager, op, op_bwd
+    return apply
+
+
+def _custom_ops(name, inputs, is_tensor, saves, forward, backward, fake, grad_fake, save_output):
+    """fp4_op's two custom ops, every output and argument one tensor or scalar (a (Tensor,
+    Tensor[]) return reaches inductor's generated code as one tensor): so the counts of saved
+    tensors are fixed per op."""
+    (n_made, n_kept), n = saves, sum(is_tensor)
+    saved = [f"Tensor made{i}" for i in range(n_made)] + [f"Tensor kept{i}" for i in range(n_kept)]
+    saved += ["Tensor y"] * save_output
+    saved += [f"ScalarType dtype{i}" for i in range(n)] + [f"bool need{i}" for i in range(n)]
+    saved += [a for a, t in zip(inputs.split(", "), is_tensor) if not t]
+    listed = lambda body: lambda *xs: (lambda y, made: (y, *made))(*body(*xs))
+
+    def backward_op(body):
+        def run(dy, *rest):
+            made, kept = rest[:n_made], rest[n_made:n_made + n_kept]
+            y, rest = (rest[n_made + n_kept], rest[n_made + n_kept + 1:]) if save_output else (
+                None, rest[n_made + n_kept:])
+            grads = body(dy, y, made, kept, rest[:n], rest[n:2 * n], *rest[2 * n:])
+            return [dy.new_empty(0) if g is None else g for g in grads]
+        return run
+
+    op = torch.library.custom_op(f"nanofp4::{name}", listed(forward), mutates_args=(),
+                                 schema=f"({inputs}) -> ({', '.join(['Tensor'] * (1 + n_made))})")
+    op_bwd = torch.library.custom_op(f"nanofp4::{name}_backward", backward_op(backward),
+                                     mutates_args=(),
+                                     schema=f"(Tensor dy, {', '.join(saved)}) -> Tensor[]")
+    op.register_fake(listed(fake))
+    op_bwd.register_fake(backward_op(grad_fake))
+    return op, op_bwd
+
+
+# --------------------------------------------------------------------------------------------------
+# Direct-NVFP4 linear layer: eqs. 1-2 as one FP4 op
+
 @without_autocast
-def linear_forward(x, weight, c):
-    """Y = Q1x16(X) Q16x16(W)^T, each operand as the resolved contract c (linear_contract) says.
-    x (..., in), weight (out, in) -> (Y (..., out) in x's dtype, the packed Q1x16(X) (T, in) that
-    eq. 2 reads, W's quantization as dX multiplies it: an NVFP4Tensor, or on the Hopper kernels
-    (bf16 grid values, global scale)). Leading dims are flattened into tokens T: Y is not a view.
-    On CUDA kernels/nvfp4_linear.py runs the same GEMM."""
+def linear_forward(x, weight, four_over_six):
+    """Y = Q1x16(X) Q16x16(W)^T, each operand as LINEAR says (read when it runs, 4/6 resolved).
+    x (..., in), weight (out, in) -> (Y (..., out) in x's dtype, made: the packed Q1x16(X) (T, in)
+    that eq. 2 reads as (codes, scales, global scale), then W's quantization as dX multiplies it:
+    the packed Q16x16(W) likewise, or the Hopper kernels' (bf16 grid values, an empty scales
+    tensor, global scale): kernels/nvfp4_linear.py, the same GEMM on CUDA). Leading dims are
+    flattened into tokens T: Y is not a view."""
+    c = linear_contract(four_over_six)
     x2 = x.reshape(-1, x.shape[-1])                                                     # (T, in)
     w = weight.detach()
     seeds = draws(c["forward.x"], x2.device), draws(c["forward.w"], x2.device)
     if use_kernels(x2):
-        y, xq, w_used = linear_kernels.forward(x2, w, c["forward.x"], c["forward.w"], seeds)
-        xq = NVFP4Tensor(*xq, x2.shape, (1, 16))
+        y, xq, w_made = linear_kernels.forward(x2, w, c["forward.x"], c["forward.w"], seeds)
     else:
         xq = quantize_as(x2, c["forward.x"], seeds[0], name="activation X")             # Q1x16(X)
-        w_used = quantize_as(w, c["forward.w"], seeds[1], name="weight W")              # Q16x16(W)
-        y = nvfp4_matmul(xq, w_used, out_dtype=x.dtype)                                  # (T, out)
-    return y.reshape(*x.shape[:-1], -1), xq, w_used
+        wq = quantize_as(w, c["forward.w"], seeds[1], name="weight W")                  # Q16x16(W)
+        y = nvfp4_matmul(xq, wq, out_dtype=x.dtype)                                      # (T, out)
+        xq, w_made = (xq.codes, xq.scales, xq.global_scale), (wq.codes, wq.scales, wq.global_scale)
+    return y.reshape(*x.shape[:-1], -1), (*xq, *w_made)
 
 
 @without_autocast
-def linear_backward(dy, xq, w_used, c, need, weight_dtype):
+def linear_backward(dy, _, made, kept, dtypes, need, four_over_six):
     """dX = Q1x16(dY) Q16x16(W) (W's forward quantization reused, eq. 1) and dW = wgrad (eq. 2)
-    from the forward's xq and w_used; need: (dX, dW) wanted. -> (dX (..., in) or None, dW (out,
-    in) in weight_dtype or None)."""
+    from the forward's made tensors; need: (dX, dW) wanted. -> (dX (..., in) or None, dW (out,
+    in) in W's dtype or None)."""
+    c, need = linear_contract(four_over_six), need[:2]
     dy2 = dy.reshape(-1, dy.shape[-1])                                                  # (T, out)
+    xq = packed(*made[:3], (1, 16))
     seed_dx, H, seeds_dw = backward_draws(c, *need, dy2.device)
     if use_kernels(dy2):
-        dx, dw = linear_kernels.backward(dy2, xq, w_used, c, need, seed_dx, H, seeds_dw,
-                                         weight_dtype)
+        dx, dw = linear_kernels.backward(dy2, xq, made[3:], c, need, seed_dx, H, seeds_dw,
+                                         dtypes[1])
     else:
+        w = packed(*made[3:], (16, 16))
         dx = dw = None
         if need[0]:
             # Q1x16(dY)
             dyq = quantize_as(dy2, c["dgrad.dy"], seed_dx, name="gradient dY")
-            # Q16x16(W) reused
-            dx = nvfp4_matmul(dyq, w_used, dy.dtype, trans_b=True)
+            dx = nvfp4_matmul(dyq, w, dy.dtype, trans_b=True)              # Q16x16(W) reused
         if need[1]:
-            dw = wgrad(dy2, xq, c, H, seeds_dw, out_dtype=weight_dtype)                   # eq. 2
+            dw = wgrad(dy2, xq, c, H, seeds_dw, out_dtype=dtypes[1])                      # eq. 2
     return (dx.reshape(*dy.shape[:-1], -1) if dx is not None else None), dw
-
-
-class _NVFP4LinearFn(torch.autograd.Function):
-    """Eager's autograd of eqs. 1-2: linear_forward, linear_backward. What the backward keeps:
-    the packed 4-bit X (not X: that is where FP4 training saves activation memory) and W as the
-    forward quantized it (y.grad_fn.xq, y.grad_fn.w_used)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, four_over_six):
-        c = linear_contract(four_over_six)
-        y, ctx.xq, ctx.w_used = linear_forward(x, weight, c)
-        ctx.c, ctx.weight_dtype = c, weight.dtype
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        dx, dw = linear_backward(dy, ctx.xq, ctx.w_used, ctx.c, ctx.needs_input_grad[:2],
-                                 ctx.weight_dtype)
-        ctx.xq = ctx.w_used = None
-        return dx, dw, None
 
 
 def packed(codes, scales, global_scale, block):
@@ -648,80 +734,26 @@ def packed(codes, scales, global_scale, block):
                        block)
 
 
-def empty_if_none(t, like):
-    """Ops return tensors: an empty one stands for a gradient nobody asked for."""
-    return like.new_empty(0) if t is None else t
-
-
-def _w_tensors(w_used):
-    """W as forward kept it, as three op outputs: (codes, scales, global scale), or the Hopper
-    kernels' (bf16 grid values, an empty E4M3 tensor, global scale)."""
-    if isinstance(w_used, tuple) and len(w_used) == 2:
-        return w_used[0], w_used[0].new_empty(0, dtype=torch.float8_e4m3fn), w_used[1]
-    return w_used.codes, w_used.scales, w_used.global_scale
-
-
-@torch.library.custom_op(
-    "nanofp4::linear", mutates_args=(),
-    schema="(Tensor x, Tensor weight, bool four_over_six) -> (Tensor, Tensor, Tensor, Tensor, "
-           "Tensor, Tensor, Tensor)")
-def _linear_op(x, weight, four_over_six):
-    """linear_forward as a custom op (LINEAR read when it runs) -> (Y; Q1x16(X)'s codes
-    (T, in / 2), scales and global scale; W's three tensors (_w_tensors))."""
-    y, xq, w_used = linear_forward(x, weight, linear_contract(four_over_six))
-    return y, xq.codes, xq.scales, xq.global_scale, *_w_tensors(w_used)
-
-
-@torch.library.custom_op(
-    "nanofp4::linear_backward", mutates_args=(),
-    schema="(Tensor dy, Tensor x_codes, Tensor x_scales, Tensor x_scale, Tensor w_a, "
-           "Tensor w_b, Tensor w_scale, ScalarType weight_dtype, bool four_over_six, "
-           "bool need_dx, bool need_dw) -> (Tensor, Tensor)")
-def _linear_backward_op(dy, x_codes, x_scales, x_scale, w_a, w_b, w_scale, weight_dtype,
-                        four_over_six, need_dx, need_dw):
-    """linear_backward as a custom op, from the forward op's six tensors -> (dX, dW), an empty
-    tensor where not needed."""
-    xq = packed(x_codes, x_scales, x_scale, (1, 16))
-    w = (w_a, w_scale) if w_a.dtype == torch.bfloat16 else packed(w_a, w_b, w_scale, (16, 16))
-    dx, dw = linear_backward(dy, xq, w, linear_contract(four_over_six), (need_dx, need_dw),
-                             weight_dtype)
-    return empty_if_none(dx, dy), empty_if_none(dw, dy)
-
-
-@_linear_op.register_fake
-def _(x, weight, four_over_six):
+def linear_fake(x, weight, four_over_six):
+    """linear_forward's outputs, empty (W's tensors as the route makes them)."""
     (K, N), e4m3 = (x.shape[-1], weight.shape[0]), torch.float8_e4m3fn
     T = x.numel() // K
     w = ([((N, K), torch.bfloat16), ((0,), e4m3)]  # the Hopper kernels' grid values
          if use_kernels(x) and not use_dot_scaled(x.device)
          else [((N, K // 2), torch.uint8), ((N // 16, K // 16), e4m3)])
-    shapes = [((*x.shape[:-1], N), x.dtype), ((T, K // 2), torch.uint8), ((T, K // 16), e4m3),
-              ((), torch.float32), *w, ((), torch.float32)]
-    return tuple(x.new_empty(s, dtype=d) for s, d in shapes)
+    made = [((T, K // 2), torch.uint8), ((T, K // 16), e4m3), ((), torch.float32), *w,
+            ((), torch.float32)]
+    return (x.new_empty((*x.shape[:-1], N)), [x.new_empty(s, dtype=d) for s, d in made])
 
 
-@_linear_backward_op.register_fake
-def _(dy, x_codes, x_scales, x_scale, w_a, w_b, w_scale, weight_dtype, four_over_six, need_dx,
-      need_dw):
-    N, K = dy.shape[-1], 2 * x_codes.shape[1]
-    return (dy.new_empty((*dy.shape[:-1], K) if need_dx else (0,)),
-            dy.new_empty((N, K), dtype=weight_dtype) if need_dw else dy.new_empty(0))
+def linear_grad_fake(dy, _, made, kept, dtypes, need, four_over_six):
+    N, K = dy.shape[-1], 2 * made[0].shape[1]
+    return (dy.new_empty((*dy.shape[:-1], K)) if need[0] else None,
+            dy.new_empty((N, K), dtype=dtypes[1]) if need[1] else None)
 
 
-def _linear_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*output[1:])
-    ctx.weight_dtype, ctx.four_over_six = inputs[1].dtype, inputs[2]
-
-
-def _linear_autograd(ctx, dy, *_):
-    need = ctx.needs_input_grad[:2]                                                     # (dX, dW)
-    dx, dw = _linear_backward_op(dy, *ctx.saved_tensors, ctx.weight_dtype, ctx.four_over_six,
-                                 *need)
-    return (dx if need[0] else None), (dw if need[1] else None), None
-
-
-torch.library.register_autograd("nanofp4::linear", _linear_autograd,
-                                setup_context=_linear_setup_context)
+_linear = fp4_op("linear", "Tensor x, Tensor weight, bool four_over_six", (6, 0), linear_forward,
+                 linear_backward, linear_fake, linear_grad_fake)
 
 
 def nvfp4_linear(x, weight, four_over_six=False):
@@ -729,9 +761,7 @@ def nvfp4_linear(x, weight, four_over_six=False):
     autocast dtype."""
     if torch.is_autocast_enabled(x.device.type):
         x = x.to(torch.get_autocast_dtype(x.device.type))
-    if torch.compiler.is_compiling():
-        return _linear_op(x, weight, four_over_six)[0]
-    return _NVFP4LinearFn.apply(x, weight, four_over_six)
+    return _linear(x, weight, four_over_six)
 
 
 class NVFP4Linear(nn.Module):

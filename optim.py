@@ -374,9 +374,10 @@ def adamw_update_math(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step):
 class QuantizedAdamW(_StateMixin, torch.optim.Optimizer):
     """AdamW (decoupled weight decay) whose moments are stored in NVFP4 (§3.3).
 
-    states: "nvfp4" (§3.3: m rotated + SR + 4/6; v through sqrt/tile-mean/Hadamard, SR + 4/6),
-    "direct" (App. 13's naive baseline: plain NVFP4 of m and v) or "fp32" (full-precision states;
-    then the update is torch.optim.AdamW's, bit for bit).
+    states: "nvfp4" (§3.3: m rotated + SR + 4/6; v through sqrt/tile-mean/Hadamard, SR + 4/6) or
+    "direct" (App. 13's naive baseline: plain NVFP4 of m and v). Full-precision states are
+    torch.optim.AdamW's (build_optimizer's "fp32"); CONTRACT "fp32" for adamw.m or adamw.v keeps
+    fp32 states here, updated as torch.optim.AdamW does, bit for bit.
 
     Which tensors get packed states: 2-D tensors with >= 4096 elements whose last dim is a multiple
     of 16 (under FSDP2: the rank's local shard must be). Everything else keeps fp32 states: norms
@@ -392,8 +393,8 @@ class QuantizedAdamW(_StateMixin, torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                  states="nvfp4", seed=0):
-        if states not in STATES:
-            raise ValueError(f"QuantizedAdamW: states must be one of {', '.join(STATES)}; "
+        if states not in ENCODERS:
+            raise ValueError(f"QuantizedAdamW: states must be one of {', '.join(ENCODERS)}; "
                              f"got {states!r}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
@@ -403,15 +404,14 @@ class QuantizedAdamW(_StateMixin, torch.optim.Optimizer):
     def _quantized(self, p):
         local = _local(p)
         ok = local.dim() == 2 and local.numel() >= MIN_QUANT_NUMEL and local.shape[-1] % 16 == 0
-        if not ok and self.states != "fp32" and local is not p and p.dim() == 2 \
+        if not ok and local is not p and p.dim() == 2 \
                 and p.shape[-1] % 16 == 0 and p.numel() >= MIN_QUANT_NUMEL \
                 and id(p) not in self._warned:
             self._warned.add(id(p))
             warnings.warn(f"QuantizedAdamW: local shard {tuple(local.shape)} of a "
                           f"{tuple(p.shape)} parameter does not fit 16-element blocks / the size "
                           "threshold: fp32 states for it")
-        fp32 = self.states == "fp32" or "fp32" in (CONTRACT["adamw.m"], CONTRACT["adamw.v"])
-        return ok and not fp32
+        return ok and "fp32" not in (CONTRACT["adamw.m"], CONTRACT["adamw.v"])
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -667,9 +667,10 @@ class Root(_StateMixin, torch.optim.Optimizer):
         X = NS5(B)  (transposed if rows > cols, X0 = B / (||B||_F + 1e-7), shape-specific (a, b, c))
         p <- p (1 - lr wd) - lr * 0.2 sqrt(max(m, n)) X
 
-    states="nvfp4": buf stored like AdamW's m (Hadamard + SR + 4/6) and NS in NVFP4; "direct": buf
-    in plain NVFP4 (App. 13's naive baseline), NS in NVFP4; "fp32": fp32 momentum and fp32 NS
-    (the paper's high-precision baseline).
+    states="nvfp4": buf stored as CONTRACT["root.momentum"] says (H16, two NVFP4 levels, RTN, 4/6;
+    the module docstring says why) and NS in NVFP4; "direct": buf in plain NVFP4 (App. 13's naive
+    baseline), NS in NVFP4; "fp32": fp32 momentum and fp32 NS (the paper's high-precision
+    baseline).
     Under FSDP2 each rank keeps its shard's momentum, gathers the full M (full_tensor(): an
     all-gather of m*n fp32 per matrix per step) and every rank runs the same NS on it (compute
     repeated world-size times; the Hadamard generator is seeded identically everywhere), then keeps
@@ -678,7 +679,7 @@ class Root(_StateMixin, torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr=1e-3, momentum=0.95, weight_decay=0.1, states="nvfp4", ns_steps=5,
-                 threshold_quantile=0.9, seed=0, cuda_graphs=True):
+                 threshold_quantile=0.9, seed=0):
         if states not in STATES:
             raise ValueError(f"Root: states must be one of {', '.join(STATES)}; got {states!r}")
         # NVFP4 states come with the NVFP4 NS (§3.4), unless CONTRACT says fp32
@@ -695,8 +696,8 @@ class Root(_StateMixin, torch.optim.Optimizer):
                                      f"got {tuple(p.shape)}")
         self.states, self.ns_steps = states, ns_steps
         self.threshold_quantile, self.seed = threshold_quantile, seed
-        # NVFP4 NS on CUDA replayed from one captured graph per shape
-        self.cuda_graphs = cuda_graphs
+        # NVFP4 NS on CUDA replayed from one captured graph per shape (False after a failed capture)
+        self.cuda_graphs = True
         self._generators, self._graphs = {}, {}
 
     @property
@@ -822,14 +823,12 @@ def route_parameters(model, optimizer="root", max_aspect=MAX_ROOT_ASPECT):
 
 class CombinedOptimizer:
     """The one optimizer object train.py steps: a Root and/or an AdamW over disjoint parameters.
-    step() first runs gradient_projection(model) if given: LoRA-SVD's eqs. 3-4
-    (lora_svd.project_all), which §3.2 defers to the optimizer; it must be idempotent, so train.py
-    may also call it before clipping. param_groups lists every inner group (each with its base_lr),
-    so a schedule that writes group["lr"] reaches all of them."""
+    param_groups lists every inner group (each with its base_lr), so a schedule that writes
+    group["lr"] reaches all of them. (LoRA-SVD's eqs. 3-4, which §3.2 defers to the optimizer
+    step, train.py runs just before it: lora_svd.project_all, then clipping, then step().)"""
 
-    def __init__(self, model, optimizers, gradient_projection=None):
-        self.model, self.optimizers, self.gradient_projection = (
-            model, optimizers, gradient_projection)
+    def __init__(self, optimizers):
+        self.optimizers = optimizers
 
     def __repr__(self):
         def describe(opt):
@@ -851,8 +850,6 @@ class CombinedOptimizer:
 
     @torch.no_grad()
     def step(self):
-        if self.gradient_projection is not None:
-            self.gradient_projection(self.model)
         for opt in self.optimizers:
             opt.step()
 
@@ -883,17 +880,14 @@ class CombinedOptimizer:
 
 
 def build_optimizer(model, optimizer="adamw", states="fp32", lr=1e-3, lora_lr=None,
-                    weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, momentum=0.95,
-                    gradient_projection=None):
+                    weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, momentum=0.95):
     """optimizer: "adamw" (AdamW for everything) or "root" (Root for 2-D hidden weights, AdamW for
     the rest).
     states (model.Recipe.optim_states): "fp32" (plain torch.optim.AdamW, fused on CUDA, and an fp32
     Root: the paper's baseline), "nvfp4" (§3.3 states + §3.4's NVFP4 NS: fullstack) or "direct"
     (App. 13's naive_fp4).
     lora_lr: LoRA L1/L2 learning rate (default lr). Every param group carries base_lr for the
-    schedule.
-    gradient_projection: called with the model at the start of every step (pass lora_svd.project_all
-    for LoRA-SVD models: eqs. 3-4)."""
+    schedule."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"build_optimizer: optimizer must be one of {', '.join(OPTIMIZERS)}; "
                          f"got {optimizer!r}")
@@ -919,4 +913,4 @@ def build_optimizer(model, optimizer="adamw", states="fp32", lr=1e-3, lora_lr=No
         root_groups = [dict(params=[p for _, p in routes["root"]], lr=lr, base_lr=lr,
                             weight_decay=weight_decay)]
         optimizers.append(Root(root_groups, lr=lr, momentum=momentum, states=states))
-    return CombinedOptimizer(model, optimizers, gradient_projection)
+    return CombinedOptimizer(optimizers)

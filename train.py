@@ -694,8 +694,7 @@ def build_run(args, recipe, device, rank, world_size):
         fully_shard(model)
     optimizer = optim.build_optimizer(
         model, optimizer=args.optimizer, states=recipe.optim_states, lr=args.lr,
-        lora_lr=args.lora_lr, weight_decay=args.weight_decay, betas=(0.9, 0.95),
-        gradient_projection=lora_svd.project_all if recipe.linear == "lora_svd" else None)
+        lora_lr=args.lora_lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
     amp = torch.bfloat16 if args.dtype == "bfloat16" else None
     autocast = torch.autocast(args.device, dtype=amp) if amp else contextlib.nullcontext()
     return Run(args, recipe, cfg, model, model, optimizer, loader, paths["val"], device, autocast,

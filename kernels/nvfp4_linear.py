@@ -42,27 +42,29 @@ def _check(entry, name, block):
 def forward(x, w, ex, ew, seeds=(0, 0)):
     """x (T, in), w (out, in); ex, ew: the contract entries of X and W (nvfp4.LINEAR's forward.x,
     forward.w); seeds: their SR seeds. -> (Y (T, out) in x's dtype, Q1x16(X) as (codes, scales,
-    global_scale) for eq. 2, W's quantization as dX multiplies it: (bf16 grid values (out, in),
-    global scale), on Blackwell the packed Q16x16(W))."""
+    global_scale) for eq. 2, W's quantization as dX multiplies it, three tensors on either route:
+    (bf16 grid values (out, in), an empty scales tensor, global scale), on Blackwell the packed
+    Q16x16(W) (codes, scales, global scale))."""
     ex, ew = _check(ex, "forward.x", (1, 16)), _check(ew, "forward.w", (16, 16))
     if use_dot_scaled(x.device):  # W's quantization kept packed for dX (Packed, not grid values)
         xq = Packed(*quantize(x, (1, 16), ex.rounding, ex.four_over_six, seeds[0],
                               name="activation X"), x.shape, (1, 16))
         wq = Packed(*quantize(w, (16, 16), ew.rounding, ew.four_over_six, seeds[1],
                               name="weight W"), w.shape, (16, 16))
-        return nvfp4_gemm(xq, wq, x.dtype), xq[:3], wq
+        return nvfp4_gemm(xq, wq, x.dtype), xq[:3], wq[:3]
     # one pass writes the packed X (kept) and its bf16 grid values (multiplied)
     xv, s_gx, xc, xs = quantize_dequant(x, (1, 16), ex.rounding, ex.four_over_six, seeds[0],
                                         return_tensor=True, name="activation X")
     wv, s_gw = quantize_dequant(w, (16, 16), ew.rounding, ew.four_over_six, seeds[1],
                                 name="weight W")
-    return grid_values_mm(xv, wv.t(), s_gx, s_gw, x.dtype), (xc, xs, s_gx), (wv, s_gw)
+    return (grid_values_mm(xv, wv.t(), s_gx, s_gw, x.dtype), (xc, xs, s_gx),
+            (wv, wv.new_empty(0, dtype=torch.float8_e4m3fn), s_gw))
 
 
 def backward(dy, xq, w_used, c, need, seed_dx, hadamard, seeds_dw, dw_dtype):
     """dy (T, out); xq the forward's packed Q1x16(X) (codes, scales, global_scale, shape, block: an
-    nvfp4.NVFP4Tensor); w_used the forward's W as forward returned it; c the resolved contract
-    (nvfp4.linear_contract); need: (dX, dW) wanted; seed_dx, hadamard, seeds_dw: the draws
+    nvfp4.NVFP4Tensor); w_used the forward's W as forward returned it (three tensors); c the
+    resolved contract (nvfp4.linear_contract); need: (dX, dW) wanted; seed_dx, hadamard, seeds_dw: the draws
     (nvfp4.backward_draws). -> (dX, dW)."""
     edy = _check(c["dgrad.dy"], "dgrad.dy", (1, 16))
     amax_dy = amax_dyh = None
@@ -72,12 +74,13 @@ def backward(dy, xq, w_used, c, need, seed_dx, hadamard, seeds_dw, dw_dtype):
     if need[0] and use_dot_scaled(dy.device):  # w_used: the packed Q16x16(W), read transposed
         dyq = Packed(*quantize(dy, (1, 16), edy.rounding, edy.four_over_six, seed=seed_dx,
                                global_amax=amax_dy, name="gradient dY"), dy.shape, (1, 16))
-        dx = nvfp4_gemm(dyq, w_used, dy.dtype, trans_b=True)
+        wq = Packed(*w_used, (w_used[0].shape[0], 2 * w_used[0].shape[1]), (16, 16))
+        dx = nvfp4_gemm(dyq, wq, dy.dtype, trans_b=True)
     elif need[0]:
         dyv, s_g = quantize_dequant(dy, (1, 16), edy.rounding, edy.four_over_six, seed=seed_dx,
                                     global_amax=amax_dy, name="gradient dY")
         # Q16x16(W) reused
-        dx = grid_values_mm(dyv, w_used[0], s_g, w_used[1], dy.dtype)
+        dx = grid_values_mm(dyv, w_used[0], s_g, w_used[2], dy.dtype)
     if need[1]:
         dw = wgrad(dy, xq, c, hadamard, seeds_dw, amax_dyh, dw_dtype)
     return dx, dw

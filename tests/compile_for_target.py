@@ -140,9 +140,10 @@ def record_blackwell_layers():
     y, xq, w_used = nvfp4_linear.forward(x, w, c["forward.x"], c["forward.w"], (1, 2))
     xq = Packed(*xq, x.shape, (1, 16))
     nvfp4_linear.backward(dy, xq, w_used, c, need, 3, H, (4, 5), torch.float32)
-    qw, L1, L2 = Packed(*w_used[:3], w.shape, (16, 16)), torch.zeros(8, 256), torch.zeros(128, 8)
-    lora_fused.forward(x, qw, L1, L2, 0.5, c["forward.x"], 1, torch.bfloat16, torch.float32)
-    lora_fused.backward(dy, xq, qw, L1, L2, 0.5, c, need, 3, H, (4, 5), torch.bfloat16)
+    L1, L2 = torch.zeros(8, 256), torch.zeros(128, 8)
+    _, _, w_used = lora_fused.forward(x, w, L1, L2, 0.5, c["forward.x"], c["forward.w"], (1, 2),
+                                      torch.bfloat16, torch.float32)
+    lora_fused.backward(dy, xq, w_used, L1, L2, 0.5, c, need, 3, H, (4, 5), torch.bfloat16)
     return ["layers"] * (len(LAUNCHES) - n)
 
 

@@ -2,6 +2,7 @@
 run in the interpreter (conftest sets TRITON_INTERPRET=1), on small shapes."""
 import ast
 import math
+import os
 
 import pytest
 import torch
@@ -29,10 +30,17 @@ def _sdpa(q, k, v, causal):
                                           is_causal=causal)
 
 
-def _run(fn, q, k, v, do):
-    xs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    o = fn(*xs)
-    return (o, *torch.autograd.grad(o, xs, do))
+def _run(fn, q, k, v, do, route="auto"):
+    """(o, dq, dk, dv) of fn on route (NANOFP4_ROUTE, the project's one seam: "reference" or
+    "kernels", the flash kernels in the interpreter on a CPU)."""
+    old = os.environ.get("NANOFP4_ROUTE")
+    os.environ["NANOFP4_ROUTE"] = route
+    try:
+        xs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        o = fn(*xs)
+        return (o, *torch.autograd.grad(o, xs, do))
+    finally:
+        os.environ.pop("NANOFP4_ROUTE") if old is None else os.environ.update(NANOFP4_ROUTE=old)
 
 
 
@@ -44,14 +52,14 @@ def _rel_mse(ours, ref):
 # --------------------------------------------------------------------------------------------------
 # "bf16": exact attention
 
-@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("route", ["reference", "kernels"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("T,D", [(37, 64), (1, 128), (48, 128)])
-def test_bf16_policy_equals_sdpa(impl, causal, T, D):
+def test_bf16_policy_equals_sdpa(route, causal, T, D):
     # GQA (4 query heads on 2 kv heads); T = 37 is not a multiple of any tile; T = 1 is a single row
     q, k, v, do = _inputs(T=T, D=D, seed=T + D)
-    ours = _run(lambda *x: attention.attention(*x, causal=causal, policy="bf16", impl=impl),
-                q, k, v, do)
+    ours = _run(lambda *x: attention.attention(*x, causal=causal, policy="bf16"),
+                q, k, v, do, route=route)
     ref = _run(lambda *x: _sdpa(*x, causal), q, k, v, do)
     for name, a, b in zip("o dq dk dv".split(), ours, ref):
         assert a.shape == b.shape
@@ -60,8 +68,8 @@ def test_bf16_policy_equals_sdpa(impl, causal, T, D):
 
 def test_bf16_policy_bf16_inputs_triton_matches_reference():
     q, k, v, do = _inputs(T=40, dtype=torch.bfloat16, seed=3)
-    a = _run(lambda *x: attention.attention(*x, policy="bf16", impl="triton"), q, k, v, do)
-    b = _run(lambda *x: attention.attention(*x, policy="bf16", impl="reference"), q, k, v, do)
+    a = _run(lambda *x: attention.attention(*x, policy="bf16"), q, k, v, do, route="kernels")
+    b = _run(lambda *x: attention.attention(*x, policy="bf16"), q, k, v, do, route="reference")
     for x, y in zip(a, b):
         assert x.dtype == torch.bfloat16
         # same bf16 roundings of P, dS and the outputs, up to summation order
@@ -77,15 +85,15 @@ def test_triton_equals_reference(policy, causal):
     # |D_i| >> |dP - D|: a stray P on a padded key (non-causal tail) would own its dS block's amax
     v = v + 3.0
     res = {}
-    for impl in ("reference", "triton"):
+    for route in ("reference", "kernels"):
         torch.manual_seed(5)   # same SR draws (dS stream seed, dO quantization) for both
-        res[impl] = _run(
-            lambda *x: attention.attention(*x, causal=causal, policy=policy, impl=impl),
-            q, k, v, do)
-    for name, a, b in zip("o dq dk dv".split(), res["triton"], res["reference"]):
+        res[route] = _run(
+            lambda *x: attention.attention(*x, causal=causal, policy=policy),
+            q, k, v, do, route=route)
+    for name, a, b in zip("o dq dk dv".split(), res["kernels"], res["reference"]):
         assert _rel_mse(a, b) < 1e-10, (name, _rel_mse(a, b))
     # and the policy really quantizes something the bf16 policy does not
-    exact = _run(lambda *x: attention.attention(*x, policy="bf16", impl="reference"), q, k, v, do)
+    exact = _run(lambda *x: attention.attention(*x, policy="bf16"), q, k, v, do, route="reference")
     assert all(_rel_mse(a, b) > 1e-4 for a, b in zip(res["reference"], exact))
 
 
@@ -100,22 +108,22 @@ def test_triton_on_the_gpu_tiles_equals_reference(causal, monkeypatch):
         "dq": {k: fa.DQ_CONFIG_QUANT_DS[k] for k in ("BLOCK_M", "BLOCK_N")}})
     q, k, v, do = _inputs(B=1, H=2, Hkv=1, T=100, D=64, seed=17)
     res = {}
-    for impl in ("reference", "triton"):
+    for route in ("reference", "kernels"):
         torch.manual_seed(3)
-        res[impl] = _run(
-            lambda *x: attention.attention(*x, causal=causal, policy="fp4", impl=impl),
-            q, k, v, do)
-    for name, a, b in zip("o dq dk dv".split(), res["triton"], res["reference"]):
+        res[route] = _run(
+            lambda *x: attention.attention(*x, causal=causal, policy="fp4"),
+            q, k, v, do, route=route)
+    for name, a, b in zip("o dq dk dv".split(), res["kernels"], res["reference"]):
         assert _rel_mse(a, b) < 1e-10, (name, _rel_mse(a, b))
 
 
 def test_triton_equals_reference_bf16_inputs():
     q, k, v, do = _inputs(T=50, D=128, dtype=torch.bfloat16, seed=12)
     res = {}
-    for impl in ("reference", "triton"):
+    for route in ("reference", "kernels"):
         torch.manual_seed(6)
-        res[impl] = _run(lambda *x: attention.attention(*x, policy="fp4", impl=impl), q, k, v, do)
-    for a, b in zip(res["triton"], res["reference"]):
+        res[route] = _run(lambda *x: attention.attention(*x, policy="fp4"), q, k, v, do, route=route)
+    for a, b in zip(res["kernels"], res["reference"]):
         # O differs by bf16 ulps, so D = rowsum(dO o O) and dS differ by ~1e-3 relative: then ~1e-3
         # of the SR decisions on dS flip (a full E2M1 step each). A wrong quantization is off by
         # ~0.3 (see above).
@@ -125,12 +133,12 @@ def test_triton_equals_reference_bf16_inputs():
 # --------------------------------------------------------------------------------------------------
 # gradients of the fp4 policy against float64 autograd of the fake-quantized math
 
-@pytest.mark.parametrize("impl", ["reference", "triton"])
-def test_fp4_gradients_vs_float64_fake_quantized(impl):
+@pytest.mark.parametrize("route", ["reference", "kernels"])
+def test_fp4_gradients_vs_float64_fake_quantized(route):
     B, H, Hkv, T, D = 1, 4, 2, 48, 64
     q, k, v, do = _inputs(B, H, Hkv, T, D, seed=21, scale=2.0)
     torch.manual_seed(7)
-    o, dq, dk, dv = _run(lambda *x: attention.attention(*x, policy="fp4", impl=impl), q, k, v, do)
+    o, dq, dk, dv = _run(lambda *x: attention.attention(*x, policy="fp4"), q, k, v, do, route=route)
     torch.manual_seed(7)
     seed = int(torch.randint(0, 2**31 - 1, ()))   # the backward's only draw: the dS stream seed
 
@@ -175,12 +183,12 @@ def test_forward_backward_consistency():
     nothing."""
     q, k, v, do = _inputs(T=32, seed=31)
     torch.manual_seed(0)
-    ref = _run(lambda *x: attention.attention(*x, policy="fp4", impl="reference"), q, k, v, do)
+    ref = _run(lambda *x: attention.attention(*x, policy="fp4"), q, k, v, do, route="reference")
     torch.manual_seed(0)
     xs = [x.clone().requires_grad_() for x in (q, k, v)]
-    o = attention.attention(*xs, policy="fp4", impl="reference")
-    saved = o.grad_fn.fp4
-    assert all(isinstance(t, nvfp4.NVFP4Tensor) and t.codes.dtype == torch.uint8 for t in saved)
+    o = attention.attention(*xs, policy="fp4")   # CPU tensors: the reference
+    saved = o.grad_fn.made[1:]   # after lse: codes, scales, global scale of Q, K, V
+    assert [t.dtype for t in saved[::3]] == [torch.uint8] * 3
     with torch.no_grad():
         for x in xs:
             x.mul_(3.0).add_(1.0)   # a re-quantization in the backward would see these
@@ -332,12 +340,13 @@ def test_bad_shapes_raise(shapes, match):
         attention.attention(torch.randn(qs), torch.randn(ks), torch.randn(ks))
 
 
-def test_bad_flags_raise():
+def test_bad_flags_raise(monkeypatch):
     q, k, v, _ = _inputs(T=8)
     with pytest.raises(ValueError, match="policy"):
         attention.attention(q, k, v, policy="fp8")
-    with pytest.raises(ValueError, match="impl"):
-        attention.attention(q, k, v, impl="cuda")
+    with monkeypatch.context() as m, pytest.raises(ValueError, match="NANOFP4_ROUTE"):
+        m.setenv("NANOFP4_ROUTE", "cuda")
+        attention.attention(q, k, v)
     with pytest.raises(ValueError, match="non-finite"):
         attention.attention(q * float("nan"), k, v, policy="fp4")
 
@@ -360,7 +369,7 @@ def test_app10_simplex_violation_and_ds_error():
 
 def test_fig5_policy_errors_order():
     q, k, v, do = _inputs(B=1, H=2, Hkv=1, T=64, seed=61, scale=2.0)
-    e = attention.policy_errors(q, k, v, do, impl="reference")
+    e = attention.policy_errors(q, k, v, do)   # CPU tensors: the reference
     assert e["bf16"]["o"] < 1e-10
     assert e["fp4_pv"]["o"] > e["fp4"]["o"]             # quantizing P for PV costs forward accuracy
     assert e["fp4_dov"]["dq"] > e["fp4"]["dq"]          # quantizing dO V^T costs dS accuracy
@@ -374,7 +383,7 @@ def test_fig5_policy_errors_order():
 @pytest.mark.parametrize("T", [2048, 1000])
 def test_gpu_bf16_equals_sdpa(T):
     q, k, v, do = _inputs(B=2, H=16, Hkv=8, T=T, D=128, dtype=torch.bfloat16, device="cuda")
-    ours = _run(lambda *x: attention.attention(*x, policy="bf16", impl="triton"), q, k, v, do)
+    ours = _run(lambda *x: attention.attention(*x, policy="bf16"), q, k, v, do, route="kernels")
     ref = _run(lambda *x: _sdpa(*x, True), q, k, v, do)
     exact = _run(lambda *x: _sdpa(*x, True), *(x.float() for x in (q, k, v, do)))
     for name, a, b, c in zip("o dq dk dv".split(), ours, ref, exact):
@@ -389,11 +398,11 @@ def test_gpu_bf16_equals_sdpa(T):
 def test_gpu_triton_equals_reference(policy):
     q, k, v, do = _inputs(B=1, H=8, Hkv=4, T=1024, D=128, dtype=torch.bfloat16, device="cuda")
     res = {}
-    for impl in ("reference", "triton"):
+    for route in ("reference", "kernels"):
         torch.manual_seed(5)
         torch.cuda.manual_seed(5)
-        res[impl] = _run(lambda *x: attention.attention(*x, policy=policy, impl=impl), q, k, v, do)
-    for name, a, b in zip("o dq dk dv".split(), res["triton"], res["reference"]):
+        res[route] = _run(lambda *x: attention.attention(*x, policy=policy), q, k, v, do, route=route)
+    for name, a, b in zip("o dq dk dv".split(), res["kernels"], res["reference"]):
         # bf16 outputs; rare flips of a rounding decision (fma contraction, summation order) on
         # dS / P
         assert _rel_mse(a, b) < 1e-4, (name, _rel_mse(a, b))

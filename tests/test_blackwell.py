@@ -285,7 +285,7 @@ def test_blackwell_root_step_equals_the_reference(blackwell_gpu, monkeypatch):
     def root_steps():
         g = torch.Generator().manual_seed(9)
         p = torch.nn.Parameter(torch.randn(64, 128, generator=g) * 0.02)
-        opt = optim.Root([p], lr=1e-2, states="nvfp4", cuda_graphs=False)
+        opt = optim.Root([p], lr=1e-2, states="nvfp4")
         for _ in range(2):
             p.grad = torch.randn(64, 128, generator=g)
             opt.step()
@@ -366,13 +366,16 @@ def blackwell_attention(monkeypatch):
         yield counts
 
 
-def attention_grads(q, k, v, do, policy, causal, impl):
-    """O, dQ, dK, dV of attention.attention with the SR draws of seed 5."""
+def attention_grads(q, k, v, do, policy, causal, route):
+    """O, dQ, dK, dV of attention.attention on route (NANOFP4_ROUTE) with the SR draws of seed
+    5."""
     import attention
     xs = [x.clone().requires_grad_() for x in (q, k, v)]
     torch.manual_seed(5)
-    o = attention.attention(*xs, causal=causal, policy=policy, impl=impl)
-    return (o, *torch.autograd.grad(o, xs, do))
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("NANOFP4_ROUTE", route)
+        o = attention.attention(*xs, causal=causal, policy=policy)
+        return (o, *torch.autograd.grad(o, xs, do))
 
 
 def check_attention(counts, policy, causal, T, D, H=4, Hkv=2):
@@ -383,7 +386,7 @@ def check_attention(counts, policy, causal, T, D, H=4, Hkv=2):
     v = v + 3.0  # |D_i| >> |dP - D|: a stray P on a padded key would own its dS block's amax
     ref = attention_grads(q, k, v, do, policy, causal, "reference")
     counts.clear()
-    out = attention_grads(q, k, v, do, policy, causal, "triton")
+    out = attention_grads(q, k, v, do, policy, causal, "kernels")
     assert counts == ATTENTION_PACKED[policy]
     for name, a, b in zip(("O", "dQ", "dK", "dV"), out, ref):
         assert a.shape == b.shape and a.dtype == b.dtype, name

@@ -1,6 +1,7 @@
 """torch.compile of the FP4 recipes. Under compilation the NVFP4 linears, LoRA-SVD and FP4
-attention run as torch.library custom ops (nvfp4._linear_op, lora_svd._lora_op,
-attention._attention_op, each with its backward op), so a fullstack transformer block compiles
+attention run as torch.library custom ops (nvfp4._linear.op, lora_svd._lora_svd.op,
+attention._attention.op, each with its backward op: nvfp4.fp4_op makes them and eager's
+autograd.Functions from one definition), so a fullstack transformer block compiles
 into one graph, and a compiled run gives an eager run's bits from the same RNG state: eager's
 autograd.Functions and the ops run the same bodies, and the random draws (SR seeds, eq. 2's
 Hadamard, dS's stream seed) are made inside them when they run, in eager's order.
@@ -70,9 +71,9 @@ def test_eager_runs_the_autograd_functions():
     torch.manual_seed(0)
     x = torch.randn(16, 64, requires_grad=True)
     q = torch.randn(1, 1, 16, 64, requires_grad=True)
-    outs = {"_NVFP4LinearFnBackward": nvfp4.NVFP4Linear(64, 64)(x),
-            "LoRASVDFunctionBackward": lora_svd.LoRASVDLinear(64, 64, 8)(x),
-            "_AttentionBackward": attention.attention(q, q, q, policy="fp4")}
+    outs = {"FP4LinearBackward": nvfp4.NVFP4Linear(64, 64)(x),
+            "FP4LoraSvdBackward": lora_svd.LoRASVDLinear(64, 64, 8)(x),
+            "FP4AttentionBackward": attention.attention(q, q, q, policy="fp4")}
     assert {name: type(y.grad_fn).__name__ for name, y in outs.items()} == {n: n for n in outs}
 
 
@@ -175,21 +176,6 @@ def test_gpu_compiled_block_gives_eager_bits():
     assert_close_sums(eager, ours, norms, rel=2e-2)  # bf16 intermediates: a few bf16 roundings
 
 
-def test_compiled_lora_layer_forgets_its_projection_after_a_new_backward():
-    """LoRASVDLinear remembers the grad project_gradients projected; a new backward accumulating
-    into it (the layer compiled, fullgraph) makes it forget, so eqs. 3-4 run again; no recompile."""
-    torch.manual_seed(0)
-    layer = lora_svd.LoRASVDLinear(64, 64, 8)
-    compiled = torch.compile(layer, fullgraph=True)
-    x = torch.randn(32, 64)
-    compiled(x).sum().backward()
-    lora_svd.project_gradients(layer)
-    assert layer._projected() is layer.weight_res.grad
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        compiled(x).sum().backward()  # accumulates into the same grad tensor
-    assert layer._projected is None
-
-
 def _op_cases():
     """(op, args) for every custom op, with real inputs from one eager forward."""
     torch.manual_seed(0)
@@ -197,20 +183,22 @@ def _op_cases():
     x, w = torch.randn(2, 16, 64, dtype=bf16), torch.randn(32, 64)
     L1, L2 = torch.randn(8, 64), torch.randn(32, 8)
     dy = torch.randn(2, 16, 32, dtype=bf16)
-    lin = nvfp4._linear_op(x, w, True)
-    lora = lora_svd._lora_op(x, w, L1, L2, 0.5, True)
+    lin, lora, att = nvfp4._linear, lora_svd._lora_svd, attention._attention
+    _, *lin_made = lin.op(x, w, True)
+    _, *lora_made = lora.op(x, w, L1, L2, 0.5, True)
+    none = [x[:0].float() for _ in "qkv"]
     q, k = torch.randn(1, 2, 32, 64, dtype=bf16), torch.randn(1, 1, 32, 64, dtype=bf16)
-    att = attention._attention_op(q, k, k, True, "fp4", "auto")
-    none = q[:0]
-    return [(nvfp4._linear_op, (x, w, True)),
-            (nvfp4._linear_backward_op, (dy, *lin[1:], torch.float32, True, True, True)),
-            (nvfp4._linear_backward_op, (dy, *lin[1:], torch.float32, True, False, True)),
-            (lora_svd._lora_op, (x, w, L1, L2, 0.5, True)),
-            (lora_svd._lora_backward_op, (dy, *lora[1:], L1, L2, 0.5, True, True, True)),
-            (attention._attention_op, (q, k, k, True, "fp4", "auto")),
-            (attention._attention_op, (q, k, k, True, "bf16", "auto")),
-            (attention._attention_backward_op, (q, att[0], att[1], none, none, none,
-                                                 list(att[2:]), True, "fp4", "auto"))]
+    o, *att_made = att.op(q, k, k, True, "fp4")
+    fp32 = torch.float32
+    return [(lin.op, (x, w, True)),
+            (lin.op_backward, (dy, *lin_made, bf16, fp32, True, True, True)),
+            (lin.op_backward, (dy, *lin_made, bf16, fp32, True, False, True)),
+            (lora.op, (x, w, L1, L2, 0.5, True)),
+            (lora.op_backward, (dy, *lora_made, L1, L2, bf16, fp32, fp32, fp32, *[True] * 4,
+                                0.5, True)),
+            (att.op, (q, k, k, True, "fp4")),
+            (att.op, (q, k, k, True, "bf16")),
+            (att.op_backward, (q, *att_made, *none, o, *[bf16] * 3, *[True] * 3, True, "fp4"))]
 
 
 @pytest.mark.parametrize("route", ["reference", "kernels"])

@@ -417,8 +417,8 @@ def test_local_file_errors(tmp_path, capsys):
 
 
 def test_a_file_that_is_not_utf8_is_named(tmp_path, capsys):
-    """Issue 29: a Latin-1 file gave `'utf-8' codec can't decode byte 0xe9 in position 3` and no
-    file name."""
+    """A file that is not UTF-8 (Latin-1, and a JSONL row) is named with the byte's offset, not
+    only `'utf-8' codec can't decode byte 0xe9 in position 3`."""
     latin = tmp_path / "caf\u00e9.txt"
     latin.write_bytes("Caf\u00e9 au lait\n".encode("latin-1"))
     jsonl = tmp_path / "rows.jsonl"

@@ -147,14 +147,32 @@ def test_recipes_hold_the_paper_rows_and_check_their_names():
     assert GPTConfig(**dataclasses.asdict(cfg)) == cfg  # comes back whole
 
 
-def test_flops_per_token_counts_matmul_weights_and_causal_attention():
+def _math_sdpa(q, k, v, is_causal, enable_gqa):
+    """SDPA as plain matmuls, so that FlopCounterMode sees them (it counts no CPU SDPA kernel)."""
+    G, T = q.shape[1] // k.shape[1], q.shape[2]
+    s = q @ k.repeat_interleave(G, 1).transpose(-1, -2) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(s, -1) @ v.repeat_interleave(G, 1)
+
+
+def test_flops_per_token_equals_a_count_of_the_models_matmuls(monkeypatch):
+    """flops_per_token against torch's FlopCounterMode over one forward and backward: every mm
+    and attention product the model runs, counted from their shapes. Two conventions of the formula
+    stated: causal attention is half the full T x T products counted, and the 6N rule counts the
+    norms' weights too (6 per parameter, though no matmul multiplies them)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", _math_sdpa)
     cfg = small_config(tie_embeddings=True)
-    model = GPT(cfg)
-    T = 16
-    block_matmul = cfg.n_layer * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128)  # norms are not matmuls...
-    norms = (2 * cfg.n_layer + 1) * 64  # ...but the formula counts every non-embedding parameter (6N convention)
-    lm_head = 97 * 64
-    assert model.flops_per_token(T) == 6 * (block_matmul + norms + lm_head) + 6 * cfg.n_layer * T * 64
+    model, T = GPT(cfg), 16
+    idx = torch.randint(0, cfg.vocab_size, (1, T))
+    with FlopCounterMode(display=False) as counter:
+        model(idx, idx)[1].backward()
+    counts = counter.get_flop_counts()["Global"]
+    linears, attention_full = counts[torch.ops.aten.mm], counts[torch.ops.aten.bmm]
+    norms = (2 * cfg.n_layer + 1) * cfg.n_embd
+    assert linears > 0 and attention_full > 0 and set(counts) == {torch.ops.aten.mm,
+                                                                  torch.ops.aten.bmm}
+    assert model.flops_per_token(T) * T == linears + attention_full / 2 + 6 * norms * T
 
 
 def test_generate_greedy_is_deterministic_and_extends():
