@@ -50,7 +50,7 @@ from kernels.nvfp4_math import (  # noqa: F401
     _column_random_words, _block_random_words, _decode_byte_pairs, _decode_codes, _div_by,
     _e2m1_bits, _e2m1_value, _half_pair_sum, _hadamard16, _load_tile,
     _pairwise_block_sum, _random_words, _rotate, _round_to_bf16, _round_to_e4m3,
-    _rtn_e2m1, _sr_e2m1, _with_sign, on_gpu)
+    _e4m3_value, _rtn_e2m1, _sr_e2m1, _with_sign, on_gpu)
 # re-exported (their home: nvfp4_dequant.py)
 from kernels.nvfp4_dequant import _hw_bf16, dequantize, grid_values_bf16  # noqa: F401
 
@@ -316,7 +316,7 @@ def _cols_source(x_ptr, xs_ptr, xgs_ptr, pid_b, m0, n0, row, pair, col, mask, M,
         c8 = tl.load(x_ptr + r0 * (N // 2) + offs, mask=bmask, other=0)
         s_b = tl.load(xs_ptr + r0 * (N // 16) + row * (N // 16) + (n0 + 2 * pair) // 16, mask=bmask,
                       other=0)
-        s_b = s_b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        s_b = _e4m3_value(s_b)
         x = _decode_byte_pairs(c8.to(tl.int32), s_b, tl.load(xgs_ptr))                 # (C, 16, 2)
         return _round_to_bf16(x, HW_BF16) if X_BF16 else x
     else:
