@@ -437,7 +437,7 @@ def run_settings(args, recipe, world_size):
     settings = {k: v for k, v in vars(args).items() if k not in ui_only}
     return {**settings, "precision": dataclasses.asdict(recipe), "world_size": world_size,
             "tokens_per_step": args.batch_size * args.grad_accum * args.seq_len,
-            "commit": git_commit()}
+            "commit": git_commit(), "kernels": nvfp4.kernels_line(args.device)}
 
 
 def settings_line(s):
@@ -449,7 +449,7 @@ def settings_line(s):
             f"cosine to {s['min_lr']:g} at step {s['lr_decay_steps']} | batch {s['batch_size']} "
             f"x grad_accum {s['grad_accum']} x seq_len {s['seq_len']} = "
             f"{s['tokens_per_step']:,} tokens/step | {s['max_steps']:,} steps | seed {s['seed']} | "
-            f"commit {s['commit']}")
+            f"commit {s['commit']} | {s['kernels']}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -817,7 +817,7 @@ def finish(run, settings, loss, val_loss, tok_s):
                "optimizer_state_bytes": opt_bytes,
                "optimizer_bytes_per_param": opt_bytes / n_params,
                "checkpoint": run.ckpt_path if run.saved_step == run.step else None,
-               "commit": settings["commit"], "settings": settings}
+               "commit": settings["commit"], "kernels": settings["kernels"], "settings": settings}
     with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     val = "none" if val_loss is None else f"{val_loss:.4f}"
