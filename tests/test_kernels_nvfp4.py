@@ -135,6 +135,28 @@ def test_gpu_round_to_e4m3_hardware_conversion_on_every_tie():
 
 
 @triton.jit
+def _e4m3_value_probe(bits_ptr, v_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(v_ptr + offs, kq._e4m3_value(tl.load(bits_ptr + offs)))
+
+
+@pytest.mark.parametrize("hw", [False, True], ids=["integer", "cvt"])
+def test_e4m3_value_decodes_every_block_scale(monkeypatch, hw):
+    """Every E4M3 scale byte (0..0x7e: >= 0, finite) decodes to torch's value by both paths: the
+    integer arithmetic (Ampere, the interpreter) and the fp8 conversion (sm_89+)."""
+    from kernels import nvfp4_math
+    if hw and not nvfp4_math.on_gpu():
+        monkeypatch.setattr(nvfp4_math, "HW_E4M3", tl.constexpr(True))
+    elif not hw and nvfp4_math.on_gpu():
+        pytest.skip("a GPU compiles HW_E4M3 as its row of kernels/targets.py says")
+    bits = torch.arange(0, 128, dtype=torch.uint8).clamp(max=0x7E)
+    dev = "cuda" if nvfp4_math.on_gpu() else "cpu"
+    v = torch.empty(128, device=dev)
+    _e4m3_value_probe[(1,)](bits.to(dev), v, BLOCK=128)
+    assert torch.equal(v.cpu(), bits.view(torch.float8_e4m3fn).float())
+
+
+@triton.jit
 def _e2m1_probe(a_ptr, idx_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     a = tl.load(a_ptr + offs, mask=offs < n, other=0.0)
