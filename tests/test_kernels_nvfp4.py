@@ -7,6 +7,8 @@ The @pytest.mark.gpu tests repeat the checks at full size on the H200:
     pytest -m gpu tests/test_kernels_nvfp4.py
 """
 
+import os
+
 import pytest
 import torch
 import triton
@@ -915,3 +917,36 @@ def test_quantize_kernels_compile_for_hopper_without_a_gpu():
         "_quantize_rows_kernel", "_quantize_cols_kernel", "_quantize_kernel",
         "_dequantize_rows_kernel", "_dequantize_kernel", "_scale_kernel"}
     assert len(lines) >= 20
+
+
+AMPERE_PATH = """
+import torch, triton.language as tl
+from kernels import nvfp4_math
+nvfp4_math.HW_E4M3 = tl.constexpr(False)  # Ampere's row of kernels/targets.py, before any compile
+import nvfp4
+from test_kernels_nvfp4 import _same, kdequantize, kquantize
+g = torch.Generator().manual_seed(0)
+for block, rounding, fos in (((1, 16), "rtn", False), ((16, 16), "rtn", True),
+                             ((16, 1), "sr", False), ((1, 16), "sr_up", True)):
+    x = torch.randn(256, 512, generator=g)
+    x = x * torch.exp(torch.randn(256, 1, generator=g) * 4)
+    k = kquantize(x.to(DEVICE), block, rounding, fos, seed=5)
+    r = nvfp4.quantize_reference(x, block, rounding, fos, 5)
+    _same(k, r)
+    assert torch.equal(kdequantize(k, torch.float32).cpu(), r.dequantize())
+print("same bits")
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_ampere_e4m3_path_gives_the_same_bits():
+    """Ampere's kernels (no fp8 type: E4M3 rounding and scale decoding by integer arithmetic,
+    nvfp4_math.HW_E4M3 False) run on this GPU: the same bits as the reference for RTN, 4/6, SR and
+    SR-up, quantize and dequantize. A subprocess: HW_E4M3 is read at import."""
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), here]))
+    out = subprocess.run([sys.executable, "-c", "DEVICE = 'cuda'\n" + AMPERE_PATH], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "same bits" in out.stdout, out.stderr[-3000:]

@@ -64,8 +64,8 @@ def compiled():
 
 def _parse(line):
     kernel, arch, shared, mma, label = line.split(" ")
-    counts = {} if mma == "-" else {k: int(n) for k, n in (m.rsplit(":", 1) for m in mma.split(","))}
-    return kernel, arch, int(shared), counts, label
+    pairs = [] if mma == "-" else (m.rsplit(":", 1) for m in mma.split(","))
+    return kernel, arch, int(shared), {k: int(n) for k, n in pairs}, label
 
 
 @pytest.mark.parametrize("cap", [cap for _, cap in MATRIX], ids=[name for name, _ in MATRIX])
