@@ -12,7 +12,9 @@ interpreted), and
     (kind::mxf4nvf4: FP4 operands with block scales; block16 / scale_vec::4X with ue4m3: one E4M3
     scale per 16 elements, the NVFP4 layout) and to bf16 MMAs everywhere else (no FP4 instruction).
 
-Compiled only: none of these targets but sm_90 has run the kernels (README's "GPUs" table).
+The interpreter does not type-check, so this is also where a launch that only a GPU would reject
+shows (one did: the rows kernel's amax pre-pass loaded an unused bf16 dummy pointer as its fp32
+amax). Compiled only: none of these targets but sm_90 has run the kernels (README's "GPUs" table).
 `-k sm_120` selects the consumer Blackwell tests.
 """
 
@@ -33,7 +35,7 @@ FP4_MMA = {10: re.compile(r"tcgen05\.mma\.cta_group::1\.kind::mxf4nvf4\.block_sc
            12: re.compile(r"mma\.sync\.aligned\.m16n8k64\.row\.col\.kind::mxf4nvf4\.block_scale"
                           r"\.scale_vec::4X\.f32\.e2m1\.e2m1\.f32\.ue4m3")}
 BF16_MMA = {8: "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
-            9: "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16",
+            9: "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16",  # (or another n)
             10: "tcgen05.mma.cta_group::1.kind::f16",
             12: "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"}
 FP4_POLICIES = ("fp4", "fp4_pv", "fp4_dov", "fp4_all")
@@ -97,9 +99,10 @@ def test_fp4_products_lower_to_the_targets_mma(compiled, cap):
     if t.route != "fp4-mma":
         assert not any("mxf4" in mma for line in lines for mma in line[3]), cap
         assert "_nvfp4_gemm_sm100_kernel" not in {line[0] for line in lines}
-        for kernel, _, _, mma, label in lines:
+        for kernel, _, _, mma, label in lines:  # Hopper: wgmma of several shapes
             if kernel.startswith("_attn_"):
-                assert set(mma) == {BF16_MMA[cap[0]]} if cap[0] != 9 else mma, (kernel, label, mma)
+                assert mma and all(k.startswith(BF16_MMA[cap[0]].split(".m")[0]) and "bf16" in k
+                                   for k in mma), (kernel, label, mma)
         return
     gemms = {label: mma for kernel, _, _, mma, label in lines
              if kernel == "_nvfp4_gemm_sm100_kernel"}
