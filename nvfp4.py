@@ -28,6 +28,7 @@ import torch.nn as nn
 from kernels import nvfp4_dequant
 from kernels import nvfp4_linear as linear_kernels
 from kernels import nvfp4_quant as quant_kernels
+from kernels import targets
 from kernels.nvfp4_gemm import nvfp4_gemm, use_dot_scaled
 # shapes, "rtn" | "sr" | "sr_up"; the checks
 from kernels.nvfp4_quant import BLOCKS, ROUNDINGS, check_blocks
@@ -38,15 +39,30 @@ from kernels.nvfp4_quant import BLOCKS, ROUNDINGS, check_blocks
 ROUTES = ("auto", "reference", "kernels")
 
 
-def use_kernels(x):
-    """Does an operation on x run the Triton kernels? NANOFP4_ROUTE=auto (default): on CUDA;
-    =reference: never (the reference also on a GPU); =kernels: always (on a CPU the kernels run in
-    Triton's interpreter: how the tests hold each kernel route to the reference). Every module's
-    seam is this function."""
+def _route():
     route = os.environ.get("NANOFP4_ROUTE", "auto")
     if route not in ROUTES:
         raise ValueError(f"NANOFP4_ROUTE must be one of {', '.join(ROUTES)}, got {route!r}")
-    return route == "kernels" or (route == "auto" and x.is_cuda)
+    return route
+
+
+def use_kernels(x):
+    """Does an operation on x run the Triton kernels? NANOFP4_ROUTE=auto (default): on a CUDA GPU
+    whose row of kernels/targets.py has them (sm_80 and newer; which FP4 products each takes is
+    decided there too); =reference: never (the reference also on a GPU); =kernels: always (on a
+    CPU the kernels run in Triton's interpreter: how the tests hold each kernel route to the
+    reference). Every module's seam is this function."""
+    route = _route()
+    return route == "kernels" or (route == "auto" and x.is_cuda
+                                  and targets.of(x.device).route != "reference")
+
+
+def kernels_line(device):
+    """What runs on device, for a run's first log line and summary.json: "kernels: sm_90
+    grid-values (NVIDIA H200)", or why the reference runs instead."""
+    if _route() == "reference":
+        return "kernels: off (NANOFP4_ROUTE=reference)"
+    return targets.describe(torch.device(device))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -547,7 +547,8 @@ def run_settings(args, recipe, world_size):
     numbers = numerics(args, world_size)
     return {**settings, "precision": dataclasses.asdict(recipe), "world_size": world_size,
             "tokens_per_step": args.batch_size * args.grad_accum * args.seq_len,
-            "numerics_id": numerics_id(numbers), "numerics": numbers, "commit": git_commit()}
+            "numerics_id": numerics_id(numbers), "numerics": numbers, "commit": git_commit(),
+            "kernels": nvfp4.kernels_line(args.device)}
 
 
 def settings_line(s):
@@ -559,7 +560,7 @@ def settings_line(s):
             f"cosine to {s['min_lr']:g} at step {s['lr_decay_steps']} | batch {s['batch_size']} "
             f"x grad_accum {s['grad_accum']} x seq_len {s['seq_len']} = "
             f"{s['tokens_per_step']:,} tokens/step | {s['max_steps']:,} steps | seed {s['seed']} | "
-            f"numerics_id {s['numerics_id']} | commit {s['commit']}")
+            f"numerics_id {s['numerics_id']} | commit {s['commit']} | {s['kernels']}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1018,7 +1019,7 @@ def finish(run, settings, loss, val_loss, tok_s):
                "optimizer_bytes_per_param": opt_bytes / n_params,
                "checkpoint": run.ckpt_path if run.saved_step == run.step else None,
                "numerics_id": settings["numerics_id"], "commit": settings["commit"],
-               "settings": settings}
+               "kernels": settings["kernels"], "settings": settings}
     with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     val = "none" if val_loss is None else f"{val_loss:.4f}"

@@ -10,17 +10,18 @@ Operands are plain tensors. With an NVFP4 policy Q, K, V arrive as their grid va
 accumulators afterwards: on Hopper, which has no FP4 tensor cores, the arithmetic of a native NVFP4
 GEMM up to summation order.
 
-On Blackwell (nvfp4_gemm.use_dot_scaled: capability 10.x; attention.py passes the packed tensors
-too) the same kernels, with the constexpr FP4_MMA, take the products whose two operands are blocked
-1x16 along the contraction to tl.dot_scaled on e2m1 codes + E4M3 scales (tcgen05.mma
-kind::mxf4nvf4): Q K^T in the forward and both backward passes (Q, K as attention.py packed them),
-dO V^T for fp4_dov / fp4_all (dO 1x16 along D, V), and P^T dO for fp4_all (P^T quantized to codes
-in registers by _quant_rows16, dO 16x1 along T re-packed K-major by nvfp4_gemm._k_major). Same
-numbers as the grid-value route up to fp32 summation order. P V, dS K and dS^T Q stay on the bf16
-MMA: they contract over T, where V, K, Q are blocked along D, and an E2M1 x E4M3 operand needs one
-scale per 16 elements of the contraction; a second quantization along T would change the numbers
-and break forward-backward consistency (docs/blackwell.md). Tiles: SM100_CONFIGS. Hopper compiles
-FP4_MMA=False.
+On Blackwell (nvfp4_gemm.use_dot_scaled: 10.x and 12.x, kernels/targets.py; attention.py passes the
+packed tensors too) the same kernels, with the constexpr FP4_MMA, take the products whose two
+operands are blocked 1x16 along the contraction to tl.dot_scaled on e2m1 codes + E4M3 scales
+(kind::mxf4nvf4: tcgen05.mma on 10.x, mma.sync on 12.x): Q K^T in the forward and both backward
+passes (Q, K as attention.py packed them), dO V^T for fp4_dov / fp4_all (dO 1x16 along D, V), and
+P^T dO for fp4_all (P^T quantized to codes in registers by _quant_rows16, dO 16x1 along T re-packed
+K-major by nvfp4_gemm._k_major). Same numbers as the grid-value route up to fp32 summation order.
+P V, dS K and dS^T Q stay on the bf16 MMA: they contract over T, where V, K, Q are blocked along D,
+and an E2M1 x E4M3 operand needs one scale per 16 elements of the contraction; a second quantization
+along T would change the numbers and break forward-backward consistency (docs/blackwell.md). Tiles:
+SM100_CONFIGS (they fit 12.x's ~100 KB too). Hopper compiles FP4_MMA=False, the code it compiled
+before.
 
 In-register quantization (`_fake_quant_rows16`): tiles of dS (and of P in the fp4_pv / fp4_all
 variants) are quantized in 1x16 blocks along the tile's last dim with nvfp4_math's block scaling
@@ -38,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import nvfp4_math
+from kernels import nvfp4_math, targets
 from kernels.nvfp4_gemm import _k_major, use_dot_scaled
 
 LOG2E = 1.4426950408889634
@@ -551,6 +552,9 @@ def _bwd_preprocess(O, DO, DELTA, DONORM, N, D: tl.constexpr, ROWS: tl.constexpr
 FWD_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
 DKDV_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2)
 DQ_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+# GPUs with ~100 KB of shared memory a block (kernels/targets.py: sm_86, sm_89, 12.x): DQ_CONFIG
+# needs 128 KB at D = 128 (the compiled kernel's metadata), this 72 KB. Untuned: not run there.
+DQ_CONFIG_100KB = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
 # Passes that quantize dS in registers take smaller tiles on 4 warps: the quantizer's temporaries
 # next to large dK/dV accumulators spill, and a thread holds 4 elements of every 16-element block
 # whatever the tile size.
@@ -657,7 +661,8 @@ def flash_backward(q, k, v, scales, do, lse, delta, do_dov, do_pdo, ds_amax, key
                          QUANT_DS=quant_ds, QUANT_DOV=quant_dov, QUANT_PDO=quant_pdo,
                          FP4_MMA=fp4_mma, **meta)
     meta = _meta(dtype, "dq", SM100_CONFIGS["dq"] if fp4_mma else
-                 DQ_CONFIG_QUANT_DS if quant_ds else DQ_CONFIG, D)
+                 DQ_CONFIG_QUANT_DS if quant_ds else
+                 DQ_CONFIG_100KB if 0 < targets.of(dev).shared <= 101376 else DQ_CONFIG, D)
     grid = (triton.cdiv(T, meta["BLOCK_M"]), B * H)
     _attn_bwd_dq[grid](q, k, v, scales, do_dov, lse, delta, ds_amax, keys, dq,
                        T, H, H // Hkv, sm_scale * LOG2E, sm_scale,

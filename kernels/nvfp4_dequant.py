@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.nvfp4_math import _decode_codes, _round_to_bf16, on_gpu
+from kernels.nvfp4_math import _decode_codes, _e4m3_value, _round_to_bf16, on_gpu
 
 DEQUANT_ROWS_LAUNCH = (256, 8)  # (blocks per program, num_warps) of _dequantize_rows_kernel
 
@@ -45,8 +45,7 @@ def _dequantize_rows_kernel(codes_ptr, scales_ptr, gs_ptr, out_ptr, n_blocks, NB
     words = tl.load(codes_ptr + base * 2 + blk[:, None] * 2 + tl.arange(0, 2)[None, :],
                     mask=bmask[:, None], other=0)                                   # (NB, 2) int32
     code = ((words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF).reshape(NB, 16)
-    s_b = (tl.load(scales_ptr + base + blk, mask=bmask, other=0)
-           .to(tl.float8e4nv, bitcast=True).to(tl.float32))
+    s_b = _e4m3_value(tl.load(scales_ptr + base + blk, mask=bmask, other=0))
     v = _decode_codes(code, s_b[:, None])                                           # (NB, 16)
     _dequant_store(v, gs_ptr, out_ptr + base * 16, blk[:, None] * 16 + tl.arange(0, 16)[None, :],
                    bmask[:, None], APPLY_GLOBAL, ROUND_BF16, HW_BF16)
@@ -70,7 +69,7 @@ def _dequantize_kernel(codes_ptr, scales_ptr, gs_ptr, out_ptr, M, N, ld_out, BN:
     offs_n = pid_n * BN + tl.arange(0, BN)
     s = tl.load(scales_ptr + (pid_b.to(tl.int64) * (M // 16) + pid_m) * (N // SBN) + offs_n // SBN,
                 mask=offs_n < N, other=0)
-    v = _decode_codes(code, s.to(tl.float8e4nv, bitcast=True).to(tl.float32)[None, :])
+    v = _decode_codes(code, _e4m3_value(s)[None, :])
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     _dequant_store(v, gs_ptr, out_ptr,
                    (pid_b.to(tl.int64) * M + offs_m[:, None]) * ld_out + offs_n[None, :], mask,

@@ -10,12 +10,13 @@ Transposed operands without copies: trans_a / trans_b say that the stored tensor
 transpose of the logical operand, e.g. dX = dY W uses the forward's Q16x16(W) stored (out, in)
 as the (N=in, K=out) operand.
 
-The route is picked here, per GPU (use_dot_scaled):
-  * Blackwell (capability 10.x): every product on the NVFP4 tensor cores, in one kernel
+The route is picked here, per GPU (use_dot_scaled, from kernels/targets.py's table):
+  * Blackwell (capability 10.x and 12.x): every product on the NVFP4 tensor cores, in one kernel
     (_nvfp4_gemm_sm100_kernel): tl.dot_scaled with e2m1 operands and E4M3 block-16 scales,
-    which lowers to tcgen05.mma kind::mxf4nvf4, one scale per 16 elements. That MMA reads FP4
-    operands K-major only, so an operand stored transposed has its nibbles re-packed along K
-    in registers on the way (_k_major):
+    which lowers to tcgen05.mma kind::mxf4nvf4 on 10.x and mma.sync kind::mxf4nvf4 on 12.x, one
+    scale per 16 elements (tiles per target: fp4_tile). That MMA reads FP4 operands K-major
+    only, so an operand stored transposed has its nibbles re-packed along K in registers on the
+    way (_k_major):
         forward   Q1x16(X) Q16x16(W)^T           both as stored
         dgrad     Q1x16(dY) Q16x16(W)            W's forward quantization, read transposed
         wgrad     Q16x1(H^T dY)^T Q16x1(H^T X)   both stored (T, .), blocked along T, read
@@ -35,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import targets
 from kernels.nvfp4_dequant import grid_values_bf16
 from kernels.nvfp4_math import _round_to_bf16
 
@@ -107,13 +109,19 @@ def _nvfp4_gemm_sm100_kernel(a_codes, a_scales, b_codes, b_scales, gs_a_ptr, gs_
 
 
 def use_dot_scaled(device):
-    """True on GPUs with NVFP4 tensor cores (Blackwell, sm_100)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 10
+    """True on GPUs with NVFP4 tensor cores: the "fp4-mma" rows of kernels/targets.py (Blackwell,
+    10.x and 12.x)."""
+    return targets.of(device).route == "fp4-mma"
 
 
-def sm100_tile(K, N):
-    """(BM, BN, BK, NUM_STAGES): the block-scaled matmul tutorial's NVFP4 tile (128, 256, 256,
-    3), BK cut to 128 or 64 (the MMA's K step) for short K, BN to 128 for narrow outputs."""
+def fp4_tile(K, N, tiles):
+    """(BM, BN, BK, NUM_STAGES) for targets.py's tile table `tiles`. "sm100": the block-scaled
+    matmul tutorial's NVFP4 tile (128, 256, 256, 3), BK cut to 128 or 64 (the MMA's K step) for
+    short K, BN to 128 for narrow outputs. "sm120" (12.x: mma.sync keeps the accumulator in
+    registers, ~100 KB shared a block): (128, 128, 64, 3), which compiles without register spills
+    where 128 x 256 x 256 spills (untuned: not run on a 12.x GPU)."""
+    if tiles == "sm120":
+        return 128, 128, 64, 3
     BK = 256 if K > 128 else 128 if K > 64 else 64
     return 128, 256 if N > 128 else 128, BK, 3
 
@@ -131,7 +139,7 @@ def _gemm_sm100(a, b, out_dtype, trans_a=False, trans_b=False):
     M, K = a.shape[::-1] if trans_a else a.shape
     N = b.shape[1] if trans_b else b.shape[0]
     out = torch.empty((M, N), device=a.codes.device, dtype=out_dtype)
-    BM, BN, BK, stages = sm100_tile(K, N)
+    BM, BN, BK, stages = fp4_tile(K, N, targets.of(a.codes.device).tiles)
     *sa, a_sb = _operand_strides(a, trans_a)
     *sb, b_sb = _operand_strides(b, trans_b)
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))

@@ -10,8 +10,11 @@ round alike. kernels/nvfp4_quant.py re-exports them under the same names.
 
 import os
 
+import torch
 import triton
 import triton.language as tl
+
+from kernels import targets
 
 FP4_MAX = 6.0          # largest E2M1 magnitude
 E4M3_MAX = 448.0       # largest E4M3 block scale
@@ -26,11 +29,20 @@ def on_gpu():
     return os.environ.get("TRITON_INTERPRET") != "1"
 
 
-# On a GPU, E4M3 rounding is the hardware conversion (sm_89+: cvt.rn.satfinite.e4m3x2.f32, nearest
-# ties to even, subnormals kept: nvfp4.to_e4m3 exactly, which a GPU test checks on every tie).
-# Triton's interpreter converts otherwise (its subnormal ties do not round to even), so there the
-# integer arithmetic. Read when this module is imported, as TRITON_INTERPRET itself.
-HW_E4M3 = tl.constexpr(on_gpu())
+def hw_e4m3():
+    """E4M3 conversions by the hardware (sm_89+: cvt.rn.satfinite.e4m3x2.f32, nearest ties to even,
+    subnormals kept: nvfp4.to_e4m3 exactly, which a GPU test checks on every tie; the fp8e4nv type
+    itself): on a GPU whose row of kernels/targets.py says so (the current CUDA device's; with no
+    CUDA, as the compile-only tests build for sm_89+). Triton's interpreter converts otherwise (its
+    subnormal ties do not round to even) and Ampere has no fp8 type, so there integer arithmetic:
+    the same bits."""
+    if not on_gpu():
+        return False
+    return not torch.cuda.is_available() or targets.of(torch.device("cuda")).hw_e4m3
+
+
+# Read when this module is imported, as TRITON_INTERPRET itself.
+HW_E4M3 = tl.constexpr(hw_e4m3())
 
 
 @triton.jit
@@ -85,6 +97,18 @@ def _e2m1_index(q):
     """Index 0..7 of an E2M1 magnitude q (fp32), the code's low 3 bits: q * 2^-126 holds it in bits
     24..22 (_e2m1_value's placement inverted; exact: 0.5 becomes the subnormal 2^-127)."""
     return (q * 1.1754943508222875e-38).to(tl.int32, bitcast=True) >> 22             # 2^-126
+
+
+@triton.jit
+def _e4m3_value(bits):
+    """E4M3 bit patterns (uint8, as the block scales are stored) -> their fp32 values: the hardware
+    conversion (HW_E4M3), else exact integer arithmetic (no sign: block scales are >= 0)."""
+    if HW_E4M3:
+        return bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    b = bits.to(tl.int32)
+    e, m = (b >> 3) & 15, b & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)  # 2^(e-7) (1 + m/8)
+    return tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)       # subnormal: m 2^-9
 
 
 # the element scale's cap (TE's: an all-zero block's 1/0)

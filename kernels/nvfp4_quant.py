@@ -284,7 +284,7 @@ def _cols_source(x_ptr, xs_ptr, xgs_ptr, pid_b, m0, n0, row, pair, col, mask, M,
         c8 = tl.load(x_ptr + r0 * (N // 2) + offs, mask=bmask, other=0)
         s_b = tl.load(xs_ptr + r0 * (N // 16) + row * (N // 16) + (n0 + 2 * pair) // 16, mask=bmask,
                       other=0)
-        s_b = s_b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        s_b = _e4m3_value(s_b)
         x = _decode_byte_pairs(c8.to(tl.int32), s_b, tl.load(xgs_ptr))                 # (C, 16, 2)
         return _round_to_bf16(x, HW_BF16) if X_BF16 else x
     else:

@@ -91,7 +91,7 @@ def _decode(codes_ptr, scales_ptr, gs, blk, rmask, BM: tl.constexpr, BN: tl.cons
     u = tl.join(u << 4, u).reshape(BM, BN // 16, 16)
     q = _e2m1_bits(u.to(tl.int32, bitcast=True))                              # q * 2^-126
     sc = tl.load(scales_ptr + blk, mask=rmask, other=0)
-    s = (sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _TWO_118).reshape(BM, BN // 16, 1)
+    s = (_e4m3_value(sc) * _TWO_118).reshape(BM, BN // 16, 1)
     return ((q * s) * (gs * 256.0)).reshape(BM, BN)
 
 

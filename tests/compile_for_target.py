@@ -1,16 +1,19 @@
 """Compile the project's Triton kernels for a GPU this machine does not have (run as a script,
 without TRITON_INTERPRET: the test suite itself runs interpreted). The launchers run on CPU
-tensors with Triton's launch replaced by a recorder, so each kernel is compiled with exactly
-the argument types and options its launcher passes; then triton.compile builds it for the
-target and this prints one line per kernel specialization:
-    <kernel name> <target> <the MMA instructions in its PTX, comma-separated, or -> [<product>]
-(blackwell: the FP4 product of the fullstack step that the launch computes).
-Usage: python tests/compile_for_target.py {hopper|blackwell}"""
+tensors with Triton's launch replaced by a recorder, and with kernels/targets.py answering for the
+target (its route, tiles and E4M3 path), so each kernel is compiled with exactly the argument types
+and options its launcher passes on that GPU; then triton.compile builds it for the target through
+ptxas and this prints one line per kernel specialization:
+    <kernel> <arch> <shared bytes> <MMA instruction>:<count>,... (or -) <what launched it>
+Usage: python tests/compile_for_target.py <capability, e.g. 80 90 120 121>
+tests/test_targets.py runs it for every target in its matrix."""
 
 import collections
 import os
 import re
 import sys
+
+os.environ["NANOFP4_ROUTE"] = "kernels"  # the public calls take their kernel routes on CPU tensors
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -20,10 +23,18 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-LAUNCHES = []
-JITFunction.run = lambda self, *args, grid, warmup, **kwargs: LAUNCHES.append((self, args, kwargs))
+LAUNCHES, LABEL = [], ["quantize"]  # (kernel, args, kwargs, what launched it)
+JITFunction.run = lambda self, *args, grid, warmup, **kwargs: LAUNCHES.append(
+    (self, args, kwargs, LABEL[0]))
+# the recorded launches write nothing: outputs start as zeros, so that the public calls' checks on
+# CPU tensors (finite inputs) pass
+_empty, _empty_like = torch.empty, torch.empty_like
+torch.empty = lambda *a, **k: _empty(*a, **k).zero_()
+torch.empty_like = lambda *a, **k: _empty_like(*a, **k).zero_()
 
-from kernels import nvfp4_dequant, nvfp4_gemm, nvfp4_quant  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from kernels import nvfp4_dequant, nvfp4_gemm, nvfp4_math, nvfp4_quant, targets  # noqa: E402
 
 TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16",
          torch.uint8: "*u8", torch.int32: "*i32", torch.int64: "*i64",
@@ -52,7 +63,8 @@ def aligned(v, param):
             and not param.do_not_specialize)
 
 
-def compile_launch(fn, args, kwargs, target):
+def specialization(fn, args, kwargs):
+    """(signature, constexprs, attrs, options) of a launch, as Triton's launcher derives them."""
     bound = dict(zip(fn.arg_names, args), **{k: v for k, v in kwargs.items() if k in fn.arg_names})
     options = {k: v for k, v in kwargs.items() if k not in fn.arg_names}
     signature, constexprs, attrs = {}, {}, {}
@@ -63,6 +75,11 @@ def compile_launch(fn, args, kwargs, target):
         signature[name] = type_of(bound[name])
         if aligned(bound[name], fn.params[i]):
             attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs, options
+
+
+def compile_launch(fn, args, kwargs, target):
+    signature, constexprs, attrs, options = specialization(fn, args, kwargs)
     return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
                           options=options)
 
@@ -115,28 +132,26 @@ BLACKWELL_PRODUCTS = (
 )
 
 
-def record_blackwell_gemms():
-    """nvfp4_gemm's Blackwell route for each product (the LoRA-SVD residual and the other
-    Newton-Schulz GEMMs launch the same specializations as forward / dgrad and ns_xxt)."""
-    labels = []
+def record_gemms():
+    """nvfp4_gemm.nvfp4_gemm for each product (the LoRA-SVD residual and the other Newton-Schulz
+    GEMMs launch the same specializations as forward / dgrad and ns_xxt): on the FP4 MMA one
+    launch of _nvfp4_gemm_sm100_kernel labelled with the product; elsewhere the grid values'
+    dequantize launches and cuBLAS."""
     for label, (sa, ba), (sb, bb), out_dtype, trans_a, trans_b in BLACKWELL_PRODUCTS:
-        nvfp4_gemm._gemm_sm100(_packed(sa, ba), _packed(sb, bb), out_dtype, trans_a, trans_b)
-        labels.append(label)
-    return labels
+        LABEL[0] = label
+        nvfp4_gemm.nvfp4_gemm(_packed(sa, ba), _packed(sb, bb), out_dtype, trans_a, trans_b)
 
 
-def record_blackwell_layers():
-    """Every launch the layers' kernel routes make on a Blackwell GPU (use_dot_scaled forced): the
-    direct NVFP4 linear and LoRA-SVD, forward and backward, with the contract's 4/6, SR and
-    Hadamard (the packed-only quantize passes, eq. 2's X_hat decoded inside the cols kernel, the
-    GEMMs)."""
+def record_layers():
+    """Every launch the layers' kernel routes make: the direct NVFP4 linear and LoRA-SVD, forward
+    and backward, with the contract's 4/6, SR and Hadamard (on the FP4 MMA: the packed-only
+    quantize passes, eq. 2's X_hat decoded inside the cols kernel, the GEMMs)."""
     import nvfp4
     from kernels import lora_fused, nvfp4_linear
-    for module in (nvfp4_gemm, nvfp4_linear, lora_fused):
-        module.use_dot_scaled = lambda device: True
+    LABEL[0] = "layers"
     c = nvfp4.linear_contract(True)
     x, w, dy = torch.zeros(64, 256), torch.zeros(128, 256), torch.zeros(64, 128)
-    H, need, n = torch.eye(16), (True, True), len(LAUNCHES)
+    H, need = torch.eye(16), (True, True)
     y, xq, w_used = nvfp4_linear.forward(x, w, c["forward.x"], c["forward.w"], (1, 2))
     xq = Packed(*xq, x.shape, (1, 16))
     nvfp4_linear.backward(dy, xq, w_used, c, need, 3, H, (4, 5), torch.float32)
@@ -144,25 +159,77 @@ def record_blackwell_layers():
     _, _, w_used = lora_fused.forward(x, w, L1, L2, 0.5, c["forward.x"], c["forward.w"], (1, 2),
                                       torch.bfloat16, torch.float32)
     lora_fused.backward(dy, xq, w_used, L1, L2, 0.5, c, need, 3, H, (4, 5), torch.bfloat16)
-    return ["layers"] * (len(LAUNCHES) - n)
+
+
+def record_attention(policy, D=128, B=1, H=4, Hkv=2, T=256):
+    """attention.attention's forward and backward under one policy (GQA, causal; D = 128, the
+    1b / 3b head dim: the largest tiles' shared memory)."""
+    import attention
+    LABEL[0] = f"attention:{policy}"
+    xs = [torch.zeros(B, h, T, D, dtype=torch.bfloat16, requires_grad=True) for h in (H, Hkv, Hkv)]
+    o = attention.attention(*xs, causal=True, policy=policy)  # NANOFP4_ROUTE=kernels
+    torch.autograd.grad(o, xs, torch.zeros_like(o))
+
+
+def record_optimizers():
+    """One step of QuantizedAdamW's fused kernel (§3.3) and of Root with NVFP4 states and
+    Newton-Schulz (§3.4), as the fullstack recipe builds them."""
+    import optim
+    for label, make in (("adamw", optim.QuantizedAdamW), ("root", optim.Root)):
+        LABEL[0] = label
+        p = torch.nn.Parameter(torch.zeros(128, 384))
+        p.grad = torch.zeros_like(p)
+        opt = make([p], states="nvfp4")
+        opt.cuda_graphs = False  # Root's captured NS: no graphs when only recording launches
+        opt.step()
+
+
+def record_fullstack():
+    """Every kernel launch of the fullstack step, as the target's routes make them."""
+    record_quantize_launches()
+    record_gemms()
+    record_layers()
+    for policy in __import__("attention").POLICIES:
+        record_attention(policy)
+    record_optimizers()
+
+
+def set_target(capability):
+    """This process takes capability's routes for CPU tensors (kernels/targets.py) and its E4M3
+    path (nvfp4_math.HW_E4M3, read when a kernel compiles) -> the Target."""
+    targets.capability = lambda device: capability
+    t = targets.target(capability)
+    nvfp4_math.HW_E4M3 = tl.constexpr(t.hw_e4m3)
+    return t
+
+
+MMA = re.compile(r"\b(?:tcgen05\.mma|wgmma\.mma_async|mma\.sync)[\w.:]*")
+
+
+def compile_all(capability):
+    """Compile each recorded specialization once for capability's GPU; print a line for each
+    (specialization, what launched it)."""
+    target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
+    compiled, printed = {}, set()
+    for fn, args, kwargs, label in LAUNCHES:
+        key = fn.__name__ + repr(specialization(fn, args, kwargs))
+        if (key, label) in printed:
+            continue
+        printed.add((key, label))
+        if key not in compiled:
+            kernel = compile_launch(fn, args, kwargs, target)
+            ptx = kernel.asm["ptx"]
+            mma = collections.Counter(MMA.findall(ptx))
+            compiled[key] = (re.search(r"\.target (\S+)", ptx).group(1), kernel.metadata.shared,
+                             ",".join(f"{k}:{n}" for k, n in sorted(mma.items())) or "-")
+        print(fn.__name__, *compiled[key], label, flush=True)
 
 
 if __name__ == "__main__":
-    which = sys.argv[1]
-    if which == "hopper":
-        record_quantize_launches()
-        labels, target = [None] * len(LAUNCHES), GPUTarget("cuda", 90, 32)
-    else:
-        labels = record_blackwell_gemms() + record_blackwell_layers()
-        target = GPUTarget("cuda", 100, 32)
-    seen = set()
-    for (fn, args, kwargs), label in zip(LAUNCHES, labels):
-        options = tuple(sorted((k, str(v)) for k, v in kwargs.items()))
-        key = (fn.__name__, tuple(map(type_of, args)), options)
-        if key in seen:
-            continue
-        seen.add(key)
-        ptx = compile_launch(fn, args, kwargs, target).asm["ptx"]
-        mma = sorted(set(re.findall(r"\b(?:tcgen05\.mma|wgmma\.mma_async|mma\.sync)[\w.:]*", ptx)))
-        arch = re.search(r"\.target (\S+)", ptx).group(1)
-        print(fn.__name__, arch, ",".join(mma) or "-", *([label] if label else []), flush=True)
+    cap = int(sys.argv[1])
+    capability = (cap // 10, cap % 10)
+    set_target(capability)
+    record_fullstack()
+    compile_all(capability)
+
+

@@ -7,34 +7,22 @@ checked as far as a machine without a Blackwell GPU allows:
             nvfp4.nvfp4_matmul's CPU path on the same packed operands (built with
             nvfp4.quantize), up to fp32 summation order. tests/interpreter_nvfp4_scales.py makes
             the interpreter decode E4M3 scales as the hardware does.
-  lowering  each product compiles for sm_100a (tests/compile_for_target.py, in a subprocess:
-            the suite runs interpreted) and its PTX holds the block-scaled FP4 MMA and no other,
-            in Triton 3.6's spelling or in Triton 3.9's (through NVVM):
-                tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale.scale_vec::4X
-                tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale.block16
-            (kind::mxf4nvf4: FP4 operands with block scales; 4X / block16: one scale per 16
-            elements, the NVFP4 layout; MXFP4 would be 2X / block32, one E8M0 scale per 32).
+            The GEMM products run on each FP4 tile table of kernels/targets.py (sm_100: 10.x,
+            sm_120: 12.x's smaller tiles; `-k sm_120` selects those).
+  lowering  tests/test_targets.py: every launch compiles for 10.x and 12.x (and the rest of the
+            matrix) and its FP4 products lower to the block-scaled FP4 MMA.
 Neither speed nor numerics on Blackwell hardware is tested here (docs/blackwell.md).
 """
 
-import collections
-import importlib.util
 import os
-import re
-import subprocess
-import sys
 
 import pytest
 import torch
-import triton
 
 import nvfp4
 from interpreter_nvfp4_scales import e4m3_dot_scaled_scales, interpreter_dot_scaled_skip_reason
-from kernels import nvfp4_gemm
+from kernels import nvfp4_gemm, targets
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "compile_for_target.py")
-FP4_MMA = re.compile(r"tcgen05\.mma\.cta_group::[12]\.kind::mxf4nvf4\.block_scale\."
-                     r"(scale_vec::4X|block16)")
 SKIP_INTERPRETED = interpreter_dot_scaled_skip_reason()
 needs_interpreted_dot_scaled = pytest.mark.skipif(
     SKIP_INTERPRETED is not None or os.environ.get("TRITON_INTERPRET") != "1",
@@ -44,10 +32,16 @@ needs_interpreted_dot_scaled = pytest.mark.skipif(
 # --------------------------------------------------------------------------------------------
 # Numerics, in the interpreter
 
-@pytest.fixture
-def blackwell_route(monkeypatch):
-    """nvfp4_gemm.nvfp4_gemm as a Blackwell GPU runs it, on CPU tensors in the interpreter."""
-    monkeypatch.setattr(nvfp4_gemm, "use_dot_scaled", lambda device: True)
+# the FP4 rows of kernels/targets.py, one per tile table
+BLACKWELL = {"sm_100": (10, 0), "sm_120": (12, 0)}
+
+
+@pytest.fixture(params=list(BLACKWELL))
+def blackwell_route(request, monkeypatch):
+    """nvfp4_gemm.nvfp4_gemm as a Blackwell GPU of each tile table runs it (CPU tensors taken for
+    that GPU by kernels/targets.py), in the interpreter."""
+    monkeypatch.setattr(targets, "capability", lambda device: BLACKWELL[request.param])
+    assert nvfp4_gemm.use_dot_scaled(torch.device("cpu"))
     with e4m3_dot_scaled_scales():
         yield nvfp4_gemm.nvfp4_gemm
 
@@ -297,47 +291,6 @@ def test_blackwell_root_step_equals_the_reference(blackwell_gpu, monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------
-# Lowering for sm_100a
-
-def compile_for(which):
-    """Lines "<kernel> <arch> <MMA instructions> [<product>]" from tests/compile_for_target.py (a
-    subprocess: the suite runs in the interpreter, which cannot compile)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, SCRIPT, which], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return [line.split(" ") for line in out.stdout.splitlines()]
-
-
-def _can_target_blackwell():
-    major, minor = (int(v) for v in triton.__version__.split(".")[:2])
-    if importlib.util.find_spec("triton.backends.nvidia") is None:
-        return False
-    return (major, minor) >= (3, 3)  # tcgen05 block-scaled MMA lowering
-
-
-@pytest.mark.skipif(not _can_target_blackwell(), reason="this Triton cannot compile "
-                    "tl.dot_scaled for sm_100a (needs Triton >= 3.3 with its NVIDIA backend)")
-def test_every_blackwell_product_lowers_to_the_block_scaled_fp4_mma():
-    """forward, dgrad (W read transposed), wgrad (both read transposed), Newton-Schulz's X X^T
-    (LoRA-SVD's residual and the other NS GEMMs are the same specializations) and the smallest
-    K (BK = 64); then every launch of the two layers' Blackwell routes (quantize passes, X_hat's
-    decode, GEMMs) compiles for sm_100a too."""
-    lines = compile_for("blackwell")
-    products = [line[3] for line in lines if line[3] != "layers"]
-    assert products == ["forward", "dgrad", "wgrad", "ns_xxt", "small_k"]
-    for kernel, arch, mma, product in lines:
-        assert arch == "sm_100a", (product, kernel, arch)
-        if kernel == "_nvfp4_gemm_sm100_kernel":
-            assert len(mma.split(",")) == 1 and FP4_MMA.fullmatch(mma), (product, mma)
-        else:
-            assert product == "layers" and mma == "-", (product, kernel, mma)
-    assert {line[0] for line in lines if line[3] == "layers"} == {
-        "_nvfp4_gemm_sm100_kernel", "_quantize_rows_kernel", "_quantize_cols_kernel",
-        "_quantize_kernel"}
-
-
-# --------------------------------------------------------------------------------------------
 # Attention's FP4 products (kernels/flash_attention.py, FP4_MMA): Q K^T in the forward and both
 # backward passes, dO V^T and P^T dO where the policy quantizes dO; the products that contract
 # over T with an operand blocked along D (P V, dS K, dS^T Q) stay on the bf16 MMA
@@ -411,83 +364,3 @@ def test_blackwell_attention_on_its_gpu_tiles(blackwell_attention, monkeypatch):
     monkeypatch.setattr(fa, "INTERPRET_CONFIGS", {
         kind: {k: c[k] for k in ("BLOCK_M", "BLOCK_N")} for kind, c in fa.SM100_CONFIGS.items()})
     check_attention(blackwell_attention, "fp4_all", True, 150, 64, H=2, Hkv=1)
-
-
-def record_attention_launches(policy, D, B=1, H=4, Hkv=2, T=256):
-    """The flash launches of one policy's forward and backward on the Blackwell route (zeros as
-    operands; run under tests/compile_for_target.py's launch recorder)."""
-    from kernels import flash_attention as fa
-    fa.use_dot_scaled = lambda device: True
-    pol, dtype = __import__("attention").POLICIES[policy], torch.bfloat16
-    x, kv = torch.zeros(B, H, T, D, dtype=dtype), torch.zeros(B, Hkv, T, D, dtype=dtype)
-    qp, kp = nvfp4.quantize(x.float(), (1, 16)), nvfp4.quantize(kv.float(), (1, 16))
-    dov = x if pol["dov"] else None
-    pdo = x if pol["pdo"] else None
-    ones, lse = torch.ones(6), torch.zeros(B, H, T)
-    fa.flash_forward(x, kv, kv, ones, True, 0.1, pol["p"], dtype, packed=(qp, kp, kp))
-    packed = (qp, kp, kp, qp if pol["dov"] else None,
-              nvfp4.quantize(x.float(), (16, 1)) if pol["pdo"] else None)
-    fa.flash_backward(x, kv, kv, ones, x, lse, lse, dov, pdo, torch.ones(B * H),
-                      torch.zeros(B * H, 2, dtype=torch.int64), True, 0.1, dtype, packed=packed)
-
-
-def compile_recorded(cft, target):
-    """Lines "<kernel> <arch> <MMA instruction>:<count>,..." for each recorded launch, compiled
-    for target as a GPU launch would compile it (compile_for_target.compile_launch)."""
-    for fn, args, kwargs in cft.LAUNCHES:
-        ptx = cft.compile_launch(fn, args, kwargs, target).asm["ptx"]
-        mma = collections.Counter(re.findall(r"\b(?:tcgen05\.mma|wgmma\.mma_async|mma\.sync)"
-                                             r"[\w.:]*", ptx))
-        arch = re.search(r"\.target (\S+)", ptx).group(1)
-        print(fn.__name__, arch, ",".join(f"{k}:{n}" for k, n in sorted(mma.items())), flush=True)
-
-
-def compile_attention(policy, D):
-    """{kernel: (arch, {MMA instruction: count})} of the policy's flash kernels for sm_100a, from
-    this file run as a script (a subprocess: the suite runs interpreted)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    return subprocess.Popen([sys.executable, __file__, "attention", policy, str(D)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _compiled(proc):
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
-    kernels = {}
-    for line in out.splitlines():
-        kernel, arch, mma = line.split(" ")
-        kernels[kernel] = arch, {k: int(n) for k, n in (m.rsplit(":", 1) for m in mma.split(","))}
-    return kernels
-
-
-@pytest.mark.skipif(not _can_target_blackwell(), reason="this Triton cannot compile "
-                    "tl.dot_scaled for sm_100a (needs Triton >= 3.3 with its NVIDIA backend)")
-def test_attention_fp4_products_lower_to_the_block_scaled_fp4_mma():
-    """Each flash kernel of the fp4 policy (Q K^T) and of fp4_all (also dO V^T and P^T dO)
-    compiles for sm_100a with FP4_MMA: its FP4 products to the block-scaled FP4 MMA, the rest
-    (P V, dO V^T's and P^T dO's bf16 forms, dS K, dS^T Q) to the bf16 one. D = 64: every FP4
-    product has K = 64, so each is the same number of MMA instructions, and fp4_all's dK/dV
-    (3 FP4 products) and dQ (2) pass must hold 3x and 2x the fp4 policy's (1 each)."""
-    runs = {policy: compile_attention(policy, 64) for policy in ("fp4", "fp4_all")}
-    kernels = {policy: _compiled(proc) for policy, proc in runs.items()}
-    fp4_count = {}
-    for policy, compiled in kernels.items():
-        assert set(compiled) == {"_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq"}, compiled
-        for kernel, (arch, mma) in compiled.items():
-            assert arch == "sm_100a", (policy, kernel, arch)
-            fp4 = [k for k in mma if FP4_MMA.fullmatch(k)]
-            assert len(fp4) == 1, (policy, kernel, mma)
-            assert set(mma) == {fp4[0], "tcgen05.mma.cta_group::1.kind::f16"}, (policy, kernel, mma)
-            fp4_count[policy, kernel] = mma[fp4[0]]
-    assert fp4_count["fp4_all", "_attn_fwd"] == fp4_count["fp4", "_attn_fwd"]
-    assert fp4_count["fp4_all", "_attn_bwd_dkdv"] == 3 * fp4_count["fp4", "_attn_bwd_dkdv"]
-    assert fp4_count["fp4_all", "_attn_bwd_dq"] == 2 * fp4_count["fp4", "_attn_bwd_dq"]
-
-
-if __name__ == "__main__":  # python tests/test_blackwell.py attention <policy> <D>
-    import compile_for_target  # records launches instead of running them
-    from triton.backends.compiler import GPUTarget
-    record_attention_launches(sys.argv[2], int(sys.argv[3]))
-    compile_recorded(compile_for_target, GPUTarget("cuda", 100, 32))

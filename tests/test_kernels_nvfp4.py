@@ -7,6 +7,8 @@ The @pytest.mark.gpu tests repeat the checks at full size on the H200:
     pytest -m gpu tests/test_kernels_nvfp4.py
 """
 
+import os
+
 import pytest
 import torch
 import triton
@@ -134,6 +136,28 @@ def test_round_to_e4m3_matches_torch_including_ties_and_subnormals():
 def test_gpu_round_to_e4m3_hardware_conversion_on_every_tie():
     """On the GPU: the hardware conversion (HW_E4M3) for nearest, the arithmetic for up."""
     _check_round_to_e4m3("cuda")
+
+
+@triton.jit
+def _e4m3_value_probe(bits_ptr, v_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(v_ptr + offs, kq._e4m3_value(tl.load(bits_ptr + offs)))
+
+
+@pytest.mark.parametrize("hw", [False, True], ids=["integer", "cvt"])
+def test_e4m3_value_decodes_every_block_scale(monkeypatch, hw):
+    """Every E4M3 scale byte (0..0x7e: >= 0, finite) decodes to torch's value by both paths: the
+    integer arithmetic (Ampere, the interpreter) and the fp8 conversion (sm_89+)."""
+    from kernels import nvfp4_math
+    if hw and not nvfp4_math.on_gpu():
+        monkeypatch.setattr(nvfp4_math, "HW_E4M3", tl.constexpr(True))
+    elif not hw and nvfp4_math.on_gpu():
+        pytest.skip("a GPU compiles HW_E4M3 as its row of kernels/targets.py says")
+    bits = torch.arange(0, 128, dtype=torch.uint8).clamp(max=0x7E)
+    dev = "cuda" if nvfp4_math.on_gpu() else "cpu"
+    v = torch.empty(128, device=dev)
+    _e4m3_value_probe[(1,)](bits.to(dev), v, BLOCK=128)
+    assert torch.equal(v.cpu(), bits.view(torch.float8_e4m3fn).float())
 
 
 @triton.jit
@@ -886,15 +910,34 @@ def test_gpu_linear_matches_the_reference():
     assert nvfp4.relative_mse(ste_dx, dxs) < 1e-3 and nvfp4.relative_mse(ste_dw, dws) < 1e-3
 
 
-def test_quantize_kernels_compile_for_hopper_without_a_gpu():
-    """The interpreter does not type-check: compile every quantize / dequantize / scale launch the
-    layers make for sm_90a, with the argument types and options the launchers pass
-    (tests/compile_for_target.py; a subprocess, as the suite runs interpreted). A launch once failed
-    to compile on the GPU only: the rows kernel's amax pre-pass loaded an unused bf16 dummy pointer
-    as its fp32 amax."""
-    from test_blackwell import compile_for
-    lines = compile_for("hopper")
-    assert {arch for _, arch, _ in lines} == {"sm_90a"}
-    assert {kernel for kernel, _, _ in lines} == {
-        "_quantize_rows_kernel", "_quantize_cols_kernel", "_quantize_kernel",
-        "_dequantize_rows_kernel", "_dequantize_kernel", "_scale_kernel"}
+AMPERE_PATH = """
+import torch, triton.language as tl
+from kernels import nvfp4_math
+nvfp4_math.HW_E4M3 = tl.constexpr(False)  # Ampere's row of kernels/targets.py, before any compile
+import nvfp4
+from test_kernels_nvfp4 import _same, kdequantize, kquantize
+g = torch.Generator().manual_seed(0)
+for block, rounding, fos in (((1, 16), "rtn", False), ((16, 16), "rtn", True),
+                             ((16, 1), "sr", False), ((1, 16), "sr_up", True)):
+    x = torch.randn(256, 512, generator=g)
+    x = x * torch.exp(torch.randn(256, 1, generator=g) * 4)
+    k = kquantize(x.to(DEVICE), block, rounding, fos, seed=5)
+    r = nvfp4.quantize_reference(x, block, rounding, fos, 5)
+    _same(k, r)
+    assert torch.equal(kdequantize(k, torch.float32).cpu(), r.dequantize())
+print("same bits")
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_ampere_e4m3_path_gives_the_same_bits():
+    """Ampere's kernels (no fp8 type: E4M3 rounding and scale decoding by integer arithmetic,
+    nvfp4_math.HW_E4M3 False) run on this GPU: the same bits as the reference for RTN, 4/6, SR and
+    SR-up, quantize and dequantize. A subprocess: HW_E4M3 is read at import."""
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), here]))
+    out = subprocess.run([sys.executable, "-c", "DEVICE = 'cuda'\n" + AMPERE_PATH], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "same bits" in out.stdout, out.stderr[-3000:]

@@ -396,3 +396,27 @@ def test_sr_mean_over_seeds_is_unbiased_within_the_16_bit_bound(block):
     ups = int(_sr_ups(x, block, test, range(16)).sum())
     # ~15 expected (0.94 * 2^20 draws at 2^-16); an exact SR: ~1 (P(>= 4) < 2%)
     assert 4 <= ups <= 36, ups
+
+
+def test_the_capability_table_routes_every_generation(monkeypatch):
+    """kernels/targets.py: the reference below sm_80 (no bf16), bf16 grid values on Ampere to Hopper
+    (integer E4M3 where the fp8 type is missing), the FP4 MMA on 10.x and 12.x (12.x's tiles), and
+    nvfp4.use_kernels follows it on a CUDA tensor."""
+    from kernels import nvfp4_gemm, targets
+    want = {(7, 5): ("reference", False, None), (8, 0): ("grid-values", False, None),
+            (8, 6): ("grid-values", False, None), (8, 9): ("grid-values", True, None),
+            (9, 0): ("grid-values", True, None), (10, 0): ("fp4-mma", True, "sm100"),
+            (10, 3): ("fp4-mma", True, "sm100"), (12, 0): ("fp4-mma", True, "sm120"),
+            (12, 1): ("fp4-mma", True, "sm120")}
+    for cap, row in want.items():
+        t = targets.target(cap)
+        assert (t.route, t.hw_e4m3, t.tiles) == row, cap
+        assert t.route == "reference" or t.shared >= 101376
+    assert targets.target(None).route == "reference"
+    x = torch.zeros(1, device="meta")  # stands in for a CUDA tensor: is_cuda is all use_kernels reads
+    monkeypatch.setattr(type(x), "is_cuda", property(lambda self: True))
+    monkeypatch.setenv("NANOFP4_ROUTE", "auto")
+    for cap, (route, _, _) in want.items():
+        monkeypatch.setattr(targets, "capability", lambda device, cap=cap: cap)
+        assert nvfp4.use_kernels(x) == (route != "reference"), cap
+        assert nvfp4_gemm.use_dot_scaled(x.device) == (route == "fp4-mma"), cap

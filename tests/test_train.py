@@ -760,7 +760,8 @@ def test_every_resolved_setting_and_the_commit_are_recorded(byte_data, micro1, t
                      f"warmup 5, cosine to 0.0002 at step 2 | batch 8 x grad_accum 1 x seq_len 64 "
                      f"= 512 "
                      f"tokens/step | 2 steps | seed 0 | numerics_id {s['numerics_id']} | "
-                     f"commit {s['commit']}")
+                     f"commit {s['commit']} | kernels: none on cpu (the reference route)")
+    assert json.load(open(tmp_path / "summary.json"))["kernels"] == s["kernels"]
 
 
 def test_a_batch_that_cannot_fit_memory_stops_before_training(byte_data, micro, tmp_path, capsys,
