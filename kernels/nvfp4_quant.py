@@ -48,8 +48,8 @@ import triton.language as tl
 from kernels.nvfp4_dequant import _hw_bf16, dequantize
 from kernels.nvfp4_math import (
     E4M3_MAX, E4M3_MAX_46, _block_random_words, _column_random_words, _decode_byte_pairs,
-    _e2m1_index, _global_scales, _hadamard16, _load_tile, _random_words, _rotate, _round_to_bf16,
-    _scale_blocks, _sr_e2m1_value, _with_sign, on_gpu)
+    _e2m1_index, _e4m3_value, _global_scales, _hadamard16, _load_tile, _random_words, _rotate,
+    _round_to_bf16, _scale_blocks, _sr_e2m1_value, _with_sign, on_gpu)
 
 BLOCKS = ((1, 16), (16, 1), (16, 16))
 # "sr_up": SR with the block scale rounded up to E4M3 instead of to nearest, so that the block max

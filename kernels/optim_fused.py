@@ -41,8 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.nvfp4_math import (_butterfly16, _div_by, _e2m1_bits, _e2m1_index, _global_scales,
-                                _random_words, _scale_blocks, _sr_e2m1_value)
+from kernels.nvfp4_math import (_butterfly16, _div_by, _e2m1_bits, _e2m1_index, _e4m3_value,
+                                _global_scales, _random_words, _scale_blocks, _sr_e2m1_value)
 from kernels.nvfp4_quant import _exact_fma, seed_tensor
 
 
