@@ -119,8 +119,8 @@ def test_fp4_products_lower_to_the_targets_mma(compiled, cap):
         assert len(fp4_kinds) == 1 and set(mma) == {fp4_kinds[0], BF16_MMA[cap[0]]}, (
             kernel, policy, mma)
         count[policy, kernel] = mma[fp4_kinds[0]]
-    # each further FP4 product adds FP4 MMAs (none fell back to an upcast); not in proportion: P^T dO
-    # contracts over the 64-query tile, the others over D = 128
+    # each further FP4 product adds FP4 MMAs (none fell back to an upcast); not in proportion:
+    # P^T dO contracts over the 64-query tile, the others over D = 128
     dkdv = [count[p, "_attn_bwd_dkdv"] for p in ("fp4", "fp4_dov", "fp4_all")]
     assert dkdv == sorted(set(dkdv)), dkdv
     assert count["fp4_dov", "_attn_bwd_dq"] > count["fp4", "_attn_bwd_dq"]
