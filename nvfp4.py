@@ -116,6 +116,14 @@ def linear_contract(four_over_six):
     return entries
 
 
+# The two schemes no table states, by version: bump one when a change moves a single bit of what it
+# names (train.py hashes both with the contracts into a run's numerics_id, so a record made before
+# the bump no longer passes for today's). SR: 16 random bits per element, one Philox4x32-10 call per
+# 8 neighbours (sr_uniforms); encoding: Transformer Engine's scales and one reciprocal per block.
+SR_SCHEME = "philox4x32-10/16bit/v2"
+ENCODING = "te-nvfp4/v1"
+
+
 # --------------------------------------------------------------------------------------------------
 # §2 the format: constants and the scalar formulas
 

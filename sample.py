@@ -1,6 +1,6 @@
 """
 Generate text from a train.py checkpoint (any recipe: the model is rebuilt with the checkpoint's
-recipe).
+recipe, precision contracts (its --numerics) and autocast dtype).
 
     python sample.py --out_dir out --prompt "To be, or not to be" --max_new_tokens 100 --temperature
     0.8 --top_k 50
@@ -13,7 +13,8 @@ import torch
 
 import data
 from model import GPT, GPTConfig
-from train import CheckpointError, load_checkpoint, set_cpu_threads
+from train import (CheckpointError, load_checkpoint, numerics, numerics_differ, set_cpu_threads,
+                   set_numerics)
 
 
 def die(msg):
@@ -53,6 +54,14 @@ def main(argv=None):
         ckpt = load_checkpoint(path, args.device)
     except CheckpointError as e:
         die(str(e))
+    run = ckpt["args"]
+    for spec in run["numerics"]:  # the contracts the run trained with, then checked against its own
+        set_numerics(spec)
+    differ = "numerics" in ckpt and numerics_differ(
+        ckpt["numerics"], numerics(argparse.Namespace(**run), ckpt["world_size"]))
+    if differ:
+        die(f"{path}: trained with {differ[0]} = {differ[1]}, this code gives {differ[2]}: the "
+            "model it trained cannot be rebuilt here")
     cfg = GPTConfig(**ckpt["config"])
     set_cpu_threads(cfg.recipe, args.device)
     with torch.device(args.device):
@@ -68,12 +77,10 @@ def main(argv=None):
     if max(ids) >= cfg.vocab_size:
         die(f"--prompt: token ids above the model's vocab_size {cfg.vocab_size}")
     x = torch.tensor(ids, dtype=torch.long, device=args.device).expand(args.num_samples, -1)
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if args.device == "cuda"
-                else torch.autocast("cpu", enabled=False))
+    autocast = torch.autocast(args.device, dtype=torch.bfloat16, enabled=run["dtype"] == "bfloat16")
     with autocast:
         out = model.generate(x, args.max_new_tokens, temperature=args.temperature,
                              top_k=args.top_k or None)
-    run = ckpt["args"]
     print(f"# {path}: step {ckpt['step']}, config {run['config']}, recipe {run['recipe']}")
     for row in out.tolist():
         print(enc.decode([t for t in row if t < enc.n_vocab]))  # padded ids (>= 50257) have no text

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import fractions
 import glob
+import hashlib
 import json
 import math
 import os
@@ -54,8 +55,13 @@ CONFIG_DEFAULTS = {
 }
 SCHEDULE_FLAGS = ("lr", "min_lr", "lora_lr", "warmup", "lr_decay_steps")  # a resume keeps these
 SHAPE_FLAGS = ("n_layer", "n_embd", "n_head", "n_kv_head", "ffn_hidden")  # GPTConfig overrides
-RESUME_MUST_MATCH = ("config", *SHAPE_FLAGS, "recipe", "attn_policy", "optimizer", "batch_size",
-                     "grad_accum", "seq_len", "lora_rank", "seed")
+# the flags that change a number of the run; with the recipe, the contracts and the schemes'
+# versions they make its numerics_id (numerics below). A resume keeps all but its length and schedule.
+NUMERIC_FLAGS = ("config", *SHAPE_FLAGS, "recipe", "attn_policy", "optimizer", "batch_size",
+                 "grad_accum", "seq_len", "max_steps", *SCHEDULE_FLAGS, "weight_decay", "clip",
+                 "lora_rank", "lora_beta", "realign_every", "seed", "eval_iters", "data", "dtype",
+                 "compile", "fsdp")
+RESUME_MUST_MATCH = tuple(f for f in NUMERIC_FLAGS if f not in ("max_steps", *SCHEDULE_FLAGS))
 RUN_FILES = ("ckpt.pt", "ckpt_rank*.pt", "metrics.jsonl", "summary.json", "loss.png")  # a run's
 LORA_LINEARS = ("lora_naive", "lora_svd")  # the Recipe.linear kinds with a rank-r branch
 H200_BF16_PEAK_FLOPS = 989e12  # dense BF16 peak of one H100/H200 SXM: MFU's denominator
@@ -387,6 +393,14 @@ def load_resumable(args, ckpt_path, world_size, device):
         if ckpt["args"].get(key) != getattr(args, key):
             die(f"--{key} {getattr(args, key)!r}: the checkpoint {ckpt_path} was trained with "
                 f"{ckpt['args'].get(key)!r}")
+    if "numerics" not in ckpt:
+        die(f"--resume: {ckpt_path} records no numerics (an older train.py wrote it), so this run "
+            "cannot be checked against it: --overwrite reruns it")
+    differ = numerics_differ(ckpt["numerics"], numerics(args, world_size))
+    if differ:
+        key, saved, now = differ
+        die(f"--resume: {key} is {now} in this run, {saved} in the checkpoint {ckpt_path} (its "
+            f"--numerics: {' '.join(ckpt['args']['numerics']) or 'none'}): give the run's flags")
     if ckpt["world_size"] != world_size:
         die(f"--resume: checkpoint has {ckpt['world_size']} ranks, this run has {world_size}")
     if ckpt["step"] >= args.max_steps:
@@ -414,30 +428,66 @@ def resume_schedule(args, saved, explicit):
 
 
 def git_commit():
-    """The checkout's commit, "+dirty" when tracked files differ from it; None outside git."""
+    """The checkout's commit, "+dirty" when tracked files differ from it; outside git (a copy of
+    the tree, e.g. on a GPU machine) $NANOFP4_COMMIT if set, else None."""
     root = os.path.dirname(os.path.abspath(__file__))
+    outside = os.environ.get("NANOFP4_COMMIT")
     try:
         head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, timeout=20,
                               capture_output=True, text=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
                                timeout=20, capture_output=True, text=True)
     except (OSError, subprocess.SubprocessError):
-        return None
+        return outside
     if head.returncode:
-        return None
+        return outside
     changed = dirty.returncode == 0 and dirty.stdout.strip()
     return head.stdout.strip() + ("+dirty" if changed else "")
 
 
+def numerics(args, world_size):
+    """Everything that decides the run's numbers, resolved, as plain JSON: the number-changing
+    flags, the recipe's layer choices, the precision contracts after --numerics (whole tables, also
+    the parts this recipe never reads: a record must not pass for numerics it was not made with),
+    Root's fitted coefficients, and the versions of the SR draw and encoding schemes."""
+    plain = lambda v: dataclasses.asdict(v) if isinstance(v, nvfp4.Quant) else v
+    contracts = {**{f"nvfp4.LINEAR[{k!r}]": plain(v) for k, v in nvfp4.LINEAR.items()},
+                 **{f"optim.CONTRACT[{k!r}]": plain(v) for k, v in optim.CONTRACT.items()},
+                 **{f"attention.POLICIES[{k!r}]": v for k, v in attention.POLICIES.items()},
+                 "lora_svd.BRANCH": lora_svd.BRANCH,
+                 "optim root coefficients": {f"{m}x{n}": abc for (m, n), abc
+                                             in sorted(optim._fitted().items())}}
+    return json.loads(json.dumps({
+        "flags": {**{f: getattr(args, f) for f in NUMERIC_FLAGS}, "world_size": world_size},
+        "recipe": dataclasses.asdict(RECIPES[args.recipe]), "contracts": contracts,
+        "versions": {"nvfp4.SR_SCHEME": nvfp4.SR_SCHEME, "nvfp4.ENCODING": nvfp4.ENCODING}}))
+
+
+def numerics_differ(saved, now):
+    """The first contract or scheme version where two numerics() differ: (key, saved, now), or
+    None. (The flags are --resume's RESUME_MUST_MATCH.)"""
+    for part in ("versions", "contracts"):
+        for key in sorted(set(saved[part]) | set(now[part])):
+            if saved[part].get(key) != now[part].get(key):
+                return key, saved[part].get(key), now[part].get(key)
+    return None
+
+
+def numerics_id(numbers):
+    """A short hash of numerics(): runs with the same id compute the same function."""
+    return hashlib.sha256(json.dumps(numbers, sort_keys=True).encode()).hexdigest()[:12]
+
+
 def run_settings(args, recipe, world_size):
     """Every resolved setting of the run: the flags after defaults and a resume, the recipe's
-    fields, the tokens per step, the ranks and the code's commit (summary.json, metrics.jsonl's
-    header)."""
+    fields, the tokens per step, the ranks, the numerics and their id, and the code's commit
+    (summary.json, metrics.jsonl's header)."""
     ui_only = ("overwrite", "no_progress")
     settings = {k: v for k, v in vars(args).items() if k not in ui_only}
+    numbers = numerics(args, world_size)
     return {**settings, "precision": dataclasses.asdict(recipe), "world_size": world_size,
             "tokens_per_step": args.batch_size * args.grad_accum * args.seq_len,
-            "commit": git_commit()}
+            "numerics_id": numerics_id(numbers), "numerics": numbers, "commit": git_commit()}
 
 
 def settings_line(s):
@@ -449,7 +499,7 @@ def settings_line(s):
             f"cosine to {s['min_lr']:g} at step {s['lr_decay_steps']} | batch {s['batch_size']} "
             f"x grad_accum {s['grad_accum']} x seq_len {s['seq_len']} = "
             f"{s['tokens_per_step']:,} tokens/step | {s['max_steps']:,} steps | seed {s['seed']} | "
-            f"commit {s['commit']}")
+            f"numerics_id {s['numerics_id']} | commit {s['commit']}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -692,7 +742,7 @@ def evaluate(run):
 
 def save_checkpoint(run):
     """ckpt.pt (ckpt_rank{r}.pt under FSDP2): model, optimizer, step, every rank's RNG and loader
-    state, config and args; then loss.png."""
+    state, config, args and numerics; then loss.png."""
     states = {"rng": rng_state(), "loader": run.loader.state_dict()}
     all_states = [states]
     if run.distributed:
@@ -702,7 +752,8 @@ def save_checkpoint(run):
         atomic_save({"model": run.raw_model.state_dict(), "optimizer": run.optimizer.state_dict(),
                      "step": run.step, "loader": states["loader"], "ranks": all_states,
                      "world_size": run.world_size, "config": dataclasses.asdict(run.cfg),
-                     "args": vars(run.args)}, run.ckpt_path)
+                     "args": vars(run.args), "numerics": numerics(run.args, run.world_size)},
+                    run.ckpt_path)
     run.saved_step = run.step
     if run.master:
         plot_metrics(run.args.out_dir, title(run.args))
@@ -817,7 +868,8 @@ def finish(run, settings, loss, val_loss, tok_s):
                "optimizer_state_bytes": opt_bytes,
                "optimizer_bytes_per_param": opt_bytes / n_params,
                "checkpoint": run.ckpt_path if run.saved_step == run.step else None,
-               "commit": settings["commit"], "settings": settings}
+               "numerics_id": settings["numerics_id"], "commit": settings["commit"],
+               "settings": settings}
     with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     val = "none" if val_loss is None else f"{val_loss:.4f}"

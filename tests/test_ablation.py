@@ -66,6 +66,9 @@ def test_tiny_runs_aggregate_and_skip(tmp_path, capsys):
         assert r["val_loss"] == pytest.approx(val[-1])
         assert 0 < r["epochs"] < 1e-3
         assert r["tokens_per_param"] == pytest.approx(r["tokens"] / r["params"])
+        run = json.loads((runs / f"{r['recipe']}_adamw_s0" / "summary.json").read_text())
+        assert (r["numerics_id"], r["commit"]) == (run["numerics_id"], run["commit"])
+        assert r["command"].startswith("train.py --recipe") and r["device"] == "cpu"
     table = (results / "table.md").read_text()
     bf16, nvfp4 = (next(r["val_loss"] for r in rows if r["recipe"] == k) for k in ("bf16", "nvfp4"))
     assert f"{100 * (nvfp4 - bf16) / bf16:+.2f}%" in table  # the gap column comes from the rows
@@ -109,6 +112,8 @@ def test_a_diverged_run_is_a_finished_result(tmp_path, capsys):
     ablation.main(argv)
     rows = json.loads((tmp_path / "results" / "summary.json").read_text())
     assert [(r["recipe"], r["status"], r["val_loss"]) for r in rows] == [("bf16", "diverged", None)]
+    header = json.loads((runs / "bf16_root_s0" / "metrics.jsonl").read_text().split("\n")[0])
+    assert rows[0]["numerics_id"] == header["settings"]["numerics_id"]  # from the header
     capsys.readouterr()
     ablation.main(argv)
     assert "1 finished earlier (skipped)" in capsys.readouterr().out

@@ -1,5 +1,6 @@
 """train.py end to end on CPU, on a byte-level corpus (vocab 256) and a `micro` config so each run
 takes seconds."""
+import argparse
 import glob
 import io
 import json
@@ -15,7 +16,10 @@ import pytest
 import torch
 
 import data
+import lora_svd
 import model
+import nvfp4
+import optim
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -643,3 +647,102 @@ def test_ctrl_c_before_the_first_step_is_one_line(byte_data, micro, tmp_path, ca
     assert e.value.code == 130 and not os.path.exists(tmp_path / "x")
     assert capsys.readouterr().err == ("train.py: interrupted before the first step; --out_dir is "
                                        "as it was\n")
+
+
+def test_a_run_records_its_numerics_id_and_commit(byte_data, micro, tmp_path, capsys,
+                                                  monkeypatch):
+    """The first log line, metrics.jsonl's header and summary.json carry the run's numerics_id and
+    commit; the id moves with a contract entry, a number-changing flag and each scheme's version,
+    and not with a flag that changes no number."""
+    run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "1", "--eval_every", "0")
+    first = capsys.readouterr().out.splitlines()[0]
+    header = train.read_metrics(tmp_path / "metrics.jsonl")[0]["settings"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    nid, commit = summary["numerics_id"], summary["commit"]
+    assert re.fullmatch(r"[0-9a-f]{12}", nid) and (header["numerics_id"], header["commit"]) == (
+        nid, commit)
+    assert first.startswith("run: ") and f"numerics_id {nid} | commit {commit}" in first
+    args = train.parse_args(["--config", "micro", "--recipe", "bf16", "--max_steps", "1",
+                             "--eval_every", "0", "--data", byte_data, "--device", "cpu"])
+    train.resolve_args(args, 1)
+    train.fill_schedule(args)
+    assert train.numerics_id(train.numerics(args, 1)) == nid  # recomputed from the command
+
+    def nid_with(**change):
+        a = argparse.Namespace(**{**vars(args), **change})
+        return train.numerics_id(train.numerics(a, 1))
+    assert nid_with(log_every=7, eval_every=3, out_dir="elsewhere") == nid
+    assert len({nid, nid_with(lora_beta=2.0), nid_with(seed=1), nid_with(dtype="bfloat16")}) == 4
+    ids = {nid}
+    for table, key, value in [(nvfp4, "SR_SCHEME", "v3"), (nvfp4, "ENCODING", "v2"),
+                              (lora_svd, "BRANCH", "fp32")]:
+        with monkeypatch.context() as m:
+            m.setattr(table, key, value)
+            ids.add(nid_with())
+    with monkeypatch.context() as m:
+        m.setitem(optim.CONTRACT, "root.momentum", "fp32")
+        ids.add(nid_with())
+    assert len(ids) == 5
+
+
+@pytest.fixture
+def contracts(monkeypatch):
+    """Copies of the precision contracts for a test's --numerics to change (train.set_numerics
+    edits the tables in place); the originals come back after it."""
+    monkeypatch.setattr(nvfp4, "LINEAR", dict(nvfp4.LINEAR))
+    monkeypatch.setattr(optim, "CONTRACT", dict(optim.CONTRACT))
+    monkeypatch.setattr(lora_svd, "BRANCH", lora_svd.BRANCH)
+
+
+def refused(capsys, *call):
+    """A call that must exit 2 with one line on stderr: the line."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        call[0](*call[1:])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    return err
+
+
+def test_resume_refuses_other_numerics(byte_data, micro1, tmp_path, capsys, contracts):
+    """The checkpoint holds the resolved contracts and every number-changing flag (beta among them):
+    a resume that would change one is refused in one line; the run's own flags continue it."""
+    defaults = dict(optim.CONTRACT), lora_svd.BRANCH
+    flags = ["--recipe", "lora_svd", "--optimizer", "root", "--lora_rank", "8", "--eval_every", "0",
+             "--numerics", "optim.root.momentum=fp32", "--numerics", "lora.branch=fp32"]
+
+    def train_run(*more):  # a fresh process's contracts, then the run's --numerics
+        optim.CONTRACT, lora_svd.BRANCH = dict(defaults[0]), defaults[1]
+        return run(byte_data, tmp_path, *more)
+    train_run(*flags, "--max_steps", "2", "--lr_decay_steps", "3")
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    assert ckpt["numerics"]["contracts"]["optim.CONTRACT['root.momentum']"] == "fp32"
+    assert ckpt["numerics"]["contracts"]["lora_svd.BRANCH"] == "fp32"
+    assert ckpt["numerics"]["flags"]["lora_beta"] == ckpt["args"]["lora_beta"] == 1.0
+    resume = lambda *more: train_run(*more, "--max_steps", "3", "--resume")
+    err = refused(capsys, resume, *flags[:-4], "--numerics", "lora.branch=fp32")  # one forgotten
+    assert err.startswith("train.py: error: --resume: optim.CONTRACT['root.momentum'] is {") and \
+        ("fp32 in the checkpoint" in err and "optim.root.momentum=fp32 lora.branch=fp32" in err), err
+    for flag, value in (("--lora_beta", 2.0), ("--clip", 0.5), ("--weight_decay", 0.0),
+                        ("--dtype", "bfloat16")):
+        err = refused(capsys, resume, *flags, flag, str(value))
+        assert err.startswith(f"train.py: error: {flag} {value!r}: the checkpoint"), err
+    assert len(train_losses(resume(*flags))) == 3  # its own flags continue it to step 3
+
+
+def test_sample_rebuilds_the_model_the_run_trained(byte_data, micro1, tmp_path, monkeypatch,
+                                                    capsys, contracts):
+    """sample.py applies the run's --numerics before it builds the model, and refuses a checkpoint
+    whose contracts today's code no longer gives."""
+    import sample
+    monkeypatch.setitem(model.CONFIGS, "micro", {**MICRO, "n_layer": 1, "vocab_size": 50304})
+    default = nvfp4.LINEAR["forward.x"]
+    run(byte_data, tmp_path, "--recipe", "nvfp4", "--max_steps", "1", "--eval_every", "0",
+        "--numerics", "linear.forward.x.rounding=sr")
+    nvfp4.LINEAR["forward.x"] = default  # a fresh process: the default contract
+    argv = ["--out_dir", str(tmp_path), "--max_new_tokens", "2", "--device", "cpu"]
+    sample.main(argv)
+    assert nvfp4.LINEAR["forward.x"].rounding == "sr"  # the run's contract, as it trained
+    monkeypatch.setattr(nvfp4, "ENCODING", "a later one")
+    err = refused(capsys, sample.main, argv)
+    assert f"{tmp_path / 'ckpt.pt'}: trained with nvfp4.ENCODING = " in err, err

@@ -68,6 +68,11 @@ COLLAPSE_NATS = 1.0  # collapsed: non-finite, or this far above its own best / a
 CLOSE_POINTS = 1.0  # "fullstack close to lora_svd": gaps to bf16 differ by at most this (% pts)
 RESOLVE_STDS = 3.0  # the issue's criterion: bf16-vs-nvfp4 gap >= 3x bf16's seed-to-seed std
 SIGNIFICANT_SES = 2.0  # an ordering is resolved when its mean difference exceeds 2 standard errors
+# a row of <results>/summary.json: the numbers, and what made them (the run's command, device,
+# train.py's numerics_id and commit: tests/test_records.py checks the id against today's code)
+ROW_FIELDS = ("recipe", "optimizer", "seed", "val_loss", "train_loss", "tokens", "params", "steps",
+              "status", "tokens_per_param", "epochs", "config", "tokens_per_s", "wall_s", "command",
+              "device", "numerics_id", "commit")
 
 # --------------------------------------------------------------------------------------------------
 # Two more grids (--grid), each row one recipe plus precision-contract overrides (train.py
@@ -525,6 +530,7 @@ def collect_rows(runs, train_tokens):
         metrics = read_metrics(os.path.join(path, "metrics.jsonl"))
         summary = read_json(os.path.join(path, "summary.json"), {})
         record = read_json(os.path.join(runs, f"{name}.json"), {})
+        header = metrics[0].get("settings", {}) if metrics else {}  # a diverged run has only this
         train = [r["loss"] for r in metrics if "loss" in r]
         vals = [r["val_loss"] for r in metrics if "val_loss" in r]
         steps = summary.get("steps", max((r["step"] for r in metrics), default=0))
@@ -544,6 +550,8 @@ def collect_rows(runs, train_tokens):
             "tokens_per_s": summary.get("tokens_per_s"),
             "wall_s": record.get("wall_s"), "hardware": record.get("hardware"),
             "command": record.get("command"), "date": record.get("date"),
+            "device": header.get("device"), "numerics_id": header.get("numerics_id"),
+            "commit": header.get("commit"),
         })
     order = lambda r: SLOWEST_FIRST[::-1].index(r["recipe"]) if r["recipe"] in SLOWEST_FIRST else 99
     rows.sort(key=lambda r: (order(r), r["recipe"], r["optimizer"], r["seed"]))
@@ -789,6 +797,12 @@ def plot(rows, runs, path, panels=None):
     plt.close(fig)
 
 
+def provenance(rows):
+    """The sentence naming the code that made the rows."""
+    commits = ", ".join(sorted({r["commit"] or "unknown" for r in rows}))
+    return f"Commit(s): {commits}; summary.json gives each run's numerics_id."
+
+
 def aggregate(args):
     runs, results = args.runs, args.results
     train_tokens = corpus_train_tokens(args.data or "data_cache/default")
@@ -801,10 +815,8 @@ def aggregate(args):
         die(f"--runs {shown(args.runs)}: finished runs mix setups (config, steps, tokens) "
             f"{sorted(setups, key=str)}; use one --runs directory per setup")
     os.makedirs(results, exist_ok=True)
-    keep = ("recipe", "optimizer", "seed", "val_loss", "train_loss", "tokens", "params", "steps",
-            "status", "tokens_per_param", "epochs", "config", "tokens_per_s", "wall_s")
     with open(os.path.join(results, "summary.json"), "w") as f:
-        json.dump([{k: r[k] for k in keep} for r in rows], f, indent=1)
+        json.dump([{k: r[k] for k in ROW_FIELDS} for r in rows], f, indent=1)
     ok = [r for r in rows if r["status"] != "diverged"]  # the runs with a summary.json
     first = ok[0] if ok else {"config": rows[0]["config"], "steps": "n/a", "tokens": 0, "params": 0,
                               "tokens_per_param": None, "epochs": None}
@@ -820,7 +832,7 @@ def aggregate(args):
         f"{fmt(first['epochs'], 3, g=True)} epochs of the "
         f"{fmt(train_tokens and train_tokens / 1e6, 2)}M-token train split. "
         f"Hardware: {hardware}. Dates: {', '.join(dates) or 'unknown'}. Run time, summed over "
-        f"runs: {gpu_s / 60:.1f} min.", "",
+        f"runs: {gpu_s / 60:.1f} min. {provenance(rows)}", "",
         f"Val loss: the last evaluation of each run. Train loss: mean over the last {TAIL:.0%} of "
         "logged steps (at least 5). "
         "Gap: 100·(mean − mean bf16)/mean bf16 with the same optimizer; per-seed gap: the same "
@@ -968,10 +980,8 @@ def aggregate_grid(args):
         print(f"ablation: no finished runs in {shown(args.runs)}; nothing to aggregate", flush=True)
         return None
     os.makedirs(args.results, exist_ok=True)
-    keep = ("recipe", "optimizer", "seed", "val_loss", "train_loss", "tokens", "params", "steps",
-            "status", "tokens_per_param", "epochs", "config", "tokens_per_s", "wall_s", "command")
     with open(os.path.join(args.results, "summary.json"), "w") as f:
-        json.dump([{("row" if k == "recipe" else k): r[k] for k in keep} for r in rows], f,
+        json.dump([{("row" if k == "recipe" else k): r[k] for k in ROW_FIELDS} for r in rows], f,
                   indent=1)
     hardware = ", ".join(sorted({r["hardware"] for r in rows if r["hardware"]})) or "unknown"
     dates = ", ".join(sorted({r["date"] for r in rows if r["date"]})) or "unknown"
@@ -988,9 +998,9 @@ def aggregate_grid(args):
     lines = [f"# {title}", "",
              f"Written by `python tools/ablation.py --grid {args.grid}` from {len(rows)} runs in "
              f"`{shown(args.runs)}/`. Hardware: {hardware}. Dates: {dates}. Run time, summed over "
-             f"runs: {run_min:.1f} min. Differences are paired by seed (a seed fixes the init and "
-             f"the batches); a difference is resolved when its mean exceeds {SIGNIFICANT_SES:g} "
-             "standard errors.", ""]
+             f"runs: {run_min:.1f} min. {provenance(rows)} Differences are paired by seed (a seed "
+             "fixes the init and the batches); a difference is resolved when its mean exceeds "
+             f"{SIGNIFICANT_SES:g} standard errors.", ""]
     lines += body + ["", "![loss curves](loss_curves.png)", "", "Commands (one per run):", "",
                      "```"]
     lines += sorted({r["command"] for r in rows if r["command"]}) + ["```", ""]
