@@ -311,9 +311,10 @@ def attention_forward(q, k, v, causal, policy, kernels):
 
 
 def _ds_bound(do, do_dov, do_norm, delta, vq):
-    """dS in NVFP4 (§3.5, SR): its stream keys (one seed drawn from torch's RNG) and ds_bound."""
+    """dS in NVFP4 (§3.5, SR): its stream keys (one seed drawn on the device, nvfp4.sr_seed) and
+    ds_bound."""
     B, H, T, D = do.shape
-    seed = int(torch.randint(0, 2**31 - 1, ()))
+    seed = nvfp4.sr_seed(device=do.device)
     keys = sr_keys(seed, B * H, device=do.device).reshape(B, H, 2)
     do_eff_norm = do_dov.dequantize().norm(dim=-1) if do_dov is not None else do_norm
     # >= every |V_hat| (s_b <= 448)

@@ -156,7 +156,7 @@ def lora_forward(x, weight_res, L1, L2, beta, c):
     and Q16x16(W_res) the backward reads). Leading dims are flattened into tokens T inside, so Y
     is not a view (FSDP2 wants that)."""
     x2, bdt = x.reshape(-1, x.shape[-1]), branch_dtype()  # (T, in)
-    seed_x, seed_w = nvfp4.draws(c["forward.x"]), nvfp4.draws(c["forward.w"])
+    seed_x, seed_w = (nvfp4.draws(c[k], x.device) for k in ("forward.x", "forward.w"))
     qw = nvfp4.quantize_as(weight_res.detach(), c["forward.w"], seed_w, name="weight W_res")
     if nvfp4.use_kernels(x2):  # App. 9: the branch rides the residual's GEMM, Y is written once
         y, qx = lora_fused.forward(x2, qw, L1, L2, beta, c["forward.x"], seed_x, bdt, x.dtype)

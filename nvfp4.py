@@ -263,11 +263,15 @@ def sr_uniforms(seed, shape, block, device=None):
     return (h.reshape(rows, N).float() * 2.0**-16).reshape(shape)
 
 
-def sr_seed(generator=None):
-    """A seed for SR, drawn from `generator`, by default torch's global CPU RNG (which a checkpoint
-    saves, so a resumed run rounds identically; a CPU draw needs no GPU->host sync)."""
-    device = generator.device if generator is not None else "cpu"
-    return int(torch.randint(0, 2**31 - 1, (), generator=generator, device=device))
+def sr_seed(generator=None, device="cpu"):
+    """A seed for SR: a 0-d int64 tensor drawn on `device` (`generator`'s, if given) by its RNG, by
+    default torch's on that device (which torch.manual_seed sets and a checkpoint saves, so a
+    resumed run rounds identically). It never passes through the host: the kernels read it from
+    memory, so a captured CUDA graph draws a fresh seed each replay (torch advances a graph's
+    Philox offset per replay) without a GPU->host sync. On the CPU it is the int the host RNG
+    drew."""
+    device = generator.device if generator is not None else device
+    return torch.randint(0, 2**31 - 1, (), generator=generator, device=device)
 
 
 def _pairwise_block_sum(e):
@@ -354,14 +358,15 @@ def quantize(x, block=(1, 16), rounding="rtn", four_over_six=False, generator=No
         raise ValueError(f"{name}: a Hadamard rotation needs a 1-D block, (1, 16) or (16, 1)")
     check_blocks(x, block, name)
     if rounding != "rtn" and seed is None:
-        seed = sr_seed(generator)
+        seed = sr_seed(generator, x.device)
+    seed = 0 if seed is None else seed
     if use_kernels(x):
-        parts = quant_kernels.quantize(x, block, rounding, four_over_six, seed=seed or 0,
+        parts = quant_kernels.quantize(x, block, rounding, four_over_six, seed=seed,
                                        hadamard=hadamard, name=name)
         return NVFP4Tensor(*parts, x.shape, block)
     if hadamard is not None:
         x = hadamard_transform(x.float(), hadamard, dim=-1 if block == (1, 16) else -2)
-    return quantize_reference(x, block, rounding, four_over_six, seed or 0)
+    return quantize_reference(x, block, rounding, four_over_six, seed)
 
 
 def fake_quantize(x, block=(1, 16), rounding="rtn", four_over_six=False, generator=None,
@@ -506,18 +511,18 @@ def quantize_as(x, entry, seed=0, hadamard=None, name="x"):
                     hadamard=hadamard if entry.hadamard == "random" else None)
 
 
-def draws(entry):
-    """The SR seed an entry needs (0 for RTN: unused), drawn from torch's CPU RNG."""
-    return sr_seed() if entry.rounding != "rtn" else 0
+def draws(entry, device):
+    """The SR seed an entry needs (0 for RTN: unused), drawn on the device (sr_seed)."""
+    return sr_seed(device=device) if entry.rounding != "rtn" else 0
 
 
 def backward_draws(c, need_dx, need_dw, device):
     """The random draws of one backward, made once for whichever route runs it, in a fixed order:
     dX's SR seed, then eq. 2's random Hadamard H (if the contract rotates) and the seeds of its two
     operands. Returns (seed_dx, H, (seed_dy, seed_x)); H is None without a rotation."""
-    seed_dx = draws(c["dgrad.dy"]) if need_dx else None
+    seed_dx = draws(c["dgrad.dy"], device) if need_dx else None
     H = random_hadamard(device=device) if need_dw and c["wgrad.dy"].hadamard == "random" else None
-    seeds_dw = (draws(c["wgrad.dy"]), draws(c["wgrad.x"])) if need_dw else None
+    seeds_dw = (draws(c["wgrad.dy"], device), draws(c["wgrad.x"], device)) if need_dw else None
     return seed_dx, H, seeds_dw
 
 
@@ -571,7 +576,7 @@ def linear_forward(x, weight, c):
     On CUDA kernels/nvfp4_linear.py runs the same GEMM."""
     x2 = x.reshape(-1, x.shape[-1])                                                     # (T, in)
     w = weight.detach()
-    seeds = draws(c["forward.x"]), draws(c["forward.w"])
+    seeds = draws(c["forward.x"], x2.device), draws(c["forward.w"], x2.device)
     if use_kernels(x2):
         y, xq, w_used = linear_kernels.forward(x2, w, c["forward.x"], c["forward.w"], seeds)
         xq = NVFP4Tensor(*xq, x2.shape, (1, 16))

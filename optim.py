@@ -443,9 +443,9 @@ class QuantizedAdamW(_StateMixin, torch.optim.Optimizer):
             _store(state, "v", enc_v(zeros, seed=0))
         state["step"] += 1
         step = state["step"].item()
-        # SR seeds for m and v from a saved CPU generator (no GPU sync; resumable), the same on
-        # either route
-        seed_m, seed_v = _seeds(self._generators, self.seed, 2)
+        # SR seeds for m and v, drawn on p's device (no host sync; resumable), the same on either
+        # route
+        seed_m, seed_v = _seeds(self._generators, self.seed, 2, p.device)
         if self.states == "nvfp4" and use_kernels(p) and self._fused(p):
             fused_adamw_step(p, g, state, lr, beta1, beta2, eps, wd, step, seed_m, seed_v,
                              CONTRACT["adamw.v.floor"], CONTRACT["adamw.m"].rounding,
@@ -471,10 +471,11 @@ class QuantizedAdamW(_StateMixin, torch.optim.Optimizer):
         return fits and p.dtype == torch.float32 and p.is_contiguous()
 
 
-def _seeds(gens, seed, n):
-    """n SR seeds from the optimizer's saved CPU generator."""
-    return torch.randint(0, 2**31 - 1, (n,),
-                         generator=_generator(gens, torch.device("cpu"), seed, "seed")).tolist()
+def _seeds(gens, seed, n, device):
+    """n SR seeds, an int64 tensor on `device` drawn there by the optimizer's saved "sr" generator:
+    no host int, so a captured step would replay fresh seeds (nvfp4.sr_seed)."""
+    return torch.randint(0, 2**31 - 1, (n,), generator=_generator(gens, device, seed, "sr"),
+                         device=device)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -703,7 +704,7 @@ class Root(_StateMixin, torch.optim.Optimizer):
         not fp32."""
         return self.states != "fp32" and _entry("newton_schulz") != "fp32"
 
-    def _momentum(self, g, state, mu, gen):
+    def _momentum(self, g, state, mu):
         """buf <- mu buf + g (stored packed or fp32); returns the Nesterov M = g + mu buf."""
         packed = self.states != "fp32" and _entry("root.momentum") != "fp32" and g.dim() == 2 \
             and g.shape[-1] % 16 == 0 and g.numel() > 0
@@ -722,7 +723,7 @@ class Root(_StateMixin, torch.optim.Optimizer):
         buf = (dec(_prefixed(state, "m")) if "m.codes" in state
                else torch.zeros(g.shape, device=g.device))
         buf = mu * buf + g.float()
-        _store(state, "m", enc(buf, _seeds(self._generators, self.seed, 1)[0]))
+        _store(state, "m", enc(buf, _seeds(self._generators, self.seed, 1, g.device)[0]))
         return g.float() + mu * buf
 
     def _direction(self, M, gen):
@@ -760,8 +761,7 @@ class Root(_StateMixin, torch.optim.Optimizer):
                     state["step"] = torch.tensor(0.0)
                 state["step"] += 1
                 local, g = _local(p), _local(p.grad)
-                M = self._momentum(g, state, mu,
-                                   _generator(self._generators, local.device, self.seed))
+                M = self._momentum(g, state, mu)
                 if _is_dtensor(p):  # FSDP2: NS needs the whole matrix
                     from torch.distributed.tensor import DTensor
                     M = DTensor.from_local(M, p.device_mesh, p.placements, shape=p.shape,

@@ -60,6 +60,20 @@ BLOCKS = ((1, 16), (16, 1), (16, 16))
 # block maxima)
 SR_MODES = ("sr", "sr_up")
 ROUNDINGS = ("rtn", *SR_MODES)
+_ZERO_SEEDS = {}  # device -> int64 0: the seed pointer of RTN calls (never read), one per device
+
+
+def seed_tensor(seed, device):
+    """SR's seed as the kernels read it: an int64 tensor on `device`. The step draws its seeds on
+    the device (nvfp4.sr_seed), so a captured CUDA graph reads fresh ones each replay; a host int
+    (tests, analysis) is copied over, and RTN's 0 is a cached constant (no copy, no sync)."""
+    if torch.is_tensor(seed):
+        return seed.to(device=device, dtype=torch.int64)
+    if seed == 0:
+        if device not in _ZERO_SEEDS:
+            _ZERO_SEEDS[device] = torch.zeros((), dtype=torch.int64, device=device)
+        return _ZERO_SEEDS[device]
+    return torch.tensor(seed, dtype=torch.int64, device=device)
 
 
 def check_blocks(x, block, name):
@@ -113,12 +127,11 @@ def _amax_kernel(x_ptr, h_ptr, part_ptr, M, N, stride_xb, stride_xm, stride_xn,
     tl.store(part_ptr + pid, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
 
 
-# seed: not specialized. Triton specializes int arguments on "== 1" and "% 16 == 0"; with a fresh
-# random seed per call that would recompile the SR kernels whenever a seed first fell into a new
-# class.
-@triton.jit(do_not_specialize=["seed"])
+# seed_ptr: SR's seed as a device int64 (seed_tensor), loaded by every program: a captured CUDA
+# graph then replays each call with the seed the step drew on the device, not one baked in.
+@triton.jit
 def _quantize_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, values_ptr, M, N,
-                     stride_xb, stride_xm, stride_xn, ld_values, seed, BM: tl.constexpr,
+                     stride_xb, stride_xm, stride_xn, ld_values, seed_ptr, BM: tl.constexpr,
                      BN: tl.constexpr, SBM: tl.constexpr, SBN: tl.constexpr,
                      FP8_BOUND: tl.constexpr, FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr,
                      SCALE_UP: tl.constexpr, HAD_DIM: tl.constexpr, WRITE_CODES: tl.constexpr,
@@ -167,10 +180,10 @@ def _quantize_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, 
         if SBM == 16:  # 16x1, 16x16: eight rows of a column per Philox call (_column_random_words)
             octs = (pid_b.to(tl.int64) * M + m0) // 8 + tl.arange(0, BM // 8)  # BM % 16 == 0
             # (BM / 8, BN, 2, 2, 2)
-            rand = _column_random_words(seed, octs[:, None] * N + offs_n[None, :])
+            rand = _column_random_words(tl.load(seed_ptr), octs[:, None] * N + offs_n[None, :])
             rand = tl.permute(rand, (0, 2, 3, 4, 1)).reshape(BM, BN)
         else:  # counter-based: independent of the tiling
-            rand = _random_words(seed, pid_b * M + offs_m, n0, N, BM, BN)
+            rand = _random_words(tl.load(seed_ptr), pid_b * M + offs_m, n0, N, BM, BN)
         idx = _sr_e2m1(a, rand.reshape(BM // SBM, SBM, BN // SBN, SBN))
     elif FOUR_OVER_SIX:
         idx = rtn_idx
@@ -213,9 +226,9 @@ def _rows_values_ptrs(values_ptr, base, blk, offs, ld_values, ROW_BLOCKS: tl.con
     return vptrs
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit
 def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, values_ptr,
-                          part_ptr, n_blocks, ld_values, seed, NB: tl.constexpr,
+                          part_ptr, n_blocks, ld_values, seed_ptr, NB: tl.constexpr,
                           CHUNKS: tl.constexpr, FP8_BOUND: tl.constexpr,
                           FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr, SCALE_UP: tl.constexpr,
                           HADAMARD: tl.constexpr, WRITE_CODES: tl.constexpr,
@@ -277,7 +290,7 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
                 a = tl.where(use4[:, None, None], a4, a)
                 rtn_idx = tl.where(use4[:, None, None], i4, i6)  # = _rtn_e2m1(a), already computed
             if SR:  # the flat tensor as rows of 16 elements: the counters element index // 8
-                idx = _sr_e2m1(a, _block_random_words(seed, base + blk, NB))
+                idx = _sr_e2m1(a, _block_random_words(tl.load(seed_ptr), base + blk, NB))
             elif FOUR_OVER_SIX:
                 idx = rtn_idx
             else:
@@ -324,10 +337,10 @@ def _cols_source(x_ptr, xs_ptr, xgs_ptr, pid_b, m0, n0, row, pair, col, mask, M,
         return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit
 def _quantize_cols_kernel(x_ptr, xs_ptr, xgs_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr,
                           scales_ptr, values_ptr, part_ptr, M, N, stride_xb, stride_xm, ld_values,
-                          seed, C: tl.constexpr, FP8_BOUND: tl.constexpr,
+                          seed_ptr, C: tl.constexpr, FP8_BOUND: tl.constexpr,
                           FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr, SCALE_UP: tl.constexpr,
                           HADAMARD: tl.constexpr, WRITE_CODES: tl.constexpr,
                           WRITE_VALUES: tl.constexpr, AMAX_ONLY: tl.constexpr,
@@ -385,7 +398,7 @@ def _quantize_cols_kernel(x_ptr, xs_ptr, xgs_ptr, h_ptr, amax_ptr, gs_out_ptr, c
             rtn_idx = tl.where(use4[:, None, :], i4, i6)  # = _rtn_e2m1(a), already computed
         if SR:
             octs = (pid_b.to(tl.int64) * M + m0) // 8 + tl.arange(0, 2)[None, :, None]  # (1, 2, 1)
-            rand = _column_random_words(seed, octs * N + col)  # (C, 2, 2, 2, 2, 2)
+            rand = _column_random_words(tl.load(seed_ptr), octs * N + col)  # (C, 2, 2, 2, 2, 2)
             # row 8i + 4a + 2b + h
             rand = tl.permute(rand, (0, 1, 3, 4, 5, 2)).reshape(C, 16, 2)
             idx = _sr_e2m1(a, rand)
@@ -537,7 +550,7 @@ def _rows_launch(x3, amax, hadamard, four_over_six, seed, rounding="rtn", codes=
         codes.view(torch.int32) if codes is not None else dummy,
         scales if scales is not None else dummy,
         values if values is not None else dummy, partial if partial is not None else dummy,
-        n_blocks, ld, int(seed),
+        n_blocks, ld, seed_tensor(seed, x3.device),
         NB=NB, CHUNKS=chunks, FP8_BOUND=_fp8_bound(four_over_six),
         FOUR_OVER_SIX=bool(four_over_six),
         SR=rounding in SR_MODES, SCALE_UP=rounding == "sr_up",
@@ -568,7 +581,7 @@ def _cols_launch(x3, amax, hadamard, four_over_six, seed, rounding="rtn", codes=
         amax if amax is not None else dummy, gs_out if gs_out is not None else dummy,
         codes if codes is not None else dummy, scales if scales is not None else dummy,
         values if values is not None else dummy, partial if partial is not None else dummy,
-        M, N, *strides, _row_stride(values, x3), int(seed),
+        M, N, *strides, _row_stride(values, x3), seed_tensor(seed, x3.device),
         C=C, FP8_BOUND=_fp8_bound(four_over_six), FOUR_OVER_SIX=bool(four_over_six),
         SR=rounding in SR_MODES, SCALE_UP=rounding == "sr_up",
         HADAMARD=hadamard is not None, WRITE_CODES=codes is not None,
@@ -659,7 +672,7 @@ def _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, write_c
             x3, hadamard if hadamard is not None else dummy, amax, gs_out,
             codes if codes is not None else dummy, scales if scales is not None else dummy,
             values if values is not None else dummy,
-            M, N, x3.stride(0), x3.stride(1), x3.stride(2), _row_stride(values, x3), int(seed),
+            M, N, x3.stride(0), x3.stride(1), x3.stride(2), _row_stride(values, x3), seed_tensor(seed, x3.device),
             BM=BM, BN=BN, SBM=bm, SBN=bn, FP8_BOUND=_fp8_bound(four_over_six),
             FOUR_OVER_SIX=bool(four_over_six), SR=rounding in SR_MODES,
             SCALE_UP=rounding == "sr_up", HAD_DIM=had_dim,

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from kernels.nvfp4_quant import (_block_scale, _div_by, _e2m1_bits, _e2m1_value, _exact_fma,
-                                 _global_scales, _pairwise_block_sum,
+                                 _global_scales, seed_tensor, _pairwise_block_sum,
                                  _rtn_e2m1, _sr_e2m1, _random_words)
 
 
@@ -214,9 +214,9 @@ def _encode(x, s_enc, s_dec, rand, codes_ptr, scales_ptr, blk, rmask, SR: tl.con
     tl.store(scales_ptr + blk, tl.where(use4, bits4, bits6), mask=rmask)
 
 
-@triton.jit(do_not_specialize=["seed_m", "seed_v"])  # fresh SR seeds per step must not recompile
+@triton.jit
 def _update_pass(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, gs_m_ptr, gs_v_ptr, amax_ptr,
-                 new_gs_ptr, R, C, seed_m, seed_v,
+                 new_gs_ptr, R, C, seed_m_ptr, seed_v_ptr,
                  wd_factor, beta1, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps,
                  step_size, FLOOR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  LOG2_BN: tl.constexpr, EXACT_FMA: tl.constexpr, SR_M: tl.constexpr,
@@ -233,10 +233,10 @@ def _update_pass(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, gs_m_ptr,
     se_v, gs_v = _global_scales(tl.load(amax_ptr + 1), 256.0)
     # Philox keyed by element index (a uint32: int32 rows suffice); m and v draw independent words
     # (own seeds)
-    rand = _random_words(seed_m, rows, cols, C, BM, BN)
+    rand = _random_words(tl.load(seed_m_ptr), rows, cols, C, BM, BN)
     _encode(_fwht16(m, BM, BN), se_m, gs_m, rand, mc_t, ms_t, blk, mask_r[:, None], SR_M, UP_M,
             BM, BN)
-    rand = _random_words(seed_v, rows, cols, C, BM, BN)
+    rand = _random_words(tl.load(seed_v_ptr), rows, cols, C, BM, BN)
     _encode(_fwht16(r, BM, BN), se_v, gs_v, rand, vc_t, vs_t, blk, mask_r[:, None], SR_V, UP_V,
             BM, BN)
     tl.store(mu_t + mu_offs, mu, mask=mask_r)
@@ -254,7 +254,8 @@ def fused_adamw_step(p, g, state, lr, beta1, beta2, eps, weight_decay, step, see
                      rounding_m="sr", rounding_v="sr", elements_per_program=2048, num_warps=4):
     """One QuantizedAdamW step on p (R, C) fp32 with optim.py's packed "nvfp4" state (keys m.codes,
     m.scales, m.global_scale, v.codes, v.scales, v.global_scale, v.tile_mean), updated in place.
-    seed_m, seed_v: the stochastic-rounding seeds of m's and v's encodings (one pair per step).
+    seed_m, seed_v: the stochastic-rounding seeds of m's and v's encodings (one pair per step),
+    0-d int64 tensors on p's device (optim._seeds draws them there) or host ints.
     floor: the decoded sqrt(v) is at least floor * its tile mean (optim.ADAMW["v.floor"]; a power of
     two).
     rounding_m, rounding_v: "rtn" | "sr" | "sr_up", the states' contract entries' rounding.
@@ -277,7 +278,8 @@ def fused_adamw_step(p, g, state, lr, beta1, beta2, eps, weight_decay, step, see
                      BN=T, LOG2_BN=T.bit_length() - 1, num_warps=num_warps, enable_fp_fusion=False)
     amax = partial.view(-1, 2).amax(0)
     new_gs = torch.empty(2, device=p.device, dtype=torch.float32)
-    _update_pass[grid](*tensors, amax, new_gs, R, C, int(seed_m), int(seed_v), *scalars,
+    _update_pass[grid](*tensors, amax, new_gs, R, C, seed_tensor(seed_m, p.device),
+                       seed_tensor(seed_v, p.device), *scalars,
                        FLOOR=floor, BM=BM, BN=T,
                        LOG2_BN=T.bit_length() - 1, EXACT_FMA=_exact_fma(), num_warps=num_warps,
                        SR_M=rounding_m != "rtn", UP_M=rounding_m == "sr_up",
