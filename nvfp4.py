@@ -119,8 +119,9 @@ def linear_contract(four_over_six):
 # The two schemes no table states, by version: bump one when a change moves a single bit of what it
 # names (train.py hashes both with the contracts into a run's numerics_id, so a record made before
 # the bump no longer passes for today's). SR: 16 random bits per element, one Philox4x32-10 call per
-# 8 neighbours (sr_uniforms); encoding: Transformer Engine's scales and one reciprocal per block.
-SR_SCHEME = "philox4x32-10/16bit/v2"
+# 8 neighbours (sr_uniforms), each call's seed drawn by the tensor's device RNG (sr_seed: v3; v2
+# drew every seed on the host); encoding: Transformer Engine's scales and one reciprocal per block.
+SR_SCHEME = "philox4x32-10/16bit/device-seed/v3"
 ENCODING = "te-nvfp4/v1"
 
 
