@@ -1116,9 +1116,10 @@ def rng_state():
 
 
 def set_rng_state(state):
-    torch.set_rng_state(state["torch"])
+    # .cpu(): a checkpoint loaded onto the GPU (map_location) moved the ByteTensors there
+    torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"].cpu())
 
 
 def atomic_save(obj, path):
