@@ -844,7 +844,7 @@ def contracts(monkeypatch):
     monkeypatch.setattr(lora_svd, "BRANCH", lora_svd.BRANCH)
 
 
-def refused(capsys, *call):
+def refused_call(capsys, *call):
     """A call that must exit 2 with one line on stderr: the line."""
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
@@ -858,7 +858,7 @@ def test_resume_refuses_other_numerics(byte_data, micro1, tmp_path, capsys, cont
     """The checkpoint holds the resolved contracts and every number-changing flag (beta among them):
     a resume that would change one is refused in one line; the run's own flags continue it."""
     defaults = dict(optim.CONTRACT), lora_svd.BRANCH
-    flags = ["--recipe", "lora_svd", "--optimizer", "root", "--lora_rank", "8", "--eval_every", "0",
+    flags = ["--recipe", "fullstack", "--optimizer", "root", "--lora_rank", "8", "--eval_every", "0",
              "--numerics", "optim.root.momentum=fp32", "--numerics", "lora.branch=fp32"]
 
     def train_run(*more):  # a fresh process's contracts, then the run's --numerics
@@ -870,18 +870,18 @@ def test_resume_refuses_other_numerics(byte_data, micro1, tmp_path, capsys, cont
     assert ckpt["numerics"]["contracts"]["lora_svd.BRANCH"] == "fp32"
     assert ckpt["numerics"]["flags"]["lora_beta"] == ckpt["args"]["lora_beta"] == 1.0
     resume = lambda *more: train_run(*more, "--max_steps", "3", "--resume")
-    err = refused(capsys, resume, *flags[:-4], "--numerics", "lora.branch=fp32")  # one forgotten
+    err = refused_call(capsys, resume, *flags[:-4], "--numerics", "lora.branch=fp32")  # one forgotten
     assert err.startswith("train.py: error: --resume: optim.CONTRACT['root.momentum'] is {") and \
         ("fp32 in the checkpoint" in err and "optim.root.momentum=fp32 lora.branch=fp32" in err), err
     for flag, value in (("--lora_beta", 2.0), ("--clip", 0.5), ("--weight_decay", 0.0),
                         ("--dtype", "bfloat16")):
-        err = refused(capsys, resume, *flags, flag, str(value))
+        err = refused_call(capsys, resume, *flags, flag, str(value))
         assert err.startswith(f"train.py: error: {flag} {value!r}: the checkpoint"), err
     assert len(train_losses(resume(*flags))) == 3  # its own flags continue it to step 3
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=False)
     del ckpt["numerics"]  # as an older train.py wrote it: its numbers cannot be checked
     torch.save(ckpt, tmp_path / "ckpt.pt")
-    err = refused(capsys, lambda: train_run(*flags, "--max_steps", "4", "--resume"))
+    err = refused_call(capsys, lambda: train_run(*flags, "--max_steps", "4", "--resume"))
     assert "records no numerics (an older train.py wrote it)" in err, err
 
 
@@ -899,5 +899,5 @@ def test_sample_rebuilds_the_model_the_run_trained(byte_data, micro1, tmp_path, 
     sample.main(argv)
     assert nvfp4.LINEAR["forward.x"].rounding == "sr"  # the run's contract, as it trained
     monkeypatch.setattr(nvfp4, "ENCODING", "a later one")
-    err = refused(capsys, sample.main, argv)
+    err = refused_call(capsys, sample.main, argv)
     assert f"{tmp_path / 'ckpt.pt'}: trained with nvfp4.ENCODING = " in err, err
