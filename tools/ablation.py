@@ -156,6 +156,8 @@ def parse_args(argv=None):
         "results/ablation[/split|/width])")
     add("--gpus", default=None, help="GPU ids, e.g. 0,1 (default: every visible GPU; '': the CPU)")
     add("--jobs_per_gpu", type=int, default=1, help="runs side by side on one GPU")
+    add("--threads", type=int, default=None, help="torch CPU threads per run (OMP_NUM_THREADS; "
+        "default: the cores / the runs side by side, so parallel runs never oversubscribe the host)")
     add("--cpu_jobs", type=int, default=1, help="runs side by side without a GPU")
     add("--shard", default=None, help="i/n: run only every n-th job from the i-th (0-based)")
     add("--timeout", type=float, default=None, help="seconds per run (killed runs start over)")
@@ -196,8 +198,8 @@ def checked(args):
         die("--lr: required to run the grid (the setup's peak lr, e.g. --lr adamw=2e-3,root=4e-3)")
     if not args.lora_lr_scale > 0:
         die(f"--lora_lr_scale {args.lora_lr_scale:g}: must be > 0")
-    if args.jobs_per_gpu < 1 or args.cpu_jobs < 1:
-        die("--jobs_per_gpu / --cpu_jobs: must be >= 1")
+    if min(args.jobs_per_gpu, args.cpu_jobs, args.threads or 1) < 1:
+        die("--jobs_per_gpu / --cpu_jobs / --threads: must be >= 1")
     try:
         args.train_args = shlex.split(args.train_args)
     except ValueError as e:
@@ -374,9 +376,12 @@ def device_slots(args):
     ids = [g.strip() for g in gpus.split(",") if g.strip()]
     if not ids:  # runs side by side share the cores (2 runs x 2 threads on 2 cores: many x slower)
         per_job = max(1, (os.cpu_count() or 1) // args.cpu_jobs)
-        threads = os.environ.get("OMP_NUM_THREADS", str(per_job))
+        threads = str(args.threads) if args.threads else os.environ.get("OMP_NUM_THREADS",
+                                                                         str(per_job))
         return [("cpu", {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": threads})] * args.cpu_jobs
-    return [(f"gpu {g}", {"CUDA_VISIBLE_DEVICES": g})
+    slots = len(ids) * args.jobs_per_gpu
+    threads = str(args.threads or max(1, (os.cpu_count() or 1) // slots))
+    return [(f"gpu {g}", {"CUDA_VISIBLE_DEVICES": g, "OMP_NUM_THREADS": threads})
             for g in ids for _ in range(args.jobs_per_gpu)]
 
 
