@@ -87,6 +87,18 @@ def test_tiny_runs_aggregate_and_skip(tmp_path, capsys):
     assert (runs / "nvfp4_adamw_s0" / "summary.json").stat().st_mtime_ns != stamp["nvfp4"]
     assert len(json.loads((results / "summary.json").read_text())) == 2
 
+    # --merge: a record made over several calls keeps the rows whose run folders are elsewhere,
+    # curves included (the plot draws them from the rows)
+    before = {r["recipe"]: r for r in json.loads((results / "summary.json").read_text())}
+    assert [s for s, _ in before["bf16"]["curve"]["train"]] == [1, 2, 3]
+    assert before["bf16"]["curve"]["val"][-1][1] == pytest.approx(before["bf16"]["val_loss"])
+    (runs / "bf16_adamw_s0").rename(tmp_path / "elsewhere")
+    ablation.main(["--aggregate_only", "--merge", "--runs", str(runs), "--results", str(results)])
+    merged = {r["recipe"]: r for r in json.loads((results / "summary.json").read_text())}
+    assert merged == before
+    ablation.main(["--aggregate_only", "--runs", str(runs), "--results", str(results)])
+    assert [r["recipe"] for r in json.loads((results / "summary.json").read_text())] == ["nvfp4"]
+
 
 def test_a_killed_run_continues_from_its_checkpoint(tmp_path, capsys):
     """A run the deadline killed (a checkpoint, no summary.json) is resumed, not restarted; one

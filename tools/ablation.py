@@ -72,7 +72,7 @@ SIGNIFICANT_SES = 2.0  # an ordering is resolved when its mean difference exceed
 # train.py's numerics_id and commit: tests/test_records.py checks the id against today's code)
 ROW_FIELDS = ("recipe", "optimizer", "seed", "val_loss", "train_loss", "tokens", "params", "steps",
               "status", "tokens_per_param", "epochs", "config", "tokens_per_s", "wall_s", "command",
-              "best_train_loss", "hardware", "date", "device", "numerics_id", "commit")
+              "best_train_loss", "hardware", "date", "device", "numerics_id", "commit", "curve")
 
 # --------------------------------------------------------------------------------------------------
 # Two more grids (--grid), each row one recipe plus precision-contract overrides (train.py
@@ -166,6 +166,8 @@ def parse_args(argv=None):
     add("--force", action="store_true", help="rerun the selected rows even if finished")
     add("--dry_run", action="store_true", help="print the queue's commands and their GPU time")
     add("--aggregate_only", action="store_true", help="run nothing; aggregate the finished runs")
+    add("--merge", action="store_true", help="keep the rows of <results>/summary.json whose runs "
+        "are not under --runs (a record made over several machines or calls)")
     return checked(p.parse_args(argv))
 
 
@@ -557,10 +559,26 @@ def collect_rows(runs, train_tokens):
             "command": record.get("command"), "date": record.get("date"),
             "device": header.get("device"), "numerics_id": header.get("numerics_id"),
             "commit": header.get("commit"),
+            # the logged losses travel with the row: a record made over several GPU calls is
+            # aggregated from rows whose run folders stayed on another machine
+            "curve": {"train": [[r["step"], r["loss"]] for r in metrics if "loss" in r],
+                      "val": [[r["step"], r["val_loss"]] for r in metrics if "val_loss" in r]},
         })
     order = lambda r: SLOWEST_FIRST[::-1].index(r["recipe"]) if r["recipe"] in SLOWEST_FIRST else 99
     rows.sort(key=lambda r: (order(r), r["recipe"], r["optimizer"], r["seed"]))
     return rows
+
+
+def with_recorded(rows, path):
+    """rows plus the rows of the record at `path` (an earlier call's summary.json) whose runs are
+    not among them: each run is recorded once, from its own folder when this machine has it."""
+    names = {run_name(r["recipe"], r["optimizer"], r["seed"]) for r in rows}
+    kept = [{**r, "status": "diverged" if r["status"] == "diverged" else "ok"}  # re-judged below
+            for r in read_json(path, [])
+            if run_name(r["recipe"], r["optimizer"], r["seed"]) not in names]
+    rows = [{"curve": None, **r} for r in rows + kept]
+    order = lambda r: SLOWEST_FIRST[::-1].index(r["recipe"]) if r["recipe"] in SLOWEST_FIRST else 99
+    return sorted(rows, key=lambda r: (order(r), r["recipe"], r["optimizer"], r["seed"]))
 
 
 def finite(x):
@@ -737,7 +755,7 @@ def table(rows):
     return "\n".join(lines)
 
 
-def plot(rows, runs, path, panels=None):
+def plot(rows, path, panels=None):
     """Train loss against tokens, mean over seeds with a ±1 std band, val loss dots; one panel per
     entry of panels [(title, [(row, optimizer), ...])], by default one per optimizer with every
     recipe."""
@@ -753,12 +771,8 @@ def plot(rows, runs, path, panels=None):
     for ax, (title, members) in zip(axes[0], panels):
         for i, (recipe, opt) in enumerate(members):
             mine = [r for r in rows if r["recipe"] == recipe and r["optimizer"] == opt]
-            curves = []
-            for r in mine:
-                path_m = os.path.join(runs, run_name(recipe, opt, r["seed"]), "metrics.jsonl")
-                m = read_metrics(path_m)
-                curves.append(({x["step"]: x["loss"] for x in m if "loss" in x},
-                               {x["step"]: x["val_loss"] for x in m if "val_loss" in x}))
+            curves = [(dict(map(tuple, r["curve"]["train"])), dict(map(tuple, r["curve"]["val"])))
+                      for r in mine if r.get("curve")]
             if not curves:
                 continue
             color = palette[i % len(palette)]
@@ -811,7 +825,10 @@ def provenance(rows):
 def aggregate(args):
     runs, results = args.runs, args.results
     train_tokens = corpus_train_tokens(args.data or "data_cache/default")
-    rows = mark_collapsed(collect_rows(runs, train_tokens))
+    rows = collect_rows(runs, train_tokens)
+    if args.merge:
+        rows = with_recorded(rows, os.path.join(results, "summary.json"))
+    rows = mark_collapsed(rows)
     if not rows:
         print(f"ablation: no finished runs in {shown(args.runs)}; nothing to aggregate", flush=True)
         return None
@@ -861,7 +878,7 @@ def aggregate(args):
     lines += ["", "Commands (one per run):", "", "```"] + commands + ["```", ""]
     with open(os.path.join(results, "table.md"), "w") as f:
         f.write("\n".join(lines))
-    plot(rows, runs, os.path.join(results, "loss_curves.png"))
+    plot(rows, os.path.join(results, "loss_curves.png"))
     print(f"ablation: {len(rows)} runs -> {shown(args.results)}/summary.json, table.md, "
           "loss_curves.png", flush=True)
     return rows
@@ -1011,7 +1028,7 @@ def aggregate_grid(args):
     lines += sorted({r["command"] for r in rows if r["command"]}) + ["```", ""]
     with open(os.path.join(args.results, "table.md"), "w") as f:
         f.write("\n".join(lines))
-    plot(rows, args.runs, os.path.join(args.results, "loss_curves.png"), panels)
+    plot(rows, os.path.join(args.results, "loss_curves.png"), panels)
     print(f"ablation: {len(rows)} runs -> {shown(args.results)}/summary.json, table.md, "
           "loss_curves.png", flush=True)
     return rows
