@@ -1,6 +1,7 @@
 """train.py end to end on CPU, on a byte-level corpus (vocab 256) and a `micro` config so each run
 takes seconds."""
 import argparse
+import dataclasses
 import glob
 import io
 import json
@@ -1201,3 +1202,46 @@ def test_the_clipped_norm_is_that_of_the_projected_gradients(byte_data, micro1, 
     assert applied == pytest.approx([0.05, 0.05], rel=1e-5), (applied, projected, logged)
     assert logged == pytest.approx(projected, rel=1e-5)
     assert all(n > 0.1 for n in logged)  # clipping did act
+
+
+# Mutants: attention.POLICIES dropped from train.numerics(), a Root coefficient changed. The id of a
+# run that reads them (fullstack, Root) must move with every entry of every contract table, its
+# attention policy, each fitted Root coefficient set, the LoRA branch's dtype and each scheme version.
+
+def flipped(value):
+    """Another value of a contract entry."""
+    if isinstance(value, nvfp4.Quant):
+        return dataclasses.replace(value, rounding="sr" if value.rounding == "rtn" else "rtn")
+    return "fp32" if isinstance(value, str) else value * 2
+
+
+NUMERICS_READ = ([("table", nvfp4, "LINEAR", k) for k in nvfp4.LINEAR]
+                 + [("table", optim, "CONTRACT", k) for k in optim.CONTRACT]
+                 + [("policy", attention, "POLICIES", k) for k in attention.POLICIES["fp4"]]
+                 + [("root", optim, "_fitted_cache", f"{m}x{n}") for m, n in optim._fitted()]
+                 + [("module", nvfp4, k, None) for k in ("SR_SCHEME", "ENCODING")]
+                 + [("module", lora_svd, "BRANCH", None)])
+
+
+@pytest.mark.parametrize("kind,module,name,key", NUMERICS_READ,
+                         ids=[f"{n}-{k}" for _, _, n, k in NUMERICS_READ])
+def test_the_numerics_id_moves_with_everything_fullstack_root_reads(byte_data, micro, monkeypatch,
+                                                                     kind, module, name, key):
+    args = train.parse_args(["--config", "micro", "--recipe", "fullstack", "--optimizer", "root",
+                             "--data", byte_data, "--device", "cpu"])
+    train.resolve_args(args, 1)
+    train.fill_schedule(args)
+    before = train.numerics_id(train.numerics(args, 1))
+    if kind == "table":
+        monkeypatch.setitem(getattr(module, name), key, flipped(getattr(module, name)[key]))
+    elif kind == "policy":
+        monkeypatch.setitem(attention.POLICIES, "fp4", {**attention.POLICIES["fp4"],
+                                                        key: not attention.POLICIES["fp4"][key]})
+    elif kind == "root":  # b in its third digit, as a stale root_coefficients.json would hold it
+        sets = dict(optim._fitted())
+        m, n = (int(d) for d in key.split("x"))
+        a, b, c = sets[(m, n)]
+        monkeypatch.setitem(optim._fitted_cache, "sets", {**sets, (m, n): (a, b + 0.01, c)})
+    else:
+        monkeypatch.setattr(module, name, getattr(module, name) + "_next")
+    assert train.numerics_id(train.numerics(args, 1)) != before
