@@ -298,11 +298,15 @@ def config_from_name(name, **overrides):
     return GPTConfig(**{**CONFIGS[name], **overrides})
 
 
-# python model.py: parameter counts of every config (built on the meta device)
+# python model.py: parameter counts of every config (built on the meta device), per recipe kind:
+# the recipes with a LoRA branch (lora_naive, lora_svd, fullstack) add r x (in + out) per linear
 if __name__ == "__main__":
+    branch = [r for r, recipe in RECIPES.items() if recipe.linear in ("lora_naive", "lora_svd")]
     for name in CONFIGS:
         with torch.device("meta"):
             m = GPT(config_from_name(name))
-        print(f"{name:>5}: {m.num_params() / 1e6:9.2f}M params, "
+            lora = GPT(config_from_name(name, recipe=RECIPES[branch[0]])).num_params()
+        print(f"{name:>5}: {m.num_params() / 1e6:9.2f}M params, {lora / 1e6:.2f}M with the "
+              f"rank-{m.cfg.lora_rank} LoRA branch of {', '.join(branch)}; "
               f"{m.flops_per_token(m.cfg.block_size) / 1e9:.2f} "
               f"GFLOP/token at T={m.cfg.block_size}  {asdict(m.cfg)}")

@@ -62,6 +62,8 @@ def kernels_line(device):
     grid-values (NVIDIA H200)", or why the reference runs instead."""
     if _route() == "reference":
         return "kernels: off (NANOFP4_ROUTE=reference)"
+    if _route() == "kernels" and torch.device(device).type != "cuda":
+        return "kernels: all, in Triton's interpreter (NANOFP4_ROUTE=kernels on cpu)"
     return targets.describe(torch.device(device))
 
 

@@ -50,6 +50,11 @@ def main(argv=None):
         die(f"--device {args.device!r}: expected cpu, or cuda on a machine with a GPU")
     if args.temperature < 0 or args.top_k < 0 or args.max_new_tokens < 0 or args.num_samples < 1:
         die("--temperature, --top_k and --max_new_tokens must be >= 0, --num_samples >= 1")
+    try:  # first: its files missing is one line now, not after minutes of loading
+        enc = data.get_tokenizer()
+    except RuntimeError as e:
+        die(str(e))
+    print(f"# loading {path} onto {args.device}", flush=True)  # a 1b checkpoint takes minutes
     try:
         ckpt = load_checkpoint(path, args.device)
     except CheckpointError as e:
@@ -64,13 +69,14 @@ def main(argv=None):
             "model it trained cannot be rebuilt here")
     cfg = GPTConfig(**ckpt["config"])
     set_cpu_threads(cfg.recipe, args.device)
+    print(f"# building the model: config {run['config']}, recipe {run['recipe']}, step "
+          f"{ckpt['step']}", flush=True)
     with torch.device(args.device):
         model = GPT(cfg)
     model.load_state_dict(ckpt["model"])
     model.eval()
     torch.manual_seed(args.seed)
 
-    enc = data.get_tokenizer()
     ids = enc.encode(args.prompt, allowed_special={"<|endoftext|>"})
     if not ids:
         die("--prompt: empty; give at least one character")
@@ -78,6 +84,8 @@ def main(argv=None):
         die(f"--prompt: token ids above the model's vocab_size {cfg.vocab_size}")
     x = torch.tensor(ids, dtype=torch.long, device=args.device).expand(args.num_samples, -1)
     autocast = torch.autocast(args.device, dtype=torch.bfloat16, enabled=run["dtype"] == "bfloat16")
+    print(f"# generating {args.num_samples} x {args.max_new_tokens} tokens on {args.device} (no "
+          "KV cache: each token runs the whole context)", flush=True)
     with autocast:
         out = model.generate(x, args.max_new_tokens, temperature=args.temperature,
                              top_k=args.top_k or None)

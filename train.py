@@ -65,7 +65,12 @@ NUMERIC_FLAGS = ("config", *SHAPE_FLAGS, "recipe", "attn_policy", "optimizer", "
 RESUME_MUST_MATCH = tuple(f for f in NUMERIC_FLAGS if f not in ("max_steps", *SCHEDULE_FLAGS))
 RUN_FILES = ("ckpt.pt", "ckpt_rank*.pt", "metrics.jsonl", "summary.json", "loss.png")  # a run's
 LORA_LINEARS = ("lora_naive", "lora_svd")  # the Recipe.linear kinds with a rank-r branch
-H200_BF16_PEAK_FLOPS = 989e12  # dense BF16 peak of one H100/H200 SXM: MFU's denominator
+# MFU's denominator: dense BF16 tensor-core peaks (without sparsity) from NVIDIA's datasheets, by
+# device name, the first match: H100 / H200 SXM 989 TFLOP/s, the NVL parts 835, H100 PCIe 756,
+# A100 / A800 312, L40S 362, B200 2250. A GPU not listed gets no MFU (None), not another's peak.
+BF16_PEAK_FLOPS = (("H100 NVL", 835e12), ("H200 NVL", 835e12), ("H100 PCIe", 756e12),
+                   ("H100", 989e12), ("H200", 989e12), ("A100", 312e12), ("A800", 312e12),
+                   ("L40S", 362e12), ("B200", 2250e12))
 PROGRESS_EVERY = 30.0  # seconds: a step that runs longer says how far it is (StepProgress)
 
 
@@ -99,7 +104,32 @@ def config_table():
     return "\n".join(lines)
 
 
+def finite(text):
+    """argparse type of the float flags: a finite number (an inf or nan lr, beta, clip... reached
+    the loop and failed there as a traceback at step 1 or 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
 def parse_args(argv=None):
+    return parser().parse_args(argv)
+
+
+def given_flags(argv=None):
+    """The flags the command line gives (their dests), whatever their values: a resume takes the
+    others from its checkpoint (take_saved_flags)."""
+    p = parser()
+    for action in p._actions:
+        action.default = argparse.SUPPRESS  # a flag not given leaves no attribute
+    return set(vars(p.parse_args(argv)))
+
+
+def parser():
     p = argparse.ArgumentParser(description=__doc__, epilog=config_table(),
                                 formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(
                                     prog, max_help_position=34, width=118))
@@ -118,24 +148,24 @@ def parse_args(argv=None):
     add("--optimizer", default="adamw",
         help=f"{' | '.join(optim.OPTIMIZERS)} (default: %(default)s)")
     add("--max_steps", type=int, default=None, help=f"optimizer steps {per_config}")
-    add("--max_tokens", type=float, default=None, help="token budget instead of --max_steps, e.g. "
+    add("--max_tokens", type=finite, default=None, help="token budget instead of --max_steps, e.g. "
         "20e9: steps = ceil(max_tokens / tokens per step)")
     add("--batch_size", type=int, default=None,
         help=f"sequences per micro-step, GLOBAL (split over ranks) {per_config}")
     add("--grad_accum", type=int, default=None, help=f"micro-steps per optimizer step {per_config}")
     add("--seq_len", type=int, default=None, help=f"tokens per sequence {per_config}")
-    add("--lr", type=float, default=None, help=f"peak learning rate {per_config}")
-    add("--lora_lr", type=float, default=None,
+    add("--lr", type=finite, default=None, help=f"peak learning rate {per_config}")
+    add("--lora_lr", type=finite, default=None,
         help="peak lr of the LoRA branch (default: 2 x --lr)")
-    add("--min_lr", type=float, default=None, help="floor of the cosine (default: --lr / 10)")
+    add("--min_lr", type=finite, default=None, help="floor of the cosine (default: --lr / 10)")
     add("--warmup", type=int, default=None, help=f"linear warmup steps {per_config}")
     add("--lr_decay_steps", type=int, default=None, help="length of warmup + cosine, then min_lr "
         "(default: the run's steps; a resumed run keeps its own)")
-    add("--weight_decay", type=float, default=0.1, help="(default: %(default)s)")
-    add("--clip", type=float, default=1.0, help="grad-norm clip, 0: off (default: %(default)s)")
+    add("--weight_decay", type=finite, default=0.1, help="(default: %(default)s)")
+    add("--clip", type=finite, default=1.0, help="grad-norm clip, 0: off (default: %(default)s)")
     add("--lora_rank", type=int, default=32, help="LoRA-SVD / naive-LoRA rank r, not given in the "
         "paper; 1 .. the smallest layer dim (default: %(default)s)")
-    add("--lora_beta", type=float, default=1.0,
+    add("--lora_beta", type=finite, default=1.0,
         help="LoRA branch scale beta of eq. 1 (default: %(default)s)")
     add("--realign_every", type=int, default=4000,
         help="LoRA-SVD randomized-SVD realignment period, 0: off (default: %(default)s)")
@@ -166,7 +196,7 @@ def parse_args(argv=None):
         help="autocast dtype: bfloat16 | float32 (default: bfloat16 on GPU, float32 on CPU)")
     add("--no_progress", action="store_true", help="plain log lines instead of a progress bar "
         "(always so when stderr is not a terminal)")
-    return p.parse_args(argv)
+    return p
 
 
 def resolve_args(args, world_size):
@@ -183,7 +213,13 @@ def resolve_args(args, world_size):
     route = os.environ.get("NANOFP4_ROUTE", "auto")  # nvfp4.use_kernels reads it at the first layer
     if route not in nvfp4.ROUTES:
         die(f"NANOFP4_ROUTE={route!r}: expected one of {', '.join(nvfp4.ROUTES)} (unset: auto)")
+    if route == "kernels" and args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        die("NANOFP4_ROUTE=kernels on a CPU runs the kernels in Triton's interpreter: set "
+            "TRITON_INTERPRET=1 too (kernels/ sets it itself only where no CUDA GPU is present)")
     check_out_dir(args.out_dir)
+    if os.path.isfile(args.data):
+        die(f"--data {args.data}: a file; --data takes a folder of token shards: `python data.py "
+            f"--input {args.data} --out_dir DIR` makes one from it, then --data DIR")
     for flag, known in (("config", CONFIGS), ("recipe", RECIPES), ("optimizer", optim.OPTIMIZERS)):
         if getattr(args, flag) not in known:
             die(f"--{flag} {getattr(args, flag)!r}: unknown {flag}; expected one of "
@@ -282,9 +318,12 @@ def set_numerics(spec):
             table[rest] = value
             return
         try:
-            table[rest] = type(old)(fractions.Fraction(value))
+            number = fractions.Fraction(value)
         except (ValueError, ZeroDivisionError):
             die(f"--numerics {spec!r}: {rest} takes a number")
+        if isinstance(old, int) and number.denominator != 1:  # int() would truncate it silently
+            die(f"--numerics {spec!r}: {rest} takes a whole number")
+        table[rest] = type(old)(number)
         allowed = NUMBER_ENTRIES.get(rest)
         if allowed and not allowed[0](table[rest]):
             die(f"--numerics {spec!r}: {rest} must be {allowed[1]}")
@@ -297,13 +336,22 @@ def set_numerics(spec):
         die(f"--numerics {spec!r}: {entry} is {table[entry]!r}, not an nvfp4.Quant: set the whole "
             "entry")
     current = table[entry]
-    parsed = {"block": lambda v: tuple(int(d) for d in v.split("x")),
+    parsed = {"block": parse_block,
               "four_over_six": lambda v: {"true": True, "false": False, "none": None}[v.lower()]}
     try:
         table[entry] = dataclasses.replace(current, **{field: parsed.get(field, str)(value)})
         nvfp4.linear_contract(False) if module == "linear" else optim._entry(entry)
     except (ValueError, KeyError) as e:  # what the layers / the optimizer would raise at step 1
         die(f"--numerics {spec!r}: {e}")
+
+
+def parse_block(text):
+    """--numerics ...block=ROWSxCOLS -> (rows, cols); ValueError naming the form otherwise."""
+    dims = text.split("x")
+    if len(dims) != 2 or not all(d.isdigit() for d in dims):
+        raise ValueError(f"block takes ROWSxCOLS in whole numbers, one of "
+                         f"{', '.join('x'.join(map(str, b)) for b in nvfp4.BLOCKS)}; got {text!r}")
+    return tuple(int(d) for d in dims)
 
 
 def check_sizes(args, recipe, world_size):
@@ -321,9 +369,11 @@ def check_sizes(args, recipe, world_size):
         die(f"--max_steps {args.max_steps}: must be >= 1")
     if args.save_every < -1:
         die(f"--save_every {args.save_every}: must be >= -1")
-    for flag in ("eval_every", "realign_every", "lora_rank"):
+    for flag in ("eval_every", "realign_every", "lora_rank", "weight_decay", "clip"):
         if getattr(args, flag) < 0:
-            die(f"--{flag} {getattr(args, flag)}: must be >= 0")
+            die(f"--{flag} {getattr(args, flag):g}: must be >= 0")
+    if not args.lora_beta > 0:  # LoRA-SVD splits sqrt(S / beta) into L1 and L2
+        die(f"--lora_beta {args.lora_beta:g}: must be > 0")
     cfg = GPTConfig(**{**CONFIGS[args.config], **model_shape(args)})
     check_shape(cfg, recipe)
     if recipe.linear in LORA_LINEARS:  # r of every block linear: 1 .. min(in, out)
@@ -441,6 +491,25 @@ def open_out_dir(args, ckpt_path, world_size, explicit, device):
     return None, None
 
 
+def take_saved_flags(args, given, rank):
+    """--resume: every flag of the run the command line does not give comes from its checkpoint
+    (the model, batch, recipe, --numerics, periods, length; the schedule: resume_schedule), so
+    `--resume` alone continues the run; a flag given that differs is refused (load_resumable)."""
+    names = [checkpoint_path(args, rank)]
+    if "fsdp" not in given:  # an FSDP2 run's shards
+        names.append(os.path.join(args.out_dir, f"ckpt_rank{rank}.pt"))
+    path = next((name for name in names if os.path.isfile(name)), None)
+    try:  # only its args: mapped, not read (a damaged file: load_checkpoint says what is wrong)
+        saved = dict(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["args"])
+    except Exception:
+        return
+    for flag in (*RESUME_MUST_MATCH, "numerics", "eval_every", "log_every", "save_every"):
+        if flag not in given and flag in saved:
+            setattr(args, flag, saved[flag])
+    if not given & {"max_steps", "max_tokens"} and "max_steps" in saved:
+        args.max_steps = saved["max_steps"]
+
+
 def load_resumable(args, ckpt_path, world_size, device):
     """The checkpoint to continue, after checking it is this run's (same model, batch, ranks...)."""
     try:
@@ -458,7 +527,8 @@ def load_resumable(args, ckpt_path, world_size, device):
     if differ:
         key, saved, now = differ
         die(f"--resume: {key} is {now} in this run, {saved} in the checkpoint {ckpt_path} (its "
-            f"--numerics: {' '.join(ckpt['args']['numerics']) or 'none'}): give the run's flags")
+            f"--numerics: {' '.join(ckpt['args']['numerics']) or 'none'}; this run's: "
+            f"{' '.join(args.numerics) or 'none'})")
     if ckpt["world_size"] != world_size:
         die(f"--resume: checkpoint has {ckpt['world_size']} ranks, this run has {world_size}")
     if ckpt["step"] >= args.max_steps:
@@ -506,21 +576,46 @@ def git_commit():
 
 
 def numerics(args, world_size):
-    """Everything that decides the run's numbers, resolved, as plain JSON: the number-changing
-    flags, the recipe's layer choices, the precision contracts after --numerics (whole tables, also
-    the parts this recipe never reads: a record must not pass for numerics it was not made with),
-    Root's fitted coefficients, and the versions of the SR draw and encoding schemes."""
+    """Everything that decides the run's numbers and only what its recipe reads, resolved, as plain
+    JSON: the number-changing flags it reads (read_flags), the recipe's layer choices (its attention
+    after --attn_policy), the precision contracts after --numerics that its layers and optimizer
+    read (whole tables: nvfp4.LINEAR for FP4 linears, optim.CONTRACT for quantized states, its
+    attention policy, the LoRA branch's dtype, Root's fitted coefficients for the NVFP4
+    Newton-Schulz), and the versions of the SR draw and encoding schemes where anything is FP4."""
+    recipe = RECIPES[args.recipe]
+    if args.attn_policy is not None:
+        recipe = dataclasses.replace(recipe, attention=args.attn_policy)
     plain = lambda v: dataclasses.asdict(v) if isinstance(v, nvfp4.Quant) else v
-    contracts = {**{f"nvfp4.LINEAR[{k!r}]": plain(v) for k, v in nvfp4.LINEAR.items()},
-                 **{f"optim.CONTRACT[{k!r}]": plain(v) for k, v in optim.CONTRACT.items()},
-                 **{f"attention.POLICIES[{k!r}]": v for k, v in attention.POLICIES.items()},
-                 "lora_svd.BRANCH": lora_svd.BRANCH,
-                 "optim root coefficients": {f"{m}x{n}": abc for (m, n), abc
-                                             in sorted(optim._fitted().items())}}
+    root, fp4 = args.optimizer == "root", recipe.optim_states != "fp32"
+    contracts = {f"attention.POLICIES[{recipe.attention!r}]": attention.POLICIES[recipe.attention]}
+    if recipe.linear != "bf16":
+        contracts.update({f"nvfp4.LINEAR[{k!r}]": plain(v) for k, v in nvfp4.LINEAR.items()})
+    if fp4:  # Root's entries only under Root (AdamW reads adamw.*)
+        contracts.update({f"optim.CONTRACT[{k!r}]": plain(v) for k, v in optim.CONTRACT.items()
+                          if root or k.startswith("adamw.")})
+    if recipe.linear in LORA_LINEARS:
+        contracts["lora_svd.BRANCH"] = lora_svd.BRANCH
+    if root and fp4:
+        contracts["optim root coefficients"] = {f"{m}x{n}": abc for (m, n), abc
+                                                in sorted(optim._fitted().items())}
+    quantizes = fp4 or recipe.linear != "bf16" or any(attention.POLICIES[recipe.attention].values())
+    versions = ({"nvfp4.SR_SCHEME": nvfp4.SR_SCHEME, "nvfp4.ENCODING": nvfp4.ENCODING}
+                if quantizes else {})
     return json.loads(json.dumps({
-        "flags": {**{f: getattr(args, f) for f in NUMERIC_FLAGS}, "world_size": world_size},
-        "recipe": dataclasses.asdict(RECIPES[args.recipe]), "contracts": contracts,
-        "versions": {"nvfp4.SR_SCHEME": nvfp4.SR_SCHEME, "nvfp4.ENCODING": nvfp4.ENCODING}}))
+        "flags": {**{f: getattr(args, f) for f in read_flags(recipe)}, "world_size": world_size},
+        "recipe": dataclasses.asdict(recipe), "contracts": contracts, "versions": versions}))
+
+
+def read_flags(recipe):
+    """The NUMERIC_FLAGS a run of `recipe` (resolved) reads: the LoRA branch's rank and lr only
+    with a branch, its beta and the realignment period only LoRA-SVD's; --attn_policy through the
+    recipe's attention."""
+    unread = {"attn_policy"}
+    if recipe.linear not in LORA_LINEARS:
+        unread |= {"lora_rank", "lora_lr"}
+    if recipe.linear != "lora_svd":
+        unread |= {"lora_beta", "realign_every"}
+    return [f for f in NUMERIC_FLAGS if f not in unread]
 
 
 def numerics_differ(saved, now):
@@ -553,10 +648,12 @@ def run_settings(args, recipe, world_size):
 
 def settings_line(s):
     """The first log line: what this run is."""
-    lora = f" | lora_rank {s['lora_rank']}" if s["precision"]["linear"] in LORA_LINEARS else ""
+    branch = s["precision"]["linear"] in LORA_LINEARS  # lora_rank and lora_lr: read by it only
+    lora = f" | lora_rank {s['lora_rank']}" if branch else ""
+    lora_lr = f" (lora {s['lora_lr']:g})" if branch else ""
     shape = "".join(f", {dim} {s[dim]}" for dim in SHAPE_FLAGS if s.get(dim) is not None)
     return (f"run: config {s['config']}{shape} | recipe {s['recipe']}{lora} | optimizer "
-            f"{s['optimizer']} | lr {s['lr']:g} (lora {s['lora_lr']:g}), warmup {s['warmup']}, "
+            f"{s['optimizer']} | lr {s['lr']:g}{lora_lr}, warmup {s['warmup']}, "
             f"cosine to {s['min_lr']:g} at step {s['lr_decay_steps']} | batch {s['batch_size']} "
             f"x grad_accum {s['grad_accum']} x seq_len {s['seq_len']} = "
             f"{s['tokens_per_step']:,} tokens/step | {s['max_steps']:,} steps | seed {s['seed']} | "
@@ -684,22 +781,57 @@ def build_run(args, recipe, device, rank, world_size):
         die(f"--data {args.data}: {e}")
     cfg = config_from_name(args.config, recipe=recipe, lora_rank=args.lora_rank,
                            lora_beta=args.lora_beta, **model_shape(args))
+    if rank == 0:
+        print(model_line(args, cfg, world_size, len(loader.tokens)), flush=True)
     check_fits(args, cfg, len(loader.tokens), world_size)
     torch.manual_seed(args.seed)
-    with torch.device(device):
-        model = GPT(cfg)
-    if args.fsdp:  # FSDP2: shard each block, then the root (embeddings, norm, lm_head)
-        from torch.distributed.fsdp import fully_shard
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
-    optimizer = optim.build_optimizer(
-        model, optimizer=args.optimizer, states=recipe.optim_states, lr=args.lr,
-        lora_lr=args.lora_lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
+    with still_at(rank == 0, "building the model and its optimizer"):
+        with torch.device(device):
+            model = GPT(cfg)
+        if args.fsdp:  # FSDP2: shard each block, then the root (embeddings, norm, lm_head)
+            from torch.distributed.fsdp import fully_shard
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)
+        optimizer = optim.build_optimizer(
+            model, optimizer=args.optimizer, states=recipe.optim_states, lr=args.lr,
+            lora_lr=args.lora_lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
     amp = torch.bfloat16 if args.dtype == "bfloat16" else None
     autocast = torch.autocast(args.device, dtype=amp) if amp else contextlib.nullcontext()
     return Run(args, recipe, cfg, model, model, optimizer, loader, paths["val"], device, autocast,
                rank, world_size)
+
+
+def model_line(args, cfg, world_size, train_tokens):
+    """The second log line, printed before the model is built: its size (counted on the meta
+    device), recipe, ranks and data."""
+    with torch.device("meta"):
+        n_params = GPT(cfg).num_params()
+    epochs = args.max_steps * args.batch_size * args.grad_accum * args.seq_len / train_tokens
+    ranks = " FSDP2" if args.fsdp else " DDP" if world_size > 1 else ""
+    return (f"model {n_params / 1e6:.2f}M params, {cfg.recipe.describe()} | {world_size} rank(s) "
+            f"on {args.device}{ranks} | data {args.data}: {train_tokens:,} train tokens, "
+            f"{epochs:.3g} epochs | -> {args.out_dir}/")
+
+
+@contextlib.contextmanager
+def still_at(master, what):
+    """A phase that can take minutes (a 1b model built on a CPU: its LoRA-SVD init is an SVD per
+    layer) says so every PROGRESS_EVERY seconds while it lasts; a short one prints nothing."""
+    done, t0 = threading.Event(), time.perf_counter()
+
+    def watch():
+        while not done.wait(PROGRESS_EVERY):
+            print(f"{what}: {time.perf_counter() - t0:.0f} s so far", flush=True)
+    thread = threading.Thread(target=watch, daemon=True)
+    if master:
+        thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        if thread.is_alive():
+            thread.join()
 
 
 def begin(run, ckpt, settings):
@@ -972,12 +1104,22 @@ class StepProgress:
             self.thread.join()  # no line after the run's last
 
 
+def bf16_peak_flops(device):
+    """The dense BF16 peak of this GPU (BF16_PEAK_FLOPS), None on a CPU or a GPU not listed."""
+    if torch.device(device).type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for part, peak in BF16_PEAK_FLOPS if part in name), None)
+
+
 def mfu(run, tokens_per_s):
-    """Model FLOPs utilization against the BF16 peak (GPU only; every recipe against it)."""
-    if run.args.device != "cuda":
+    """Model FLOPs utilization against this GPU's BF16 peak (every recipe against it); None on a
+    CPU or a GPU whose peak BF16_PEAK_FLOPS does not list."""
+    peak = bf16_peak_flops(run.device)
+    if peak is None:
         return None
     flops = run.raw_model.flops_per_token(run.args.seq_len) * tokens_per_s
-    return flops / (H200_BF16_PEAK_FLOPS * run.world_size)
+    return flops / (peak * run.world_size)
 
 
 def log_step(run, loss, grad_norm, lr_scale, tok_s):
@@ -987,7 +1129,8 @@ def log_step(run, loss, grad_norm, lr_scale, tok_s):
     if run.args.device == "cuda":
         row["mfu"] = mfu(run, tok_s)
     log(run, row)
-    speed = f"{tok_s:,.0f} tok/s" + (f" | mfu {100 * row['mfu']:.1f}%" if "mfu" in row else "")
+    speed = f"{tok_s:,.0f} tok/s" + (f" | mfu {100 * row['mfu']:.1f}%" if row.get("mfu") is not None
+                                       else "")
     if run.bar is not None:
         run.bar.set_postfix_str(f"loss {loss:.4f} | {speed}")
     else:
@@ -1032,27 +1175,24 @@ def finish(run, settings, loss, val_loss, tok_s):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    explicit = {flag for flag in SCHEDULE_FLAGS if getattr(args, flag) is not None}  # by hand
+    args, given = parse_args(argv), given_flags(argv)
+    explicit = given & set(SCHEDULE_FLAGS)  # by hand
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if args.resume:
+        take_saved_flags(args, given, rank)  # the run's own flags, unless given
     recipe = resolve_args(args, world_size)
     device = f"cuda:{local_rank}" if args.device == "cuda" else "cpu"
     ckpt, note = open_out_dir(args, checkpoint_path(args, rank), world_size, explicit, device)
     fill_schedule(args)
-    run = build_run(args, recipe, device, rank, world_size)  # data, fit checks, model, optimizer
     settings = run_settings(args, recipe, world_size) if rank == 0 else None
+    if rank == 0:  # the first line before anything slow (a 1b model built on a CPU takes minutes)
+        print(settings_line(settings), flush=True)
+    run = build_run(args, recipe, device, rank, world_size)  # data, fit checks, model, optimizer
     begin(run, ckpt, settings)  # resumed state or a clean --out_dir; DDP / compile wrappers
     ckpt = None
-    if run.master:
-        epochs = args.max_steps * run.tokens_per_step / len(run.loader.tokens)
-        print(settings_line(settings))
-        print(f"model {run.raw_model.num_params() / 1e6:.2f}M params, {recipe.describe()} | "
-              f"{world_size} rank(s) on {args.device}"
-              f"{' FSDP2' if args.fsdp else ' DDP' if run.distributed else ''} | data {args.data}: "
-              f"{len(run.loader.tokens):,} train tokens, {epochs:.3g} epochs | -> {args.out_dir}/")
-        if note:
-            print(note)
+    if run.master and note:
+        print(note)
 
     clock, run.progress = Throughput(run), StepProgress(run)
     loss, val_loss = float("nan"), None

@@ -421,3 +421,69 @@ def test_gpu_kernel_quantizer_bitwise(rounding):
         ref = nvfp4.quantize_reference(x.to(dev), (1, 16), rounding, global_amax=amax.to(dev),
                                        uniforms=u.to(dev))
         assert torch.equal(out.to(dev), ref.grid_values())
+
+
+# --------------------------------------------------------------------------------------------------
+# dS's global scale bound and its SR, where they are tight
+
+def _tight_ds_inputs(T=16, D=64):
+    """q, k, v, do (1, 1, T, D) on the NVFP4 grid where ds_bound is tight: every query i >= 1 puts
+    P = 1/2 on keys 0 and 1 (equal scores, K_0 - K_1 along a dim Q lacks), V_1 = -V_0 = -1 (so
+    O_i = 0 and D_i = 0), dO_i = 1 (dO_0 = 0): dS_i0 = P (dO_i . V_0) = D / 2, half the bound
+    ||dO|| sqrt(D) amax(V) = D. Every other dS is exactly 0 (V_j = 0), in blocks whose amax is not."""
+    q, k, v, do = (torch.zeros(1, 1, T, D) for _ in range(4))
+    q[..., 0], k[..., 0] = 26.0, -6.0
+    k[0, 0, :2, 0] = 6.0
+    k[0, 0, 0, 1], k[0, 0, 1, 1] = 3.0, -3.0
+    v[0, 0, 0], v[0, 0, 1] = 1.0, -1.0
+    do[0, 0, 1:] = 1.0
+    return q, k, v, do
+
+
+def _exact_grads(q, k, v, do):
+    xs = [x.double().requires_grad_() for x in (q, k, v)]
+    return torch.autograd.grad(attention.exact_attention(*xs)[0], xs, do.double())
+
+
+def test_ds_bound_holds_where_it_is_tight():
+    q, k, v, do = _tight_ds_inputs()
+    o, p = attention.exact_attention(q, k, v)
+    ds = p * (do.double() @ v.double().transpose(-1, -2) - (o * do.double()).sum(-1)[..., None])
+    bound = attention.ds_bound(do.norm(dim=-1), v.abs().amax(), (o * do.double()).sum(-1).float(),
+                               64, 1)
+    assert bound / 2 <= ds.abs().amax() <= bound  # within a factor 2: sqrt(D) = 8 is not slack
+
+
+@pytest.mark.parametrize("route", ["reference", "kernels"])
+def test_fp4_gradients_are_right_where_the_ds_bound_is_tight(route):
+    """A bound below max |dS| (sqrt(D) left out: D/8 here, against dS = D/2) saturates dS's block
+    scales and clamps dS: dQ and dK come out a quarter of the exact ones. With the bound, on these
+    grid inputs, they are the exact ones."""
+    q, k, v, do = _tight_ds_inputs()
+    exact = _exact_grads(q, k, v, do)
+    ours = _run(lambda *x: attention.attention(*x, policy="fp4"), q, k, v, do, route=route)[1:]
+    for name, a, b in zip("qkv", ours, exact):
+        assert ((a.double() - b).norm() / b.norm()).item() < 1e-4, name
+
+
+def test_ds_sr_does_not_round_up_at_the_boundary(monkeypatch):
+    """dS's SR rounds up iff its 16-bit half-word is below ceil(f 2^16), f the fractional distance
+    to the grid point below; at f = 0 (a dS on a grid point: the exact zeros of _tight_ds_inputs,
+    in blocks of amax D/2) a half-word of 0 is the boundary, and must stay down. The seed is the
+    first one for which such an unmasked zero of the dQ pass draws 0; the kernels (in Triton's
+    interpreter on a CPU) and the reference then give the exact dQ."""
+    q, k, v, do = _tight_ds_inputs()
+    T = q.shape[2]
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    zeros = (i >= 2) & (j >= 2) & (j <= i)  # unmasked, dS exactly 0, block amax D/2
+
+    def at_boundary(seed):
+        keys = attention.sr_keys(torch.tensor(seed), 1).reshape(1, 1, 2)
+        u = attention.sr_uniforms(keys[..., 0], torch.arange(T), torch.arange(T), T)[0, 0]
+        return ((u == 0) & zeros).any()
+    seed = next(s for s in range(10**6) if at_boundary(s))
+    monkeypatch.setattr(nvfp4, "sr_seed", lambda *a, **k: torch.tensor(seed))
+    dq_exact = _exact_grads(q, k, v, do)[0]
+    for route in ("reference", "kernels"):
+        dq = _run(lambda *x: attention.attention(*x, policy="fp4"), q, k, v, do, route=route)[1]
+        assert (dq.double() - dq_exact).abs().max() < 1e-4, route  # an up-rounded zero: ~2

@@ -240,3 +240,43 @@ def test_gpu_fp4_forward_backward_never_waits_for_the_gpu(linear):
         finally:
             torch.cuda.set_sync_debug_mode(0)
     assert all(p.grad is not None for p in model.parameters())
+
+
+# --------------------------------------------------------------------------------------------------
+# generate's sampling distribution: softmax(logits / temperature), restricted to the top k
+
+LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 1.5, -0.5])  # one fixed next-token row
+
+
+def frequencies(temperature, top_k=None, n=20000):
+    """Empirical next-token frequencies of model.generate over n rows, the model's last logits
+    fixed to LOGITS (its forward replaced: the sampling is what is under test)."""
+    model = GPT(small_config(n_layer=1, vocab_size=len(LOGITS)))
+    model.forward = lambda idx, targets=None: (LOGITS.expand(*idx.shape, len(LOGITS)), None)
+    out = model.generate(torch.zeros(n, 1, dtype=torch.long), 1, temperature=temperature,
+                         top_k=top_k)
+    return torch.bincount(out[:, -1], minlength=len(LOGITS)).double() / n
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_generate_samples_the_softmax_of_the_logits_over_the_temperature(temperature):
+    expected = F.softmax(LOGITS.double() / temperature, dim=-1)
+    assert (frequencies(temperature) - expected).abs().max() < 0.02  # ~5 sigma at n = 20000
+
+
+def test_generate_temperature_zero_is_argmax_and_a_high_one_flattens():
+    assert frequencies(0.0, n=100).tolist() == F.one_hot(LOGITS.argmax(), len(LOGITS)).tolist()
+    entropy = lambda p: -(p[p > 0] * p[p > 0].log()).sum().item()
+    low, mid, high = (entropy(frequencies(t)) for t in (0.25, 1.0, 8.0))
+    assert low < mid < high and high > 0.95 * math.log(len(LOGITS))  # near uniform
+
+
+@pytest.mark.parametrize("top_k,temperature", [(1, 1.0), (3, 0.5), (3, 2.0)])
+def test_generate_top_k_samples_only_the_k_largest_in_their_softmax(top_k, temperature):
+    freq = frequencies(temperature, top_k=top_k)
+    top = LOGITS.topk(top_k).indices
+    outside = torch.ones(len(LOGITS), dtype=torch.bool)
+    outside[top] = False
+    assert freq[outside].sum() == 0
+    expected = F.softmax(LOGITS[top].double() / temperature, dim=-1)
+    assert (freq[top] - expected).abs().max() < 0.02

