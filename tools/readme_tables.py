@@ -77,9 +77,7 @@ def table3(rows):
         lines.append(f"| `{recipe}` | " + " | ".join(cells) + " |")
     resolved = [f"{claim} ({OPTIMIZER_NAMES[opt]})" for claim, opt, verdict, _
                 in ablation.verdicts(rows) if verdict == "confirmed"]
-    lines += ["", "The Root verdict, `fullstack` − `lora_svd` (what the full stack adds to the "
-              "linear-only recipe; the paper: both under 1% at 1B for both optimizers), gap to "
-              "`bf16` paired by seed, mean ± standard error: " + "; ".join(
+    lines += ["", "`fullstack` − `lora_svd`, gap to `bf16` paired by seed (mean ± SE): " + "; ".join(
                   f"{OPTIMIZER_NAMES[opt]} {ablation.fmt(m, 2, True)} ± {ablation.fmt(se, 2)} "
                   f"points (n={n})" for opt in ablation.OPTIMIZERS
                   for m, se, n in [ablation.difference(
