@@ -236,19 +236,13 @@ def _quantize_qkv(x, name, kernels):
     return t, t.dequantize()
 
 
-_CONSTANTS = {}
-
-
 def _global_scales(*sg, device):
     """The kernels' fp32 vector of 6 global scales [Q, K, V, P, dO (dO V^T), dO (P^T dO)], 1 where
-    unused. Python numbers come from a per-device cache: torch.as_tensor(1.0, device="cuda") copies
-    from pageable host memory, which synchronizes the stream."""
-    def constant(value):
-        key = (value, str(device))
-        if key not in _CONSTANTS:
-            _CONSTANTS[key] = torch.tensor(value, dtype=torch.float32, device=device)
-        return _CONSTANTS[key]
-    return torch.stack([s.float().reshape(()) if torch.is_tensor(s) else constant(float(s))
+    unused. Python numbers become device constants by a fill, not torch.tensor (a copy from
+    pageable host memory synchronizes the stream) and not a cache (a tensor first made inside a
+    CUDA graph's capture would stay in its memory pool, which torch.compile's graphs refuse)."""
+    return torch.stack([s.float().reshape(()) if torch.is_tensor(s)
+                        else torch.full((), float(s), dtype=torch.float32, device=device)
                         for s in sg])
 
 

@@ -477,21 +477,15 @@ def _pack(codes):
 # Random Hadamard transform (eq. 2's H_16^r)
 
 def sylvester_hadamard(n=16, device=None):
-    """The n x n Sylvester Hadamard matrix (entries +-1), built once per (n, device) and cached
-    (every backward draws a random_hadamard from it). Treat it as read-only."""
-    device = torch.device(device) if device is not None else torch.get_default_device()
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    key = (n, str(device))
-    if key not in _SYLVESTER:
-        h = torch.ones(1, 1, device=device)
-        while h.shape[0] < n:
-            h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-        _SYLVESTER[key] = h
-    return _SYLVESTER[key]
-
-
-_SYLVESTER = {}
+    """The n x n Sylvester Hadamard matrix (n a power of 2): H[i, j] = (-1)^popcount(i & j), the
+    entries +-1 in fp32. Built per call (a few tiny kernels), not cached: a cached tensor first made
+    while torch.compile's CUDA graphs warm up would stay in their memory pool, which they refuse."""
+    i = torch.arange(n, device=device)
+    bits = i[:, None] & i  # (n, n)
+    parity = torch.zeros_like(bits)
+    for k in range(n.bit_length() - 1):
+        parity ^= (bits >> k) & 1
+    return (1 - 2 * parity).float()
 
 
 def random_hadamard(generator=None, device=None):

@@ -57,19 +57,16 @@ BLOCKS = ((1, 16), (16, 1), (16, 16))
 # block maxima)
 SR_MODES = ("sr", "sr_up")
 ROUNDINGS = ("rtn", *SR_MODES)
-_ZERO_SEEDS = {}  # device -> int64 0: the seed pointer of RTN calls (never read), one per device
 
 
 def seed_tensor(seed, device):
     """SR's seed as the kernels read it: an int64 tensor on `device`. The step draws its seeds on
     the device (nvfp4.sr_seed), so a captured CUDA graph reads fresh ones each replay; a host int
-    (tests, analysis) is copied over, and RTN's 0 is a cached constant (no copy, no sync)."""
+    (tests, analysis) is copied over, and RTN's 0 (never read) is a fill (no copy, no sync)."""
     if torch.is_tensor(seed):
         return seed.to(device=device, dtype=torch.int64)
-    if seed == 0:
-        if device not in _ZERO_SEEDS:
-            _ZERO_SEEDS[device] = torch.zeros((), dtype=torch.int64, device=device)
-        return _ZERO_SEEDS[device]
+    if seed == 0:  # a fill, no host copy; made per call (a cached one first made inside a CUDA
+        return torch.zeros((), dtype=torch.int64, device=device)  # graph would stay in its pool)
     return torch.tensor(seed, dtype=torch.int64, device=device)
 
 

@@ -14,6 +14,7 @@ import re
 import sys
 
 os.environ["NANOFP4_ROUTE"] = "kernels"  # the public calls take their kernel routes on CPU tensors
+os.environ["TRITON_INTERPRET"] = "0"  # compiled, not interpreted (kernels/__init__ would choose it)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 

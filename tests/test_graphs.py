@@ -137,3 +137,18 @@ def test_gpu_train_with_cuda_graphs_is_the_eager_run(byte_data, micro, tmp_path)
         return [(r.get("loss"), r.get("grad_norm"), r.get("val_loss"))
                 for r in train.read_metrics(out / "metrics.jsonl") if "settings" not in r]
     assert rows(tmp_path / "graphs", "--cuda_graphs") == rows(tmp_path / "eager")
+
+
+@pytest.mark.gpu
+def test_gpu_train_with_compile_and_cuda_graphs_is_the_compiled_run(byte_data, micro,  # noqa: F811
+                                                                     tmp_path):
+    """--compile --cuda_graphs (torch.compile's CUDA graph trees, mode reduce-overhead) trains
+    --compile's run: nothing the FP4 ops make outlives a step inside the trees' memory pool (which
+    they refuse: a lazily cached device constant did), and the replays draw the eager SR seeds."""
+    def rows(out, *flags):
+        train.main(["--config", "micro", "--recipe", "fullstack", "--data", byte_data,
+                    "--out_dir", str(out), "--device", "cuda", "--no_progress", "--max_steps", "3",
+                    "--eval_every", "2", "--compile", *flags])
+        return [(r.get("loss"), r.get("grad_norm"), r.get("val_loss"))
+                for r in train.read_metrics(out / "metrics.jsonl") if "settings" not in r]
+    assert rows(tmp_path / "graphs", "--cuda_graphs") == rows(tmp_path / "compiled")
