@@ -564,9 +564,14 @@ def collect_rows(runs, train_tokens):
             "curve": {"train": [[r["step"], r["loss"]] for r in metrics if "loss" in r],
                       "val": [[r["step"], r["val_loss"]] for r in metrics if "val_loss" in r]},
         })
-    order = lambda r: SLOWEST_FIRST[::-1].index(r["recipe"]) if r["recipe"] in SLOWEST_FIRST else 99
-    rows.sort(key=lambda r: (order(r), r["recipe"], r["optimizer"], r["seed"]))
-    return rows
+    return sorted(rows, key=row_order)
+
+
+def row_order(row):
+    """A record's row order: recipes as SLOWEST_FIRST lists them (fastest first), then optimizer,
+    seed."""
+    rank = SLOWEST_FIRST[::-1].index(row["recipe"]) if row["recipe"] in SLOWEST_FIRST else 99
+    return rank, row["recipe"], row["optimizer"], row["seed"]
 
 
 def with_recorded(rows, path):
@@ -577,8 +582,7 @@ def with_recorded(rows, path):
             for r in read_json(path, [])
             if run_name(r["recipe"], r["optimizer"], r["seed"]) not in names]
     rows = [{"curve": None, **r} for r in rows + kept]
-    order = lambda r: SLOWEST_FIRST[::-1].index(r["recipe"]) if r["recipe"] in SLOWEST_FIRST else 99
-    return sorted(rows, key=lambda r: (order(r), r["recipe"], r["optimizer"], r["seed"]))
+    return sorted(rows, key=row_order)
 
 
 def finite(x):
