@@ -213,7 +213,7 @@ def _sr_e2m1_value(a, r):
     fp32: up to the next grid value iff u < (a - lo) / step), for the uniform u = (r >> 8) * 2^-24
     of a uint32 r. The SR contract's words (_word_halves) carry 16 random bits in r's high half,
     low half zero: u = (r >> 16) * 2^-16, nvfp4.sr_uniforms' u. Any 24-bit uniform on torch.rand's
-    fp32 grid passes through exactly too (the tests' given uniforms, as k << 8 for u = k 2^-24). In units of the
+    fp32 grid passes through exactly too (the tests give u = k 2^-24 as k << 8). In units of the
     step p / 2 (_binade_bits), y = a / (p / 2) is exact (a power of two), lo = floor(y) and the
     fractional distance f = y - floor(y) is exact, and so is f * 2^24 (f has at most 24 fractional
     bits), so u < f <=> float(r >> 8) < f * 2^24 compares exact values: the same decisions as the
