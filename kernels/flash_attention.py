@@ -20,8 +20,7 @@ K-major by nvfp4_gemm._k_major). Same numbers as the grid-value route up to fp32
 P V, dS K and dS^T Q stay on the bf16 MMA: they contract over T, where V, K, Q are blocked along D,
 and an E2M1 x E4M3 operand needs one scale per 16 elements of the contraction; a second quantization
 along T would change the numbers and break forward-backward consistency (docs/blackwell.md). Tiles:
-SM100_CONFIGS (they fit 12.x's ~100 KB too). Hopper compiles FP4_MMA=False, the code it compiled
-before.
+SM100_CONFIGS (they fit 12.x's ~100 KB too). Hopper compiles FP4_MMA=False.
 
 In-register quantization (`_fake_quant_rows16`): tiles of dS (and of P in the fp4_pv / fp4_all
 variants) are quantized in 1x16 blocks along the tile's last dim with nvfp4_math's block scaling
@@ -49,28 +48,8 @@ def _interpreting():
     return not nvfp4_math.on_gpu()
 
 
-def _patch_interpreter_loop_bounds():
-    """Triton 3.6's interpreter holds scalars as shape-(1,) numpy arrays and turns them into loop
-    bounds with int(array), which NumPy >= 2.4 refuses ("only 0-dimensional arrays can be
-    converted"): every `range(lo, hi)` with runtime bounds fails. Convert through .item() instead.
-    Interpreter only; a no-op on older NumPy."""
-    import triton.runtime.interpreter as interp
-    if getattr(interp, "_nanofp4_index_patch", False):
-        return
-    original = interp._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interp._patch_lang_tensor = patched
-    interp._nanofp4_index_patch = True
-
-
-if _interpreting():
-    _patch_interpreter_loop_bounds()
 # P's encode scale: amax(P) <= 1 (attention.P_GLOBAL_SCALE is its S_dec)
-P_S_ENC = tl.constexpr(448.0 * 6.0)
+P_S_ENC = tl.constexpr(nvfp4_math.E4M3_MAX * nvfp4_math.FP4_MAX)
 # Triton 3.6 fails to compile, for sm_100a, a block-scaled MMA into a fresh zero accumulator inside
 # a loop (TritonGPUOptimizeAccumulatorInit: "'ttng.tmem_alloc' op uninitialized alloc must have a
 # mutable memdesc type"; also with no accumulator); a zero it cannot fold compiles. 3.9 takes the
@@ -154,9 +133,8 @@ def _quant_rows16(x, s_enc, s_dec, R: tl.constexpr, C: tl.constexpr):
     helpers)."""
     xb = tl.reshape(x, (R, 1, C // 16, 16))
     a, _, bits, q = nvfp4_math._scale_blocks(tl.abs(xb), s_enc, s_dec, R, 1, C // 16, 16, False)
-    code = nvfp4_math._e2m1_index(q) | (((xb < 0) & (a > 0)).to(tl.int32) << 3)
-    lo, hi = tl.split(tl.reshape(code, (R, C // 2, 2)))
-    return (lo | (hi << 4)).to(tl.uint8), bits.to(tl.float8e4nv, bitcast=True)
+    codes = nvfp4_math._pack_codes(q, xb, a, R, C // 2, 2).to(tl.uint8)
+    return codes, bits.to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit
@@ -197,7 +175,7 @@ def _ds_random_words(key, rows, c0, T, R: tl.constexpr, C: tl.constexpr, QUERY_P
     else:
         counter = rows[:, None] * T + cols[None, :]
     w = _fmix32(counter.to(tl.uint32) * 0x9E3779B1 + key)                          # (R, C / 2)
-    return tl.reshape(tl.join(w << 16, w & 0xFFFF0000), (R, C))
+    return tl.reshape(nvfp4_math._word_halves(w), (R, C))
 
 
 @triton.jit
@@ -400,12 +378,13 @@ def _attn_bwd_dkdv(Q, K, V, SG, DO, DOQ, DOT, LSE, DELTA, SGDS, KEYS, DK, DV, T,
     # dK = sum_g s_g(dS_g) (dS_g^T Q_g) over the G query heads of this kv head. One accumulator for
     # all of them (a second BLOCK_N x D fp32 one makes the kernel spill): dk holds the sum in units
     # of the current head's s_g(dS), rescaled by s_g(previous) / s_g(current) at each head boundary.
-    _, sg_prev = nvfp4_math._global_scales(tl.load(SGDS + b * H + g0), 448.0)
+    _, sg_prev = nvfp4_math._global_scales(tl.load(SGDS + b * H + g0), nvfp4_math.E4M3_MAX)
     for g in range(G):
         bh = b * H + g0 + g
         q_ptr = Q + bh.to(tl.int64) * T * D
         row = bh.to(tl.int64) * T * D
-        se_ds, sg_ds = nvfp4_math._global_scales(tl.load(SGDS + bh), 448.0)  # from dS's bound
+        # from dS's bound
+        se_ds, sg_ds = nvfp4_math._global_scales(tl.load(SGDS + bh), nvfp4_math.E4M3_MAX)
         key = tl.load(KEYS + 2 * bh + 1).to(tl.uint32, bitcast=True)
         dk = dk * tl.div_rn(sg_prev, sg_ds)
         sg_prev = sg_ds
@@ -489,7 +468,8 @@ def _attn_bwd_dq(Q, K, V, SG, DO, LSE, DELTA, SGDS, KEYS, DQ, T, H, G, qk_scale,
     sg_v = tl.load(SG + 2)
     sg_dov = tl.load(SG + 4)
     sg_dp = sg_v * sg_dov
-    se_ds, sg_ds = nvfp4_math._global_scales(tl.load(SGDS + bh), 448.0)  # (1, 1) unless QUANT_DS
+    # (1, 1) unless QUANT_DS
+    se_ds, sg_ds = nvfp4_math._global_scales(tl.load(SGDS + bh), nvfp4_math.E4M3_MAX)
     key = tl.load(KEYS + 2 * bh).to(tl.uint32, bitcast=True)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = offs_m < T
@@ -570,7 +550,10 @@ SM100_CONFIGS = {"fwd": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
 # quantized per tile), so the reference uses it too. Every other policy gives the same numbers for
 # any tiles.
 P_BLOCK_N = FWD_CONFIG["BLOCK_N"]
-# The interpreter (CPU tests) runs small tiles: the same numbers, much faster.
+# The interpreter (CPU tests) runs small tiles: the same numbers, much faster. Chosen by
+# TRITON_INTERPRET (_interpreting), not by the tensors' device: Triton takes the interpreter for the
+# whole process when the kernels are decorated, and tests/compile_for_target.py launches on CPU
+# tensors what it compiles for a GPU, which must get the GPU's tiles.
 INTERPRET_CONFIGS = {"fwd": dict(BLOCK_M=32, BLOCK_N=16), "dkdv": dict(BLOCK_M=16, BLOCK_N=32),
                      "dq": dict(BLOCK_M=32, BLOCK_N=16)}
 
@@ -644,7 +627,7 @@ def flash_backward(q, k, v, scales, do, lse, delta, do_dov, do_pdo, ds_amax, key
     if quant_ds:
         ds_amax, keys = ds_amax.contiguous(), as_int32(keys)
     else:
-        ds_amax = torch.full((B * H,), 448.0 * 6.0, device=dev)  # a bound whose scales are (1, 1)
+        ds_amax = torch.full((B * H,), P_S_ENC.value, device=dev)  # 448 * 6: scales (1, 1)
         keys = torch.zeros(B * H, 2, device=dev, dtype=torch.int32)
     dq = torch.empty(B, H, T, D, device=dev, dtype=dtype)
     dk = torch.empty(B, Hkv, T, D, device=dev, dtype=dtype)

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.nvfp4_math import _decode_codes, _e4m3_value, _round_to_bf16, on_gpu
+from kernels.nvfp4_math import _decode_e2m1, _e4m3_value, _round_to_bf16, on_gpu
 
 DEQUANT_ROWS_LAUNCH = (256, 8)  # (blocks per program, num_warps) of _dequantize_rows_kernel
 
@@ -22,10 +22,17 @@ def _hw_bf16():
 
 
 @triton.jit
-def _dequant_store(v, gs_ptr, out_ptr, offs, mask, APPLY_GLOBAL: tl.constexpr,
-                   ROUND_BF16: tl.constexpr, HW_BF16: tl.constexpr):
+def _global_scale(gs_ptr, APPLY_GLOBAL: tl.constexpr):
+    """s_g, or 1 for the grid values q * s_b (exact: _decode_e2m1's second product then rounds
+    nothing)."""
     if APPLY_GLOBAL:
-        v = v * tl.load(gs_ptr)
+        return tl.load(gs_ptr)
+    else:
+        return 1.0
+
+
+@triton.jit
+def _dequant_store(v, out_ptr, offs, mask, ROUND_BF16: tl.constexpr, HW_BF16: tl.constexpr):
     if ROUND_BF16:
         v = _round_to_bf16(v, HW_BF16)
     tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
@@ -36,19 +43,19 @@ def _dequantize_rows_kernel(codes_ptr, scales_ptr, gs_ptr, out_ptr, n_blocks, NB
                             APPLY_GLOBAL: tl.constexpr, ROUND_BF16: tl.constexpr,
                             HW_BF16: tl.constexpr):
     """1x16 blocks: NB consecutive blocks per program, each block's 16 codes read as two int32 words
-    (element 0 in the low nibble) and its scale read once (the tile kernel gathered a scale per
-    element: one load each)."""
+    (element 0 in the low nibble) and its scale read once."""
     pid = tl.program_id(0)
     base = pid.to(tl.int64) * NB
     blk = tl.arange(0, NB)
     bmask = blk < n_blocks - base
     words = tl.load(codes_ptr + base * 2 + blk[:, None] * 2 + tl.arange(0, 2)[None, :],
                     mask=bmask[:, None], other=0)                                   # (NB, 2) int32
-    code = ((words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF).reshape(NB, 16)
+    # code k of each word to bits 31..28 (_decode_e2m1 ignores the bits below)
+    top = (words[:, :, None] << (28 - 4 * tl.arange(0, 8))[None, None, :]).reshape(NB, 16)
     s_b = _e4m3_value(tl.load(scales_ptr + base + blk, mask=bmask, other=0))
-    v = _decode_codes(code, s_b[:, None])                                           # (NB, 16)
-    _dequant_store(v, gs_ptr, out_ptr + base * 16, blk[:, None] * 16 + tl.arange(0, 16)[None, :],
-                   bmask[:, None], APPLY_GLOBAL, ROUND_BF16, HW_BF16)
+    v = _decode_e2m1(top, s_b[:, None], _global_scale(gs_ptr, APPLY_GLOBAL))       # (NB, 16)
+    _dequant_store(v, out_ptr + base * 16, blk[:, None] * 16 + tl.arange(0, 16)[None, :],
+                   bmask[:, None], ROUND_BF16, HW_BF16)
 
 
 @triton.jit
@@ -65,15 +72,16 @@ def _dequantize_kernel(codes_ptr, scales_ptr, gs_ptr, out_ptr, M, N, ld_out, BN:
     cmask = (offs_m[:, None] < M) & (offs_c[None, :] < N // 2)
     c = tl.load(codes_ptr + (pid_b.to(tl.int64) * M + offs_m[:, None]) * (N // 2) + offs_c[None, :],
                 mask=cmask, other=0)
-    code = tl.join(c & 0xF, c >> 4).reshape(16, BN).to(tl.int32)  # even element: low nibble
+    c = c.to(tl.int32)  # the even element (low nibble) to bits 31..28, the odd one too
+    top = tl.join(c << 28, c << 24).reshape(16, BN)
     offs_n = pid_n * BN + tl.arange(0, BN)
     s = tl.load(scales_ptr + (pid_b.to(tl.int64) * (M // 16) + pid_m) * (N // SBN) + offs_n // SBN,
                 mask=offs_n < N, other=0)
-    v = _decode_codes(code, _e4m3_value(s)[None, :])
+    v = _decode_e2m1(top, _e4m3_value(s)[None, :], _global_scale(gs_ptr, APPLY_GLOBAL))
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    _dequant_store(v, gs_ptr, out_ptr,
+    _dequant_store(v, out_ptr,
                    (pid_b.to(tl.int64) * M + offs_m[:, None]) * ld_out + offs_n[None, :], mask,
-                   APPLY_GLOBAL, ROUND_BF16, HW_BF16)
+                   ROUND_BF16, HW_BF16)
 
 
 def dequantize(codes, scales, global_scale, shape, block, dtype=torch.float32, out=None):

@@ -5,7 +5,8 @@ element), E4M3 rounding, E2M1 round-to-nearest and stochastic rounding from fp32
 bits (16 per element, from Philox), the 16-point Hadamard butterfly, and the fixed summation tree
 4/6 compares errors with.
 Every quantizing kernel (nvfp4_quant, flash_attention, optim_fused) builds on these, so they all
-round alike. kernels/nvfp4_quant.py re-exports them under the same names.
+round alike; every decoding kernel (nvfp4_dequant, nvfp4_quant's packed source, optim_fused) reads
+codes through the one decoder, _decode_e2m1.
 """
 
 import os
@@ -16,10 +17,10 @@ import triton.language as tl
 
 from kernels import targets
 
-FP4_MAX = 6.0          # largest E2M1 magnitude
-E4M3_MAX = 448.0       # largest E4M3 block scale
+FP4_MAX = tl.constexpr(6.0)          # largest E2M1 magnitude
+E4M3_MAX = tl.constexpr(448.0)       # largest E4M3 block scale
 # the global scale's bound with 4/6: the x1.5 candidate (max -> 4) must still fit E4M3
-E4M3_MAX_46 = 256.0
+E4M3_MAX_46 = tl.constexpr(256.0)
 
 
 def on_gpu():
@@ -32,16 +33,17 @@ def on_gpu():
 def hw_e4m3():
     """E4M3 conversions by the hardware (sm_89+: cvt.rn.satfinite.e4m3x2.f32, nearest ties to even,
     subnormals kept: nvfp4.to_e4m3 exactly, which a GPU test checks on every tie; the fp8e4nv type
-    itself): on a GPU whose row of kernels/targets.py says so (the current CUDA device's; with no
-    CUDA, as the compile-only tests build for sm_89+). Triton's interpreter converts otherwise (its
-    subnormal ties do not round to even) and Ampere has no fp8 type, so there integer arithmetic:
-    the same bits."""
-    if not on_gpu():
-        return False
-    return not torch.cuda.is_available() or targets.of(torch.device("cuda")).hw_e4m3
+    itself): on a GPU whose row of kernels/targets.py says so (the current CUDA device's). Triton's
+    interpreter converts otherwise (its subnormal ties do not round to even) and Ampere has no fp8
+    type, so there integer arithmetic: the same bits."""
+    return on_gpu() and torch.cuda.is_available() and targets.of(torch.device("cuda")).hw_e4m3
 
 
-# Read when this module is imported, as TRITON_INTERPRET itself.
+# Read once, at import: a fact of the machine (its GPU, or the interpreter, which TRITON_INTERPRET
+# picks for the whole process when kernels are decorated), and a constexpr global rather than a
+# kernel argument so that the device functions deep in every kernel (_round_to_e4m3, _e4m3_value)
+# see it without each launcher passing it down. Triton folds it into each kernel as it compiles;
+# tests/compile_for_target.py sets it per target before compiling.
 HW_E4M3 = tl.constexpr(hw_e4m3())
 
 
@@ -63,14 +65,14 @@ def _round_to_e4m3(s, UP: tl.constexpr = False):
     if UP:
         t = tl.ceil(t)
     else:
-        t = (t + 8388608.0) - 8388608.0                                # RNE to an integer (0..16)
+        t = (t + 2.0 ** 23) - 2.0 ** 23                                # RNE to an integer (0..16)
     v = t * quantum
     # E4M3 bit pattern of v: normal (exp >= 1): (biased exp << 3) | top 3 mantissa bits;
     # subnormal: v / 2^-9
     vbits = v.to(tl.int32, bitcast=True)
     ve = (vbits >> 23) & 0xFF
     normal = ((ve - 120) << 3) | ((vbits >> 20) & 7)
-    sub = (v * 512.0).to(tl.int32)
+    sub = (v * 2.0 ** 9).to(tl.int32)
     code = tl.where(ve >= 127 - 6, normal, sub)
     return v, code.to(tl.uint8)
 
@@ -95,8 +97,8 @@ def _rtn_e2m1_value(a):
 @triton.jit
 def _e2m1_index(q):
     """Index 0..7 of an E2M1 magnitude q (fp32), the code's low 3 bits: q * 2^-126 holds it in bits
-    24..22 (_e2m1_value's placement inverted; exact: 0.5 becomes the subnormal 2^-127)."""
-    return (q * 1.1754943508222875e-38).to(tl.int32, bitcast=True) >> 22             # 2^-126
+    24..22 (_decode_e2m1's placement inverted; exact: 0.5 becomes the subnormal 2^-127)."""
+    return (q * 2.0 ** -126).to(tl.int32, bitcast=True) >> 22
 
 
 @triton.jit
@@ -108,7 +110,7 @@ def _e4m3_value(bits):
     b = bits.to(tl.int32)
     e, m = (b >> 3) & 15, b & 7
     normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)  # 2^(e-7) (1 + m/8)
-    return tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)       # subnormal: m 2^-9
+    return tl.where(e == 0, m.to(tl.float32) * 2.0 ** -9, normal)         # subnormal: m 2^-9
 
 
 # the element scale's cap (TE's: an all-zero block's 1/0)
@@ -123,7 +125,8 @@ def _global_scales(amax, FP8_BOUND: tl.constexpr):
     any scale), and the decode scale S_dec = RN(1 / S_enc), the NVFP4Tensor's global_scale
     (nvfp4.global_scales)."""
     s_enc = tl.where(amax > 0,
-                     tl.minimum(tl.div_rn(FP8_BOUND * 6.0, tl.where(amax > 0, amax, 1.0)), FLT_MAX),
+                     tl.minimum(tl.div_rn(FP8_BOUND * FP4_MAX, tl.where(amax > 0, amax, 1.0)),
+                                FLT_MAX),
                      1.0)
     return s_enc, tl.div_rn(1.0, s_enc)
 
@@ -136,11 +139,11 @@ def _block_scale(block_amax, s_enc, s_dec, MAX_Q: tl.constexpr, UP: tl.constexpr
     its uint8 bits, den = s_b * S_dec (fp32) and the element scale inv = min(RN(1 / den), FLT_MAX),
     by which every element is multiplied: one correctly rounded reciprocal per block, a multiply per
     element."""
-    if MAX_Q == 6.0:
+    if MAX_Q == FP4_MAX:
         rcp: tl.constexpr = RCP_6
     else:
         rcp: tl.constexpr = 1.0 / MAX_Q   # 1/4: exact
-    s, bits = _round_to_e4m3(tl.minimum(block_amax * (s_enc * rcp), 448.0), UP)
+    s, bits = _round_to_e4m3(tl.minimum(block_amax * (s_enc * rcp), E4M3_MAX), UP)
     den = s * s_dec
     inv = tl.where(den > 0, tl.div_rn(1.0, tl.where(den > 0, den, 1.0)), FLT_MAX)
     return s, bits, den, tl.minimum(inv, FLT_MAX)
@@ -163,45 +166,19 @@ def _div_by(x, den, inv, EXACT_FMA: tl.constexpr):
 
 
 @triton.jit
-def _e2m1_bits(top):
-    """fp32 q * 2^-126 for E2M1 codes held in bits 31..28 of an int32 (lower bits ignored): an
+def _decode_e2m1(top, s_b, s_g):
+    """The one E2M1 decoder: codes held in bits 31..28 of int32 `top` (lower bits ignored: callers
+    shift a nibble there in one instruction), their block scales s_b and global scale s_g (fp32,
+    broadcastable; s_g = 1 for the grid values q * s_b) -> (q * s_b) * s_g, rounded once as
+    nvfp4.NVFP4Tensor.dequantize rounds it, signed as the reference (-0.0 for code 8). An
     arithmetic shift by 6 and a mask leave sign, exponent (2 bits) and mantissa (1 bit) where fp32
-    keeps them (exponent 0 lands in fp32's subnormal range: 0.5 -> 2^-127, exactly E2M1's
-    subnormal). Code 8 gives -0.0, as the reference's -q. The inverse of _e2m1_index; callers undo
-    the 2^-126 with exact power-of-two scalings."""
-    return ((top >> 6) & -2118123520).to(tl.float32, bitcast=True)                  # 0x81C00000
-
-
-@triton.jit
-def _e2m1_value(idx):
-    """E2M1 magnitude of index 0..7: 0, .5, 1, 1.5, 2, 3, 4, 6. idx << 22 is _e2m1_bits' placement
-    of an unsigned code, q * 2^-126; the 2^126 scaling is exact (a subnormal needs no flush-to-zero:
-    Triton uses none)."""
-    return (idx << 22).to(tl.float32, bitcast=True) * 8.507059173023462e37          # 2^126
-
-
-@triton.jit
-def _decode_codes(code, s_b):
-    """E2M1 codes (int32, 0..15) times their block scales s_b (fp32): q * s_b, exact, signed as the
-    reference (-0.0 for code 8). q * 2^-126 from the bits (_e2m1_bits), then two exact power-of-two
-    scalings (2^126 * 448 would overflow in one), instead of an fp8 -> fp32 conversion per
-    element."""
-    # 2^63 each
-    return (_e2m1_bits(code << 28) * 9.223372036854776e18) * (s_b * 9.223372036854776e18)
-
-
-@triton.jit
-def _decode_byte_pairs(byte, s_b, s_g):
-    """Packed code bytes (int32 (..., 1): two E2M1 codes each, the even element's in the low
-    nibble), their block scales s_b (fp32, broadcastable) and the global scale s_g -> (..., 2) fp32
-    (q * s_b) * s_g, rounded once as nvfp4.NVFP4Tensor.dequantize rounds it. Each nibble is shifted
-    straight into bits 31..28 (_e2m1_bits ignores the bits below): one shift per element. Two
-    multiplies per element instead of _decode_codes' two and then s_g's: (q 2^-126) (s_b 2^119) =
+    keeps them: q * 2^-126 (exponent 0 lands in fp32's subnormal range: 0.5 -> 2^-127, exactly
+    E2M1's subnormal), no fp8 -> fp32 conversion per element. Then (q 2^-126) (s_b 2^119) =
     q s_b 2^-7 is exact (6 significant bits, none below 2^-17), and so are s_b 2^119
-    (<= 448 * 2^119 < FLT_MAX) and s_g 2^7 (a quantize pass's s_g is at most FLT_MAX / 1536), so
-    the second product is the exact q s_b s_g rounded once. s_b 2^119 once per scale."""
-    top = byte << (28 - 4 * tl.arange(0, 2))  # the even element: << 28; the odd one: << 24
-    return (_e2m1_bits(top) * (s_b * 6.646139978924579e35)) * (s_g * 128.0)  # 2^119, 2^7
+    (<= 448 * 2^119 < FLT_MAX) and s_g 2^7 (a quantize pass's s_g is at most FLT_MAX / 1536), so the
+    second product is the exact q s_b s_g rounded once. Two multiplies per element."""
+    q = ((top >> 6) & -2118123520).to(tl.float32, bitcast=True)                      # 0x81C00000
+    return (q * (s_b * 2.0 ** 119)) * (s_g * 2.0 ** 7)
 
 
 @triton.jit
@@ -212,12 +189,31 @@ def _with_sign(q, neg):
 
 
 @triton.jit
+def _pack_codes(q, x, a, S0: tl.constexpr, S1: tl.constexpr, N: tl.constexpr):
+    """The stored codes of S0 * S1 * N elements (q, x, a: any shapes holding them in row-major
+    order): the E2M1 index of the magnitude q (_e2m1_index) with bit 3 the sign of x where its
+    scaled magnitude a > 0 (-0.0, and an x whose a is 0, get a + code, as nvfp4.quantize), N (2, 8
+    or 16) consecutive codes along the last dim packed into one integer, element k in nibble k (the
+    even element in a byte's low nibble, as stored) -> (S0, S1) uint32 (N = 2: a byte; 8: a word)
+    or int64 (16). Pair by pair, by splits: a block's codes stay in the thread that holds them."""
+    neg = (x.reshape(S0, S1 * N // 2, 2) < 0) & (a.reshape(S0, S1 * N // 2, 2) > 0)
+    code = _e2m1_index(q.reshape(S0, S1 * N // 2, 2)).to(tl.uint32) | (neg.to(tl.uint32) << 3)
+    for i in tl.static_range(4):  # pairs of nibbles, of bytes, of half-words, of words
+        if (2 << i) <= N:
+            lo, hi = tl.split(code.reshape(S0, S1 * (N >> (i + 1)), 2))
+            if i == 3:
+                lo, hi = lo.to(tl.int64), hi.to(tl.int64)
+            code = lo | (hi << (4 << i))
+    return code.reshape(S0, S1)
+
+
+@triton.jit
 def _sr_e2m1_value(a, r):
     """Stochastic rounding of a in [0, 6] to an E2M1 magnitude (nvfp4.sr_e2m1's grid value, as
     fp32: up to the next grid value iff u < (a - lo) / step), for the uniform u = (r >> 8) * 2^-24
     of a uint32 r. The SR contract's words (_word_halves) carry 16 random bits in r's high half,
     low half zero: u = (r >> 16) * 2^-16, nvfp4.sr_uniforms' u. Any 24-bit uniform on torch.rand's
-    fp32 grid passes through exactly too (_noise_bits: the tests' given uniforms). In units of the
+    fp32 grid passes through exactly too (the tests give u = k 2^-24 as k << 8). In units of the
     step p / 2 (_binade_bits), y = a / (p / 2) is exact (a power of two), lo = floor(y) and the
     fractional distance f = y - floor(y) is exact, and so is f * 2^24 (f has at most 24 fractional
     bits), so u < f <=> float(r >> 8) < f * 2^24 compares exact values: the same decisions as the
@@ -226,15 +222,8 @@ def _sr_e2m1_value(a, r):
     pbits = _binade_bits(a)
     y = a * ((255 << 23) - pbits).to(tl.float32, bitcast=True)                        # 2 / p
     fl = tl.floor(y)
-    up = (r >> 8).to(tl.float32) < (y - fl) * 16777216.0
+    up = (r >> 8).to(tl.float32) < (y - fl) * 2.0 ** 24
     return (fl + up.to(tl.float32)) * (pbits - (1 << 23)).to(tl.float32, bitcast=True)  # p / 2
-
-
-@triton.jit
-def _noise_bits(u):
-    """Given uniforms u = k * 2^-24 (torch.rand's fp32 grid, k < 2^24) -> the 32 random bits
-    _sr_e2m1_value reads: k << 8, exactly."""
-    return (u * 16777216.0).to(tl.uint32) << 8
 
 
 # SR's random bits (nvfp4.sr_uniforms): 16 per element, one Philox4x32-10 call (tl.randint4x,
@@ -247,7 +236,8 @@ def _noise_bits(u):
 def _word_halves(w):
     """uint32 words (any shape S) -> S + (2,): [..., 0] the low half's 16 bits, [..., 1] the high
     half's, each in the high half of a word with the low half zero, where _sr_e2m1_value reads them:
-    one shift or one mask per element."""
+    one shift or one mask per element. Every SR draw splits its words here (Philox's, and
+    flash_attention's hashed dS words)."""
     return tl.join(w << 16, w & 0xFFFF0000)
 
 
@@ -326,12 +316,12 @@ def _scale_blocks(ax, s_enc, s_dec, GM: tl.constexpr, SBM: tl.constexpr, GN: tl.
     pick the scale. -> (a, s_b (GM, GN), its E4M3 bits, _rtn_e2m1_value(a)); the last costs nothing
     where a caller rounds otherwise (the compiler drops it)."""
     block_amax = tl.max(tl.max(ax, axis=3), axis=1)                                    # (GM, GN)
-    s_b, bits, den, inv = _block_scale(block_amax, s_enc, s_dec, 6.0, UP)
-    a = tl.minimum(ax * inv[:, None, :, None], 6.0)
+    s_b, bits, den, inv = _block_scale(block_amax, s_enc, s_dec, FP4_MAX, UP)
+    a = tl.minimum(ax * inv[:, None, :, None], FP4_MAX)
     q = _rtn_e2m1_value(a)
     if FOUR_OVER_SIX:
         s4, bits4, den4, inv4 = _block_scale(block_amax, s_enc, s_dec, 4.0, UP)
-        a4 = tl.minimum(ax * inv4[:, None, :, None], 6.0)
+        a4 = tl.minimum(ax * inv4[:, None, :, None], FP4_MAX)
         q4 = _rtn_e2m1_value(a4)
         d6 = q * den[:, None, :, None] - ax
         d4 = q4 * den4[:, None, :, None] - ax

@@ -47,9 +47,9 @@ import triton.language as tl
 
 from kernels.nvfp4_dequant import _hw_bf16, dequantize
 from kernels.nvfp4_math import (
-    E4M3_MAX, E4M3_MAX_46, _block_random_words, _column_random_words, _decode_byte_pairs,
-    _e2m1_index, _e4m3_value, _global_scales, _hadamard16, _load_tile, _random_words, _rotate,
-    _round_to_bf16, _scale_blocks, _sr_e2m1_value, _with_sign, on_gpu)
+    E4M3_MAX, E4M3_MAX_46, _block_random_words, _column_random_words, _decode_e2m1, _e4m3_value,
+    _global_scales, _hadamard16, _load_tile, _pack_codes, _random_words, _rotate, _round_to_bf16,
+    _scale_blocks, _sr_e2m1_value, _with_sign, on_gpu)
 
 BLOCKS = ((1, 16), (16, 1), (16, 16))
 # "sr_up": SR with the block scale rounded up to E4M3 instead of to nearest, so that the block max
@@ -158,10 +158,7 @@ def _quantize_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, 
         q = _sr_e2m1_value(a, rand.reshape(BM // SBM, SBM, BN // SBN, SBN))
 
     if WRITE_CODES:
-        code = (_e2m1_index(q.reshape(BM, BN))
-                | (((x < 0) & (a.reshape(BM, BN) > 0)).to(tl.int32) << 3)).to(tl.uint8)
-        lo, hi = tl.split(code.reshape(BM, BN // 2, 2))  # even / odd elements along the row
-        packed = lo | (hi << 4)
+        packed = _pack_codes(q, x, a, BM, BN // 2, 2).to(tl.uint8)  # two per byte along the row
         offs_c = n0 // 2 + tl.arange(0, BN // 2)
         cptrs = codes_ptr + (pid_b.to(tl.int64) * M + offs_m[:, None]) * (N // 2) + offs_c[None, :]
         tl.store(cptrs, packed, mask=(offs_m[:, None] < M) & (offs_c[None, :] < N // 2))
@@ -248,8 +245,7 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
             if SR:  # the flat tensor as rows of 16 elements: the counters element index // 8
                 q = _sr_e2m1_value(a, _block_random_words(tl.load(seed_ptr), base + blk, NB))
             if WRITE_CODES:
-                code = _e2m1_index(q) | (((x < 0) & (a > 0)).to(tl.int32) << 3)
-                words = tl.sum(code << (tl.arange(0, 8) * 4)[None, None, :], axis=2)  # (NB, 2)
+                words = _pack_codes(q, x, a, NB, 2, 8).to(tl.int32, bitcast=True)  # (NB, 2)
                 tl.store(codes_ptr + base * 2 + blk[:, None] * 2 + tl.arange(0, 2)[None, :], words,
                          mask=bmask[:, None])
                 tl.store(scales_ptr + base + blk, bits, mask=bmask)
@@ -282,7 +278,8 @@ def _cols_source(x_ptr, xs_ptr, xgs_ptr, pid_b, m0, n0, row, pair, col, mask, M,
         s_b = tl.load(xs_ptr + r0 * (N // 16) + row * (N // 16) + (n0 + 2 * pair) // 16, mask=bmask,
                       other=0)
         s_b = _e4m3_value(s_b)
-        x = _decode_byte_pairs(c8.to(tl.int32), s_b, tl.load(xgs_ptr))                 # (C, 16, 2)
+        # (C, 16, 2): the even element's nibble shifted to bits 31..28, the odd one's (<< 24)
+        x = _decode_e2m1(c8.to(tl.int32) << (28 - 4 * tl.arange(0, 2)), s_b, tl.load(xgs_ptr))
         return _round_to_bf16(x, HW_BF16) if X_BF16 else x
     else:
         ptrs = x_ptr + pid_b.to(tl.int64) * stride_xb + (m0 + row).to(tl.int64) * stride_xm + col
@@ -344,10 +341,9 @@ def _quantize_cols_kernel(x_ptr, xs_ptr, xgs_ptr, h_ptr, amax_ptr, gs_out_ptr, c
             rand = tl.permute(rand, (0, 1, 3, 4, 5, 2)).reshape(C, 16, 2)
             q = _sr_e2m1_value(a, rand)
         if WRITE_CODES:
-            code = _e2m1_index(q) | (((xr < 0) & (a > 0)).to(tl.int32) << 3)
-            lo, hi = tl.split(code)  # even / odd column: (C, 16)
+            packed = _pack_codes(q, xr, a, C, 16, 2).to(tl.uint8)  # even / odd column: (C, 16)
             tl.store(codes_ptr + rows.reshape(1, 16) * (N // 2) + (n0 // 2 + pair.reshape(C, 1)),
-                     (lo | (hi << 4)).to(tl.uint8), mask=(n0 // 2 + pair.reshape(C, 1)) < N // 2)
+                     packed, mask=(n0 // 2 + pair.reshape(C, 1)) < N // 2)
             scol = col.reshape(C, 2)
             tl.store(scales_ptr + (pid_b.to(tl.int64) * (M // 16) + pid_m) * N + scol, bits,
                      mask=scol < N)
@@ -468,7 +464,7 @@ def _values_out(out, shape, device, name):
 
 
 def _fp8_bound(four_over_six):
-    return E4M3_MAX_46 if four_over_six else E4M3_MAX
+    return (E4M3_MAX_46 if four_over_six else E4M3_MAX).value  # the kernels' constexpr, as a float
 
 
 def _rows_launch(x3, amax, hadamard, four_over_six, seed, rounding="rtn", codes=None,

@@ -34,19 +34,17 @@ their codes equal the reference's too.
 The kernel is instruction-bound, so the layout keeps each 16-element block in one thread
 (codes in and out as one int64 per block, built by join / split, which stay in registers), E2M1
 codes decode from their bits, the tile mean's cross-thread levels are shuffles, and addresses are
-int64 once per program (docs/optim.md has the history).
+int64 once per program.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.nvfp4_math import (_butterfly16, _div_by, _e2m1_bits, _e2m1_index, _e4m3_value,
-                                _global_scales, _random_words, _scale_blocks, _sr_e2m1_value)
+from kernels.nvfp4_math import (E4M3_MAX_46, _butterfly16, _decode_e2m1, _div_by, _e4m3_value,
+                                _global_scales, _pack_codes, _random_words, _scale_blocks,
+                                _sr_e2m1_value)
 from kernels.nvfp4_quant import _exact_fma, seed_tensor
-
-
-_TWO_118 = tl.constexpr(2.0 ** 118)  # _decode: s_b * 2^118 (and s_g * 2^8) cannot overflow
 
 
 @triton.jit
@@ -76,12 +74,9 @@ def _tile_mean(s, BM: tl.constexpr, BN: tl.constexpr, LOG2_BN: tl.constexpr):
 
 @triton.jit
 def _decode(codes_ptr, scales_ptr, gs, blk, rmask, BM: tl.constexpr, BN: tl.constexpr):
-    """Packed (1, 16)-block NVFP4 -> (q * s_b) * s_g, (BM, BN) fp32 (NVFP4Tensor.dequantize). blk:
-    (BM, BN // 16) block indices from the pointers. A block's 16 codes are one int64, low nibble
-    first. A code goes to fp32 by its bits (nvfp4_math._e2m1_bits: q * 2^-126, code 8 -> -0.0).
-    Then (q 2^-126)(s_b 2^118) = q s_b 2^-8 is exact (6 significant bits, none below 2^-18) and
-    times s_g 2^8 rounds once to the bits of (q * s_b) * s_g, with no scale overflowing
-    (s_b <= 448, s_g <= FLT_MAX / 1536)."""
+    """Packed (1, 16)-block NVFP4 -> (q * s_b) * s_g, (BM, BN) fp32 (NVFP4Tensor.dequantize, by
+    nvfp4_math._decode_e2m1). blk: (BM, BN // 16) block indices from the pointers. A block's 16
+    codes are one int64, low nibble first (_pack_codes)."""
     w = tl.load(codes_ptr.to(tl.pointer_type(tl.int64)) + blk, mask=rmask, other=0)
     # code k of each 32-bit half to bits 31..28 (shift 28 - 4k) by joins, which keep a block in one
     # thread
@@ -89,10 +84,9 @@ def _decode(codes_ptr, scales_ptr, gs, blk, rmask, BM: tl.constexpr, BN: tl.cons
     u = tl.join(u << 16, u)
     u = tl.join(u << 8, u)
     u = tl.join(u << 4, u).reshape(BM, BN // 16, 16)
-    q = _e2m1_bits(u.to(tl.int32, bitcast=True))                              # q * 2^-126
     sc = tl.load(scales_ptr + blk, mask=rmask, other=0)
-    s = (_e4m3_value(sc) * _TWO_118).reshape(BM, BN // 16, 1)
-    return ((q * s) * (gs * 256.0)).reshape(BM, BN)
+    s_b = _e4m3_value(sc).reshape(BM, BN // 16, 1)
+    return _decode_e2m1(u.to(tl.int32, bitcast=True), s_b, gs).reshape(BM, BN)
 
 
 @triton.jit
@@ -178,15 +172,7 @@ def _encode(x, s_enc, s_dec, rand, codes_ptr, scales_ptr, blk, rmask, SR: tl.con
     a = a.reshape(BM, BN // 16, 16)
     if SR:
         q = _sr_e2m1_value(a, rand.reshape(BM, BN // 16, 16))
-    code = (_e2m1_index(q).reshape(BM, BN)
-            | (((x < 0) & (a.reshape(BM, BN) > 0)).to(tl.int32) << 3)).to(tl.uint32)
-    # a block's 16 codes -> one int64, low nibble first (what _decode reads), by splits: a block
-    # stays in a thread
-    a, b = tl.split(code.reshape(BM, BN // 16, 8, 2))
-    a, b = tl.split((a | (b << 4)).reshape(BM, BN // 16, 4, 2))
-    a, b = tl.split((a | (b << 8)).reshape(BM, BN // 16, 2, 2))
-    a, b = tl.split((a | (b << 16)).reshape(BM, BN // 16, 1, 2))
-    w = a.reshape(BM, BN // 16).to(tl.int64) | (b.reshape(BM, BN // 16).to(tl.int64) << 32)
+    w = _pack_codes(q, x, a, BM, BN // 16, 16)  # a block's 16 codes: one int64, as _decode reads
     tl.store(codes_ptr.to(tl.pointer_type(tl.int64)) + blk, w, mask=rmask)
     tl.store(scales_ptr + blk, bits, mask=rmask)
 
@@ -205,9 +191,9 @@ def _update_pass(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, mu_ptr, gs_m_ptr,
                                  wd_factor, beta1, one_minus_beta1, beta2, one_minus_beta2,
                                  bc2_sqrt, eps, step_size, FLOOR, EXACT_FMA, BM, BN, LOG2_BN)
     tl.store(p_t + offs, p, mask=mask_r[:, None])
-    # global scales (nvfp4.global_scales with 4/6: bound 256)
-    se_m, gs_m = _global_scales(tl.load(amax_ptr), 256.0)
-    se_v, gs_v = _global_scales(tl.load(amax_ptr + 1), 256.0)
+    # global scales (nvfp4.global_scales with 4/6's bound)
+    se_m, gs_m = _global_scales(tl.load(amax_ptr), E4M3_MAX_46)
+    se_v, gs_v = _global_scales(tl.load(amax_ptr + 1), E4M3_MAX_46)
     # Philox keyed by element index (a uint32: int32 rows suffice); m and v draw independent words
     # (own seeds)
     rand = _random_words(tl.load(seed_m_ptr), rows, cols, C, BM, BN)
@@ -233,8 +219,8 @@ def fused_adamw_step(p, g, state, lr, beta1, beta2, eps, weight_decay, step, see
     m.scales, m.global_scale, v.codes, v.scales, v.global_scale, v.tile_mean), updated in place.
     seed_m, seed_v: the stochastic-rounding seeds of m's and v's encodings (one pair per step),
     0-d int64 tensors on p's device (optim._seeds draws them there) or host ints.
-    floor: the decoded sqrt(v) is at least floor * its tile mean (optim.ADAMW["v.floor"]; a power of
-    two).
+    floor: the decoded sqrt(v) is at least floor * its tile mean (optim.CONTRACT["adamw.v.floor"];
+    a power of two).
     rounding_m, rounding_v: "rtn" | "sr" | "sr_up", the states' contract entries' rounding.
     elements_per_program / num_warps: launch shape (the results do not depend on it)."""
     if p.dtype != torch.float32 or p.dim() != 2 or not p.is_contiguous():

@@ -23,19 +23,19 @@ import torch
 
 # route: the FP4 products' route ("reference": no kernel runs); hw_e4m3: E4M3 conversions in
 # hardware; shared: bytes a block may use; tiles: the FP4 tile table
-Target = collections.namedtuple("Target", "arch generation route hw_e4m3 shared tiles")
+Target = collections.namedtuple("Target", "arch route hw_e4m3 shared tiles")
 
-# (major, minor) -> (generation, route, hw_e4m3, shared, tiles); a capability takes its major's
-# highest row at or below it (8.7 -> 8.6)
+# (major, minor) -> (route, hw_e4m3, shared, tiles); a capability takes its major's highest row at
+# or below it (8.7 -> 8.6)
 TABLE = {
-    (8, 0): ("Ampere", "grid-values", False, 166912, None),            # A100, A800
-    (8, 6): ("Ampere", "grid-values", False, 101376, None),            # A6000, RTX 3090
-    (8, 9): ("Ada", "grid-values", True, 101376, None),                # L40S, RTX 4090
-    (9, 0): ("Hopper", "grid-values", True, 232448, None),             # H100, H200
-    (10, 0): ("Blackwell", "fp4-mma", True, 232448, "sm100"),          # B200, GB200
-    (10, 3): ("Blackwell", "fp4-mma", True, 232448, "sm100"),          # B300, GB300
-    (12, 0): ("consumer Blackwell", "fp4-mma", True, 101376, "sm120"),  # RTX 5090, RTX PRO 6000
-    (12, 1): ("consumer Blackwell", "fp4-mma", True, 101376, "sm120"),  # DGX Spark (GB10)
+    (8, 0): ("grid-values", False, 166912, None),       # Ampere: A100, A800
+    (8, 6): ("grid-values", False, 101376, None),       # Ampere: A6000, RTX 3090
+    (8, 9): ("grid-values", True, 101376, None),        # Ada: L40S, RTX 4090
+    (9, 0): ("grid-values", True, 232448, None),        # Hopper: H100, H200
+    (10, 0): ("fp4-mma", True, 232448, "sm100"),        # Blackwell: B200, GB200
+    (10, 3): ("fp4-mma", True, 232448, "sm100"),        # Blackwell: B300, GB300
+    (12, 0): ("fp4-mma", True, 101376, "sm120"),        # consumer Blackwell: RTX 5090, RTX PRO 6000
+    (12, 1): ("fp4-mma", True, 101376, "sm120"),        # consumer Blackwell: DGX Spark (GB10)
 }
 
 
@@ -44,13 +44,13 @@ def target(capability):
     older than sm_80 (no bf16): the reference route. A major the table does not know (11.x, 13+)
     gets the grid-value route on the smallest shared memory: nothing it was not built for."""
     if capability is None:
-        return Target(None, "none", "reference", False, 0, None)
+        return Target(None, "reference", False, 0, None)
     cap, arch = tuple(capability), f"sm_{capability[0]}{capability[1]}"
     if cap < (8, 0):
-        return Target(arch, "pre-Ampere", "reference", False, 0, None)
+        return Target(arch, "reference", False, 0, None)
     rows = [c for c in TABLE if c[0] == cap[0] and c <= cap]
     if not rows:
-        return Target(arch, "unknown", "grid-values", True, 101376, None)
+        return Target(arch, "grid-values", True, 101376, None)
     return Target(arch, *TABLE[max(rows)])
 
 

@@ -10,6 +10,25 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _patch_interpreter_loop_bounds():
+    """Triton 3.6's interpreter holds scalars as shape-(1,) numpy arrays and turns them into loop
+    bounds with int(array), which NumPy >= 2.4 refuses ("only 0-dimensional arrays can be
+    converted"): every `range(lo, hi)` with runtime bounds fails. Convert through .item() instead.
+    A no-op on older NumPy and on Triton 3.9 (which needs no patch)."""
+    import triton.runtime.interpreter as interp
+    original = interp._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interp._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_interpreter_loop_bounds()
 # A private inductor cache per session: the shared /tmp/torchinductor_<user> served graphs compiled
 # against an earlier signature of the nanofp4:: custom ops (the ops' names stay when their bodies
 # change), which failed tests/test_compile.py on a machine that had run older code.

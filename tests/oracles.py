@@ -1,4 +1,8 @@
-"""Test oracles that the product does not need (the layers read stored operands transposed instead)."""
+"""Test oracles that the product does not need (the layers read stored operands transposed instead; the
+kernels draw their own random bits)."""
+
+import triton
+import triton.language as tl
 
 import nvfp4
 
@@ -9,3 +13,10 @@ def transposed(t):
     codes = t.unpack_codes().transpose(-1, -2).contiguous()
     return nvfp4.NVFP4Tensor(codes[..., 0::2] | (codes[..., 1::2] << 4), t.scales.transpose(-1, -2).contiguous(),
                              t.global_scale, codes.shape, t.block[::-1])
+
+
+@triton.jit
+def noise_bits(u):
+    """Given uniforms u = k * 2^-24 (torch.rand's fp32 grid, k < 2^24) -> the 32 random bits
+    nvfp4_math._sr_e2m1_value reads: k << 8, exactly (the same decisions as the reference's u)."""
+    return (u * 2.0 ** 24).to(tl.uint32) << 8

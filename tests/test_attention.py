@@ -14,6 +14,7 @@ import attention
 import nvfp4
 from kernels import flash_attention as fa
 from kernels import nvfp4_math as nm
+from oracles import noise_bits
 
 FP4_POLICIES = ["fp4", "fp4_pv", "fp4_dov", "fp4_all"]
 
@@ -207,7 +208,7 @@ def _quant_tile_kernel(X, U, OUT, AMAX, R: tl.constexpr, C: tl.constexpr, SR: tl
     # uniforms on torch.rand's 2^-24 grid -> the random words the kernels draw (exactly the same
     # decisions)
     out = fa._fake_quant_rows16(tl.load(X + r), s_enc, s_dec,
-                                nm._noise_bits(tl.load(U + r)), R, C, SR)
+                                noise_bits(tl.load(U + r)), R, C, SR)
     tl.store(OUT + r, out)
 
 
