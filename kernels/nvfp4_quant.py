@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.nvfp4_dequant import _hw_bf16, dequantize
+from kernels.nvfp4_dequant import dequantize
 from kernels.nvfp4_math import (
     E4M3_MAX, E4M3_MAX_46, _block_random_words, _column_random_words, _decode_byte_pairs,
     _e2m1_index, _e4m3_value, _global_scales, _hadamard16, _load_tile, _random_words, _rotate,
@@ -511,7 +511,7 @@ def _cols_launch(x3, amax, hadamard, four_over_six, seed, rounding="rtn", codes=
         SR=rounding in SR_MODES, SCALE_UP=rounding == "sr_up",
         HADAMARD=hadamard is not None, WRITE_CODES=codes is not None,
         WRITE_VALUES=values is not None, AMAX_ONLY=amax_only, PLAIN_TOO=plain_too,
-        PACKED_X=packed, X_BF16=packed and x3.bf16, HW_BF16=_hw_bf16(), num_warps=COLS_WARPS,
+        PACKED_X=packed, X_BF16=packed and x3.bf16, HW_BF16=on_gpu(), num_warps=COLS_WARPS,
         maxnreg=COLS_MAXNREG, enable_fp_fusion=False)
     return partial.view(-1, n).amax(1).unbind() if amax_only else None
 
