@@ -26,10 +26,11 @@ The variants of Fig. 5 (`policy_errors` gives its numbers) quantize one more pat
 POLICIES.
 
 Choices the paper leaves open:
-- Blocks along T. PV, dS K and dS^T Q contract over T, where V, K, Q are blocked along D. Every
-  NVFP4 operand here is multiplied as its exact dequantized value (Hopper has no FP4 tensor cores),
-  so any orientation is exact; a native Blackwell GEMM would need 16x1 (or 16x16) copies. Reusing
-  the one 1x16 quantization keeps consistency.
+- Blocks along T. PV, dS K and dS^T Q contract over T, where V, K, Q are blocked along D: they
+  multiply the one 1x16 quantization's exact dequantized values (on Hopper, which has no FP4 tensor
+  cores, every NVFP4 product does; on Blackwell Q K^T, and dO V^T / P^T dO where a policy quantizes
+  dO, run on the FP4 tensor cores: kernels/flash_attention.py). A second quantization along T would
+  change the numbers and break forward-backward consistency.
 - dS's SR uniforms come from a counter hash of (seed, head, query, key, pass), so the reference and
   the kernels draw the same bits for any tiling; 16 bits each (one 32-bit hash serves two
   neighbours), which biases a rounding decision by < 2^-16 of an E2M1 step.
@@ -49,6 +50,7 @@ Choices the paper leaves open:
 import math
 
 import torch
+from torch import Tensor
 
 import nvfp4
 from kernels import flash_attention
@@ -72,6 +74,220 @@ HEAD_DIMS = (64, 128)
 LOG2E = 1.4426950408889634
 P_GLOBAL_SCALE = nvfp4.global_scales(torch.tensor(1.0))[1].item()  # S_dec of P: amax(P) <= 1
 M32 = 0xFFFFFFFF
+
+
+def attention(q, k, v, causal=True, policy="fp4"):
+    """Scaled dot-product attention softmax(Q K^T / sqrt(D)) V with the precision `policy` (see
+    POLICIES). q (B, H, T, D), k, v (B, Hkv, T, D) with H % Hkv == 0 (GQA), D in {64, 128}. The
+    route is the project's seam, nvfp4.use_kernels (train.py --route): the flash kernels of
+    kernels/flash_attention.py (CPU tensors in Triton's interpreter) or this file's tiled PyTorch
+    reference (fp32)."""
+    if policy not in POLICIES:
+        raise ValueError(f"attention: policy must be one of {list(POLICIES)}, got {policy!r}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != 4 or not x.is_floating_point():
+            raise ValueError(f"attention: {name} must be a 4-D float tensor (B, heads, T, D), got "
+                             f"{x.dtype} {tuple(x.shape)}")
+    B, H, T, D = q.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[2:] != (T, D):
+        raise ValueError(f"attention: k and v must be (B, Hkv, T, D) = ({B}, Hkv, {T}, {D}) "
+                         f"like q; got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"attention: head dim D = {D} is not supported; use one of {HEAD_DIMS}")
+    if H % k.shape[1]:
+        raise ValueError(f"attention: query heads H = {H} must be a multiple of kv heads "
+                         f"Hkv = {k.shape[1]} (GQA)")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise ValueError(f"attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}")
+    return attention_op(q, k, v, causal, policy)[0]
+
+
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention as two torch.library custom ops, the forward and the backward, with autograd between
+# them (eager runs them as they are; torch.compile sees opaque nodes). The draws (dS's stream seed,
+# dO's SR seeds) are made inside the backward body when it runs, in eager's order.
+
+@torch.library.custom_op("nanofp4::attention", mutates_args=())
+def attention_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, policy: str
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                            Tensor, Tensor, Tensor]:
+    """attention_forward: (o, lse, q_codes, q_scales, q_scale, k_codes, k_scales, k_scale,
+    v_codes, v_scales, v_scale)."""
+    with torch.autocast(q.device.type, enabled=False):  # the policy's arithmetic, not autocast's
+        return attention_forward(q, k, v, causal, policy)
+
+
+@attention_op.register_fake
+def _(q, k, v, causal, policy):
+    """attention_forward's outputs, empty: what torch.compile plans with."""
+    (B, H, T, D), Hkv = q.shape, k.shape[1]
+    fp4 = ([t for h in (H, Hkv, Hkv)  # codes, scales, global scale of Q, K, V
+            for t in (q.new_empty(B, h, T, D // 2, dtype=torch.uint8),
+                      q.new_empty(B, h, T, D // 16, dtype=torch.float8_e4m3fn),
+                      q.new_empty((), dtype=torch.float32))]
+           if POLICIES[policy]["qkv"] else [q.new_empty(0) for _ in range(9)])
+    return q.new_empty(q.shape), q.new_empty(B, H, T, dtype=torch.float32), *fp4
+
+
+@torch.library.custom_op("nanofp4::attention_backward", mutates_args=())
+def attention_backward_op(do: Tensor, o: Tensor, lse: Tensor, q_codes: Tensor, q_scales: Tensor,
+                          q_scale: Tensor, k_codes: Tensor, k_scales: Tensor, k_scale: Tensor,
+                          v_codes: Tensor, v_scales: Tensor, v_scale: Tensor, q: Tensor,
+                          k: Tensor, v: Tensor, causal: bool, policy: str
+                          ) -> tuple[Tensor, Tensor, Tensor]:
+    """attention_backward: (dQ, dK, dV). q, k, v: the BF16 inputs where the policy keeps them
+    (empty tensors where it quantizes them: then the packed ones are read)."""
+    fp4 = None
+    if POLICIES[policy]["qkv"]:
+        fp4 = (nvfp4.packed(q_codes, q_scales, q_scale, (1, 16)),
+               nvfp4.packed(k_codes, k_scales, k_scale, (1, 16)),
+               nvfp4.packed(v_codes, v_scales, v_scale, (1, 16)))
+    with torch.autocast(do.device.type, enabled=False):
+        return attention_backward(do, o, lse, fp4, (q, k, v), causal, policy)
+
+
+@attention_backward_op.register_fake
+def _(do, o, lse, q_codes, q_scales, q_scale, k_codes, k_scales, k_scale, v_codes, v_scales,
+      v_scale, q, k, v, causal, policy):
+    kv_shape = (o.shape[0], (k_codes if POLICIES[policy]["qkv"] else k).shape[1], *o.shape[2:])
+    return o.new_empty(o.shape), o.new_empty(kv_shape), o.new_empty(kv_shape)
+
+
+def _attention_setup_context(ctx, inputs, output):
+    """Saved for the backward: o, lse, the packed NVFP4 Q, K, V, and the BF16 q, k, v only where
+    the policy does not quantize them (empty tensors in their place otherwise)."""
+    q, k, v, causal, policy = inputs
+    o, lse, *fp4 = output
+    qkv = [q.new_empty(0) for _ in "qkv"] if POLICIES[policy]["qkv"] else (q, k, v)
+    ctx.save_for_backward(o, lse, *fp4, *qkv)
+    ctx.causal, ctx.policy = causal, policy
+
+
+def _attention_autograd(ctx, do, *_):
+    o, lse, *rest = ctx.saved_tensors
+    dq, dk, dv = attention_backward_op(do, o, lse, *rest, ctx.causal, ctx.policy)
+    return dq, dk, dv, None, None
+
+
+attention_op.register_autograd(_attention_autograd, setup_context=_attention_setup_context)
+
+
+def attention_forward(q, k, v, causal, policy):
+    """-> (o, lse, then the NVFP4 Q, K, V the backward reads, as (codes, scales, global scale)
+    each (the saved activations are 4-bit), empty tensors where the policy keeps them in BF16:
+    then the backward reads q, k, v)."""
+    pol, kernels = POLICIES[policy], nvfp4.use_kernels(q)
+    sm_scale = 1.0 / math.sqrt(q.shape[-1])
+    dtype = q.dtype
+    fp4 = None
+    if pol["qkv"]:  # quantized ONCE: the backward reads these very codes (fwd-bwd consistency)
+        (qq, qv), (kq, kv), (vq, vv) = [_quantize_qkv(x, n, kernels)
+                                        for x, n in ((q, "Q"), (k, "K"), (v, "V"))]
+        ops, sg = (qv, kv, vv), [qq.global_scale, kq.global_scale, vq.global_scale]
+        fp4 = (qq, kq, vq)
+    else:
+        ops = (q, k, v) if kernels else (q.float(), k.float(), v.float())
+        sg = [1.0, 1.0, 1.0]
+    if kernels:
+        scales = kernel_scales(*sg, P_GLOBAL_SCALE if pol["p"] else 1.0, 1.0, 1.0,
+                                device=q.device)
+        # fp4: Q K^T on the FP4 tensor cores of a Blackwell GPU (flash_attention's FP4_MMA)
+        o, lse = flash_attention.flash_forward(*ops, scales, causal, sm_scale, pol["p"], dtype,
+                                               packed=fp4)
+    else:
+        o, lse = reference_forward(*ops, causal, pol["p"], sm_scale, dtype)
+        o = o.to(dtype)
+    fp4 = ([t for x in fp4 for t in (x.codes, x.scales, x.global_scale)] if fp4 is not None
+           else [q.new_empty(0) for _ in range(9)])
+    return o, lse, *fp4
+
+
+def _ds_bound(do, do_dov, do_norm, delta, vq):
+    """dS in NVFP4 (§3.5, SR): its stream keys (one seed drawn on the device, nvfp4.sr_seed) and
+    ds_bound."""
+    B, H, T, D = do.shape
+    seed = nvfp4.sr_seed(device=do.device)
+    keys = sr_keys(seed, B * H, device=do.device).reshape(B, H, 2)
+    do_eff_norm = do_dov.dequantize().norm(dim=-1) if do_dov is not None else do_norm
+    # >= every |V_hat| (s_b <= 448)
+    v_amax = vq.global_scale * (nvfp4.E4M3_MAX * nvfp4.FP4_MAX)
+    return keys, ds_bound(do_eff_norm, v_amax, delta, D, H // vq.shape[1])
+
+
+def attention_backward(do, o, lse, fp4, qkv, causal, policy):
+    """(dQ, dK, dV) from dO, the forward's o and lse, and fp4: its NVFP4 (Q, K, V) where the
+    policy quantizes them (None: qkv, the BF16 inputs, are read instead)."""
+    pol, kernels = POLICIES[policy], nvfp4.use_kernels(o)
+    B, H, T, D = o.shape
+    dtype = o.dtype
+    sm_scale = 1.0 / math.sqrt(D)
+    do = do.to(dtype).contiguous()
+    do_dov = do_pdo = None
+    if pol["dov"]:   # dO V^T in NVFP4: dO in 1x16 blocks along D (the contraction), SR
+        do_dov = nvfp4.quantize(do, (1, 16), "sr", name="attention dO")
+    # P^T dO in NVFP4: dO in 16x1 blocks along T (the contraction), SR; T zero-padded
+    if pol["pdo"]:
+        pad = -T % 16
+        do_pdo = nvfp4.quantize(torch.nn.functional.pad(do, (0, 0, 0, pad)), (16, 1), "sr",
+                                name="attention dO")
+    if kernels:
+        delta, do_norm = flash_attention.bwd_preprocess(o, do)
+    else:
+        delta = (o.float() * do.float()).sum(-1)
+        do_norm = do.float().norm(dim=-1)
+    keys, ds_amax = _ds_bound(do, do_dov, do_norm, delta, fp4[2]) if pol["ds"] else (None, None)
+    if kernels:
+        if pol["qkv"]:
+            ops = [grid_values_bf16(t) for t in fp4]
+            sg = [t.global_scale for t in fp4]
+        else:
+            ops, sg = qkv, [1.0, 1.0, 1.0]
+        scales = kernel_scales(*sg, P_GLOBAL_SCALE if pol["pdo"] else 1.0,
+                                do_dov.global_scale if pol["dov"] else 1.0,
+                                do_pdo.global_scale if pol["pdo"] else 1.0, device=do.device)
+        dq, dk, dv = flash_attention.flash_backward(
+            *ops, scales, do, lse, delta,
+            do_dov.grid_values().to(dtype) if pol["dov"] else None,
+            do_pdo.grid_values()[:, :, :T].to(dtype) if pol["pdo"] else None,
+            None if ds_amax is None else ds_amax.reshape(-1),
+            None if keys is None else keys.reshape(-1, 2), causal, sm_scale, dtype,
+            packed=(*fp4, do_dov, do_pdo) if pol["qkv"] else None)
+    else:
+        ops = [t.dequantize() for t in fp4] if pol["qkv"] else [x.float() for x in qkv]
+        dq, dk, dv = reference_backward(
+            *ops, o, lse, do, causal, sm_scale, dtype,
+            do_dov=do_dov.dequantize() if pol["dov"] else None,
+            do_pdo=do_pdo.dequantize()[:, :, :T] if pol["pdo"] else None,
+            ds_amax=ds_amax, keys=keys)
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype)
+
+
+# The bodies: forward and backward of one policy, on the kernels or the reference
+
+def _quantize_qkv(x, name, kernels):
+    """Q, K or V in NVFP4: 1x16 blocks along D, RTN. Returns the packed tensor (what the backward
+    reads) and this forward's matmul operand: the bf16 grid values q * s_b written by the same pass
+    for the kernels (which apply s_g to their fp32 accumulators), the dequantized fp32 values for
+    the reference."""
+    if kernels:
+        values, s_g, codes, scales = quantize_dequant(x.detach(), (1, 16), "rtn",
+                                                      return_tensor=True, name=f"attention {name}")
+        return nvfp4.NVFP4Tensor(codes, scales, s_g, x.shape, (1, 16)), values
+    t = nvfp4.quantize(x.detach(), (1, 16), "rtn", name=f"attention {name}")
+    return t, t.dequantize()
+
+
+def kernel_scales(*sg, device):
+    """The kernels' fp32 vector of 6 global scales [Q, K, V, P, dO (dO V^T), dO (P^T dO)], 1 where
+    unused. Python numbers become device constants by a fill, not torch.tensor (a copy from
+    pageable host memory synchronizes the stream) and not a cache (a tensor first made inside a
+    CUDA graph's capture would stay in its memory pool, which torch.compile's graphs refuse)."""
+    return torch.stack([s.float().reshape(()) if torch.is_tensor(s)
+                        else torch.full((), float(s), dtype=torch.float32, device=device)
+                        for s in sg])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -218,179 +434,6 @@ def reference_backward(q, k, v, o, lse, do, causal, sm_scale, dtype, do_dov=None
     dv = dv.reshape(B, Hkv, G, T, D).sum(2)
     return dq * sm_scale, dk * sm_scale, dv
 
-
-
-# --------------------------------------------------------------------------------------------------
-# The autograd function: forward and backward of one policy, on the kernels or the reference
-
-def _quantize_qkv(x, name, kernels):
-    """Q, K or V in NVFP4: 1x16 blocks along D, RTN. Returns the packed tensor (what the backward
-    reads) and this forward's matmul operand: the bf16 grid values q * s_b written by the same pass
-    for the kernels (which apply s_g to their fp32 accumulators), the dequantized fp32 values for
-    the reference."""
-    if kernels:
-        values, s_g, codes, scales = quantize_dequant(x.detach(), (1, 16), "rtn",
-                                                      return_tensor=True, name=f"attention {name}")
-        return nvfp4.NVFP4Tensor(codes, scales, s_g, x.shape, (1, 16)), values
-    t = nvfp4.quantize(x.detach(), (1, 16), "rtn", name=f"attention {name}")
-    return t, t.dequantize()
-
-
-def _global_scales(*sg, device):
-    """The kernels' fp32 vector of 6 global scales [Q, K, V, P, dO (dO V^T), dO (P^T dO)], 1 where
-    unused. Python numbers become device constants by a fill, not torch.tensor (a copy from
-    pageable host memory synchronizes the stream) and not a cache (a tensor first made inside a
-    CUDA graph's capture would stay in its memory pool, which torch.compile's graphs refuse)."""
-    return torch.stack([s.float().reshape(()) if torch.is_tensor(s)
-                        else torch.full((), float(s), dtype=torch.float32, device=device)
-                        for s in sg])
-
-
-# One policy's forward and backward as one FP4 op (nvfp4.fp4_op: eager's autograd.Function and
-# torch.compile's custom ops from this one definition)
-
-@nvfp4.without_autocast
-def attention_forward(q, k, v, causal, policy):
-    """-> (o, made): made = (lse, then the NVFP4 Q, K, V the backward reads as (codes, scales,
-    global scale) each (the saved activations are 4-bit), empty tensors where the policy keeps
-    them in BF16: then the backward reads q, k, v)."""
-    pol, kernels = POLICIES[policy], nvfp4.use_kernels(q)
-    sm_scale = 1.0 / math.sqrt(q.shape[-1])
-    dtype = q.dtype
-    fp4 = None
-    if pol["qkv"]:  # quantized ONCE: the backward reads these very codes (fwd-bwd consistency)
-        (qq, qv), (kq, kv), (vq, vv) = [_quantize_qkv(x, n, kernels)
-                                        for x, n in ((q, "Q"), (k, "K"), (v, "V"))]
-        ops, sg = (qv, kv, vv), [qq.global_scale, kq.global_scale, vq.global_scale]
-        fp4 = (qq, kq, vq)
-    else:
-        ops = (q, k, v) if kernels else (q.float(), k.float(), v.float())
-        sg = [1.0, 1.0, 1.0]
-    if kernels:
-        scales = _global_scales(*sg, P_GLOBAL_SCALE if pol["p"] else 1.0, 1.0, 1.0,
-                                device=q.device)
-        # fp4: Q K^T on the FP4 tensor cores of a Blackwell GPU (flash_attention's FP4_MMA)
-        o, lse = flash_attention.flash_forward(*ops, scales, causal, sm_scale, pol["p"], dtype,
-                                               packed=fp4)
-    else:
-        o, lse = reference_forward(*ops, causal, pol["p"], sm_scale, dtype)
-        o = o.to(dtype)
-    fp4 = ([t for x in fp4 for t in (x.codes, x.scales, x.global_scale)] if fp4 is not None
-           else [q.new_empty(0) for _ in range(9)])
-    return o, (lse, *fp4)
-
-
-def _ds_bound(do, do_dov, do_norm, delta, vq):
-    """dS in NVFP4 (§3.5, SR): its stream keys (one seed drawn on the device, nvfp4.sr_seed) and
-    ds_bound."""
-    B, H, T, D = do.shape
-    seed = nvfp4.sr_seed(device=do.device)
-    keys = sr_keys(seed, B * H, device=do.device).reshape(B, H, 2)
-    do_eff_norm = do_dov.dequantize().norm(dim=-1) if do_dov is not None else do_norm
-    # >= every |V_hat| (s_b <= 448)
-    v_amax = vq.global_scale * (nvfp4.E4M3_MAX * nvfp4.FP4_MAX)
-    return keys, ds_bound(do_eff_norm, v_amax, delta, D, H // vq.shape[1])
-
-
-@nvfp4.without_autocast
-def attention_backward(do, o, made, qkv, dtypes, need, causal, policy):
-    """(dQ, dK, dV) from dO, the forward's o and made (qkv: the BF16 inputs, kept where the
-    policy does not quantize them)."""
-    pol, kernels, lse = POLICIES[policy], nvfp4.use_kernels(o), made[0]
-    fp4 = tuple(nvfp4.packed(*made[i:i + 3], (1, 16)) for i in (1, 4, 7)) if pol["qkv"] else None
-    B, H, T, D = o.shape
-    dtype = o.dtype
-    sm_scale = 1.0 / math.sqrt(D)
-    do = do.to(dtype).contiguous()
-    do_dov = do_pdo = None
-    if pol["dov"]:   # dO V^T in NVFP4: dO in 1x16 blocks along D (the contraction), SR
-        do_dov = nvfp4.quantize(do, (1, 16), "sr", name="attention dO")
-    # P^T dO in NVFP4: dO in 16x1 blocks along T (the contraction), SR; T zero-padded
-    if pol["pdo"]:
-        pad = -T % 16
-        do_pdo = nvfp4.quantize(torch.nn.functional.pad(do, (0, 0, 0, pad)), (16, 1), "sr",
-                                name="attention dO")
-    if kernels:
-        delta, do_norm = flash_attention.bwd_preprocess(o, do)
-    else:
-        delta = (o.float() * do.float()).sum(-1)
-        do_norm = do.float().norm(dim=-1)
-    keys, ds_amax = _ds_bound(do, do_dov, do_norm, delta, fp4[2]) if pol["ds"] else (None, None)
-    if kernels:
-        if pol["qkv"]:
-            ops = [grid_values_bf16(t) for t in fp4]
-            sg = [t.global_scale for t in fp4]
-        else:
-            ops, sg = qkv, [1.0, 1.0, 1.0]
-        scales = _global_scales(*sg, P_GLOBAL_SCALE if pol["pdo"] else 1.0,
-                                do_dov.global_scale if pol["dov"] else 1.0,
-                                do_pdo.global_scale if pol["pdo"] else 1.0, device=do.device)
-        dq, dk, dv = flash_attention.flash_backward(
-            *ops, scales, do, lse, delta,
-            do_dov.grid_values().to(dtype) if pol["dov"] else None,
-            do_pdo.grid_values()[:, :, :T].to(dtype) if pol["pdo"] else None,
-            None if ds_amax is None else ds_amax.reshape(-1),
-            None if keys is None else keys.reshape(-1, 2), causal, sm_scale, dtype,
-            packed=(*fp4, do_dov, do_pdo) if pol["qkv"] else None)
-    else:
-        ops = [t.dequantize() for t in fp4] if pol["qkv"] else [x.float() for x in qkv]
-        dq, dk, dv = reference_backward(
-            *ops, o, lse, do, causal, sm_scale, dtype,
-            do_dov=do_dov.dequantize() if pol["dov"] else None,
-            do_pdo=do_pdo.dequantize()[:, :, :T] if pol["pdo"] else None,
-            ds_amax=ds_amax, keys=keys)
-    return dq.to(dtype), dk.to(dtype), dv.to(dtype)
-
-
-def attention_fake(q, k, v, causal, policy):
-    """attention_forward's outputs, empty."""
-    (B, H, T, D), Hkv = q.shape, k.shape[1]
-    fp4 = ([t for h in (H, Hkv, Hkv)  # codes, scales, global scale of Q, K, V
-            for t in (q.new_empty(B, h, T, D // 2, dtype=torch.uint8),
-                      q.new_empty(B, h, T, D // 16, dtype=torch.float8_e4m3fn),
-                      q.new_empty((), dtype=torch.float32))]
-           if POLICIES[policy]["qkv"] else [q.new_empty(0) for _ in range(9)])
-    return q.new_empty(q.shape), [q.new_empty(B, H, T, dtype=torch.float32), *fp4]
-
-
-def attention_grad_fake(do, o, made, qkv, dtypes, need, causal, policy):
-    kv_shape = (o.shape[0], (made[4] if POLICIES[policy]["qkv"] else qkv[1]).shape[1],
-                *o.shape[2:])
-    return o.new_empty(o.shape), o.new_empty(kv_shape), o.new_empty(kv_shape)
-
-
-_attention = nvfp4.fp4_op(
-    "attention", "Tensor q, Tensor k, Tensor v, bool causal, str policy", (10, 3),
-    attention_forward, attention_backward, attention_fake, attention_grad_fake, save_output=True,
-    keep=lambda q, k, v, causal, policy: ([q.new_empty(0) for _ in "qkv"]
-                                          if POLICIES[policy]["qkv"] else (q, k, v)))
-
-
-def attention(q, k, v, causal=True, policy="fp4"):
-    """Scaled dot-product attention softmax(Q K^T / sqrt(D)) V with the precision `policy` (see
-    POLICIES). q (B, H, T, D), k, v (B, Hkv, T, D) with H % Hkv == 0 (GQA), D in {64, 128}. The
-    route is the project's seam, nvfp4.use_kernels (NANOFP4_ROUTE): the flash kernels of
-    kernels/flash_attention.py (CPU tensors in Triton's interpreter) or this file's tiled PyTorch
-    reference (fp32)."""
-    if policy not in POLICIES:
-        raise ValueError(f"attention: policy must be one of {list(POLICIES)}, got {policy!r}")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.dim() != 4 or not x.is_floating_point():
-            raise ValueError(f"attention: {name} must be a 4-D float tensor (B, heads, T, D), got "
-                             f"{x.dtype} {tuple(x.shape)}")
-    B, H, T, D = q.shape
-    if k.shape != v.shape or k.shape[0] != B or k.shape[2:] != (T, D):
-        raise ValueError(f"attention: k and v must be (B, Hkv, T, D) = ({B}, Hkv, {T}, {D}) "
-                         f"like q; got k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if D not in HEAD_DIMS:
-        raise ValueError(f"attention: head dim D = {D} is not supported; use one of {HEAD_DIMS}")
-    if H % k.shape[1]:
-        raise ValueError(f"attention: query heads H = {H} must be a multiple of kv heads "
-                         f"Hkv = {k.shape[1]} (GQA)")
-    if q.dtype != k.dtype or q.dtype != v.dtype:
-        raise ValueError(f"attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, "
-                         f"{v.dtype}")
-    return _attention(q, k, v, causal, policy)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ optimizer)` re-derives (W_res, L1, L2) from a randomized SVD of the total weight
 
 On CUDA the branch rides on the NVFP4 GEMMs (App. 9, kernels/lora_fused.py): r extra columns of the
 residual's bf16 grid-value GEMM, so Y and dX are written once. The seam is nvfp4.use_kernels
-(NANOFP4_ROUTE). Parameters may be FSDP2 DTensors: projection and realignment gather them and write
+(train.py --route). Parameters may be FSDP2 DTensors: projection and realignment gather them and write
 back the local shards.
 
 NaiveLoRALinear is the ablation baseline (Table 3, "naive LoRA"): an NVFP4 main weight plus an
@@ -41,7 +41,6 @@ import torch
 import torch.nn as nn
 
 import nvfp4
-from kernels import lora_fused
 
 # -----------------------------------------------------------------------------
 # SVD split: W -> (W_res, L1, L2)
@@ -119,7 +118,7 @@ def shard_like(t, full):
 
 
 # -----------------------------------------------------------------------------
-# eqs. 1-2: the LoRA-SVD linear as one autograd function
+# eqs. 1-2: the LoRA-SVD linear is the direct layer's op with the branch beside it
 
 
 # The precision contract of eq. 1: the NVFP4 residual's three GEMMs are nvfp4.LINEAR's entries (the
@@ -136,104 +135,17 @@ def branch_dtype():
     return BRANCH_DTYPES[BRANCH]
 
 
-def _branch(x, A, B, dt):
-    """(x A^T) B^T on dt operands (the intermediate rounded to dt too), fp32 accumulation: the GPU's
-    BF16 GEMMs."""
-    t = (x.to(dt).float() @ A.to(dt).float().t()).to(dt)
-    return t.float() @ B.to(dt).float().t()
-
-
-# eqs. 1-2 as one FP4 op (nvfp4.fp4_op: eager's autograd.Function and torch.compile's custom ops
-# from this one definition). W_res takes the direct layer's route: one quantize pass writes what dX
-# reads again (nvfp4.linear_forward).
-
-@nvfp4.without_autocast
-def lora_forward(x, weight_res, L1, L2, beta, four_over_six):
-    """eq. 1's Y = Q1x16(X) Q16x16(W_res)^T + beta (X L1^T) L2^T, the residual as nvfp4.LINEAR
-    says (4/6 resolved), the branch in BRANCH. x (..., in), weight_res (out, in), L1 (r, in), L2
-    (out, r) -> (Y (..., out) in x's dtype, made: the packed Q1x16(X) (T, in) as (codes, scales,
-    global scale), then W_res's quantization as dX multiplies it: the packed Q16x16(W_res)
-    likewise, or the Hopper kernels' ([W_hat | L2] bf16, an empty scales tensor, global scale),
-    kernels/lora_fused.py). Leading dims are flattened into tokens T inside, so Y is not a view
-    (FSDP2 wants that)."""
-    c = nvfp4.linear_contract(four_over_six)
-    x2, bdt = x.reshape(-1, x.shape[-1]), branch_dtype()  # (T, in)
-    w = weight_res.detach()
-    seeds = nvfp4.draws(c["forward.x"], x.device), nvfp4.draws(c["forward.w"], x.device)
-    if nvfp4.use_kernels(x2):  # App. 9: the branch rides the residual's GEMM, Y is written once
-        y, qx, w_made = lora_fused.forward(x2, w, L1, L2, beta, c["forward.x"], c["forward.w"],
-                                           seeds, bdt, x.dtype)
-    else:
-        qw = nvfp4.quantize_as(w, c["forward.w"], seeds[1], name="weight W_res")  # Q16x16(W_res)
-        qx = nvfp4.quantize_as(x2, c["forward.x"], seeds[0], name="activation X")  # Q1x16(X)
-        y = nvfp4.nvfp4_matmul(qx, qw, out_dtype=torch.float32)  # (T, out)
-        y = (y + beta * _branch(x2, L1, L2, bdt)).to(x.dtype)
-        qx, w_made = (qx.codes, qx.scales, qx.global_scale), (qw.codes, qw.scales, qw.global_scale)
-    return y.reshape(*x.shape[:-1], y.shape[-1]), (*qx, *w_made)
-
-
-@nvfp4.without_autocast
-def lora_backward(dy, _, made, kept, dtypes, need, beta, four_over_six):
-    """eq. 1's dX = Q1x16(dY) Q16x16(W_res) + beta (dY L2) L1 (the forward's W_res reused) and eq.
-    2's dW (fp32) from the forward's made tensors; kept: (L1, L2). -> (dX (..., in) in dY's dtype,
-    dW (out, in), then zeros for L1 and L2; None where need says no). The zeros keep every
-    parameter "used" for DDP (no find_unused_parameters) and give project_gradients a grad to add
-    into; the true dL1, dL2 come from project_gradients (eqs. 3-4): App. 8 takes them from dW
-    instead of from a second large GEMM with the high-precision X, which is why neither X nor
-    X L1^T is saved."""
-    c, (L1, L2) = nvfp4.linear_contract(four_over_six), kept
-    lead, dy, bdt = dy.shape[:-1], dy.reshape(-1, dy.shape[-1]), branch_dtype()  # (T, out)
-    qx = nvfp4.packed(*made[:3], (1, 16))
-    seed_dx, H, seeds_dw = nvfp4.backward_draws(c, *need[:2], dy.device)
-    if nvfp4.use_kernels(dy):
-        dx, dw = lora_fused.backward(dy, qx, made[3:], L1, L2, beta, c, need[:2], seed_dx, H,
-                                     seeds_dw, bdt)
-    else:
-        dx = dw = None
-        # eq. 1's dX, the forward's Q16x16(W_res) reused (read transposed, not requantized)
-        if need[0]:
-            q_dy = nvfp4.quantize_as(dy, c["dgrad.dy"], seed_dx,
-                                     name="gradient dY")  # Q1x16(dY)
-            qw = nvfp4.packed(*made[3:], (16, 16))
-            dx = nvfp4.nvfp4_matmul(q_dy, qw, out_dtype=torch.float32, trans_b=True)  # (T, in)
-            dx = (dx + beta * _branch(dy, L2.t(), L1.t(), bdt)).to(dy.dtype)
-        if need[1]:
-            dw = nvfp4.wgrad(dy, qx, c, H, seeds_dw)  # eq. 2, (out, in) fp32
-    zeros = [torch.zeros_like(L) if n else None for L, n in zip(kept, need[2:])]
-    return (dx.reshape(*lead, -1) if dx is not None else None), dw, *zeros
-
-
-def lora_fake(x, weight_res, L1, L2, beta, four_over_six):
-    """lora_forward's outputs, empty (W_res's tensors as the route makes them)."""
-    (K, N), r, e4m3 = (x.shape[-1], weight_res.shape[0]), L1.shape[0], torch.float8_e4m3fn
-    T = x.numel() // K
-    w = ([((N, K + r), torch.bfloat16), ((0,), e4m3)]  # the Hopper kernels' [W_hat | L2]
-         if nvfp4.use_kernels(x) and not lora_fused.use_dot_scaled(x.device)
-         else [((N, K // 2), torch.uint8), ((N // 16, K // 16), e4m3)])
-    made = [((T, K // 2), torch.uint8), ((T, K // 16), e4m3), ((), torch.float32), *w,
-            ((), torch.float32)]
-    return x.new_empty((*x.shape[:-1], N)), [x.new_empty(s, dtype=d) for s, d in made]
-
-
-def lora_grad_fake(dy, _, made, kept, dtypes, need, beta, four_over_six):
-    N, K = dy.shape[-1], 2 * made[0].shape[1]
-    return (dy.new_empty((*dy.shape[:-1], K)) if need[0] else None,
-            dy.new_empty((N, K), dtype=torch.float32) if need[1] else None,
-            *(torch.empty_like(L) if n else None for L, n in zip(kept, need[2:])))
-
-
-_lora_svd = nvfp4.fp4_op(
-    "lora_svd", "Tensor x, Tensor weight_res, Tensor L1, Tensor L2, float beta, bool four_over_six",
-    (6, 2), lora_forward, lora_backward, lora_fake, lora_grad_fake,
-    keep=lambda x, w, L1, L2, *_: (L1, L2))
-
-
 def lora_svd_linear(x, weight_res, L1, L2, beta=1.0, four_over_six=True):
-    """Functional LoRASVDLinear (no bias): x (..., in) -> (..., out). Under autocast X is cast to
-    the autocast dtype, as in nvfp4.nvfp4_linear."""
-    if torch.is_autocast_enabled(x.device.type):
-        x = x.to(torch.get_autocast_dtype(x.device.type))
-    return _lora_svd(x, weight_res, L1, L2, float(beta), four_over_six)
+    """Functional LoRASVDLinear (no bias): x (..., in) -> (..., out), eq. 1's
+        Y  = Q1x16(X) Q16x16(W_res)^T + beta (X L1^T) L2^T
+        dX = Q1x16(dY) Q16x16(W_res) + beta (dY L2) L1,  dW = eq. 2's wgrad (fp32)
+    as nvfp4.nvfp4_linear computes them (nvfp4.linear_forward / linear_backward: the direct layer's
+    three GEMMs, the branch in BRANCH added before Y's and dX's one rounding; on CUDA the branch
+    rides the residual's GEMM, kernels/lora_fused.py). L1 and L2 get zero gradients here; their true
+    ones come from project_gradients (eqs. 3-4): App. 8 takes them from dW instead of from a second
+    large GEMM with the high-precision X, which is why neither X nor X L1^T is saved. Under
+    autocast X is cast to the autocast dtype."""
+    return nvfp4.nvfp4_linear(x, weight_res, four_over_six, L1, L2, beta, branch_dtype())
 
 
 # -----------------------------------------------------------------------------
@@ -337,7 +249,7 @@ class NaiveLoRALinear(nn.Module):
 
     def forward(self, x):
         y = nvfp4.nvfp4_linear(x, self.weight, self.four_over_six)
-        y = y + _branch(x, self.L1, self.L2, branch_dtype()).to(y.dtype)
+        y = y + nvfp4.low_rank(x, self.L1, self.L2, branch_dtype()).to(y.dtype)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self):

@@ -4,8 +4,8 @@ eqs. 1-2 without the LoRA branch) and the quantization-error analysis of App. 7.
 
 The functions here are the reference: plain PyTorch that reads like the equations and runs anywhere.
 They are the spec: the Triton kernels in kernels/ reproduce them (bit for bit for quantization, SR
-included given the same seed; up to summation order for the GEMMs). `use_kernels` below is the one
-seam every module asks.
+included given the same seed; up to summation order for the GEMMs). `use_kernels` (at the end, with
+the rest of the plumbing) is the one seam every module asks.
 
 The format, in Transformer Engine's arithmetic (its NVFP4 recipe; docs/nvfp4_format.md):
   element   E2M1: +-{0, .5, 1, 1.5, 2, 3, 4, 6}; code = sign bit (bit 3) | index into E2M1_VALUES
@@ -14,148 +14,34 @@ The format, in Transformer Engine's arithmetic (its NVFP4 recipe; docs/nvfp4_for
   block     s_b = e4m3(amax_b * (S_enc * RN(1/6)))  (RNE, saturating at 448, subnormals kept)
   value     q = E2M1(clamp(x * RN(1 / (s_b * S_dec)), -6, 6)),  x_hat = q * s_b * S_dec
 and the choices of eqs. 1-2 (which operand gets which blocks and rounding) as data: LINEAR, the
-contract below.
+contract below. In paper order: §2's format, quantizer and Hadamard, the GEMM, the contract, then the
+linear layer of eqs. 1-2 (its two custom ops and the module), App. 7's error analysis; plumbing last.
 """
 
-import functools
 import math
 import os
 from dataclasses import dataclass, replace
+from typing import Optional
 
 import torch
 import torch.nn as nn
+from torch import Tensor
 
+from kernels import lora_fused as lora_kernels
 from kernels import nvfp4_dequant
 from kernels import nvfp4_linear as linear_kernels
 from kernels import nvfp4_quant as quant_kernels
 from kernels import targets
 from kernels.nvfp4_gemm import nvfp4_gemm, use_dot_scaled
-# shapes, "rtn" | "sr" | "sr_up"; the checks
-from kernels.nvfp4_quant import BLOCKS, ROUNDINGS, check_blocks
-
-# --------------------------------------------------------------------------------------------------
-# The seam: the Triton kernels on CUDA, this file's reference everywhere else
-
-ROUTES = ("auto", "reference", "kernels")
-
-
-def _route():
-    route = os.environ.get("NANOFP4_ROUTE", "auto")
-    if route not in ROUTES:
-        raise ValueError(f"NANOFP4_ROUTE must be one of {', '.join(ROUTES)}, got {route!r}")
-    return route
-
-
-def use_kernels(x):
-    """Does an operation on x run the Triton kernels? NANOFP4_ROUTE=auto (default): on a CUDA GPU
-    whose row of kernels/targets.py has them (sm_80 and newer; which FP4 products each takes is
-    decided there too); =reference: never (the reference also on a GPU); =kernels: always (on a
-    CPU the kernels run in Triton's interpreter: how the tests hold each kernel route to the
-    reference). Every module's seam is this function."""
-    route = _route()
-    return route == "kernels" or (route == "auto" and x.is_cuda
-                                  and targets.of(x.device).route != "reference")
-
-
-def kernels_line(device):
-    """What runs on device, for a run's first log line and summary.json: "kernels: sm_90
-    grid-values (NVIDIA H200)", or why the reference runs instead."""
-    if _route() == "reference":
-        return "kernels: off (NANOFP4_ROUTE=reference)"
-    if _route() == "kernels" and torch.device(device).type != "cuda":
-        return "kernels: all, in Triton's interpreter (NANOFP4_ROUTE=kernels on cpu)"
-    return targets.describe(torch.device(device))
-
-
-# --------------------------------------------------------------------------------------------------
-# The precision contract: one entry per quantized operand, read by the reference and every kernel
-# route
-
-HADAMARDS = ("none", "random", "fixed")
-
-
-@dataclass(frozen=True)
-class Quant:
-    """How one operand is quantized to NVFP4.
-    block          (1, 16), (16, 1) or (16, 16), on the operand as stored
-    rounding       "rtn" | "sr" | "sr_up"
-    hadamard       "none"; "random": eq. 2's fresh random 16x16 Hadamard along the block first;
-                   "fixed": the optimizer states' Sylvester H16 / 4 (optim.fwht16)
-    four_over_six  4/6 block scaling; None: the layer's setting (model.Recipe.four_over_six)"""
-    block: tuple = (1, 16)
-    rounding: str = "rtn"
-    hadamard: str = "none"
-    four_over_six: bool = None
-
-    def __post_init__(self):
-        if (tuple(self.block) not in BLOCKS or self.rounding not in ROUNDINGS
-                or self.hadamard not in HADAMARDS):
-            raise ValueError(f"Quant{(self.block, self.rounding, self.hadamard)}: block must be "
-                             f"one of {BLOCKS}, rounding one of {ROUNDINGS}, "
-                             f"hadamard one of {HADAMARDS}")
-
-    def resolved(self, four_over_six):
-        """This entry with the layer's 4/6 filled in where the entry leaves it open."""
-        return (self if self.four_over_six is not None
-                else replace(self, four_over_six=bool(four_over_six)))
-
-
-# eqs. 1-2: Y = Q(X) Q(W)^T, dX = Q(dY) Q(W) (the forward's Q(W) reused), dW = Q(dY^T H) Q(H^T
-# Q(X)). The blocks follow from the equations (each GEMM's contraction dim); rounding, Hadamard and
-# 4/6 are choices.
-LINEAR = {
-    "forward.x": Quant((1, 16), "rtn"),                     # activations, RTN (the paper's forward)
-    # weights: 16x16 so that W^T reuses them for dX
-    "forward.w": Quant((16, 16), "rtn"),
-    "dgrad.dy": Quant((1, 16), "sr"),                       # gradients: unbiased SR
-    # eq. 2: along tokens, after a random Hadamard
-    "wgrad.dy": Quant((16, 1), "sr", "random"),
-    # eq. 2: the forward's Q(X), dequantized, likewise
-    "wgrad.x": Quant((16, 1), "sr", "random"),
-}
-# each GEMM's contraction dim fixes its operands' blocks: a fork edits rounding, Hadamard and 4/6
-_EQ_BLOCKS = {name: q.block for name, q in LINEAR.items()}
-
-
-_CONTRACTS = {}  # (4/6, LINEAR's entries) -> the resolved contract: each layer call reads it
-
-
-def linear_contract(four_over_six):
-    """LINEAR as it is now (read at call time: a fork edits the table, both routes follow), 4/6
-    resolved, checked against what eqs. 1-2 allow."""
-    key = (four_over_six, *LINEAR.values())
-    if key not in _CONTRACTS:
-        _CONTRACTS[key] = _resolve_contract(four_over_six)
-    return _CONTRACTS[key]
-
-
-def _resolve_contract(four_over_six):
-    entries = {name: LINEAR[name].resolved(four_over_six) for name in _EQ_BLOCKS}
-    for name, block in _EQ_BLOCKS.items():
-        if tuple(entries[name].block) != block:
-            raise ValueError(f"nvfp4.LINEAR[{name!r}].block must be {block} (the GEMM's "
-                             f"contraction dim), got {entries[name].block}")
-    if (entries["wgrad.dy"].hadamard != entries["wgrad.x"].hadamard
-            or entries["wgrad.x"].hadamard == "fixed"):
-        raise ValueError("nvfp4.LINEAR: wgrad.dy and wgrad.x need the same hadamard, 'random' or "
-                         "'none' (H H^T = I only when both operands are rotated)")
-    for name in ("forward.x", "forward.w", "dgrad.dy"):
-        if entries[name].hadamard != "none":
-            raise ValueError(f"nvfp4.LINEAR[{name!r}].hadamard: only eq. 2's operands are rotated")
-    return entries
-
-
-# The two schemes no table states, by version: bump one when a change moves a single bit of what it
-# names (train.py hashes both with the contracts into a run's numerics_id, so a record made before
-# the bump no longer passes for today's). SR: 16 random bits per element, one Philox4x32-10 call per
-# 8 neighbours (sr_uniforms), each call's seed drawn by the tensor's device RNG (sr_seed: v3; v2
-# drew every seed on the host); encoding: Transformer Engine's scales and one reciprocal per block.
-SR_SCHEME = "philox4x32-10/16bit/device-seed/v3"
-ENCODING = "te-nvfp4/v1"
-
 
 # --------------------------------------------------------------------------------------------------
 # §2 the format: constants and the scalar formulas
+
+BLOCKS = ((1, 16), (16, 1), (16, 16))  # (rows, cols) of one block, on a tensor's last two dims
+# "sr_up": SR with the block scale rounded up to E4M3 instead of to nearest, so that the block max
+# never lands above 6 and is clamped (which biases "sr", Transformer Engine's SR, toward zero on the
+# block maxima)
+ROUNDINGS = ("rtn", "sr", "sr_up")
 
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device="cpu")  # by code index
 FP4_MAX = 6.0          # largest E2M1 magnitude
@@ -353,6 +239,28 @@ def scale_blocks(xb, s_enc, s_dec, four_over_six=False, up=False):
     return s_b, a, scaled, idx
 
 
+def check_blocks(x, block, name):
+    """The checks every NVFP4 quantization makes (reference and kernels): one clear error naming the
+    tensor."""
+    if block not in BLOCKS:
+        raise ValueError(f"{name}: block must be one of {BLOCKS}, got {block}")
+    if not x.is_floating_point():
+        raise ValueError(f"{name}: expected a floating-point tensor, got {x.dtype}")
+    if x.dim() < 2:
+        raise ValueError(f"{name}: NVFP4 blocks apply to the last two dims; "
+                         f"got shape {tuple(x.shape)}")
+    M, N = x.shape[-2:]
+    bm, bn = block
+    if M % bm or N % bn or N % 2:
+        raise ValueError(f"{name}: shape {tuple(x.shape)} does not fit NVFP4 block {block}: "
+                         f"the last two dims must be multiples of ({bm}, {max(bn, 2)})")
+    # On CUDA this check would cost a host sync and an extra pass per quantization: there a
+    # non-finite input gives a NaN global scale instead, and train.py's non-finite loss/gradient
+    # check stops the run.
+    if not x.is_cuda and not torch.isfinite(x).all():
+        raise ValueError(f"{name}: non-finite values (NaN/Inf) in tensor of shape {tuple(x.shape)}")
+
+
 def quantize_reference(x, block=(1, 16), rounding="rtn", four_over_six=False, seed=0,
                        global_amax=None, uniforms=None):
     """The spec of NVFP4 quantization, in PyTorch: x (*, M, N) -> NVFP4Tensor with blocks on its
@@ -537,7 +445,94 @@ def nvfp4_matmul(a, b, out_dtype=torch.float32, trans_a=False, trans_b=False):
 
 
 # --------------------------------------------------------------------------------------------------
-# Direct-NVFP4 linear layer: the three GEMMs of eqs. 1-2 (LINEAR's entries) without the LoRA branch
+# The precision contract: one entry per quantized operand, read by the reference and every kernel
+# route
+
+HADAMARDS = ("none", "random", "fixed")
+
+
+@dataclass(frozen=True)
+class Quant:
+    """How one operand is quantized to NVFP4.
+    block          (1, 16), (16, 1) or (16, 16), on the operand as stored
+    rounding       "rtn" | "sr" | "sr_up"
+    hadamard       "none"; "random": eq. 2's fresh random 16x16 Hadamard along the block first;
+                   "fixed": the optimizer states' Sylvester H16 / 4 (optim.fwht16)
+    four_over_six  4/6 block scaling; None: the layer's setting (model.Recipe.four_over_six)"""
+    block: tuple = (1, 16)
+    rounding: str = "rtn"
+    hadamard: str = "none"
+    four_over_six: bool = None
+
+    def __post_init__(self):
+        if (tuple(self.block) not in BLOCKS or self.rounding not in ROUNDINGS
+                or self.hadamard not in HADAMARDS):
+            raise ValueError(f"Quant{(self.block, self.rounding, self.hadamard)}: block must be "
+                             f"one of {BLOCKS}, rounding one of {ROUNDINGS}, "
+                             f"hadamard one of {HADAMARDS}")
+
+    def resolved(self, four_over_six):
+        """This entry with the layer's 4/6 filled in where the entry leaves it open."""
+        return (self if self.four_over_six is not None
+                else replace(self, four_over_six=bool(four_over_six)))
+
+
+# eqs. 1-2: Y = Q(X) Q(W)^T, dX = Q(dY) Q(W) (the forward's Q(W) reused), dW = Q(dY^T H) Q(H^T
+# Q(X)). The blocks follow from the equations (each GEMM's contraction dim); rounding, Hadamard and
+# 4/6 are choices.
+LINEAR = {
+    "forward.x": Quant((1, 16), "rtn"),                     # activations, RTN (the paper's forward)
+    # weights: 16x16 so that W^T reuses them for dX
+    "forward.w": Quant((16, 16), "rtn"),
+    "dgrad.dy": Quant((1, 16), "sr"),                       # gradients: unbiased SR
+    # eq. 2: along tokens, after a random Hadamard
+    "wgrad.dy": Quant((16, 1), "sr", "random"),
+    # eq. 2: the forward's Q(X), dequantized, likewise
+    "wgrad.x": Quant((16, 1), "sr", "random"),
+}
+# each GEMM's contraction dim fixes its operands' blocks: a fork edits rounding, Hadamard and 4/6
+_EQ_BLOCKS = {name: q.block for name, q in LINEAR.items()}
+
+
+_CONTRACTS = {}  # (4/6, LINEAR's entries) -> the resolved contract: each layer call reads it
+
+
+def linear_contract(four_over_six):
+    """LINEAR as it is now (read at call time: a fork edits the table, both routes follow), 4/6
+    resolved, checked against what eqs. 1-2 allow."""
+    key = (four_over_six, *LINEAR.values())
+    if key not in _CONTRACTS:
+        _CONTRACTS[key] = _resolve_contract(four_over_six)
+    return _CONTRACTS[key]
+
+
+def _resolve_contract(four_over_six):
+    entries = {name: LINEAR[name].resolved(four_over_six) for name in _EQ_BLOCKS}
+    for name, block in _EQ_BLOCKS.items():
+        if tuple(entries[name].block) != block:
+            raise ValueError(f"nvfp4.LINEAR[{name!r}].block must be {block} (the GEMM's "
+                             f"contraction dim), got {entries[name].block}")
+    if (entries["wgrad.dy"].hadamard != entries["wgrad.x"].hadamard
+            or entries["wgrad.x"].hadamard == "fixed"):
+        raise ValueError("nvfp4.LINEAR: wgrad.dy and wgrad.x need the same hadamard, 'random' or "
+                         "'none' (H H^T = I only when both operands are rotated)")
+    for name in ("forward.x", "forward.w", "dgrad.dy"):
+        if entries[name].hadamard != "none":
+            raise ValueError(f"nvfp4.LINEAR[{name!r}].hadamard: only eq. 2's operands are rotated")
+    return entries
+
+
+# The two schemes no table states, by version: bump one when a change moves a single bit of what it
+# names (train.py hashes both with the contracts into a run's numerics_id, so a record made before
+# the bump no longer passes for today's). SR: 16 random bits per element, one Philox4x32-10 call per
+# 8 neighbours (sr_uniforms), each call's seed drawn by the tensor's device RNG (sr_seed);
+# encoding: Transformer Engine's scales and one reciprocal per block.
+SR_SCHEME = "philox4x32-10/16bit/device-seed/v3"
+ENCODING = "te-nvfp4/v1"
+
+
+# --------------------------------------------------------------------------------------------------
+# The linear layer's pieces: the three GEMMs of eqs. 1-2 quantize their operands as LINEAR says
 
 def quantize_as(x, entry, seed=0, hadamard=None, name="x"):
     """Quantize x as a contract entry says (`hadamard`: the drawn H when entry.hadamard is
@@ -581,162 +576,72 @@ def wgrad(dy, xq, c, hadamard, seeds, out_dtype=torch.float32):
 
 
 # --------------------------------------------------------------------------------------------------
-# One definition per FP4 op (this layer, lora_svd's, attention's), two paths made from it
+# The linear layer of eqs. 1-2 (and LoRA-SVD's, eq. 1's branch beside it: lora_svd.py) as two
+# torch.library custom ops, the forward and the backward, with autograd between them. Eager runs
+# them as they are; torch.compile sees opaque nodes (no graph break, no re-traced Triton kernel).
+# The random draws (draws, backward_draws) are made inside the bodies when they run, so a compiled
+# run draws in eager's order (tests/test_compile.py).
 
-def without_autocast(body):
-    """The body runs with autocast off: its arithmetic is the precision contract's, whatever
-    autocast the caller has on (a compiled graph runs the custom ops without autocast, eager
-    under the caller's; this way both give the same bits)."""
-    @functools.wraps(body)
-    def run(x, *args):
-        if not torch.is_autocast_enabled(x.device.type):
-            return body(x, *args)
-        with torch.autocast(x.device.type, enabled=False):
-            return body(x, *args)
-    return run
+def low_rank(x, A, B, dtype):
+    """LoRA-SVD's branch (x A^T) B^T on dtype operands, the rank-r intermediate rounded to dtype
+    too, fp32 accumulation (the GPU's BF16 GEMMs): X L1^T L2^T in Y, dY L2 L1 in dX (eq. 1)."""
+    t = (x.to(dtype).float() @ A.to(dtype).float().t()).to(dtype)
+    return t.float() @ B.to(dtype).float().t()
 
 
-def fp4_op(name, inputs, saves, forward, backward, fake, grad_fake, keep=None, save_output=False):
-    """An FP4 op defined once; returns apply(*inputs) -> y. inputs: its schema ("Tensor x, bool
-    four_over_six"); saves: (len(made), len(kept)), fixed; the definition:
-      forward(*inputs) -> (y, made): made the tensors it makes for its backward (the packed 4-bit
-          operands: where FP4 training saves activation memory; empty ones where unused)
-      keep(*inputs) -> the inputs the backward reads as they are (None: none)
-      backward(dy, y, made, kept, dtypes, need, *args) -> a gradient or None per tensor input; y
-          the output if save_output, dtypes and need (needs_input_grad) per tensor input, args the
-          inputs that are not tensors
-      fake(*inputs), grad_fake(as backward): empty tensors shaped as forward's (y, made) and
-          backward's gradients (None where not needed): what torch.compile plans with.
-    Eager runs a thin autograd.Function over forward and backward (a custom op's eager dispatch
-    costs more host time, docs/performance.md); under torch.compile the torch.library custom ops
-    nanofp4::name and name_backward run them, opaque nodes: no graph break, no re-traced Triton
-    kernel. The random draws (draws, backward_draws) are made inside the bodies when they run: a
-    compiled run draws in eager's order, eager's bits from one RNG state (tests/test_compile.py)."""
-    is_tensor = [a.split()[0] == "Tensor" for a in inputs.split(", ")]
-    tensors, others = ([i for i, t in enumerate(is_tensor) if t == want] for want in (1, 0))
-    split = lambda xs, t: [xs[i] for i in (tensors if t else others)]
-    none = (None,) * len(is_tensor)
-    keep, saving = keep or (lambda *xs: ()), keep is not None or save_output
-
-    def per_input(grads):  # one gradient per input, None for the non-tensors
-        out = list(none)
-        for i, g in zip(tensors, grads):
-            out[i] = g
-        return tuple(out)
-
-    def eager_forward(ctx, *xs):  # as little host work as a hand-written Function
-        y, ctx.made = forward(*xs)
-        if saving:
-            ctx.save_for_backward(*keep(*xs), *((y,) if save_output else ()))
-        ctx.dtypes, ctx.args = [xs[i].dtype for i in tensors], split(xs, False)
-        return y
-
-    def eager_backward(ctx, dy):
-        saved = ctx.saved_tensors if saving else ()
-        kept, y = (saved[:-1], saved[-1]) if save_output else (saved, None)
-        grads = backward(dy, y, ctx.made, kept, ctx.dtypes, split(ctx.needs_input_grad, True),
-                         *ctx.args)
-        ctx.made = None
-        return per_input(grads)
-
-    eager = type(f"FP4{name.title().replace('_', '')}", (torch.autograd.Function,),
-                 dict(forward=staticmethod(eager_forward), backward=staticmethod(eager_backward)))
-    op, op_bwd = _custom_ops(name, inputs, is_tensor, saves, forward, backward, fake, grad_fake,
-                             save_output)
-
-    def setup_context(ctx, inputs, output):  # the backward op's tensors: made, kept, y
-        ctx.save_for_backward(*output[1:], *keep(*inputs), *output[:save_output])
-        ctx.dtypes, ctx.args = [x.dtype for x in split(inputs, True)], split(inputs, False)
-
-    def compiled_backward(ctx, dy, *_):
-        need = split(ctx.needs_input_grad, True)
-        grads = op_bwd(dy, *ctx.saved_tensors, *ctx.dtypes, *need, *ctx.args)
-        return per_input(g if n else None for g, n in zip(grads, need))
-
-    op.register_autograd(compiled_backward, setup_context=setup_context)
-
-    def apply(*xs):
-        return op(*xs)[0] if torch.compiler.is_compiling() else eager.apply(*xs)
-    apply.eager, apply.op, apply.op_backward = eager, op, op_bwd
-    return apply
-
-
-def _custom_ops(name, inputs, is_tensor, saves, forward, backward, fake, grad_fake, save_output):
-    """fp4_op's two custom ops, every output and argument one tensor or scalar (a (Tensor,
-    Tensor[]) return reaches inductor's generated code as one tensor): so the counts of saved
-    tensors are fixed per op."""
-    (n_made, n_kept), n = saves, sum(is_tensor)
-    saved = [f"Tensor made{i}" for i in range(n_made)] + [f"Tensor kept{i}" for i in range(n_kept)]
-    saved += ["Tensor y"] * save_output
-    saved += [f"ScalarType dtype{i}" for i in range(n)] + [f"bool need{i}" for i in range(n)]
-    saved += [a for a, t in zip(inputs.split(", "), is_tensor) if not t]
-    listed = lambda body: lambda *xs: (lambda y, made: (y, *made))(*body(*xs))
-
-    def backward_op(body):
-        def run(dy, *rest):
-            made, kept = rest[:n_made], rest[n_made:n_made + n_kept]
-            y, rest = (rest[n_made + n_kept], rest[n_made + n_kept + 1:]) if save_output else (
-                None, rest[n_made + n_kept:])
-            grads = body(dy, y, made, kept, rest[:n], rest[n:2 * n], *rest[2 * n:])
-            return [dy.new_empty(0) if g is None else g for g in grads]
-        return run
-
-    op = torch.library.custom_op(f"nanofp4::{name}", listed(forward), mutates_args=(),
-                                 schema=f"({inputs}) -> ({', '.join(['Tensor'] * (1 + n_made))})")
-    op_bwd = torch.library.custom_op(f"nanofp4::{name}_backward", backward_op(backward),
-                                     mutates_args=(),
-                                     schema=f"(Tensor dy, {', '.join(saved)}) -> Tensor[]")
-    op.register_fake(listed(fake))
-    op_bwd.register_fake(backward_op(grad_fake))
-    return op, op_bwd
-
-
-# --------------------------------------------------------------------------------------------------
-# Direct-NVFP4 linear layer: eqs. 1-2 as one FP4 op
-
-@without_autocast
-def linear_forward(x, weight, four_over_six):
-    """Y = Q1x16(X) Q16x16(W)^T, each operand as LINEAR says (read when it runs, 4/6 resolved).
-    x (..., in), weight (out, in) -> (Y (..., out) in x's dtype, made: the packed Q1x16(X) (T, in)
-    that eq. 2 reads as (codes, scales, global scale), then W's quantization as dX multiplies it:
-    the packed Q16x16(W) likewise, or the Hopper kernels' (bf16 grid values, an empty scales
-    tensor, global scale): kernels/nvfp4_linear.py, the same GEMM on CUDA). Leading dims are
-    flattened into tokens T: Y is not a view."""
+def linear_forward(x, weight, L1, L2, beta, branch_dtype, four_over_six):
+    """eq. 1: Y = Q1x16(X) Q16x16(W)^T [+ beta (X L1^T) L2^T with LoRA-SVD's L1 (r, in), L2 (out,
+    r); None: the direct layer], each operand as LINEAR says (read when it runs, 4/6 resolved).
+    x (..., in), weight (out, in) -> (Y (..., out) in x's dtype, then what the backward reads:
+    the packed Q1x16(X) (T, in) as qx_codes, qx_scales, qx_scale, and W's quantization as dX
+    multiplies it, qw_data, qw_scales, qw_scale: the packed Q16x16(W) likewise, or on the Hopper
+    kernels the bf16 grid values (with LoRA [W_hat | L2]) and an empty scales tensor). Leading
+    dims are flattened into tokens T: Y is not a view (FSDP2 wants that)."""
     c = linear_contract(four_over_six)
     x2 = x.reshape(-1, x.shape[-1])                                                     # (T, in)
     w = weight.detach()
     seeds = draws(c["forward.x"], x2.device), draws(c["forward.w"], x2.device)
-    if use_kernels(x2):
-        y, xq, w_made = linear_kernels.forward(x2, w, c["forward.x"], c["forward.w"], seeds)
+    if use_kernels(x2) and L1 is None:
+        y, qx, qw = linear_kernels.forward(x2, w, c["forward.x"], c["forward.w"], seeds)
+    elif use_kernels(x2):  # App. 9: the branch rides the residual's GEMM, Y is written once
+        y, qx, qw = lora_kernels.forward(x2, w, L1, L2, beta, c["forward.x"], c["forward.w"],
+                                         seeds, branch_dtype, x.dtype)
     else:
-        xq = quantize_as(x2, c["forward.x"], seeds[0], name="activation X")             # Q1x16(X)
-        wq = quantize_as(w, c["forward.w"], seeds[1], name="weight W")                  # Q16x16(W)
-        y = nvfp4_matmul(xq, wq, out_dtype=x.dtype)                                      # (T, out)
-        xq, w_made = (xq.codes, xq.scales, xq.global_scale), (wq.codes, wq.scales, wq.global_scale)
-    return y.reshape(*x.shape[:-1], -1), (*xq, *w_made)
+        qx = quantize_as(x2, c["forward.x"], seeds[0], name="activation X")             # Q1x16(X)
+        qw = quantize_as(w, c["forward.w"], seeds[1], name="weight W")                  # Q16x16(W)
+        y = nvfp4_matmul(qx, qw, out_dtype=x.dtype if L1 is None else torch.float32)    # (T, out)
+        if L1 is not None:
+            y = (y + beta * low_rank(x2, L1, L2, branch_dtype)).to(x.dtype)
+        qx, qw = (qx.codes, qx.scales, qx.global_scale), (qw.codes, qw.scales, qw.global_scale)
+    return y.reshape(*x.shape[:-1], -1), *qx, *qw
 
 
-@without_autocast
-def linear_backward(dy, _, made, kept, dtypes, need, four_over_six):
-    """dX = Q1x16(dY) Q16x16(W) (W's forward quantization reused, eq. 1) and dW = wgrad (eq. 2)
-    from the forward's made tensors; need: (dX, dW) wanted. -> (dX (..., in) or None, dW (out,
-    in) in W's dtype or None)."""
-    c, need = linear_contract(four_over_six), need[:2]
+def linear_backward(dy, qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale, L1, L2, beta,
+                    branch_dtype, four_over_six, dw_dtype, need_dx, need_dw):
+    """eq. 1's dX = Q1x16(dY) Q16x16(W) [+ beta (dY L2) L1] (the forward's W reused) and eq. 2's
+    dW = wgrad, in dw_dtype, from what linear_forward saved. -> (dX (..., in), dW (out, in)), each
+    None where not needed."""
+    c = linear_contract(four_over_six)
     dy2 = dy.reshape(-1, dy.shape[-1])                                                  # (T, out)
-    xq = packed(*made[:3], (1, 16))
-    seed_dx, H, seeds_dw = backward_draws(c, *need, dy2.device)
-    if use_kernels(dy2):
-        dx, dw = linear_kernels.backward(dy2, xq, made[3:], c, need, seed_dx, H, seeds_dw,
-                                         dtypes[1])
+    qx = packed(qx_codes, qx_scales, qx_scale, (1, 16))
+    seed_dx, H, seeds_dw = backward_draws(c, need_dx, need_dw, dy2.device)
+    need = (need_dx, need_dw)
+    if use_kernels(dy2) and L1 is None:
+        dx, dw = linear_kernels.backward(dy2, qx, (qw_data, qw_scales, qw_scale), c, need, seed_dx,
+                                         H, seeds_dw, dw_dtype)
+    elif use_kernels(dy2):
+        dx, dw = lora_kernels.backward(dy2, qx, (qw_data, qw_scales, qw_scale), L1, L2, beta, c,
+                                       need, seed_dx, H, seeds_dw, branch_dtype)
     else:
-        w = packed(*made[3:], (16, 16))
         dx = dw = None
-        if need[0]:
-            # Q1x16(dY)
-            dyq = quantize_as(dy2, c["dgrad.dy"], seed_dx, name="gradient dY")
-            dx = nvfp4_matmul(dyq, w, dy.dtype, trans_b=True)              # Q16x16(W) reused
-        if need[1]:
-            dw = wgrad(dy2, xq, c, H, seeds_dw, out_dtype=dtypes[1])                      # eq. 2
+        if need_dx:
+            dyq = quantize_as(dy2, c["dgrad.dy"], seed_dx, name="gradient dY")          # Q1x16(dY)
+            qw = packed(qw_data, qw_scales, qw_scale, (16, 16))           # Q16x16(W), not requantized
+            dx = nvfp4_matmul(dyq, qw, dy.dtype if L1 is None else torch.float32, trans_b=True)
+            if L1 is not None:
+                dx = (dx + beta * low_rank(dy2, L2.t(), L1.t(), branch_dtype)).to(dy.dtype)
+        if need_dw:
+            dw = wgrad(dy2, qx, c, H, seeds_dw, out_dtype=dw_dtype)                        # eq. 2
     return (dx.reshape(*dy.shape[:-1], -1) if dx is not None else None), dw
 
 
@@ -746,34 +651,85 @@ def packed(codes, scales, global_scale, block):
                        block)
 
 
-def linear_fake(x, weight, four_over_six):
-    """linear_forward's outputs, empty (W's tensors as the route makes them)."""
+@torch.library.custom_op("nanofp4::linear", mutates_args=())
+def linear_op(x: Tensor, weight: Tensor, L1: Optional[Tensor], L2: Optional[Tensor], beta: float,
+              branch_dtype: torch.dtype, four_over_six: bool
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """linear_forward: (y, qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale)."""
+    with torch.autocast(x.device.type, enabled=False):  # the contract's arithmetic, not autocast's
+        return linear_forward(x, weight, L1, L2, beta, branch_dtype, four_over_six)
+
+
+@linear_op.register_fake
+def _(x, weight, L1, L2, beta, branch_dtype, four_over_six):
+    """linear_forward's outputs, empty (W's tensors as the route makes them): what torch.compile
+    plans with."""
     (K, N), e4m3 = (x.shape[-1], weight.shape[0]), torch.float8_e4m3fn
+    r = 0 if L1 is None else L1.shape[0]
     T = x.numel() // K
-    w = ([((N, K), torch.bfloat16), ((0,), e4m3)]  # the Hopper kernels' grid values
-         if use_kernels(x) and not use_dot_scaled(x.device)
-         else [((N, K // 2), torch.uint8), ((N // 16, K // 16), e4m3)])
-    made = [((T, K // 2), torch.uint8), ((T, K // 16), e4m3), ((), torch.float32), *w,
+    grid_values = use_kernels(x) and not use_dot_scaled(x.device)  # the Hopper kernels'
+    qw = ([((N, K + r), torch.bfloat16), ((0,), e4m3)] if grid_values
+          else [((N, K // 2), torch.uint8), ((N // 16, K // 16), e4m3)])
+    made = [((T, K // 2), torch.uint8), ((T, K // 16), e4m3), ((), torch.float32), *qw,
             ((), torch.float32)]
-    return (x.new_empty((*x.shape[:-1], N)), [x.new_empty(s, dtype=d) for s, d in made])
+    return x.new_empty((*x.shape[:-1], N)), *(x.new_empty(s, dtype=d) for s, d in made)
 
 
-def linear_grad_fake(dy, _, made, kept, dtypes, need, four_over_six):
-    N, K = dy.shape[-1], 2 * made[0].shape[1]
-    return (dy.new_empty((*dy.shape[:-1], K)) if need[0] else None,
-            dy.new_empty((N, K), dtype=dtypes[1]) if need[1] else None)
+@torch.library.custom_op("nanofp4::linear_backward", mutates_args=())
+def linear_backward_op(dy: Tensor, qx_codes: Tensor, qx_scales: Tensor, qx_scale: Tensor,
+                       qw_data: Tensor, qw_scales: Tensor, qw_scale: Tensor, L1: Optional[Tensor],
+                       L2: Optional[Tensor], beta: float, branch_dtype: torch.dtype,
+                       four_over_six: bool, dw_dtype: torch.dtype, need_dx: bool, need_dw: bool
+                       ) -> tuple[Tensor, Tensor]:
+    """linear_backward: (dX, dW), an empty tensor for one not needed."""
+    with torch.autocast(dy.device.type, enabled=False):
+        dx, dw = linear_backward(dy, qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale,
+                                 L1, L2, beta, branch_dtype, four_over_six, dw_dtype, need_dx,
+                                 need_dw)
+    return (dy.new_empty(0) if dx is None else dx), (dy.new_empty(0) if dw is None else dw)
 
 
-_linear = fp4_op("linear", "Tensor x, Tensor weight, bool four_over_six", (6, 0), linear_forward,
-                 linear_backward, linear_fake, linear_grad_fake)
+@linear_backward_op.register_fake
+def _(dy, qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale, L1, L2, beta, branch_dtype,
+      four_over_six, dw_dtype, need_dx, need_dw):
+    N, K = dy.shape[-1], 2 * qx_codes.shape[1]
+    return (dy.new_empty((*dy.shape[:-1], K)) if need_dx else dy.new_empty(0),
+            dy.new_empty((N, K), dtype=dw_dtype) if need_dw else dy.new_empty(0))
 
 
-def nvfp4_linear(x, weight, four_over_six=False):
-    """Y = Q1x16(X) Q16x16(W)^T with the eq. 1-2 backward (LINEAR). Under autocast X is cast to the
-    autocast dtype."""
+def _linear_setup_context(ctx, inputs, output):
+    """Saved for the backward: the packed Q1x16(X) and W as dX reads it (output[1:], the 4-bit
+    activations: where FP4 training saves memory), and LoRA-SVD's L1, L2; never X itself."""
+    x, weight, L1, L2, beta, branch_dtype, four_over_six = inputs
+    _, qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale = output
+    ctx.save_for_backward(qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale, L1, L2)
+    ctx.beta, ctx.branch_dtype, ctx.four_over_six = beta, branch_dtype, four_over_six
+    ctx.dw_dtype = weight.dtype
+
+
+def _linear_autograd(ctx, dy, *_):
+    """-> grads of (x, weight, L1, L2, ...). L1 and L2 get zeros: they keep every parameter "used"
+    for DDP (no find_unused_parameters) and give lora_svd.project_gradients a grad to add into;
+    their true gradients come from dW there (App. 8, eqs. 3-4)."""
+    *saved, L1, L2 = ctx.saved_tensors
+    need_dx, need_dw, need_l1, need_l2 = ctx.needs_input_grad[:4]
+    dx, dw = linear_backward_op(dy, *saved, L1, L2, ctx.beta, ctx.branch_dtype, ctx.four_over_six,
+                                ctx.dw_dtype, need_dx, need_dw)
+    return (dx if need_dx else None, dw if need_dw else None,
+            torch.zeros_like(L1) if need_l1 else None, torch.zeros_like(L2) if need_l2 else None,
+            None, None, None)
+
+
+linear_op.register_autograd(_linear_autograd, setup_context=_linear_setup_context)
+
+
+def nvfp4_linear(x, weight, four_over_six=False, L1=None, L2=None, beta=1.0,
+                 branch_dtype=torch.bfloat16):
+    """Y = Q1x16(X) Q16x16(W)^T with the eq. 1-2 backward (LINEAR); with L1, L2 LoRA-SVD's
+    eq. 1 (lora_svd.lora_svd_linear). Under autocast X is cast to the autocast dtype."""
     if torch.is_autocast_enabled(x.device.type):
         x = x.to(torch.get_autocast_dtype(x.device.type))
-    return _linear(x, weight, four_over_six)
+    return linear_op(x, weight, L1, L2, float(beta), branch_dtype, four_over_six)[0]
 
 
 class NVFP4Linear(nn.Module):
@@ -841,3 +797,40 @@ def matmul_quant_error(hidden_dims=(512, 1024, 2048, 4096), rounding="rtn", toke
         rows.append({"N": n, "rounding": rounding, "mse": (y_hat - y).pow(2).mean().item(),
                      "rel_mse": relative_mse(y, y_hat)})
     return rows
+
+
+# --------------------------------------------------------------------------------------------------
+# Plumbing. The seam: the Triton kernels on CUDA, this file's reference everywhere else
+
+ROUTES = ("auto", "reference", "kernels")
+
+
+def route():
+    """The route: train.py --route, else NANOFP4_ROUTE (default auto), read at every call so a
+    layer takes the route in force when it runs."""
+    r = os.environ.get("NANOFP4_ROUTE", "auto")
+    if r not in ROUTES:
+        raise ValueError(f"NANOFP4_ROUTE (train.py --route) must be one of {', '.join(ROUTES)}, "
+                         f"got {r!r}")
+    return r
+
+
+def use_kernels(x):
+    """Does an operation on x run the Triton kernels? auto (default): on a CUDA GPU whose row of
+    kernels/targets.py has them (sm_80 and newer; which FP4 products each takes is decided there
+    too); reference: never (the reference also on a GPU); kernels: always (on a CPU the kernels run
+    in Triton's interpreter: how the tests hold each kernel route to the reference). Every module's
+    seam is this function."""
+    r = route()
+    return r == "kernels" or (r == "auto" and x.is_cuda
+                              and targets.of(x.device).route != "reference")
+
+
+def kernels_line(device):
+    """What runs on device, for a run's first log line and summary.json: "kernels: sm_90
+    grid-values (NVIDIA H200)", or why the reference runs instead."""
+    if route() == "reference":
+        return "kernels: off (route reference)"
+    if route() == "kernels" and torch.device(device).type != "cuda":
+        return "kernels: all, in Triton's interpreter (route kernels on cpu)"
+    return targets.describe(torch.device(device))

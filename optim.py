@@ -85,12 +85,6 @@ def _entry(name):
     return e.resolved(False)
 
 
-def use_kernels(p):
-    """The seam (nvfp4.use_kernels): the fused Triton AdamW step, where it implements the
-    contract."""
-    return nvfp4.use_kernels(p)
-
-
 # smaller tensors keep fp32 states (their bytes do not matter, their precision might)
 MIN_QUANT_NUMEL = 4096
 # Root for 2-D hidden weights with max(m,n)/min(m,n) <= 8 (the widest published coefficient set is
@@ -138,8 +132,7 @@ def sqrt_rn(x):
 
 
 def check_quantizable(x, name):
-    """2-D, last dim a multiple of 16, finite: what the packed states need (ValueError
-    otherwise)."""
+    """2-D, last dim a multiple of 16: what the packed states need (ValueError otherwise)."""
     if x.dim() != 2 or x.shape[-1] % 16:
         raise ValueError(f"{name}: packed optimizer states need a 2-D tensor whose last dim is a "
                          f"multiple of 16, got shape {tuple(x.shape)}")
@@ -385,8 +378,9 @@ class QuantizedAdamW(_StateMixin, torch.optim.Optimizer):
     and rows not made of 16-blocks.
 
     Packed state per tensor (R, C): m and v codes (R, C/2) uint8 + E4M3 scales (R, C/16) + fp32
-    global scales, plus v's fp32 tile means (R, C/128): 1.16 bytes/param (torchao's AdamW4bit:
-    ~1.06; fp32 AdamW: 8).
+    global scales, plus v's fp32 tile means (R, C/128): 1/2 + 1/2 + 2/16 + 4/128 = 1.156 bytes/param;
+    a run's printed total (1.17) adds the global scales and the small tensors' fp32 states
+    (torchao's AdamW4bit: ~1.06; fp32 AdamW: 8).
     On CUDA the "nvfp4" update runs in the fused Triton kernel (kernels/optim_fused.py): an amax
     pre-pass, then one pass that decodes, updates, writes the parameter and re-encodes.
     """
@@ -447,7 +441,7 @@ class QuantizedAdamW(_StateMixin, torch.optim.Optimizer):
         # SR seeds for m and v, drawn on p's device (no host sync; resumable), the same on either
         # route
         seed_m, seed_v = _seeds(self._generators, self.seed, 2, p.device)
-        if self.states == "nvfp4" and use_kernels(p) and self._fused(p):
+        if self.states == "nvfp4" and nvfp4.use_kernels(p) and self._fused(p):
             fused_adamw_step(p, g, state, lr, beta1, beta2, eps, wd, step, seed_m, seed_v,
                              CONTRACT["adamw.v.floor"], CONTRACT["adamw.m"].rounding,
                              CONTRACT["adamw.v"].rounding)

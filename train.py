@@ -30,12 +30,27 @@ import time
 
 import torch
 
-import attention
-import data
-import lora_svd
-import nvfp4
-import optim
-from model import CONFIGS, GPT, GPTConfig, RECIPES, compile_model, config_from_name
+
+def route_flag(argv):
+    """--route (default NANOFP4_ROUTE, else auto) into NANOFP4_ROUTE, the variable nvfp4.route reads
+    whenever a layer runs. Set before kernels/ is imported: there, with the kernels route and no
+    CUDA GPU, kernels/__init__.py switches Triton's interpreter on before any kernel is decorated."""
+    early = argparse.ArgumentParser(add_help=False)
+    early.add_argument("--route", default=os.environ.get("NANOFP4_ROUTE", "auto"))
+    route = early.parse_known_args(argv)[0].route
+    os.environ["NANOFP4_ROUTE"] = route
+    return route
+
+
+if __name__ == "__main__":
+    route_flag(sys.argv[1:])
+
+import attention  # noqa: E402 (after --route, above)
+import data  # noqa: E402
+import lora_svd  # noqa: E402
+import nvfp4  # noqa: E402
+import optim  # noqa: E402
+from model import CONFIGS, GPT, GPTConfig, RECIPES, compile_model, config_from_name  # noqa: E402
 
 # Per-config defaults for flags left unset. tiny: a CPU run of a few minutes. toy: App. 13 (a few
 # hundred steps). 1b/3b: the paper's hyperparameters: "1M-token batches" (we take 2^20 tokens:
@@ -192,6 +207,9 @@ def parser():
         "as a CUDA graph (make_graphed_callables; with --compile: mode reduce-overhead)")
     add("--fsdp", action="store_true", help="FSDP2 under torchrun (default there: DDP)")
     add("--device", default=None, help="cpu | cuda (default: cuda if available)")
+    add("--route", default=None, help=f"{' | '.join(nvfp4.ROUTES)}: the FP4 ops on the Triton "
+        "kernels or the PyTorch reference; auto: the kernels on a GPU that has them (default: "
+        "NANOFP4_ROUTE, else auto)")
     add("--dtype", default=None,
         help="autocast dtype: bfloat16 | float32 (default: bfloat16 on GPU, float32 on CPU)")
     add("--no_progress", action="store_true", help="plain log lines instead of a progress bar "
@@ -210,11 +228,13 @@ def resolve_args(args, world_size):
         die("--device cuda: no CUDA GPU is available")
     if args.config is None:
         args.config = "toy" if args.device == "cuda" else "tiny"
-    route = os.environ.get("NANOFP4_ROUTE", "auto")  # nvfp4.use_kernels reads it at the first layer
-    if route not in nvfp4.ROUTES:
-        die(f"NANOFP4_ROUTE={route!r}: expected one of {', '.join(nvfp4.ROUTES)} (unset: auto)")
-    if route == "kernels" and args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        die("NANOFP4_ROUTE=kernels on a CPU runs the kernels in Triton's interpreter: set "
+    args.route = route_flag(["--route", args.route] if args.route else [])  # nvfp4.route reads it
+    if args.route not in nvfp4.ROUTES:
+        die(f"--route {args.route!r}: expected one of {', '.join(nvfp4.ROUTES)} (default: "
+            "NANOFP4_ROUTE, else auto)")
+    if (args.route == "kernels" and args.device == "cpu"
+            and os.environ.get("TRITON_INTERPRET") != "1"):
+        die("--route kernels on a CPU runs the kernels in Triton's interpreter: set "
             "TRITON_INTERPRET=1 too (kernels/ sets it itself only where no CUDA GPU is present)")
     check_out_dir(args.out_dir)
     if os.path.isfile(args.data):
@@ -657,7 +677,8 @@ def settings_line(s):
             f"cosine to {s['min_lr']:g} at step {s['lr_decay_steps']} | batch {s['batch_size']} "
             f"x grad_accum {s['grad_accum']} x seq_len {s['seq_len']} = "
             f"{s['tokens_per_step']:,} tokens/step | {s['max_steps']:,} steps | seed {s['seed']} | "
-            f"numerics_id {s['numerics_id']} | commit {s['commit']} | {s['kernels']}")
+            f"numerics_id {s['numerics_id']} | commit {s['commit']} | route {s['route']}, "
+            f"{s['kernels']}")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -15,12 +15,6 @@ from kernels.nvfp4_math import _decode_e2m1, _e4m3_value, _round_to_bf16, on_gpu
 DEQUANT_ROWS_LAUNCH = (256, 8)  # (blocks per program, num_warps) of _dequantize_rows_kernel
 
 
-def _hw_bf16():
-    # fp32 -> bf16 by the cast (cvt.rn.bf16.f32, ties to even) on a GPU; the interpreter's cast
-    # truncates, so there _round_to_bf16's integer arithmetic
-    return on_gpu()
-
-
 @triton.jit
 def _global_scale(gs_ptr, APPLY_GLOBAL: tl.constexpr):
     """s_g, or 1 for the grid values q * s_b (exact: _decode_e2m1's second product then rounds
@@ -99,7 +93,7 @@ def dequantize(codes, scales, global_scale, shape, block, dtype=torch.float32, o
     # (an unused pointer without a global scale)
     gs = global_scale.float().reshape(1) if apply_global else out
     flags = dict(APPLY_GLOBAL=apply_global, ROUND_BF16=dtype == torch.bfloat16,
-                 HW_BF16=_hw_bf16())
+                 HW_BF16=on_gpu())
     if bm == 1:  # 1x16
         NB, warps = DEQUANT_ROWS_LAUNCH
         # an int32 view needs 4-byte alignment

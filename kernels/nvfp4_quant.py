@@ -45,18 +45,17 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.nvfp4_dequant import _hw_bf16, dequantize
+from kernels.nvfp4_dequant import dequantize
 from kernels.nvfp4_math import (
     E4M3_MAX, E4M3_MAX_46, _block_random_words, _column_random_words, _decode_e2m1, _e4m3_value,
     _global_scales, _hadamard16, _load_tile, _pack_codes, _random_words, _rotate, _round_to_bf16,
     _scale_blocks, _sr_e2m1_value, _with_sign, on_gpu)
 
-BLOCKS = ((1, 16), (16, 1), (16, 16))
-# "sr_up": SR with the block scale rounded up to E4M3 instead of to nearest, so that the block max
-# never lands above 6 and is clamped (which biases "sr", Transformer Engine's SR, toward zero on the
-# block maxima)
+# The block shapes these kernels lay out and the roundings they take: the spec's nvfp4.BLOCKS and
+# nvfp4.ROUNDINGS, which the callers check first (nvfp4.check_blocks); a direct call is checked
+# here. "sr_up": SR with the block scale rounded up to E4M3 (nvfp4.quantize says why).
+LAYOUTS = ((1, 16), (16, 1), (16, 16))
 SR_MODES = ("sr", "sr_up")
-ROUNDINGS = ("rtn", *SR_MODES)
 
 
 def seed_tensor(seed, device):
@@ -70,24 +69,13 @@ def seed_tensor(seed, device):
     return torch.tensor(seed, dtype=torch.int64, device=device)
 
 
-def check_blocks(x, block, name):
-    """The checks every NVFP4 quantization makes (reference and kernels): one clear error naming the
-    tensor."""
-    if block not in BLOCKS:
-        raise ValueError(f"{name}: block must be one of {BLOCKS}, got {block}")
-    if not x.is_floating_point():
-        raise ValueError(f"{name}: expected a floating-point tensor, got {x.dtype}")
-    if x.dim() < 2:
-        raise ValueError(f"{name}: NVFP4 blocks apply to the last two dims; "
-                         f"got shape {tuple(x.shape)}")
-    M, N = x.shape[-2:]
-    bm, bn = block
-    if M % bm or N % bn or N % 2:
-        raise ValueError(f"{name}: shape {tuple(x.shape)} does not fit NVFP4 block {block}: "
-                         f"the last two dims must be multiples of ({bm}, {max(bn, 2)})")
-    # On CUDA this check would cost a host sync and an extra pass per quantization: there a
-    # non-finite input gives a NaN global scale instead, and train.py's non-finite loss/gradient
-    # check stops the run.
+def _check_input(x, block, name):
+    """What a launch needs: a float x whose last two dims hold whole blocks of one of LAYOUTS, and
+    (off CUDA, where it costs no sync) finite values; one clear error naming the tensor."""
+    fits = x.is_floating_point() and x.dim() >= 2 and block in LAYOUTS
+    if not fits or x.shape[-2] % block[0] or x.shape[-1] % max(block[1], 2):
+        raise ValueError(f"{name}: {x.dtype} shape {tuple(x.shape)} does not fit NVFP4 block "
+                         f"{block} (one of {LAYOUTS}, on the last two dims)")
     if not x.is_cuda and not torch.isfinite(x).all():
         raise ValueError(f"{name}: non-finite values (NaN/Inf) in tensor of shape {tuple(x.shape)}")
 
@@ -409,8 +397,8 @@ def _options(block, rounding, hadamard, device, name):
     """Checks -> block, the Hadamard's dim (0: none, 1: along rows' 16-element blocks, 2: along
     columns') and the Hadamard as contiguous fp32 on the device."""
     block = tuple(block)
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"{name}: rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    if rounding != "rtn" and rounding not in SR_MODES:
+        raise ValueError(f"{name}: rounding must be 'rtn' or one of {SR_MODES}, got {rounding!r}")
     had_dim = 0
     if hadamard is not None:
         if block == (16, 16):
@@ -426,7 +414,7 @@ def _options(block, rounding, hadamard, device, name):
 def _prepare(x, block, rounding, hadamard, name):
     """Checks -> x as (B, M, N), then _options' block, Hadamard dim and Hadamard."""
     block, had_dim, hadamard = _options(block, rounding, hadamard, x.device, name)
-    check_blocks(x, block, name)
+    _check_input(x, block, name)
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"{name}: expected an fp32/bf16/fp16 tensor, got {x.dtype}")
     M, N = x.shape[-2:]
@@ -519,7 +507,7 @@ def _cols_launch(x3, amax, hadamard, four_over_six, seed, rounding="rtn", codes=
         SR=rounding in SR_MODES, SCALE_UP=rounding == "sr_up",
         HADAMARD=hadamard is not None, WRITE_CODES=codes is not None,
         WRITE_VALUES=values is not None, AMAX_ONLY=amax_only, PLAIN_TOO=plain_too,
-        PACKED_X=packed, X_BF16=packed and x3.bf16, HW_BF16=_hw_bf16(), num_warps=COLS_WARPS,
+        PACKED_X=packed, X_BF16=packed and x3.bf16, HW_BF16=on_gpu(), num_warps=COLS_WARPS,
         maxnreg=COLS_MAXNREG, enable_fp_fusion=False)
     return partial.view(-1, n).amax(1).unbind() if amax_only else None
 

@@ -188,7 +188,7 @@ def test_forward_backward_consistency():
     torch.manual_seed(0)
     xs = [x.clone().requires_grad_() for x in (q, k, v)]
     o = attention.attention(*xs, policy="fp4")   # CPU tensors: the reference
-    saved = o.grad_fn.made[1:]   # after lse: codes, scales, global scale of Q, K, V
+    saved = o.grad_fn.saved_tensors[2:11]   # after o, lse: codes, scales, global scale of Q, K, V
     assert [t.dtype for t in saved[::3]] == [torch.uint8] * 3
     with torch.no_grad():
         for x in xs:

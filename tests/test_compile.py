@@ -1,10 +1,8 @@
-"""torch.compile of the FP4 recipes. Under compilation the NVFP4 linears, LoRA-SVD and FP4
-attention run as torch.library custom ops (nvfp4._linear.op, lora_svd._lora_svd.op,
-attention._attention.op, each with its backward op: nvfp4.fp4_op makes them and eager's
-autograd.Functions from one definition), so a fullstack transformer block compiles
-into one graph, and a compiled run gives an eager run's bits from the same RNG state: eager's
-autograd.Functions and the ops run the same bodies, and the random draws (SR seeds, eq. 2's
-Hadamard, dS's stream seed) are made inside them when they run, in eager's order.
+"""torch.compile of the FP4 recipes. The NVFP4 linears (LoRA-SVD's too) and FP4 attention are
+torch.library custom ops (nvfp4.linear_op, attention.attention_op, each with its backward op),
+eagerly and compiled, so a fullstack transformer block compiles into one graph, and a compiled run
+gives an eager run's bits from the same RNG state: the random draws (SR seeds, eq. 2's Hadamard,
+dS's stream seed) are made inside the ops' bodies when they run, in eager's order.
 
 Where bits may differ, and why: inductor generates its own code for what lies between the ops
 (RMSNorm, RoPE, SwiGLU), with its own summation order and without eager's bf16 rounding of every
@@ -62,19 +60,19 @@ def test_fullstack_block_compiles_without_a_graph_break():
     explained = torch._dynamo.explain(block)(x, *rope)
     assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
     ops = {str(n.target) for g in explained.graphs for n in g.graph.nodes}
-    assert {"nanofp4.lora_svd.default", "nanofp4.attention.default"} <= ops  # the FP4 parts, in it
+    assert {"nanofp4.linear.default", "nanofp4.attention.default"} <= ops  # the FP4 parts, in it
 
 
-def test_eager_runs_the_autograd_functions():
-    """Eager calls the bodies through the autograd.Functions (a custom op's eager dispatch costs
-    more host time: docs/performance.md), torch.compile through the ops (the test above)."""
+def test_eager_runs_the_custom_ops():
+    """Eager calls the same custom ops torch.compile puts in its graph (the test above)."""
     torch.manual_seed(0)
     x = torch.randn(16, 64, requires_grad=True)
     q = torch.randn(1, 1, 16, 64, requires_grad=True)
-    outs = {"FP4LinearBackward": nvfp4.NVFP4Linear(64, 64)(x),
-            "FP4LoraSvdBackward": lora_svd.LoRASVDLinear(64, 64, 8)(x),
-            "FP4AttentionBackward": attention.attention(q, q, q, policy="fp4")}
-    assert {name: type(y.grad_fn).__name__ for name, y in outs.items()} == {n: n for n in outs}
+    outs = {"nanofp4_linear": nvfp4.NVFP4Linear(64, 64)(x),
+            "nanofp4_linear ": lora_svd.LoRASVDLinear(64, 64, 8)(x),
+            "nanofp4_attention": attention.attention(q, q, q, policy="fp4")}
+    for name, y in outs.items():
+        assert f"{name.strip()}_default" in type(y.grad_fn).__name__, type(y.grad_fn).__name__
 
 
 def test_compiled_block_gives_eager_bits():
@@ -179,26 +177,24 @@ def test_gpu_compiled_block_gives_eager_bits():
 def _op_cases():
     """(op, args) for every custom op, with real inputs from one eager forward."""
     torch.manual_seed(0)
-    bf16 = torch.bfloat16
+    bf16, fp32 = torch.bfloat16, torch.float32
     x, w = torch.randn(2, 16, 64, dtype=bf16), torch.randn(32, 64)
     L1, L2 = torch.randn(8, 64), torch.randn(32, 8)
     dy = torch.randn(2, 16, 32, dtype=bf16)
-    lin, lora, att = nvfp4._linear, lora_svd._lora_svd, attention._attention
-    _, *lin_made = lin.op(x, w, True)
-    _, *lora_made = lora.op(x, w, L1, L2, 0.5, True)
-    none = [x[:0].float() for _ in "qkv"]
+    lin, lin_bwd = nvfp4.linear_op, nvfp4.linear_backward_op
+    _, *lin_made = lin(x, w, None, None, 1.0, bf16, True)
+    _, *lora_made = lin(x, w, L1, L2, 0.5, bf16, True)
     q, k = torch.randn(1, 2, 32, 64, dtype=bf16), torch.randn(1, 1, 32, 64, dtype=bf16)
-    o, *att_made = att.op(q, k, k, True, "fp4")
-    fp32 = torch.float32
-    return [(lin.op, (x, w, True)),
-            (lin.op_backward, (dy, *lin_made, bf16, fp32, True, True, True)),
-            (lin.op_backward, (dy, *lin_made, bf16, fp32, True, False, True)),
-            (lora.op, (x, w, L1, L2, 0.5, True)),
-            (lora.op_backward, (dy, *lora_made, L1, L2, bf16, fp32, fp32, fp32, *[True] * 4,
-                                0.5, True)),
-            (att.op, (q, k, k, True, "fp4")),
-            (att.op, (q, k, k, True, "bf16")),
-            (att.op_backward, (q, *att_made, *none, o, *[bf16] * 3, *[True] * 3, True, "fp4"))]
+    o, lse, *att_made = attention.attention_op(q, k, k, True, "fp4")
+    none = [x[:0] for _ in "qkv"]
+    return [(lin, (x, w, None, None, 1.0, bf16, True)),
+            (lin_bwd, (dy, *lin_made, None, None, 1.0, bf16, True, fp32, True, True)),
+            (lin_bwd, (dy, *lin_made, None, None, 1.0, bf16, True, fp32, True, False)),
+            (lin, (x, w, L1, L2, 0.5, bf16, True)),
+            (lin_bwd, (dy, *lora_made, L1, L2, 0.5, bf16, True, fp32, True, True)),
+            (attention.attention_op, (q, k, k, True, "fp4")),
+            (attention.attention_op, (q, k, k, True, "bf16")),
+            (attention.attention_backward_op, (q, o, lse, *att_made, *none, True, "fp4"))]
 
 
 @pytest.mark.parametrize("route", ["reference", "kernels"])

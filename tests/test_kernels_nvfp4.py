@@ -889,9 +889,9 @@ def test_gpu_linear_matches_the_reference():
     y = layer(x)
     xq_ref = nvfp4.quantize_reference(x.detach().cpu(), (1, 16), "rtn", False)
     wq_ref = nvfp4.quantize_reference(layer.weight.detach().cpu(), (16, 16), "rtn", False)
-    _same(nvfp4.packed(*y.grad_fn.made[:3], (1, 16)), xq_ref)
+    _same(nvfp4.packed(*y.grad_fn.saved_tensors[:3], (1, 16)), xq_ref)
     # W's forward grid values, kept for dX (Q16x16(W) reused, not re-decoded)
-    wv, _, s_gw = y.grad_fn.made[3:]
+    wv, _, s_gw = y.grad_fn.saved_tensors[3:6]
     assert torch.equal(wv.cpu(), wq_ref.grid_values().bfloat16()) \
         and torch.equal(s_gw.cpu(), wq_ref.global_scale)
     ref = xq_ref.dequantize().double() @ wq_ref.dequantize().double().t()

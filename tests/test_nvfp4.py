@@ -231,7 +231,7 @@ def test_linear_forward_is_the_quantized_product_and_saves_packed_x():
     y = layer(x)
     want = nvfp4.fake_quantize(x.detach()) @ nvfp4.fake_quantize(layer.weight.detach(), (16, 16)).t()
     assert torch.allclose(y, want, rtol=1e-5, atol=1e-5)
-    saved = nvfp4.packed(*y.grad_fn.made[:3], (1, 16))   # Q1x16(X), then W's three tensors
+    saved = nvfp4.packed(*y.grad_fn.saved_tensors[:3], (1, 16))   # Q1x16(X), then W's three tensors
     assert saved.shape == (32, 64) and saved.codes.dtype == torch.uint8
     assert saved.nbytes < x.numel() * 4 / 7  # 0.5625 byte/element + the global scale vs 4 bytes
 

@@ -357,9 +357,9 @@ def test_an_out_dir_that_is_a_file_and_a_bad_route_are_one_line(byte_data, micro
     for out in ("f", "f/run"):
         err = refused(byte_data, tmp_path / "x", capsys, "--out_dir", str(tmp_path / out))
         assert f"--out_dir {tmp_path / out}: {tmp_path / 'f'} is a file, not a directory" in err
-    monkeypatch.setenv("NANOFP4_ROUTE", "bogus")  # checked before the header and the run folder
+    monkeypatch.setenv("NANOFP4_ROUTE", "bogus")  # --route's default; checked before the header
     err = refused(byte_data, tmp_path / "out", capsys, "--max_steps", "1")
-    assert "NANOFP4_ROUTE='bogus': expected one of auto, reference, kernels" in err, err
+    assert "--route 'bogus': expected one of auto, reference, kernels" in err, err
 
 
 def test_a_long_step_shows_its_micro_steps_and_an_estimate(byte_data, micro, tmp_path, capsys,
@@ -767,7 +767,7 @@ def test_every_resolved_setting_and_the_commit_are_recorded(byte_data, micro1, t
                      f"warmup 5, cosine to 0.0002 at step 2 | batch 8 x grad_accum 1 x seq_len 64 "
                      f"= 512 "
                      f"tokens/step | 2 steps | seed 0 | numerics_id {s['numerics_id']} | "
-                     f"commit {s['commit']} | kernels: none on cpu (the reference route)")
+                     f"commit {s['commit']} | route auto, kernels: none on cpu (the reference route)")
     assert json.load(open(tmp_path / "summary.json"))["kernels"] == s["kernels"]
 
 
@@ -966,13 +966,15 @@ def test_data_given_a_file_says_to_make_shards_of_it(byte_data, micro, tmp_path,
 
 
 def test_the_kernels_route_on_a_cpu_runs_them_in_the_interpreter(byte_data, tmp_path):
-    """NANOFP4_ROUTE=kernels python train.py on a machine without a GPU (no TRITON_INTERPRET
-    given): kernels/ switches the interpreter on before any kernel is decorated, the run trains and
-    its first line says where the kernels run (it was a 90-line "0 active drivers" traceback)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(NANOFP4_ROUTE="kernels", OMP_NUM_THREADS="1")
+    """python train.py --route kernels on a machine without a GPU (no TRITON_INTERPRET given):
+    train.py sets the route before kernels/ is imported, which switches the interpreter on before
+    any kernel is decorated; the run trains and its first line says the route and where the kernels
+    run (it was a 90-line "0 active drivers" traceback)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "NANOFP4_ROUTE")}
+    env.update(OMP_NUM_THREADS="1")
     out = tmp_path / "run"
-    p = subprocess.run([sys.executable, "train.py", "--device", "cpu", "--config", "tiny",
+    p = subprocess.run([sys.executable, "train.py", "--route", "kernels", "--device", "cpu",
+                        "--config", "tiny",
                         "--n_layer", "1", "--recipe", "nvfp4", "--max_steps", "1", "--batch_size",
                         "1", "--seq_len", "32", "--eval_every", "0", "--save_every", "-1",
                         "--data", byte_data, "--out_dir", str(out)], cwd=ROOT, env=env,
@@ -983,7 +985,7 @@ def test_the_kernels_route_on_a_cpu_runs_them_in_the_interpreter(byte_data, tmp_
     assert p.returncode == 0, p.stderr[-3000:]
     first = p.stdout.splitlines()[0]
     assert first.startswith("run: ") and first.endswith(
-        "kernels: all, in Triton's interpreter (NANOFP4_ROUTE=kernels on cpu)"), first
+        "route kernels, kernels: all, in Triton's interpreter (route kernels on cpu)"), first
     assert math.isfinite(json.loads((out / "summary.json").read_text())["final_loss"])
 
 
@@ -993,7 +995,7 @@ def test_the_kernels_route_on_a_cpu_without_the_interpreter_is_one_line(byte_dat
     monkeypatch.setenv("NANOFP4_ROUTE", "kernels")
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # as on a GPU machine given --device cpu
     err = refused(byte_data, tmp_path / "out", capsys, "--max_steps", "1")
-    assert "NANOFP4_ROUTE=kernels on a CPU runs the kernels in Triton's interpreter: set " \
+    assert "--route kernels on a CPU runs the kernels in Triton's interpreter: set " \
         "TRITON_INTERPRET=1 too" in err, err
 
 
