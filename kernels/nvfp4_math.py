@@ -393,7 +393,7 @@ def _load_tile(x_ptr, h_ptr, pid_b, m0, n0, M, N, stride_xb, stride_xm, stride_x
 @triton.jit
 def _round_to_bf16(v, HW: tl.constexpr = False):
     """fp32 -> the nearest bf16 value (ties to even), kept in fp32. Explicit because the
-    interpreter's fp32 -> bf16 cast truncates; HW (a GPU, _hw_bf16()): the cast itself,
+    interpreter's fp32 -> bf16 cast truncates; HW (a GPU, on_gpu()): the cast itself,
     cvt.rn.bf16.f32, the same rounding in one instruction per two values instead of three per value
     (tests/test_kernels_nvfp4.py's GPU tests compare it with the reference). Finite inputs."""
     if HW:

@@ -27,7 +27,7 @@ import pytest
 
 from kernels import targets
 
-pytestmark = pytest.mark.slow  # ~80 compiles a target; its time: docs/performance.md
+pytestmark = pytest.mark.targets  # ~80 compiles a target: its own run, `pytest -m targets`
 SCRIPT = os.path.join(os.path.dirname(__file__), "compile_for_target.py")
 # (test id, capability): the 'a' targets are what Triton builds for 9.0 and newer
 MATRIX = [("sm_80", (8, 0)), ("sm_86", (8, 6)), ("sm_89", (8, 9)), ("sm_90a", (9, 0)),
