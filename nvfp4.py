@@ -556,9 +556,9 @@ def backward_draws(c, need_dx, need_dw, device):
     return seed_dx, H, seeds_dw
 
 
-def wgrad(dy, xq, c, hadamard, seeds, out_dtype=torch.float32):
+def wgrad(dy, qx, c, hadamard, seeds, out_dtype=torch.float32):
     """Eq. 2: dW = Q(dY^T H) . Q(H^T Q1x16(X)), H the drawn random Hadamard, both operands as
-    c["wgrad.dy"] and c["wgrad.x"] say (SR). dy (T, out); xq the forward's packed Q1x16(X) (T, in),
+    c["wgrad.dy"] and c["wgrad.x"] say (SR). dy (T, out); qx the forward's packed Q1x16(X) (T, in),
     dequantized in dy's dtype (bf16 in training: the precision the activations had) before its
     rotation. The rotation spreads outliers along the token (contraction) dim before the 16-element
     blocks see them; H H^T = I leaves the product unbiased. Both operands are quantized as stored,
@@ -569,7 +569,7 @@ def wgrad(dy, xq, c, hadamard, seeds, out_dtype=torch.float32):
                          "(the contraction dim of dW)")
     # (T, out)
     dyq = quantize_as(dy, c["wgrad.dy"], seeds[0], hadamard, name="gradient dY")
-    xhq = quantize_as(xq.dequantize(dy.dtype), c["wgrad.x"], seeds[1], hadamard,
+    xhq = quantize_as(qx.dequantize(dy.dtype), c["wgrad.x"], seeds[1], hadamard,
                       name="activation Q(X)")
     # (out, in)
     return nvfp4_matmul(dyq, xhq, out_dtype, trans_a=True, trans_b=True)
@@ -791,9 +791,9 @@ def matmul_quant_error(hidden_dims=(512, 1024, 2048, 4096), rounding="rtn", toke
         x = torch.randn(tokens, n, generator=g, device=device)
         w = torch.randn(out_features, n, generator=g, device=device)
         y = x @ w.t()
-        xq = quantize(x, (1, 16), rounding, four_over_six, generator=g)
-        wq = quantize(w, (16, 16), rounding, four_over_six, generator=g)
-        y_hat = nvfp4_matmul(xq, wq)
+        qx = quantize(x, (1, 16), rounding, four_over_six, generator=g)
+        qw = quantize(w, (16, 16), rounding, four_over_six, generator=g)
+        y_hat = nvfp4_matmul(qx, qw)
         rows.append({"N": n, "rounding": rounding, "mse": (y_hat - y).pow(2).mean().item(),
                      "rel_mse": relative_mse(y, y_hat)})
     return rows

@@ -82,12 +82,12 @@ def forward(x, w, L1, L2, beta, ex, ew, seeds, branch_dtype, out_dtype):
     ex, ew = _check(ex, "forward.x", (1, 16)), _check(ew, "forward.w", (16, 16))
     L1, L2 = L1.to(torch.bfloat16), L2.to(torch.bfloat16)
     if use_dot_scaled(x.device):  # the residual on the FP4 MMA, the bf16 branch beside it
-        wq = Packed(*quantize(w, (16, 16), ew.rounding, ew.four_over_six, seeds[1],
+        qw = Packed(*quantize(w, (16, 16), ew.rounding, ew.four_over_six, seeds[1],
                               name="weight W_res"), w.shape, (16, 16))
         xc, xs, s_gx = quantize(x, (1, 16), ex.rounding, ex.four_over_six, seeds[0],
                                 name="activation X")
-        y = nvfp4_gemm(Packed(xc, xs, s_gx, x.shape, (1, 16)), wq, torch.float32)
-        return (y + beta * _branch(x, L1, L2)).to(out_dtype), (xc, xs, s_gx), wq[:3]
+        y = nvfp4_gemm(Packed(xc, xs, s_gx, x.shape, (1, 16)), qw, torch.float32)
+        return (y + beta * _branch(x, L1, L2)).to(out_dtype), (xc, xs, s_gx), qw[:3]
     # [W_hat | L2] (out, K + r): W_res's one quantize pass writes W_hat into its left columns
     (N, K), r = w.shape, L2.shape[1]
     wbuf = torch.empty((N, K + r), device=w.device, dtype=torch.bfloat16)
@@ -101,7 +101,7 @@ def forward(x, w, L1, L2, beta, ex, ew, seeds, branch_dtype, out_dtype):
     return y, (xc, xs, s_gx), (wbuf, wbuf.new_empty(0, dtype=torch.float8_e4m3fn), s_gw)
 
 
-def backward(dy, xq, w_made, L1, L2, beta, c, need, seed_dx, hadamard, seeds_dw, branch_dtype):
+def backward(dy, qx, w_made, L1, L2, beta, c, need, seed_dx, hadamard, seeds_dw, branch_dtype):
     """eq. 1's dX = Q1x16(dY) Q16x16(W_res) + (beta dY L2) L1, reusing W_res as forward made it
     (w_made), and eq. 2's dW (fp32), each operand as the resolved contract c
     (nvfp4.linear_contract) says. need: (dX, dW) wanted; seed_dx, hadamard, seeds_dw: the draws
@@ -129,5 +129,5 @@ def backward(dy, xq, w_made, L1, L2, beta, c, need, seed_dx, hadamard, seeds_dw,
         wbuf[:w_hat.shape[0]], wbuf[w_hat.shape[0]:] = w_hat, L1  # (out + r, in) = [W_hat ; L1]
         dx = grid_values_mm(abuf, wbuf, s_g, s_gw, dy.dtype)
     if need[1]:
-        dw = wgrad(dy, xq, c, hadamard, seeds_dw, amax_dyh)
+        dw = wgrad(dy, qx, c, hadamard, seeds_dw, amax_dyh)
     return dx, dw

@@ -47,11 +47,11 @@ def forward(x, w, ex, ew, seeds=(0, 0)):
     Q16x16(W) (codes, scales, global scale))."""
     ex, ew = _check(ex, "forward.x", (1, 16)), _check(ew, "forward.w", (16, 16))
     if use_dot_scaled(x.device):  # W's quantization kept packed for dX (Packed, not grid values)
-        xq = Packed(*quantize(x, (1, 16), ex.rounding, ex.four_over_six, seeds[0],
+        qx = Packed(*quantize(x, (1, 16), ex.rounding, ex.four_over_six, seeds[0],
                               name="activation X"), x.shape, (1, 16))
-        wq = Packed(*quantize(w, (16, 16), ew.rounding, ew.four_over_six, seeds[1],
+        qw = Packed(*quantize(w, (16, 16), ew.rounding, ew.four_over_six, seeds[1],
                               name="weight W"), w.shape, (16, 16))
-        return nvfp4_gemm(xq, wq, x.dtype), xq[:3], wq[:3]
+        return nvfp4_gemm(qx, qw, x.dtype), qx[:3], qw[:3]
     # one pass writes the packed X (kept) and its bf16 grid values (multiplied)
     xv, s_gx, xc, xs = quantize_dequant(x, (1, 16), ex.rounding, ex.four_over_six, seeds[0],
                                         return_tensor=True, name="activation X")
@@ -61,8 +61,8 @@ def forward(x, w, ex, ew, seeds=(0, 0)):
             (wv, wv.new_empty(0, dtype=torch.float8_e4m3fn), s_gw))
 
 
-def backward(dy, xq, w_used, c, need, seed_dx, hadamard, seeds_dw, dw_dtype):
-    """dy (T, out); xq the forward's packed Q1x16(X) (codes, scales, global_scale, shape, block: an
+def backward(dy, qx, w_used, c, need, seed_dx, hadamard, seeds_dw, dw_dtype):
+    """dy (T, out); qx the forward's packed Q1x16(X) (codes, scales, global_scale, shape, block: an
     nvfp4.NVFP4Tensor); w_used the forward's W as forward returned it (three tensors); c the
     resolved contract (nvfp4.linear_contract); need: (dX, dW) wanted; seed_dx, hadamard, seeds_dw: the draws
     (nvfp4.backward_draws). -> (dX, dW)."""
@@ -74,22 +74,22 @@ def backward(dy, xq, w_used, c, need, seed_dx, hadamard, seeds_dw, dw_dtype):
     if need[0] and use_dot_scaled(dy.device):  # w_used: the packed Q16x16(W), read transposed
         dyq = Packed(*quantize(dy, (1, 16), edy.rounding, edy.four_over_six, seed=seed_dx,
                                global_amax=amax_dy, name="gradient dY"), dy.shape, (1, 16))
-        wq = Packed(*w_used, (w_used[0].shape[0], 2 * w_used[0].shape[1]), (16, 16))
-        dx = nvfp4_gemm(dyq, wq, dy.dtype, trans_b=True)
+        qw = Packed(*w_used, (w_used[0].shape[0], 2 * w_used[0].shape[1]), (16, 16))
+        dx = nvfp4_gemm(dyq, qw, dy.dtype, trans_b=True)
     elif need[0]:
         dyv, s_g = quantize_dequant(dy, (1, 16), edy.rounding, edy.four_over_six, seed=seed_dx,
                                     global_amax=amax_dy, name="gradient dY")
         # Q16x16(W) reused
         dx = grid_values_mm(dyv, w_used[0], s_g, w_used[2], dy.dtype)
     if need[1]:
-        dw = wgrad(dy, xq, c, hadamard, seeds_dw, amax_dyh, dw_dtype)
+        dw = wgrad(dy, qx, c, hadamard, seeds_dw, amax_dyh, dw_dtype)
     return dx, dw
 
 
-def wgrad(dy, xq, c, hadamard, seeds, dy_global_amax=None, out_dtype=torch.float32):
+def wgrad(dy, qx, c, hadamard, seeds, dy_global_amax=None, out_dtype=torch.float32):
     """Eq. 2, dW = Q(dY^T H) Q(H^T X_hat) (out, in), both operands quantized as stored, (T, out)
     and (T, in) with 16x1 blocks along T (c["wgrad.dy"], c["wgrad.x"]), and read transposed by the
-    GEMM. X_hat = the packed xq dequantized in dY's dtype (the precision the activations had),
+    GEMM. X_hat = the packed qx dequantized in dY's dtype (the precision the activations had),
     decoded inside the 16x1 quantize pass and its amax pre-pass (never written as a tensor).
     hadamard: H, or None without a rotation; seeds: the two SR seeds (dY's, X_hat's);
     dy_global_amax: max |H^T dY| if the caller has it."""
@@ -98,14 +98,14 @@ def wgrad(dy, xq, c, hadamard, seeds, dy_global_amax=None, out_dtype=torch.float
         dyq = Packed(*quantize(dy, (16, 1), edy.rounding, edy.four_over_six, seed=seeds[0],
                                hadamard=hadamard, global_amax=dy_global_amax, name="gradient dY"),
                      dy.shape, (16, 1))
-        xhq = Packed(*quantize(xq, (16, 1), ex.rounding, ex.four_over_six, seed=seeds[1],
+        xhq = Packed(*quantize(qx, (16, 1), ex.rounding, ex.four_over_six, seed=seeds[1],
                                hadamard=hadamard, name="activation Q(X)", source_dtype=dy.dtype),
-                     xq.shape, (16, 1))
+                     qx.shape, (16, 1))
         return nvfp4_gemm(dyq, xhq, out_dtype, trans_a=True, trans_b=True)           # (out, in)
     # (T, out)
     dyv, s_gdy = quantize_dequant(dy, (16, 1), edy.rounding, edy.four_over_six, seed=seeds[0],
                                   hadamard=hadamard, global_amax=dy_global_amax, name="gradient dY")
-    xv, s_gx = quantize_dequant(xq, (16, 1), ex.rounding, ex.four_over_six, seed=seeds[1],
+    xv, s_gx = quantize_dequant(qx, (16, 1), ex.rounding, ex.four_over_six, seed=seeds[1],
                                 hadamard=hadamard, name="activation Q(X)",
                                 source_dtype=dy.dtype)  # (T, in)
     return grid_values_mm(dyv.t(), xv, s_gdy, s_gx, out_dtype)  # (out, in)
