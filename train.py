@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import dataclasses
 import fractions
+import functools
 import glob
 import hashlib
 import json
@@ -748,7 +749,7 @@ class Run:
     loader: data.TokenLoader
     val_path: str
     device: str
-    autocast: object
+    autocast: object  # a function: `with run.autocast():` enters a fresh context each time
     rank: int = 0
     world_size: int = 1
     step: int = 0
@@ -818,7 +819,10 @@ def build_run(args, recipe, device, rank, world_size):
             model, optimizer=args.optimizer, states=recipe.optim_states, lr=args.lr,
             lora_lr=args.lora_lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
     amp = torch.bfloat16 if args.dtype == "bfloat16" else None
-    autocast = torch.autocast(args.device, dtype=amp) if amp else contextlib.nullcontext()
+    # a fresh context per use: one torch.autocast object entered twice, nested (an eval through
+    # GraphedMicroStep), restores the inner state on exit and leaves autocast on for what follows
+    autocast = (functools.partial(torch.autocast, args.device, dtype=amp) if amp
+                else contextlib.nullcontext)
     return Run(args, recipe, cfg, model, model, optimizer, loader, paths["val"], device, autocast,
                rank, world_size)
 
@@ -919,7 +923,7 @@ def compute_gradients(run):
             model.set_requires_gradient_sync(last)
         no_sync = run.distributed and not args.fsdp and not last
         with model.no_sync() if no_sync else contextlib.nullcontext():
-            with run.autocast:
+            with run.autocast():
                 _, loss = model(x, y)
             (loss / args.grad_accum).backward()
         loss_sum += loss.detach()
@@ -945,7 +949,7 @@ class _Loss(torch.nn.Module):
         self.model, self.autocast = model, autocast
 
     def forward(self, x, y):
-        with self.autocast:
+        with self.autocast():
             return self.model(x, y)[1]
 
 
@@ -993,7 +997,7 @@ def evaluate(run):
         losses = torch.zeros(args.eval_iters, device=run.device)
         for i in range(args.eval_iters):
             x, y = loader.next_batch()
-            with run.autocast:
+            with run.autocast():
                 _, loss = run.model(x.to(run.device), y.to(run.device))
             losses[i] = loss.float()
     run.model.train()

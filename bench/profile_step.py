@@ -50,8 +50,8 @@ def profile_recipe(config, recipe, batch, seq_len, iters, device, graphs=False):
     y = torch.roll(x, -1, dims=1)
     if graphs:
         graph_grads(model)
-        model = GraphedMicroStep(model, torch.autocast(device, dtype=torch.bfloat16), x.shape,
-                                 device)
+        model = GraphedMicroStep(model, lambda: torch.autocast(device, dtype=torch.bfloat16),
+                                 x.shape, device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for _ in range(2):  # warm-up: Triton's autotuning and compilation, cuBLAS's heuristics
         micro_step(model, x, y, device, graphs)

@@ -2,6 +2,8 @@
 tensor drawn by the device's RNG (nvfp4.sr_seed), and the kernels read it from memory, so a
 captured graph that replays the step reads each replay's fresh seed and rounds as the reference does
 for it."""
+import functools
+
 import pytest
 import torch
 
@@ -74,6 +76,25 @@ def test_cuda_graphs_flag_needs_one_gpu(capsys):
     assert e.value.code == 2 and len(err) == 1 and "--cuda_graphs" in err[0]
 
 
+def test_an_eval_through_the_graphed_loss_leaves_autocast_off():
+    """evaluate() runs a GraphedMicroStep's loss eagerly (eval mode) inside `with run.autocast()`,
+    so the loss enters the run's autocast a second time, nested. Autocast must be off afterwards: one
+    torch.autocast object entered twice restored the inner state on exit, and every projection and
+    optimizer matmul after a --cuda_graphs eval ran in bf16 (the graphs run left the eager run's
+    path at its first eval)."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=1, n_embd=64, n_head=1, n_kv_head=1, ffn_hidden=128, block_size=16,
+                    vocab_size=32, recipe=Recipe(linear="bf16", attention="bf16"))
+    autocast = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16)
+    loss = train._Loss(GPT(cfg), autocast).eval()
+    x = torch.randint(0, 32, (2, 16))
+    with torch.no_grad(), autocast():
+        assert loss(x, x).dtype == torch.float32 and torch.is_autocast_enabled("cpu")
+    assert not torch.is_autocast_enabled("cpu")
+    a = torch.randn(8, 8)
+    assert (a @ a).dtype == torch.float32
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("block", BLOCKS)
 def test_gpu_captured_quantize_replays_fresh_draws_equal_to_the_reference(block):
@@ -103,7 +124,8 @@ def test_gpu_graphed_micro_step_equals_eager_bit_for_bit(linear):
                     vocab_size=97, recipe=Recipe(linear=linear, attention="fp4"))
     model = GPT(cfg).cuda()
     x = torch.randint(0, cfg.vocab_size, (4, 256), device="cuda")
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16)
+    def autocast():
+        return torch.autocast("cuda", dtype=torch.bfloat16)
 
     def step(forward):
         model.zero_grad(set_to_none=False)
@@ -112,7 +134,7 @@ def test_gpu_graphed_micro_step_equals_eager_bit_for_bit(linear):
         return [loss.detach().clone()] + [p.grad.clone() for p in model.parameters()]
 
     def eager(x, y):
-        with autocast:
+        with autocast():
             return model(x, y)
 
     train.graph_grads(model)
