@@ -25,8 +25,8 @@ and before gradient clipping and optimizer.step(). Every few thousand steps `rea
 optimizer)` re-derives (W_res, L1, L2) from a randomized SVD of the total weight (subspace drift,
 §3.2).
 
-On CUDA the branch rides on the NVFP4 GEMMs (App. 9, kernels/lora_fused.py): r extra columns of the
-residual's bf16 grid-value GEMM, so Y and dX are written once. The seam is nvfp4.use_kernels
+On CUDA the branch rides on the NVFP4 GEMMs (App. 9, kernels/nvfp4_linear.py): r extra columns of
+the residual's bf16 grid-value GEMM, so Y and dX are written once. The seam is nvfp4.use_kernels
 (train.py --route). Parameters may be FSDP2 DTensors: projection and realignment gather them and write
 back the local shards.
 
@@ -141,9 +141,9 @@ def lora_svd_linear(x, weight_res, L1, L2, beta=1.0, four_over_six=True):
         dX = Q1x16(dY) Q16x16(W_res) + beta (dY L2) L1,  dW = eq. 2's wgrad (fp32)
     as nvfp4.nvfp4_linear computes them (nvfp4.linear_forward / linear_backward: the direct layer's
     three GEMMs, the branch in BRANCH added before Y's and dX's one rounding; on CUDA the branch
-    rides the residual's GEMM, kernels/lora_fused.py). L1 and L2 get zero gradients here; their true
-    ones come from project_gradients (eqs. 3-4): App. 8 takes them from dW instead of from a second
-    large GEMM with the high-precision X, which is why neither X nor X L1^T is saved. Under
+    rides the residual's GEMM, kernels/nvfp4_linear.py). L1 and L2 get zero gradients here; their
+    true ones come from project_gradients (eqs. 3-4): App. 8 takes them from dW instead of from a
+    second large GEMM with the high-precision X, which is why neither X nor X L1^T is saved. Under
     autocast X is cast to the autocast dtype."""
     return nvfp4.nvfp4_linear(x, weight_res, four_over_six, L1, L2, beta, branch_dtype())
 

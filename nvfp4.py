@@ -27,7 +27,6 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from kernels import lora_fused as lora_kernels
 from kernels import nvfp4_dequant
 from kernels import nvfp4_linear as linear_kernels
 from kernels import nvfp4_quant as quant_kernels
@@ -601,11 +600,9 @@ def linear_forward(x, weight, L1, L2, beta, branch_dtype, four_over_six):
     x2 = x.reshape(-1, x.shape[-1])                                                     # (T, in)
     w = weight.detach()
     seeds = draws(c["forward.x"], x2.device), draws(c["forward.w"], x2.device)
-    if use_kernels(x2) and L1 is None:
-        y, qx, qw = linear_kernels.forward(x2, w, c["forward.x"], c["forward.w"], seeds)
-    elif use_kernels(x2):  # App. 9: the branch rides the residual's GEMM, Y is written once
-        y, qx, qw = lora_kernels.forward(x2, w, L1, L2, beta, c["forward.x"], c["forward.w"],
-                                         seeds, branch_dtype, x.dtype)
+    if use_kernels(x2):  # LoRA's branch rides the residual's GEMM, Y is written once (App. 9)
+        y, qx, qw = linear_kernels.forward(x2, w, c["forward.x"], c["forward.w"], seeds, L1, L2,
+                                           beta, branch_dtype)
     else:
         qx = quantize_as(x2, c["forward.x"], seeds[0], name="activation X")             # Q1x16(X)
         qw = quantize_as(w, c["forward.w"], seeds[1], name="weight W")                  # Q16x16(W)
@@ -626,12 +623,9 @@ def linear_backward(dy, qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_sc
     qx = packed(qx_codes, qx_scales, qx_scale, (1, 16))
     seed_dx, H, seeds_dw = backward_draws(c, need_dx, need_dw, dy2.device)
     need = (need_dx, need_dw)
-    if use_kernels(dy2) and L1 is None:
+    if use_kernels(dy2):
         dx, dw = linear_kernels.backward(dy2, qx, (qw_data, qw_scales, qw_scale), c, need, seed_dx,
-                                         H, seeds_dw, dw_dtype)
-    elif use_kernels(dy2):
-        dx, dw = lora_kernels.backward(dy2, qx, (qw_data, qw_scales, qw_scale), L1, L2, beta, c,
-                                       need, seed_dx, H, seeds_dw, branch_dtype)
+                                         H, seeds_dw, dw_dtype, L1, L2, beta, branch_dtype)
     else:
         dx = dw = None
         if need_dx:

@@ -1,21 +1,35 @@
 """
-The three GEMMs of a direct-NVFP4 linear layer (paper eqs. 1-2 without the LoRA branch) on the GPU:
+The three GEMMs of an NVFP4 linear layer (paper eqs. 1-2) on the GPU, with LoRA-SVD's low-rank
+branch (§3.2, App. 9) when L1, L2 are given:
 
-    Y  = Q1x16(X) Q16x16(W)^T                          forward.x, forward.w
-    dX = Q1x16(dY) Q16x16(W)                           dgrad.dy, W's forward quantization reused
-    dW = Q1x16(dY^T H) Q16x1(H^T Q1x16(X))             wgrad.dy, wgrad.x (eq. 2's random Hadamard H)
+    Y  = Q1x16(X) Q16x16(W)^T  [+ (beta X L1^T) L2^T]   forward.x, forward.w
+    dX = Q1x16(dY) Q16x16(W)   [+ (beta dY L2) L1]      dgrad.dy, W's forward quantization reused
+    dW = Q1x16(dY^T H) Q16x1(H^T Q1x16(X))              wgrad.dy, wgrad.x (H: eq. 2's Hadamard)
 
 each operand quantized as its entry of nvfp4.LINEAR (the precision contract) says: rounding,
-Hadamard, 4/6.
+Hadamard, 4/6. W is LoRA-SVD's residual W_res where there is a branch; eq. 2's dW is the same for
+both (App. 8 takes the LoRA gradients from it later).
 
-nvfp4.py's autograd function calls `forward` and `backward`; which route multiplies is decided here:
+nvfp4.py's ops call `forward` and `backward`; which route multiplies is decided here:
   * Hopper (no FP4 tensor cores): every quantize pass writes the bf16 grid values q * s_b (exact)
     and cuBLAS multiplies them (nvfp4_gemm.grid_values_mm). The forward keeps W's grid values for
     dX (2 bytes/param until the backward, like autocast's cached bf16 weight copies: no packed W,
-    no second decoding pass) and the packed 4-bit X for eq. 2.
+    no second decoding pass) and the packed 4-bit X for eq. 2. The branch rides on the same GEMMs
+    as r extra columns (App. 9), with s_g the product of the two global scales:
+
+        Y  = s_g ([X_hat | beta X L1^T / s_g] [W_hat | L2]^T)
+        dX = s_g ([dY_hat | beta dY L2 / s_g] [W_hat ; L1])
+
+    The quantize pass writes X_hat straight into the left columns of the (T, K + r) operand (no
+    concatenation, no second copy of an activation), one small GEMM the branch columns beside it;
+    one GEMM with K + r columns writes Y once, for ~r/K more FLOPs (docs/nvfp4_kernels.md measures
+    the alternatives). The branch is BF16 (lora_svd.BRANCH: bf16 operands, fp32 accumulation,
+    beta x L^T / s_g rounded to bf16 once): the reference's branch up to where that intermediate
+    is rounded.
   * Blackwell: every quantize pass writes the packed form only, and all three GEMMs run on the
     FP4 tensor cores (nvfp4_gemm's tl.dot_scaled kernel): dX reads the forward's packed
-    Q16x16(W) transposed, dW both of its 16x1 operands as stored.
+    Q16x16(W) transposed, dW both of its 16x1 operands as stored. The branch is two bf16 GEMMs
+    beside the residual, as the reference computes it, added to the residual's fp32 result.
 Random draws (SR seeds, H) are made by the caller (nvfp4.backward_draws), the same for either route.
 """
 
@@ -23,7 +37,7 @@ import collections
 
 import torch
 
-from kernels.nvfp4_gemm import grid_values_mm, nvfp4_gemm, use_dot_scaled
+from kernels.nvfp4_gemm import grid_values_mm, mm_fp32, nvfp4_gemm, use_dot_scaled
 from kernels.nvfp4_quant import global_amax_pair, quantize, quantize_dequant
 
 # A packed operand for nvfp4_gemm built here (nvfp4.NVFP4Tensor has the same fields)
@@ -39,62 +53,127 @@ def _check(entry, name, block):
     return entry
 
 
-def forward(x, w, ex, ew, seeds=(0, 0)):
+def _check_branch(L1, branch_dtype):
+    if L1 is not None and branch_dtype != torch.bfloat16:
+        raise ValueError(f"kernels/nvfp4_linear: the fused branch runs in bf16 "
+                         f"(lora_svd.BRANCH 'bf16'), got {branch_dtype}")
+
+
+def _mm(a, b):
+    """a @ b with an fp32 result: cuBLAS's fp32 accumulator for bf16 CUDA operands, else in fp32."""
+    out = mm_fp32(a, b) if a.is_cuda and a.dtype == torch.bfloat16 else None
+    return a.float() @ b.float() if out is None else out
+
+
+def _branch(x, A, B):
+    """Blackwell's branch (x A^T) B^T beside the FP4 residual: bf16 operands, fp32 accumulation,
+    the rank-r intermediate rounded to bf16 once (nvfp4.low_rank). -> fp32."""
+    return _mm(_mm(x.to(torch.bfloat16), A.t()).to(torch.bfloat16), B.t())
+
+
+def _operand(x, L, beta, rounding, four_over_six, seed, s_g_other, name, return_tensor=False,
+             global_amax=None):
+    """The Hopper GEMM's left operand (T, K + r) in bf16: [X_hat | beta X L^T / (s_g s_g_other)]
+    with LoRA's L (r, K), plain X_hat (T, K) with L None; X's s_g and, with return_tensor, the
+    packed Q1x16(X) (codes, scales) written by the same pass. X_hat is nvfp4_quant's quantization
+    of X (the same codes and, for SR, the same Philox draws given the seed); the branch columns
+    come from one GEMM with an fp32 result, scaled and rounded to bf16 once."""
+    (T, K), r = x.shape, 0 if L is None else L.shape[0]
+    buf = torch.empty((T, K + r), device=x.device, dtype=torch.bfloat16)
+    # X_hat into buf[:, :K] (rows K + r apart), the branch columns untouched
+    _, s_g, *packed = quantize_dequant(x, (1, 16), rounding, four_over_six, seed=seed,
+                                       global_amax=global_amax, return_tensor=return_tensor,
+                                       name=name, out=buf[:, :K])
+    if L is not None:
+        buf[:, K:] = _mm(x.to(L.dtype), L.t()) * beta / (s_g * s_g_other)  # (T, r), RNE to bf16
+    return buf, s_g, packed
+
+
+def forward(x, w, ex, ew, seeds=(0, 0), L1=None, L2=None, beta=1.0, branch_dtype=torch.bfloat16):
     """x (T, in), w (out, in); ex, ew: the contract entries of X and W (nvfp4.LINEAR's forward.x,
-    forward.w); seeds: their SR seeds. -> (Y (T, out) in x's dtype, Q1x16(X) as (codes, scales,
-    global_scale) for eq. 2, W's quantization as dX multiplies it, three tensors on either route:
-    (bf16 grid values (out, in), an empty scales tensor, global scale), on Blackwell the packed
-    Q16x16(W) (codes, scales, global scale))."""
+    forward.w); seeds: their SR seeds; L1 (r, in), L2 (out, r): LoRA-SVD's branch, or None.
+    -> (Y (T, out) in x's dtype, Q1x16(X) as (codes, scales, global_scale) for eq. 2, W's
+    quantization as dX multiplies it, three tensors on either route: (bf16 grid values (out, in),
+    with a branch [W_hat | L2] (out, in + r), an empty scales tensor, global scale), on Blackwell
+    the packed Q16x16(W) (codes, scales, global scale))."""
     ex, ew = _check(ex, "forward.x", (1, 16)), _check(ew, "forward.w", (16, 16))
+    _check_branch(L1, branch_dtype)
+    if L1 is not None:
+        L1, L2 = L1.to(torch.bfloat16), L2.to(torch.bfloat16)
     if use_dot_scaled(x.device):  # W's quantization kept packed for dX (Packed, not grid values)
         qx = Packed(*quantize(x, (1, 16), ex.rounding, ex.four_over_six, seeds[0],
                               name="activation X"), x.shape, (1, 16))
         qw = Packed(*quantize(w, (16, 16), ew.rounding, ew.four_over_six, seeds[1],
                               name="weight W"), w.shape, (16, 16))
-        return nvfp4_gemm(qx, qw, x.dtype), qx[:3], qw[:3]
-    # one pass writes the packed X (kept) and its bf16 grid values (multiplied)
-    xv, s_gx, xc, xs = quantize_dequant(x, (1, 16), ex.rounding, ex.four_over_six, seeds[0],
-                                        return_tensor=True, name="activation X")
-    wv, s_gw = quantize_dequant(w, (16, 16), ew.rounding, ew.four_over_six, seeds[1],
-                                name="weight W")
-    return (grid_values_mm(xv, wv.t(), s_gx, s_gw, x.dtype), (xc, xs, s_gx),
-            (wv, wv.new_empty(0, dtype=torch.float8_e4m3fn), s_gw))
+        if L1 is None:
+            return nvfp4_gemm(qx, qw, x.dtype), qx[:3], qw[:3]
+        y = nvfp4_gemm(qx, qw, torch.float32) + beta * _branch(x, L1, L2)
+        return y.to(x.dtype), qx[:3], qw[:3]
+    # W's one quantize pass writes W_hat, beside L2: [W_hat | L2] (out, K + r)
+    (N, K), r = w.shape, 0 if L2 is None else L2.shape[1]
+    wbuf = torch.empty((N, K + r), device=w.device, dtype=torch.bfloat16)
+    _, s_gw = quantize_dequant(w, (16, 16), ew.rounding, ew.four_over_six, seeds[1],
+                               name="weight W", out=wbuf[:, :K])
+    if L2 is not None:
+        wbuf[:, K:] = L2
+    # one pass writes the packed X (kept) and its bf16 grid values [X_hat | beta X L1^T / s_g]
+    abuf, s_gx, (xc, xs) = _operand(x, L1, beta, ex.rounding, ex.four_over_six, seeds[0], s_gw,
+                                    "activation X", return_tensor=True)
+    return (grid_values_mm(abuf, wbuf.t(), s_gx, s_gw, x.dtype), (xc, xs, s_gx),
+            (wbuf, wbuf.new_empty(0, dtype=torch.float8_e4m3fn), s_gw))
 
 
-def backward(dy, qx, w_used, c, need, seed_dx, hadamard, seeds_dw, dw_dtype):
+def backward(dy, qx, w_used, c, need, seed_dx, hadamard, seeds_dw, dw_dtype, L1=None, L2=None,
+             beta=1.0, branch_dtype=torch.bfloat16):
     """dy (T, out); qx the forward's packed Q1x16(X) (codes, scales, global_scale, shape, block: an
     nvfp4.NVFP4Tensor); w_used the forward's W as forward returned it (three tensors); c the
-    resolved contract (nvfp4.linear_contract); need: (dX, dW) wanted; seed_dx, hadamard, seeds_dw: the draws
-    (nvfp4.backward_draws). -> (dX, dW)."""
+    resolved contract (nvfp4.linear_contract); need: (dX, dW) wanted; seed_dx, hadamard, seeds_dw:
+    the draws (nvfp4.backward_draws); L1, L2, beta: the branch, as forward took it. -> (dX in dY's
+    dtype, dW in dw_dtype)."""
     edy = _check(c["dgrad.dy"], "dgrad.dy", (1, 16))
+    _check_branch(L1, branch_dtype)
+    if L1 is not None:
+        L1, L2 = L1.to(torch.bfloat16), L2.to(torch.bfloat16)
+    K, fp4_mma = qx.shape[1], use_dot_scaled(dy.device)  # the route of dX and dW alike
     amax_dy = amax_dyh = None
     if all(need) and hadamard is not None:  # one read of dY for both of its global amaxes
         amax_dy, amax_dyh = global_amax_pair(dy, hadamard, name="gradient dY")
     dx = dw = None
-    if need[0] and use_dot_scaled(dy.device):  # w_used: the packed Q16x16(W), read transposed
+    if need[0] and fp4_mma:  # w_used: the packed Q16x16(W), read transposed
         dyq = Packed(*quantize(dy, (1, 16), edy.rounding, edy.four_over_six, seed=seed_dx,
                                global_amax=amax_dy, name="gradient dY"), dy.shape, (1, 16))
-        qw = Packed(*w_used, (w_used[0].shape[0], 2 * w_used[0].shape[1]), (16, 16))
-        dx = nvfp4_gemm(dyq, qw, dy.dtype, trans_b=True)
+        qw = Packed(*w_used, (w_used[0].shape[0], K), (16, 16))
+        if L1 is None:
+            dx = nvfp4_gemm(dyq, qw, dy.dtype, trans_b=True)
+        else:
+            dx = nvfp4_gemm(dyq, qw, torch.float32, trans_b=True)
+            dx = (dx + beta * _branch(dy, L2.t(), L1.t())).to(dy.dtype)
     elif need[0]:
-        dyv, s_g = quantize_dequant(dy, (1, 16), edy.rounding, edy.four_over_six, seed=seed_dx,
-                                    global_amax=amax_dy, name="gradient dY")
-        # Q16x16(W) reused
-        dx = grid_values_mm(dyv, w_used[0], s_g, w_used[2], dy.dtype)
+        # [dY_hat | beta dY L2 / s_g] times Q16x16(W) reused, [W_hat ; L1] with a branch
+        abuf, s_g, _ = _operand(dy, None if L2 is None else L2.t(), beta, edy.rounding,
+                                edy.four_over_six, seed_dx, w_used[2], "gradient dY",
+                                global_amax=amax_dy)
+        w_hat = w_used[0][:, :K]  # the forward's W_hat (beside L2)
+        if L1 is not None:
+            w_hat = torch.cat([w_hat, L1])  # (out + r, in) = [W_hat ; L1]
+        dx = grid_values_mm(abuf, w_hat, s_g, w_used[2], dy.dtype)
     if need[1]:
-        dw = wgrad(dy, qx, c, hadamard, seeds_dw, amax_dyh, dw_dtype)
+        dw = wgrad(dy, qx, c, hadamard, seeds_dw, amax_dyh, dw_dtype, fp4_mma)
     return dx, dw
 
 
-def wgrad(dy, qx, c, hadamard, seeds, dy_global_amax=None, out_dtype=torch.float32):
+def wgrad(dy, qx, c, hadamard, seeds, dy_global_amax=None, out_dtype=torch.float32,
+          fp4_mma=None):
     """Eq. 2, dW = Q(dY^T H) Q(H^T X_hat) (out, in), both operands quantized as stored, (T, out)
     and (T, in) with 16x1 blocks along T (c["wgrad.dy"], c["wgrad.x"]), and read transposed by the
     GEMM. X_hat = the packed qx dequantized in dY's dtype (the precision the activations had),
     decoded inside the 16x1 quantize pass and its amax pre-pass (never written as a tensor).
     hadamard: H, or None without a rotation; seeds: the two SR seeds (dY's, X_hat's);
-    dy_global_amax: max |H^T dY| if the caller has it."""
+    dy_global_amax: max |H^T dY| if the caller has it; fp4_mma: use_dot_scaled if it asked."""
     edy, ex = _check(c["wgrad.dy"], "wgrad.dy", (16, 1)), _check(c["wgrad.x"], "wgrad.x", (16, 1))
-    if use_dot_scaled(dy.device):  # both packed as stored (T, .), 16x1, read transposed
+    if fp4_mma is None:
+        fp4_mma = use_dot_scaled(dy.device)
+    if fp4_mma:  # both packed as stored (T, .), 16x1, read transposed
         dyq = Packed(*quantize(dy, (16, 1), edy.rounding, edy.four_over_six, seed=seeds[0],
                                hadamard=hadamard, global_amax=dy_global_amax, name="gradient dY"),
                      dy.shape, (16, 1))

@@ -168,7 +168,7 @@ def _rows_values_ptrs(values_ptr, base, blk, offs, ld_values, ROW_BLOCKS: tl.con
     """Where the rows kernel stores the values of blocks base + blk (element offsets offs from block
     base): flat as x (ROW_BLOCKS 0), or in rows ld_values elements apart of ROW_BLOCKS blocks each
     (x's rows in the left columns of a wider buffer: LoRA-SVD's [X_hat | branch],
-    kernels/lora_fused.py, written without a concatenation): shifted by ld_values - N per row."""
+    kernels/nvfp4_linear.py, written without a concatenation): shifted by ld_values - N per row."""
     vptrs = values_ptr + base * 16 + offs
     if ROW_BLOCKS:
         row0 = base // ROW_BLOCKS  # the chunk's first row (a scalar)

@@ -148,7 +148,7 @@ def record_layers():
     and backward, with the contract's 4/6, SR and Hadamard (on the FP4 MMA: the packed-only
     quantize passes, eq. 2's X_hat decoded inside the cols kernel, the GEMMs)."""
     import nvfp4
-    from kernels import lora_fused, nvfp4_linear
+    from kernels import nvfp4_linear
     LABEL[0] = "layers"
     c = nvfp4.linear_contract(True)
     x, w, dy = torch.zeros(64, 256), torch.zeros(128, 256), torch.zeros(64, 128)
@@ -157,9 +157,8 @@ def record_layers():
     xq = Packed(*xq, x.shape, (1, 16))
     nvfp4_linear.backward(dy, xq, w_used, c, need, 3, H, (4, 5), torch.float32)
     L1, L2 = torch.zeros(8, 256), torch.zeros(128, 8)
-    _, _, w_used = lora_fused.forward(x, w, L1, L2, 0.5, c["forward.x"], c["forward.w"], (1, 2),
-                                      torch.bfloat16, torch.float32)
-    lora_fused.backward(dy, xq, w_used, L1, L2, 0.5, c, need, 3, H, (4, 5), torch.bfloat16)
+    _, _, w_used = nvfp4_linear.forward(x, w, c["forward.x"], c["forward.w"], (1, 2), L1, L2, 0.5)
+    nvfp4_linear.backward(dy, xq, w_used, c, need, 3, H, (4, 5), torch.float32, L1, L2, 0.5)
 
 
 def record_attention(policy, D=128, B=1, H=4, Hkv=2, T=256):

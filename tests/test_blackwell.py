@@ -186,7 +186,7 @@ def test_blackwell_route_takes_strided_operands_and_checks_blocks(blackwell_rout
 def blackwell_gpu(monkeypatch):
     """The kernel routes as a Blackwell GPU takes them; counts the FP4 GEMM launches, and fails any
     call to the grid-value route (Hopper's)."""
-    from kernels import lora_fused, nvfp4_linear
+    from kernels import nvfp4_linear
     calls = []
     sm100 = nvfp4_gemm._gemm_sm100
 
@@ -197,7 +197,7 @@ def blackwell_gpu(monkeypatch):
     def hopper(*args, **kwargs):
         raise AssertionError("the grid-value GEMM ran on the Blackwell route")
 
-    for module in (nvfp4_gemm, nvfp4_linear, lora_fused):
+    for module in (nvfp4_gemm, nvfp4_linear):
         monkeypatch.setattr(module, "use_dot_scaled", lambda device: True)
         monkeypatch.setattr(module, "grid_values_mm", hopper)
     monkeypatch.setattr(nvfp4_gemm, "_gemm_sm100", counted)

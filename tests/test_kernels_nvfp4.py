@@ -495,7 +495,7 @@ def test_dequantize_bitwise_every_block(block):
 
 
 # --------------------------------------------------------------------------------------------------
-# values written into a wider buffer (LoRA-SVD's GEMM operands, kernels/lora_fused.py)
+# values written into a wider buffer (LoRA-SVD's GEMM operands, kernels/nvfp4_linear.py)
 
 def _bits16(t):
     return t.view(torch.int16)
@@ -559,14 +559,14 @@ def test_grid_values_decode_into_a_wider_buffer():
 
 @pytest.mark.parametrize("rounding", ["rtn", "sr"])
 def test_lora_operands_equal_the_concatenations_bit_for_bit(rounding):
-    """kernels/lora_fused's buffers written in place are the concatenations they replace:
+    """kernels/nvfp4_linear's LoRA buffers written in place are the concatenations they replace:
     [X_hat | beta X L^T / (s_g s_g_other)] and [W_hat | L2], every bit."""
-    from kernels import lora_fused
+    from kernels import nvfp4_linear
     g = torch.Generator().manual_seed(19)
     x, L = _heavy_tailed((48, 64), g), torch.randn(5, 64, generator=g)
     gs_other, beta = torch.tensor(0.37), 0.5
-    buf, s_g, (codes, scales) = lora_fused._operand(x, L, beta, rounding, True, 7, gs_other, "x",
-                                                    return_tensor=True)
+    buf, s_g, (codes, scales) = nvfp4_linear._operand(x, L, beta, rounding, True, 7, gs_other,
+                                                      "x", return_tensor=True)
     xv, s_g_cat, *_ = kq.quantize_dequant(x, (1, 16), rounding, True, seed=7, return_tensor=True)
     branch = (x.float() @ L.t().float() * beta / (s_g_cat * gs_other)).to(torch.bfloat16)
     assert torch.equal(s_g, s_g_cat)
@@ -574,9 +574,8 @@ def test_lora_operands_equal_the_concatenations_bit_for_bit(rounding):
     w = _heavy_tailed((32, 64), g)
     L2 = torch.randn(32, 5, generator=g)
     c = nvfp4.linear_contract(True)
-    _, _, (wbuf, _, s_gw) = lora_fused.forward(x[:16], w, L, L2, beta, c["forward.x"],
-                                               c["forward.w"], (0, 0), torch.bfloat16,
-                                               torch.float32)
+    _, _, (wbuf, _, s_gw) = nvfp4_linear.forward(x[:16], w, c["forward.x"], c["forward.w"],
+                                                 (0, 0), L, L2, beta)
     qw = nvfp4.quantize_reference(w, (16, 16), "rtn", True)
     assert torch.equal(s_gw, qw.global_scale)
     assert torch.equal(_bits16(wbuf), _bits16(torch.cat((qw.grid_values().bfloat16(),

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 import lora_svd
 import nvfp4
-from kernels import lora_fused, nvfp4_quant
+from kernels import nvfp4_linear, nvfp4_quant
 
 T, IN, OUT, R = 32, 64, 48, 8
 
@@ -386,7 +386,7 @@ def test_kernel_operand_is_grid_values_and_branch_columns(rounding):
     x = heavy_tailed((48, 96), gen)
     L = torch.randn(5, 96, generator=gen)
     gs_other = torch.tensor(0.37)
-    buf, s_g, (codes, scales) = lora_fused._operand(x, L, 0.5, rounding, True, 7, gs_other, "x", return_tensor=True)
+    buf, s_g, (codes, scales) = nvfp4_linear._operand(x, L, 0.5, rounding, True, 7, gs_other, "x", return_tensor=True)
     ref = kernel_quantize(x, (1, 16), rounding, True, seed=7)
     same_nvfp4(nvfp4.NVFP4Tensor(codes, scales, s_g, x.shape, (1, 16)), ref)
     if rounding == "rtn":
@@ -398,7 +398,7 @@ def test_kernel_operand_is_grid_values_and_branch_columns(rounding):
 
 
 def test_fused_path_of_the_layer_replays_eqs_1_2(monkeypatch):
-    """The module's kernel path (kernels/lora_fused.py in the interpreter) against float64 eqs. 1-2, replaying its
+    """The module's kernel path (kernels/nvfp4_linear.py in the interpreter) against float64 eqs. 1-2, replaying its
     draws (nvfp4.backward_draws); the branch operands are rounded to bf16."""
     monkeypatch.setenv("NANOFP4_ROUTE", "kernels")
     beta = 0.5
