@@ -3,6 +3,7 @@ finished runs, the verdict rules on rows whose answer is known, and the split an
 commands (--dry_run)."""
 import json
 import os
+import shlex
 
 import pytest
 
@@ -196,17 +197,42 @@ def test_split_grid_dry_run_prints_one_command_per_run(tmp_path, capsys):
     assert "estimated" in out[-1] and "min of one H200" in out[-1]
     one = next(c for c in commands if "/lora_svd_momentum_nvfp4_root_s1 " in c)
     assert "--recipe fullstack --optimizer root --seed 1" in one and "--attn_policy bf16" in one
-    assert one.count("--numerics") == 4 and f"--numerics {ablation.NS_FP32}" in one
-    assert all(f"--numerics {e}" in one for e in ablation.MOMENTUM_1LEVEL)
+    assert one.count("--numerics") == 2 and f"--numerics {ablation.NS_FP32}" in one
+    assert f"--numerics {ablation.ADAMW_FP32}" in one  # the momentum as shipped, the rest fp32
     states = next(c for c in commands if "/lora_svd_states_nvfp4_adamw_s0 " in c)
     assert "--recipe fullstack" in states and "--attn_policy bf16" in states and "--lr 0.003 " in states
     refs = [c for c in commands if "/lora_svd_root_s" in c or "/lora_svd_adamw_s" in c]
     assert len(refs) == 6 and not any("--numerics" in c for c in refs)  # plain lora_svd
     capsys.readouterr()
-    ablation.main(SPLIT + ["--runs", str(tmp_path / "runs"), "--rows",
-                           "fullstack_momentum_residual"])
+    ablation.main(SPLIT + ["--runs", str(tmp_path / "runs"), "--rows", "fullstack"])
     out = [x for x in capsys.readouterr().out.splitlines() if x.startswith("train.py")]
     assert len(out) == 3 and all("--recipe fullstack" in c and "--numerics" not in c for c in out)
+
+
+def test_split_takes_table3s_runs_where_the_commands_match(tmp_path, capsys):
+    """The split's lora_svd and fullstack rows are Table 3's runs (results/ablation/summary.json)
+    when their commands match but for --out_dir, --cuda_graphs and --resume: not trained again, and
+    paired by seed with the parts; another grid length (other numbers) takes none of them."""
+    table3 = ["--grid", "split", "--config", "tiny", "--max_steps", "1500", "--batch_size", "32",
+              "--seq_len", "256", "--warmup", "50", "--eval_every", "250", "--eval_iters", "8",
+              "--log_every", "50", "--lr", "adamw=3e-3,root=6e-3", "--seeds", "0,1,2,3,4",
+              "--runs", str(tmp_path / "runs"), "--dry_run"]
+    args = ablation.parse_args(table3)
+    rows = ablation.table3_rows(args, [])
+    assert sorted({(r["recipe"], r["optimizer"]) for r in rows}) == [
+        ("fullstack", "root"), ("lora_svd", "adamw"), ("lora_svd", "root")]
+    assert all(sorted(r["seed"] for r in rows if r["recipe"] == recipe and r["optimizer"] == opt)
+               == [0, 1, 2, 3, 4] for recipe, opt in (("fullstack", "root"), ("lora_svd", "root")))
+    assert any("--cuda_graphs" in r["command"] for r in rows)  # eager's bits: taken too
+    ablation.main(table3 + ["--rows", "*_root_s*"])
+    out = capsys.readouterr().out.splitlines()
+    commands = [x for x in out if x.startswith("train.py")]
+    assert len(commands) == 4 * 5 and not any("--recipe lora_svd --optimizer root" in c
+                                              and "--attn_policy" not in c for c in commands)
+    assert ablation.table3_rows(ablation.parse_args(table3[:5] + ["1000"] + table3[6:]), []) == []
+    a = shlex.split("train.py --recipe fullstack --seed 3 --out_dir x --lr 0.006")
+    assert ablation.same_run(a, a[:5] + ["--out_dir", "y", "--lr", "0.006", "--cuda_graphs"])
+    assert not ablation.same_run(a, a[:-1] + ["0.003"])
 
 
 def test_width_grid_dry_run_keeps_tokens_per_non_embedding_parameter(tmp_path, capsys):
@@ -251,11 +277,11 @@ def test_split_and_width_verdicts_follow_the_numbers():
          "best_train_loss": v, "status": "ok"}
         for row, opt, vals in (("lora_svd", "root", [2.30, 2.26, 2.27]),
                                ("lora_svd_momentum_nvfp4", "root", [2.34, 2.30, 2.31]),
-                               ("fullstack_momentum_residual", "root", [2.301, 2.258, 2.272]))
+                               ("fullstack", "root", [2.301, 2.258, 2.272]))
         for s, v in enumerate(vals)])
     text = "\n".join(ablation.split_tables(rows))
     assert "| `lora_svd_momentum_nvfp4` | root |" in text and "| costs |" in text
-    assert "**confirmed**" in text  # the residual row sits within 2 SE of lora_svd
+    assert "**confirmed**" in text  # fullstack sits within 2 SE of lora_svd
     base = [3.0, 3.1, 2.9]
     grow = {64: 1.0, 128: 2.0, 256: 3.0}  # nvfp4_46's gap in % grows by 1 point per doubling
     rows = [{"recipe": f"{r}_w{w}", "optimizer": "adamw", "seed": s,

@@ -78,25 +78,25 @@ ROW_FIELDS = ("recipe", "optimizer", "seed", "val_loss", "train_loss", "tokens",
 # Two more grids (--grid), each row one recipe plus precision-contract overrides (train.py
 # --numerics KEY=VALUE, one entry each: the rows are entries of the contracts, not code paths).
 BF16_ATTN = {"attn_policy": "bf16"}                  # fullstack's other parts without FP4 attention
-MOMENTUM_1LEVEL = ("optim.root.momentum.rounding=sr",  # AdamW's m pipeline (H16 + SR + 4/6), one
-                   "optim.root.momentum.levels=1")     # level: fullstack's momentum until Dec 2026
 MOMENTUM_FP32 = "optim.root.momentum=fp32"
 NS_FP32 = "optim.newton_schulz=fp32"
 ADAMW_FP32 = "optim.adamw.m=fp32"                    # AdamW's moments (embeddings, norms) in fp32
 # split: which part of fullstack costs Root. (row, recipe, optimizer, numerics, flags); the first
 # row of each optimizer is the reference the others are paired with, seed by seed. A row with one
-# part of fullstack on lora_svd is fullstack (bf16 attention) with every other part back in fp32.
+# part of fullstack on lora_svd is fullstack with every other part back in fp32 / bf16; the row
+# fullstack has them all, and what the parts' costs do not add up to is their interaction. The rows
+# named as Table 3's recipes are Table 3's runs (table3_rows: not trained twice).
 SPLIT_ROWS = (
     ("lora_svd", "lora_svd", "root", (), {}),
     ("lora_svd_attn_fp4", "lora_svd", "root", (), {"attn_policy": "fp4"}),
-    ("lora_svd_momentum_nvfp4", "fullstack", "root", (*MOMENTUM_1LEVEL, NS_FP32, ADAMW_FP32),
-     BF16_ATTN),
+    ("lora_svd_momentum_nvfp4", "fullstack", "root", (NS_FP32, ADAMW_FP32), BF16_ATTN),
+    ("lora_svd_adamw_nvfp4", "fullstack", "root", (MOMENTUM_FP32, NS_FP32), BF16_ATTN),
     ("lora_svd_ns_nvfp4", "fullstack", "root", (MOMENTUM_FP32, ADAMW_FP32), BF16_ATTN),
-    ("fullstack_momentum_1level", "fullstack", "root", MOMENTUM_1LEVEL, {}),
-    ("fullstack_momentum_residual", "fullstack", "root", (), {}),  # as shipped: two levels
+    ("fullstack", "fullstack", "root", (), {}),
     ("lora_svd", "lora_svd", "adamw", (), {}),
     ("lora_svd_states_nvfp4", "fullstack", "adamw", (), BF16_ATTN),
 )
+SAME_RUN_FLAGS = {"--cuda_graphs": 0, "--resume": 0, "--out_dir": 1}  # (arguments): same numbers
 # width: App. 7's claim (direct NVFP4 error grows with the hidden dim) in training. Same depth as
 # tiny, head_dim 64, GQA 2:1 where there are 2+ heads, SwiGLU 3x, LoRA rank width/4 (tiny's
 # 32/128), the same steps at every width and a batch that grows as width^2: the same tokens per
@@ -929,19 +929,58 @@ def split_tables(rows):
                             + [f"`--{k} {v}`" for k, v in flags.items()]) or recipe
         lines.append(f"| `{row}` | {opt} | {entries} | {n} | {fmt(mean, 4)} ± {fmt(std, 4)} | "
                      + " | ".join(cells) + " |")
-    fix = paired(val_by_seed(rows, "fullstack_momentum_residual", "root"),
-                 val_by_seed(rows, "lora_svd", "root"))
-    mean, std, n = stats(fix.values())
-    se = None if std is None else std / math.sqrt(n)
-    if se is None:
-        verdict = "not resolvable at this scale"
-    else:
-        verdict = "confirmed" if abs(mean) <= SIGNIFICANT_SES * se else "not confirmed"
-    lines += ["", "| claim | verdict | numbers |", "|---|---|---|",
-              f"| `fullstack`/Root with the residual momentum within {SIGNIFICANT_SES:g} SE of "
-              f"`lora_svd`/Root (paired by seed) | **{verdict}** | {fmt(mean, 2, True)} ± "
-              f"{fmt(se, 2)}% (n={n}) |"]
+    full = paired(val_by_seed(rows, "fullstack", "root"), val_by_seed(rows, "lora_svd", "root"))
+    parts = [paired(val_by_seed(rows, row, "root"), val_by_seed(rows, "lora_svd", "root"))
+             for row, _, opt, _, _ in SPLIT_ROWS[1:] if opt == "root" and row != "fullstack"]
+    both = set(full).intersection(*parts) if parts else set()
+    interaction = {s: full[s] - sum(p[s] for p in parts) for s in both}
+    lines += ["", "| claim | verdict | numbers |", "|---|---|---|"]
+    for claim, d, rule in (
+            (f"`fullstack`/Root within {SIGNIFICANT_SES:g} SE of `lora_svd`/Root", full, "close"),
+            ("interaction: `fullstack` - `lora_svd` minus the parts' costs, within "
+             f"{SIGNIFICANT_SES:g} SE of 0", interaction, "close")):
+        mean, std, n = stats(d.values())
+        se = None if std is None else std / math.sqrt(n)
+        if se is None:
+            verdict = "not resolvable at this scale"
+        else:
+            verdict = "confirmed" if abs(mean) <= SIGNIFICANT_SES * se else "not confirmed"
+        lines.append(f"| {claim} (paired by seed) | **{verdict}** | {fmt(mean, 2, True)} ± "
+                     f"{fmt(se, 2)}% (n={n}) |")
     return lines
+
+
+def same_run(a, b):
+    """Do two train.py commands (argument lists) train the same numbers? Equal but for the flags
+    that change no bit (SAME_RUN_FLAGS: --cuda_graphs is the eager run, tests/test_graphs.py)."""
+    def kept(cmd):
+        out, skip = [], 0
+        for x in cmd:
+            if skip:
+                skip -= 1
+            elif x in SAME_RUN_FLAGS:
+                skip = SAME_RUN_FLAGS[x]
+            else:
+                out.append(x)
+        return out
+    return kept(a) == kept(b)
+
+
+def table3_rows(args, rows):
+    """The split rows that are Table 3's runs (results/ablation/summary.json: lora_svd and
+    fullstack as they are, the same command but for SAME_RUN_FLAGS), where `rows` lacks them."""
+    try:
+        with open(os.path.join(ROOT, "results", "ablation", "summary.json")) as f:
+            record = json.load(f)
+    except OSError:
+        return []
+    have = {(r["recipe"], r["optimizer"], r["seed"]) for r in rows}
+    names = {(row, opt) for row, recipe, opt, numerics, flags in SPLIT_ROWS
+             if row == recipe and not numerics and not flags}
+    return [r for r in record if (r["recipe"], r["optimizer"]) in names
+            and (r["recipe"], r["optimizer"], r["seed"]) not in have and r["seed"] in args.seeds
+            and same_run(shlex.split(r["command"]),
+                         train_command(args, r["recipe"], r["optimizer"], r["seed"])[1:])]
 
 
 def slope(xs, ys):
@@ -1002,6 +1041,9 @@ def aggregate_grid(args):
     """table.md, summary.json and loss_curves.png of the split or width grid."""
     train_tokens = corpus_train_tokens(args.data or "data_cache/default")
     rows = mark_collapsed(collect_rows(args.runs, train_tokens))
+    if args.grid == "split":
+        rows = sorted(rows + table3_rows(args, rows),
+                      key=lambda r: (r["recipe"], r["optimizer"], r["seed"]))
     if not rows:
         print(f"ablation: no finished runs in {shown(args.runs)}; nothing to aggregate", flush=True)
         return None
@@ -1054,9 +1096,13 @@ def main(argv=None):
         if args.shard:
             jobs = jobs[args.shard[0]::args.shard[1]]
         runs = args.runs
-        todo = [j for j in jobs if args.force or not finished(runs, run_name(*j))]
+        reused = set()  # the split's runs that Table 3 has made (table3_rows)
+        if args.grid == "split" and not args.force:
+            reused = {(r["recipe"], r["optimizer"], r["seed"]) for r in table3_rows(args, [])}
+        todo = [j for j in jobs if args.force or not (finished(runs, run_name(*j)) or j in reused)]
         print(f"ablation: {len(jobs)} runs selected, {len(jobs) - len(todo)} finished earlier "
-              "(skipped)", flush=True)
+              "(skipped)" + (f", {len(reused & set(jobs))} of them in Table 3's record"
+                             if reused & set(jobs) else ""), flush=True)
         if args.dry_run:
             for job in todo:
                 print(shlex.join(train_command(args, *job)[1:]))
