@@ -239,8 +239,8 @@ def scale_blocks(xb, s_enc, s_dec, four_over_six=False, up=False):
 
 
 def check_blocks(x, block, name):
-    """The checks every NVFP4 quantization makes (reference and kernels): one clear error naming the
-    tensor."""
+    """The checks of the reference route's NVFP4 quantization (the kernels make the same ones,
+    kernels/nvfp4_quant._check_input): one clear error naming the tensor."""
     if block not in BLOCKS:
         raise ValueError(f"{name}: block must be one of {BLOCKS}, got {block}")
     if not x.is_floating_point():
@@ -304,14 +304,14 @@ def quantize(x, block=(1, 16), rounding="rtn", four_over_six=False, generator=No
     block = tuple(block)
     if hadamard is not None and block == (16, 16):
         raise ValueError(f"{name}: a Hadamard rotation needs a 1-D block, (1, 16) or (16, 1)")
-    check_blocks(x, block, name)
     if rounding != "rtn" and seed is None:
         seed = sr_seed(generator, x.device)
     seed = 0 if seed is None else seed
-    if use_kernels(x):
+    if use_kernels(x):  # the kernels check x themselves (one check, not two)
         parts = quant_kernels.quantize(x, block, rounding, four_over_six, seed=seed,
                                        hadamard=hadamard, name=name)
         return NVFP4Tensor(*parts, x.shape, block)
+    check_blocks(x, block, name)
     if hadamard is not None:
         x = hadamard_transform(x.float(), hadamard, dim=-1 if block == (1, 16) else -2)
     return quantize_reference(x, block, rounding, four_over_six, seed)

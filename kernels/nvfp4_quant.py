@@ -52,8 +52,9 @@ from kernels.nvfp4_math import (
     _scale_blocks, _sr_e2m1_value, _with_sign, on_gpu)
 
 # The block shapes these kernels lay out and the roundings they take: the spec's nvfp4.BLOCKS and
-# nvfp4.ROUNDINGS, which the callers check first (nvfp4.check_blocks); a direct call is checked
-# here. "sr_up": SR with the block scale rounded up to E4M3 (nvfp4.quantize says why).
+# nvfp4.ROUNDINGS (nvfp4.quantize checks the rounding; the input's shape and values are checked
+# here, _check_input, as nvfp4.check_blocks does on the reference route). "sr_up": SR with the
+# block scale rounded up to E4M3 (nvfp4.quantize says why).
 LAYOUTS = ((1, 16), (16, 1), (16, 16))
 SR_MODES = ("sr", "sr_up")
 
@@ -507,8 +508,9 @@ def _cols_launch(x3, amax, hadamard, four_over_six, seed, rounding="rtn", codes=
         SR=rounding in SR_MODES, SCALE_UP=rounding == "sr_up",
         HADAMARD=hadamard is not None, WRITE_CODES=codes is not None,
         WRITE_VALUES=values is not None, AMAX_ONLY=amax_only, PLAIN_TOO=plain_too,
-        PACKED_X=packed, X_BF16=packed and x3.bf16, HW_BF16=on_gpu(), num_warps=COLS_WARPS,
-        maxnreg=COLS_MAXNREG, enable_fp_fusion=False)
+        # HW_BF16: how a packed source decodes to bf16 (its only use)
+        PACKED_X=packed, X_BF16=packed and x3.bf16, HW_BF16=packed and x3.bf16 and on_gpu(),
+        num_warps=COLS_WARPS, maxnreg=COLS_MAXNREG, enable_fp_fusion=False)
     return partial.view(-1, n).amax(1).unbind() if amax_only else None
 
 
