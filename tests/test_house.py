@@ -120,3 +120,56 @@ def test_the_check_sees_function_local_imports(tmp_path):
     path = tmp_path / "k.py"
     path.write_text(src)
     assert {"nvfp4", "kernels", "kernels.nvfp4_quant", "torch"} <= imports(str(path))
+
+
+def files_called(step):
+    """The project files a call runs through, in order (sys.setprofile's call events in product code
+    and kernels/ host code; Triton kernel bodies, run by the interpreter, excluded)."""
+    files = []
+
+    def profile(frame, event, arg):
+        path = frame.f_code.co_filename
+        if event != "call" or not path.startswith(ROOT):
+            return
+        rel = os.path.relpath(path, ROOT)
+        if rel.startswith(".") or rel.startswith("tests" + os.sep):  # the project's (no .venv)
+            return
+        f = frame
+        while f is not None:
+            if os.path.join("triton", "runtime", "interpreter") in f.f_code.co_filename:
+                return
+            f = f.f_back
+        files.append(rel)
+
+    sys.setprofile(profile)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return files
+
+
+def switches(files):
+    return sum(a != b for a, b in zip(files, files[1:]))
+
+
+def test_a_lora_svd_layer_reads_in_few_files(monkeypatch):
+    """A reader follows a LoRA-SVD layer (256 -> 256, rank 32, 64 x 256 bf16 tokens) through few
+    files: its reference forward is lora_svd.py then nvfp4.py (one switch), its kernel-route backward
+    (host side) nvfp4.py down into kernels/ without climbing back and forth (at most 16 switches)."""
+    import torch
+
+    import lora_svd
+    torch.manual_seed(0)
+    layer = lora_svd.LoRASVDLinear(256, 256, 32)
+    x = torch.randn(64, 256).bfloat16().requires_grad_()
+    monkeypatch.setenv("NANOFP4_ROUTE", "reference")
+    layer(x)
+    forward = files_called(lambda: layer(x))
+    assert switches(forward) == 1 and set(forward) == {"lora_svd.py", "nvfp4.py"}
+    monkeypatch.setenv("NANOFP4_ROUTE", "kernels")
+    layer(x).float().sum().backward()  # the kernels compile (interpreter: a no-op) outside the count
+    y = layer(x).float().sum()
+    backward = files_called(y.backward)
+    assert backward[0] == "nvfp4.py" and switches(backward) <= 16, " -> ".join(backward)
+    assert "lora_svd.py" not in backward  # the branch rides the direct layer's kernels
