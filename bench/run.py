@@ -115,8 +115,12 @@ def measured_with():
                                capture_output=True, text=True).stdout.strip()
     except OSError:
         commit, dirty = "", ""
+    if not commit:  # a copy of the tree without .git (the GPU machine): the caller names it
+        commit, dirty = os.environ.get("NANOFP4_COMMIT", ""), ""
     import triton
     return {"date": datetime.date.today().isoformat(),
+            # one call's rows share it: the ratios are taken within a call (add_ratios)
+            "call": datetime.datetime.now().isoformat(timespec="seconds"),
             "commit": commit + ("+changes" if dirty else ""),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "triton": triton.__version__, "gemm_route": gemm_route()}
@@ -151,8 +155,9 @@ def tables(rows):
                 "| vs bf16 --compile | peak mem | optimizer bytes/param | measured |",
                 "|---|---|---|---|---|---|---|---|---|---|"]
         for r in train:
-            def ratio(key):
-                return f"{r[key]:.2f}x" if key in r else "-"
+            def ratio(key):  # against the baseline measured in the same call, and its rate
+                return f"{r[key]:.2f}x of {r[key[3:] + '_tokens_per_s']:,.0f}" if (
+                    key[3:] + "_tokens_per_s" in r) else "-"
             numbers = (f"{r['tokens_per_s']:,.0f} | {ratio('vs_bf16')} | "
                        f"{ratio('vs_bf16_compile')} | {r['peak_mem_gib']:.1f} GiB | "
                        f"{r['optimizer_bytes_per_param']:.2f}") if "error" not in r \
@@ -197,7 +202,7 @@ def main(argv=None):
                              else f"FAILED {r['error']}"), flush=True)
     os.makedirs(args.out_dir, exist_ok=True)
     json_path = os.path.join(args.out_dir, "speed.json")
-    all_rows = end_to_end.add_ratios(merge(json_path, rows))
+    all_rows = merge(json_path, end_to_end.add_ratios(rows))  # ratios within this call
     with open(json_path, "w") as f:
         json.dump({"about": "bench/run.py: ours vs what a user would run instead; "
                             "see README.md here",

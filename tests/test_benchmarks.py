@@ -84,3 +84,22 @@ def test_profile_step_names_the_quantize_kernels_of_an_fp4_recipe(tmp_path):
     for rec in r.values():
         assert rec["wall_ms"] > 0 and 0 < rec["busy"] <= 1.05
     assert "nvfp4 over bf16:" in proc.stdout
+
+
+def test_ratios_are_taken_within_one_call():
+    """The host's speed varies between calls to the GPU machine, so a train row's ratio is against
+    the bf16 row measured in its own call (kept with the ratio), never against another call's."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import end_to_end
+
+    def row(recipe, tokens_per_s, compile=False, cuda_graphs=False):
+        return {"section": "train", "config": "1b", "recipe": recipe, "optimizer": "adamw",
+                "compile": compile, "cuda_graphs": cuda_graphs, "tokens_per_s": tokens_per_s}
+    first = end_to_end.add_ratios([row("bf16", 100.0), row("fullstack", 60.0),
+                                   row("bf16", 150.0, compile=True)])
+    assert first[1]["vs_bf16"] == 0.6 and first[1]["bf16_tokens_per_s"] == 100.0
+    assert first[1]["vs_bf16_compile"] == 0.4 and first[0]["vs_bf16"] == 1.0
+    second = end_to_end.add_ratios([row("bf16", 90.0), row("fullstack", 70.0, cuda_graphs=True)])
+    assert second[1]["vs_bf16"] == 70.0 / 90.0 and "vs_bf16_compile" not in second[1]
+    alone = end_to_end.add_ratios([row("fullstack", 70.0, cuda_graphs=True)])
+    assert "vs_bf16" not in alone[0]  # no bf16 in its call: no ratio
