@@ -42,6 +42,11 @@ import layers  # noqa: E402
 SECTIONS = (*layers.SECTIONS, "train")
 
 
+# a run's mode in --runs: (train.py --compile, --cuda_graphs)
+MODES = {"eager": (False, False), "graphs": (False, True), "compile": (True, False),
+         "compile_graphs": (True, True)}
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -49,7 +54,8 @@ def parse_args(argv=None):
                    help=f"comma-separated sections of {list(SECTIONS)}")
     p.add_argument("--configs", default="toy,1b", help="train.py configs of the end-to-end rows")
     p.add_argument("--runs", default=",".join(f"{r}:{o}" for r, o in end_to_end.RUNS),
-                   help="recipe:optimizer items of the end-to-end rows")
+                   help="recipe:optimizer[:mode] items of the end-to-end rows; a mode (one of "
+                   f"{', '.join(MODES)}) replaces --compile and --cuda_graphs for its item")
     p.add_argument("--compile", default="both", choices=("both", "eager", "compile"),
                    help="end-to-end rows without --compile, with it, or both")
     p.add_argument("--cuda_graphs", default="off", choices=("off", "on", "both"),
@@ -82,18 +88,21 @@ def parse_args(argv=None):
     if bad := [c for c in args.configs if c not in end_to_end.MICRO_BATCH]:
         fail(f"--configs: no micro-batch set for config {bad[0]!r}; "
              f"expected some of {list(end_to_end.MICRO_BATCH)}")
-    if bad := [r for r in args.runs if len(r) != 2 or r[1] not in ("adamw", "root")]:
-        fail(f"--runs: {':'.join(bad[0])!r} is not recipe:optimizer with optimizer adamw or root")
+    if bad := [r for r in args.runs if len(r) not in (2, 3) or r[1] not in ("adamw", "root")
+               or r[2:] and r[2] not in MODES]:
+        fail(f"--runs: {':'.join(bad[0])!r} is not recipe:optimizer[:mode] with optimizer adamw "
+             f"or root and mode one of {', '.join(MODES)}")
     if args.steps <= end_to_end.WARMUP_STEPS:
         fail(f"--steps {args.steps}: need more than {end_to_end.WARMUP_STEPS} (the first "
              f"{end_to_end.WARMUP_STEPS} steps are not timed)")
-    if args.dry_run and args.cuda_graphs != "off":
+    if args.dry_run and (args.cuda_graphs != "off" or any(MODES[r[2]][1] for r in args.runs
+                                                          if len(r) == 3)):
         fail("--dry_run runs on the CPU: --cuda_graphs needs a CUDA GPU")
     if not args.dry_run and not torch.cuda.is_available():
         fail("needs a CUDA GPU (use --dry_run to check the script on a CPU)")
     if args.dry_run:  # the tiny config and two recipes, eager: what a CPU can run in a minute
         args.configs, args.compile, args.steps = ["tiny"], "eager", end_to_end.WARMUP_STEPS + 1
-        args.runs = [r for r in args.runs if r in (("bf16", "adamw"), ("fullstack", "adamw"))]
+        args.runs = [r for r in args.runs if r[:2] in (("bf16", "adamw"), ("fullstack", "adamw"))]
     args.out_dir = args.out_dir or ("runs/bench_dry" if args.dry_run else "results/speed")
     return args
 
@@ -184,8 +193,9 @@ def main(argv=None):
         modes = {"both": (False, True), "eager": (False,), "compile": (True,)}[args.compile]
         graphs = {"both": (False, True), "off": (False,), "on": (True,)}[args.cuda_graphs]
         for config in args.configs:
-            for recipe, optimizer in args.runs:
-                for compile, cuda_graphs in itertools.product(modes, graphs):
+            for recipe, optimizer, *mode in args.runs:
+                for compile, cuda_graphs in ([MODES[mode[0]]] if mode
+                                             else itertools.product(modes, graphs)):
                     if args.deadline is not None and time.time() - start > args.deadline:
                         print(f"train     {config} {recipe} {optimizer} compile={compile} "
                               f"cuda_graphs={cuda_graphs}: skipped (deadline)")

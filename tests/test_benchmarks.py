@@ -58,6 +58,9 @@ def test_bench_dry_run_writes_every_row_with_its_baseline(tmp_path):
 def test_bench_bad_flag_gives_one_line_and_exit_2():
     proc = bench("--dry_run", "--only", "attention,warp_drive")
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "warp_drive" in proc.stderr
+    for runs, word in (("fullstack:adamw:warp", "warp"), ("fullstack:adamw:graphs", "--cuda_graphs")):
+        proc = bench("--dry_run", "--only", "train", "--runs", runs)
+        assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and word in proc.stderr
 
 
 def test_profile_step_bad_recipe_gives_one_line_and_exit_2():
