@@ -2,6 +2,7 @@
 finished runs, the verdict rules on rows whose answer is known, and the split and width grids'
 commands (--dry_run)."""
 import json
+import math
 import os
 import shlex
 
@@ -292,3 +293,74 @@ def test_split_and_width_verdicts_follow_the_numbers():
     text = "\n".join(ablation.width_tables(rows, [64, 128, 256]))
     assert "| the nvfp4_46 gap grows with width | **confirmed** | +1.00" in text
     assert "grows with width | **confirmed** | +0.49 ± 0.01" in text.split("\n")[-1]
+
+
+SCALE = ["--grid", "scale", "--config", "tiny", "--lr", "adamw=3e-3,root=6e-3", "--dry_run"]
+
+
+def test_scale_grid_trains_every_rung_to_the_same_tokens_per_parameter(tmp_path, capsys):
+    """The ladder: bf16, lora_svd and fullstack with both optimizers at every rung, depth and
+    width grown together, the same tokens per parameter (the model's own count), lr 128/width x
+    --lr; its smallest rung is Table 3's tiny run."""
+    import torch
+    from model import GPT, config_from_name
+    ablation.main(SCALE + ["--runs", str(tmp_path / "runs"), "--seeds", "0"])
+    commands = [x.split() for x in capsys.readouterr().out.splitlines() if x.startswith("train.py")]
+    assert len(commands) == len(ablation.SCALE_RUNGS) * 3 * 2
+    flag = lambda c, f: c[c.index(f) + 1]
+    ratio = {}
+    for c in commands:
+        shape = {k: int(flag(c, f"--{k}")) for k in ("n_layer", "n_embd", "n_head", "n_kv_head",
+                                                        "ffn_hidden")}
+        with torch.device("meta"):
+            params = GPT(config_from_name("tiny", **shape)).num_params()
+        assert params == ablation.scale_params(shape["n_layer"], shape["n_embd"])
+        tokens = (int(flag(c, "--max_steps")) * int(flag(c, "--batch_size"))
+                  * int(flag(c, "--grad_accum")) * int(flag(c, "--seq_len")))
+        ratio[shape["n_embd"]] = tokens / params
+        assert shape["n_embd"] // shape["n_head"] == 64 and shape["n_head"] % shape["n_kv_head"] == 0
+        assert int(flag(c, "--batch_size")) <= ablation.MAX_MICRO_BATCH
+        lr = {"adamw": 3e-3, "root": 6e-3}[flag(c, "--optimizer")] * 128 / shape["n_embd"]
+        assert float(flag(c, "--lr")) == pytest.approx(lr, rel=1e-3)
+    assert max(ratio.values()) / min(ratio.values()) < 1.05 and min(ratio.values()) >= 1.7
+    assert len({n for n, _ in ablation.SCALE_RUNGS}) == len(ablation.SCALE_RUNGS)  # depth grows
+    tiny = next(" ".join(c) for c in commands if "bf16_l4w128_adamw_s0" in " ".join(c))
+    for part in ("--max_steps 1500", "--batch_size 32", "--seq_len 256", "--lr 0.003",
+                 "--warmup 50"):  # Table 3's tiny run
+        assert part in tiny
+
+
+def test_scale_verdicts_follow_the_numbers():
+    """A gap that halves with every doubling of the parameters narrows (and its slope is the
+    drop per doubling); a flat one does not."""
+    rungs = ablation.SCALE_RUNGS
+    logs = {nw: math.log2(ablation.scale_params(*nw)) for nw in rungs}
+    rows = []
+    for s, base in enumerate([3.0, 3.1, 2.9]):
+        for nw in rungs:
+            n, w = nw
+            shrinking = 4.0 - 1.0 * (logs[nw] - logs[rungs[0]]) + 0.05 * s  # -1 point per doubling
+            for recipe, gap in (("bf16", 0.0), ("fullstack", shrinking), ("lora_svd", 2.0 + 0.03 * s)):
+                for opt in ablation.OPTIMIZERS:
+                    rows.append({"recipe": f"{recipe}_l{n}w{w}", "optimizer": opt, "seed": s,
+                                 "val_loss": base * (1 + gap / 100), "epochs": 1.0})
+    text = "\n".join(ablation.scale_tables(rows))
+    full = next(line for line in text.splitlines() if line.startswith("| `fullstack` − `bf16`, adamw"))
+    assert "**narrows**" in full and "-1.00 ± 0.00 points per doubling" in full
+    flat = next(line for line in text.splitlines() if line.startswith("| `lora_svd` − `bf16`, root"))
+    assert "narrows**" not in flat and "extrapolation" in flat
+
+
+def test_scale_grid_runs_and_aggregates_on_a_cpu(tmp_path):
+    """The smallest rung for real (one step each: tiny tokens per parameter), aggregated into
+    table.md, summary.json and the gap plot."""
+    ablation.main(["--grid", "scale", "--config", "tiny", "--lr", "3e-3", "--seeds", "0",
+                   "--tokens_per_param", "1e-5", "--base_batch", "2", "--seq_len", "32",
+                   "--rows", "bf16_l4w128_adamw,fullstack_l4w128_adamw", "--gpus", "",
+                   "--eval_iters", "1", "--log_every", "1", "--cpu_jobs", "2",
+                   "--runs", str(tmp_path / "runs"),
+                   "--results", str(tmp_path / "results")])
+    table = (tmp_path / "results" / "table.md").read_text()
+    assert "| `fullstack` | adamw |" in table and (tmp_path / "results" / "gap_vs_params.png").exists()
+    rows = json.load(open(tmp_path / "results" / "summary.json"))
+    assert sorted(r["row"] for r in rows) == ["bf16_l4w128", "fullstack_l4w128"]

@@ -10,6 +10,7 @@ paper claim.
     python tools/ablation.py --aggregate_only                     # table, plot, verdicts only
     python tools/ablation.py --grid split ...     # fullstack/Root's parts one at a time on lora_svd
     python tools/ablation.py --grid width ...     # bf16, nvfp4_46, lora_svd at 3 widths (App. 7)
+    python tools/ablation.py --grid scale ...     # the full-stack gap against model size (4 rungs)
 
 The grid (--grid table3): bf16, nvfp4, nvfp4_46, lora_naive, lora_svd, fullstack with adamw and
 root, every seed; naive_fp4 (App. 13's collapsing baseline) once per optimizer, with the first seed.
@@ -23,8 +24,10 @@ over. `--rows` picks rows by name: a row (`nvfp4`), a row and optimizer (`nvfp4_
 
 --grid split: SPLIT_ROWS, lora_svd plus one part of fullstack at a time (a precision-contract entry,
 train.py --numerics), paired by seed with plain lora_svd. --grid width: WIDTH_RECIPES at --widths,
-the same tokens per non-embedding parameter (width_flags). --dry_run prints every command and the
-estimated GPU time (gpu_seconds).
+the same tokens per non-embedding parameter (width_flags). --grid scale: SCALE_RECIPES with both
+optimizers on SCALE_RUNGS, the same tokens per parameter (scale_flags), one table of the gaps and
+their slope per doubling (scale_tables) and results/scale/gap_vs_params.png. --dry_run prints
+every command and the estimated GPU time (gpu_seconds).
 
 Every recipe of one optimizer trains at one peak lr (--lr: bf16's best for that optimizer, from a
 short sweep at the same config and length), the LoRA factors included (--lora_lr_scale 1, where
@@ -107,6 +110,14 @@ MAX_MICRO_BATCH = 64  # sequences per micro-step at most (memory, ~12 runs a GPU
 # GPU-share ms per micro-step of a tiny run with ~10 runs on one H200 (the 2026-11-30 record: 8192
 # tokens / (tokens/s of a run x 10)), for the cost estimate of --dry_run; widths add
 # 6 x matmul params x tokens at FLOP_RATE
+# scale: the paper's headline (the full-stack gap narrows with scale) at small scale. A ladder from
+# tiny up, depth and width grown together as the paper's configs grow (head_dim 64, GQA 2:1, SwiGLU
+# 3x, LoRA rank width/4), every rung trained to the same tokens per parameter (embeddings included:
+# --tokens_per_param), the batch growing with the width (--base_batch sequences at width 128) and
+# the peak lr as 128/width times --lr (our choice: the paper gives no rule, and none is tuned here).
+SCALE_RUNGS = ((4, 128), (5, 256), (6, 384), (8, 512))  # (n_layer, n_embd): ~7M, 17M, 30M, 51M
+SCALE_RECIPES = ("fullstack", "lora_svd", "bf16")        # queue order: slowest first
+SCALE_ROW = re.compile(r"^(?P<recipe>[a-z0-9_]+)_l(?P<layers>\d+)w(?P<width>\d+)$")
 STEP_MS = {("bf16", "adamw"): 10, ("nvfp4_46", "adamw"): 11, ("lora_svd", "adamw"): 22,
            ("fullstack", "adamw"): 26, ("bf16", "root"): 18, ("lora_svd", "root"): 15,
            ("fullstack", "root"): 22}
@@ -115,7 +126,8 @@ FLOP_RATE = 3e14
 SAVE_EVERY = 250  # steps between a run's checkpoints (a killed run resumes from its last one)
 GRID_DIRS = {"table3": ("runs/ablation", "results/ablation"),
              "split": ("runs/ablation_split", "results/ablation/split"),
-             "width": ("runs/ablation_width", "results/ablation/width")}
+             "width": ("runs/ablation_width", "results/ablation/width"),
+             "scale": ("runs/scale", "results/scale")}
 
 
 def die(msg):
@@ -146,10 +158,14 @@ def parse_args(argv=None):
     add("--rows", default=None, help="comma-separated row names or globs (default: the whole grid)")
     add("--grid", default="table3", choices=tuple(GRID_DIRS), help="table3: the recipes x "
         "optimizers grid; split: fullstack/Root's parts one at a time on lora_svd; width: bf16, "
-        "nvfp4_46, lora_svd at --widths (default: %(default)s)")
+        "nvfp4_46, lora_svd at --widths; scale: bf16, lora_svd, fullstack on SCALE_RUNGS "
+        "(default: %(default)s)")
     add("--widths", default="64,128,256", help="--grid width: hidden sizes (n_embd)")
-    add("--base_batch", type=int, default=8, help="--grid width: sequences per step at the "
-        "smallest width; width w gets base_batch x (w / smallest)^2")
+    add("--base_batch", type=int, default=None, help="--grid width: sequences per step at the "
+        "smallest width, width w gets base_batch x (w / smallest)^2 (default 8); --grid scale: at "
+        "width 128, width w gets base_batch x w / 128 (default 32)")
+    add("--tokens_per_param", type=float, default=1.7, help="--grid scale: tokens a run / the "
+        "rung's parameters (default: %(default)s, Table 3's tiny runs)")
     add("--runs", default=None, help="one directory per run in here (default: runs/ablation, "
         "runs/ablation_split, runs/ablation_width)")
     add("--results", default=None, help="summary.json, table.md, loss_curves.png (default: "
@@ -212,8 +228,9 @@ def checked(args):
         die(f"--widths {args.widths!r}: expected comma-separated integers, e.g. 64,128,256")
     if not args.widths or any(w < 64 or w % 64 for w in args.widths):
         die(f"--widths {args.widths}: every width must be a multiple of 64 (head_dim 64)")
-    if args.base_batch < 1:
-        die("--base_batch: must be >= 1")
+    args.base_batch = args.base_batch or (32 if args.grid == "scale" else 8)
+    if args.base_batch < 1 or not args.tokens_per_param > 0:
+        die("--base_batch, --tokens_per_param: must be > 0")
     runs, results = GRID_DIRS[args.grid]
     args.runs = os.path.abspath(args.runs or runs)
     args.results = os.path.abspath(args.results or results)
@@ -296,6 +313,26 @@ def width_flags(args, recipe, width):
     return flags
 
 
+def scale_flags(args, recipe, layers, width):
+    """train.py flags of one rung: the model's shape, the batch (base_batch x width / 128 sequences
+    of --seq_len 256, micro-steps of <= MAX_MICRO_BATCH), the steps that reach --tokens_per_param,
+    warmup 50 and eval every sixth of the steps (unless given), the lr (--lr x 128 / width, the
+    LoRA factors' likewise), LoRA rank width / 4. The smallest rung is Table 3's tiny run."""
+    shape, non_embedding, embedding = width_shape(width, layers)
+    batch = max(1, args.base_batch * width // 128)
+    accum = math.ceil(batch / MAX_MICRO_BATCH)
+    seq = args.seq_len or 256
+    batch = accum * math.ceil(batch / accum)  # whole micro-steps
+    steps = math.ceil(args.tokens_per_param * (non_embedding + embedding) / (batch * seq))
+    flags = {"n_layer": layers, **shape, "batch_size": batch // accum, "grad_accum": accum,
+             "seq_len": seq, "max_steps": steps, "warmup": args.warmup or 50,
+             "eval_every": args.eval_every or max(1, steps // 6),
+             "lr": {o: float(f"{lr * 128 / width:.4g}") for o, lr in args.lr.items()}}
+    if recipe.startswith("lora") or recipe == "fullstack":
+        flags["lora_rank"] = width // 4
+    return flags
+
+
 def row_spec(args, row, optimizer):
     """(recipe, numerics entries, flags that replace the grid's) of one row of args.grid."""
     if args.grid == "split":
@@ -308,6 +345,11 @@ def row_spec(args, row, optimizer):
         if not m:
             die(f"row {row}: width rows look like bf16_w128")
         return m["recipe"], (), width_flags(args, m["recipe"], int(m["width"]))
+    if args.grid == "scale":
+        m = SCALE_ROW.match(row)
+        if not m:
+            die(f"row {row}: scale rows look like bf16_l4w128")
+        return m["recipe"], (), scale_flags(args, m["recipe"], int(m["layers"]), int(m["width"]))
     return row, (), {}
 
 
@@ -319,6 +361,9 @@ def jobs_of(args):
     if args.grid == "split":
         order = sorted(SPLIT_ROWS, key=lambda r: -row_ms(r[1], r[2], r[3]))
         return [(row, opt, seed) for seed in args.seeds for row, _, opt, _, _ in order]
+    if args.grid == "scale":
+        return [(f"{recipe}_l{n}w{w}", opt, seed) for seed in args.seeds
+                for n, w in reversed(SCALE_RUNGS) for recipe in SCALE_RECIPES for opt in OPTIMIZERS]
     return [(f"{recipe}_w{w}", WIDTH_OPTIMIZER, seed) for seed in args.seeds
             for w in reversed(args.widths) for recipe in WIDTH_RECIPES]
 
@@ -332,11 +377,11 @@ def gpu_seconds(args, job):
     STEP_MS plus 6 x matmul parameters x tokens at FLOP_RATE (what a tiny run's STEP_MS leaves
     out)."""
     recipe, numerics, flags = row_spec(args, *job[:2])
-    steps = args.max_steps or 1000
+    steps = flags.get("max_steps", args.max_steps or 1000)
     seq = args.seq_len or 256
     width = flags.get("n_embd", 128)
     batch, accum = flags.get("batch_size", args.batch_size or 32), flags.get("grad_accum", 1)
-    _, non_embedding, embedding = width_shape(width)
+    _, non_embedding, embedding = width_shape(width, flags.get("n_layer", 4))
     matmul = non_embedding + embedding  # the tied lm_head multiplies activations too
     tokens = steps * accum * batch * seq
     return steps * accum * row_ms(recipe, job[1], numerics) / 1000 + 6 * matmul * tokens / FLOP_RATE
@@ -344,6 +389,7 @@ def gpu_seconds(args, job):
 
 def train_command(args, row, optimizer, seed):
     recipe, numerics, flags = row_spec(args, row, optimizer)
+    lr = flags.get("lr", args.lr)  # {optimizer: peak lr}
     out_dir = shown(os.path.join(args.runs, run_name(row, optimizer, seed)))
     # a checkpoint every SAVE_EVERY steps: a run the deadline kills continues in the next call
     # (train.py's resume is exact: tests/test_train.py::test_resume_is_exact)
@@ -358,7 +404,7 @@ def train_command(args, row, optimizer, seed):
     for entry in numerics:
         cmd += ["--numerics", entry]
     if recipe.startswith("lora") or recipe == "fullstack":  # the recipes with a LoRA branch
-        cmd += ["--lora_lr", f"{args.lora_lr_scale * args.lr[optimizer]:g}"]
+        cmd += ["--lora_lr", f"{args.lora_lr_scale * lr[optimizer]:g}"]
     if not args.force and os.path.isfile(os.path.join(ROOT, out_dir, "ckpt.pt")):
         cmd.append("--resume")  # killed by an earlier call's deadline: continue from its checkpoint
     return cmd + args.train_args
@@ -1037,8 +1083,89 @@ def width_tables(rows, widths):
     return lines
 
 
+def scale_params(layers, width):
+    _, non_embedding, embedding = width_shape(width, layers)
+    return non_embedding + embedding
+
+
+def scale_gaps(rows):
+    """{(recipe, optimizer): {params: {seed: % gap to bf16 at that rung}}}, paired by seed."""
+    out = {}
+    for n, w in SCALE_RUNGS:
+        for opt in OPTIMIZERS:
+            base = val_by_seed(rows, f"bf16_l{n}w{w}", opt)
+            for recipe in SCALE_RECIPES[:-1]:
+                gap = paired(val_by_seed(rows, f"{recipe}_l{n}w{w}", opt), base)
+                if gap:
+                    out.setdefault((recipe, opt), {})[scale_params(n, w)] = gap
+    return out
+
+
+def scale_tables(rows, target=1.03e9):
+    """The scale grid: each FP4 recipe's gap to bf16 per rung (mean ± SE over seeds), its slope per
+    doubling of the parameters (per seed, over the seeds with every rung), whether it narrows, and
+    the line carried to `target` parameters (the 1b config), marked as an extrapolation."""
+    lines = ["| recipe | optimizer | " + " | ".join(
+        f"{scale_params(n, w) / 1e6:.1f}M ({n}x{w})" for n, w in SCALE_RUNGS) + " |",
+        "|---|---|" + "---|" * len(SCALE_RUNGS)]
+    # the offline corpus is ~8M tokens: a fixed tokens-per-parameter ratio repeats it more often
+    # at each rung, which the comparison shares across recipes but a reader must see
+    epochs = [next((r["epochs"] for r in rows if r["recipe"] == f"bf16_l{n}w{w}"), None)
+              for n, w in SCALE_RUNGS]
+    lines.append("| epochs of the corpus | | " + " | ".join(fmt(e, 2) for e in epochs) + " |")
+    claims = []
+    for (recipe, opt), by_params in sorted(scale_gaps(rows).items()):
+        cells = []
+        for n, w in SCALE_RUNGS:
+            mean, std, k = stats(by_params.get(scale_params(n, w), {}).values())
+            se = None if std is None else std / math.sqrt(k)
+            cells.append(f"{fmt(mean, 2, True)} ± {fmt(se, 2)}% (n={k})" if mean is not None
+                         else "–")
+        lines.append(f"| `{recipe}` | {opt} | " + " | ".join(cells) + " |")
+        sizes = sorted(by_params)
+        seeds = set.intersection(*(set(by_params[p]) for p in sizes))
+        if len(sizes) < 2:
+            continue
+        logs = [math.log2(p) for p in sizes]
+        slopes = {s: -slope(logs, [by_params[p][s] for p in sizes]) for s in seeds}
+        verdict, m, se, k = verdict_of_difference(slopes, "narrows")
+        last = stats(by_params[sizes[-1]].values())[0]
+        doublings = math.log2(target / sizes[-1])
+        at_target = None if m is None else last - m * doublings
+        change = None if m is None else -m  # the gap's change per doubling
+        claims.append(f"| `{recipe}` − `bf16`, {opt} | **{verdict}** | {fmt(change, 2, True)} ± "
+                      f"{fmt(se, 2)} points per doubling (n={k}); "
+                      f"extrapolated to {target / 1e9:.2g}B parameters: {fmt(at_target, 2, True)}% "
+                      f"({doublings:.1f} doublings past the data: an extrapolation) |")
+    return lines + ["", "| gap | does it narrow with parameters? | slope; the 1b extrapolation |",
+                    "|---|---|---|"] + claims
+
+
+def plot_scale(rows, path):
+    """The gap to bf16 (mean ± SE over seeds) against parameters, one line per recipe and
+    optimizer."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for (recipe, opt), by_params in sorted(scale_gaps(rows).items()):
+        sizes = sorted(by_params)
+        means = [stats(by_params[p].values()) for p in sizes]
+        err = [0 if sd is None else sd / math.sqrt(k) for _, sd, k in means]
+        ax.errorbar(sizes, [m for m, _, _ in means], yerr=err, marker="o", capsize=3,
+                    label=f"{recipe} / {opt}")
+    ax.set_xscale("log")
+    ax.axhline(0, color="gray", lw=0.5)
+    ax.set_xlabel("parameters")
+    ax.set_ylabel("val loss gap to bf16 (%)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def aggregate_grid(args):
-    """table.md, summary.json and loss_curves.png of the split or width grid."""
+    """table.md, summary.json and loss_curves.png of the split, width or scale grid."""
     train_tokens = corpus_train_tokens(args.data or "data_cache/default")
     rows = mark_collapsed(collect_rows(args.runs, train_tokens))
     if args.grid == "split":
@@ -1059,6 +1186,12 @@ def aggregate_grid(args):
             split_tables(rows)
         panels = [(opt, [(row, o) for row, _, o, _, _ in SPLIT_ROWS if o == opt])
                   for opt in OPTIMIZERS]
+    elif args.grid == "scale":
+        title, body = "The full-stack gap against model size", scale_tables(rows) + [
+            "", "![gap against parameters](gap_vs_params.png)"]
+        panels = [(f"{n}x{w}, {opt}", [(f"{r}_l{n}w{w}", opt) for r in SCALE_RECIPES])
+                  for n, w in SCALE_RUNGS for opt in OPTIMIZERS]
+        plot_scale(rows, os.path.join(args.results, "gap_vs_params.png"))
     else:
         title, body = "Width scaling (App. 7's claim in training)", width_tables(rows, args.widths)
         panels = [(f"width {w}, {WIDTH_OPTIMIZER}",
