@@ -421,10 +421,11 @@ def test_bad_flag_subprocess_has_no_traceback(tmp_path):
 
 @pytest.mark.slow
 def test_torchrun_ddp_and_fsdp2_on_cpu_agree(byte_data, tmp_path):
-    """2 ranks on CPU (gloo): DDP and FSDP2 see the same batches, so their losses agree; FSDP2
-    resumes."""
-    def torchrun(out, *flags):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    """2 ranks on CPU (gloo): DDP, FSDP2 and one process see the same global batches (data.py's
+    loader does not depend on the world size), so their losses agree; FSDP2 resumes."""
+    def torchrun(out, *flags, ranks=2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={ranks}",
                "train.py", "--device", "cpu", "--config", "tiny", "--recipe", "bf16",
                "--batch_size", "4", "--seq_len", "32", "--eval_every", "0", "--data", byte_data,
                "--out_dir", str(out), "--no_progress", *flags]
@@ -433,6 +434,7 @@ def test_torchrun_ddp_and_fsdp2_on_cpu_agree(byte_data, tmp_path):
         assert p.returncode == 0, p.stderr[-3000:]
         return train_losses(train.read_metrics(os.path.join(out, "metrics.jsonl")))
     ddp = torchrun(tmp_path / "ddp", "--max_steps", "3")
+    one = torchrun(tmp_path / "one", "--max_steps", "3", ranks=1)
     torchrun(tmp_path / "fsdp", "--max_steps", "2", "--lr_decay_steps", "3", "--fsdp")
     fsdp = torchrun(tmp_path / "fsdp", "--max_steps", "3", "--fsdp", "--resume")
     assert os.path.exists(tmp_path / "fsdp" / "ckpt_rank1.pt")
@@ -440,8 +442,9 @@ def test_torchrun_ddp_and_fsdp2_on_cpu_agree(byte_data, tmp_path):
     # fp32 AdamW m + v over the whole model, whether replicated (DDP) or sharded (FSDP2)
     for s in summaries:
         assert 8.0 <= s["optimizer_bytes_per_param"] < 8.01, s
-    assert len(ddp) == len(fsdp) == 3
+    assert len(ddp) == len(fsdp) == len(one) == 3
     np.testing.assert_allclose(fsdp, ddp, rtol=1e-5)
+    np.testing.assert_allclose(one, ddp, rtol=1e-5)
 
 
 def test_sample_samples_the_run_it_is_given(byte_data, micro1, tmp_path, monkeypatch, capsys):
