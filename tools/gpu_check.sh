@@ -6,8 +6,11 @@
 #   profile   python bench/profile_step.py: one micro-step's kernels per recipe into OUT_DIR/profile.json
 #             (PROFILE_ARGS: default the 1b config, bf16 and fullstack, 8 x 2048 tokens)
 #   ablation  python tools/ablation.py over every visible GPU into results/ablation/ (ABLATION_ARGS: its flags)
-# Each stage writes OUT_DIR/<stage>.log, and the bench and the ablation copy their records (results/speed/,
-# results/ablation/) into OUT_DIR too. DEADLINE (seconds, default 560) bounds the whole call: every stage gets
+# Each stage writes OUT_DIR/<stage>.log; the bench packs results/speed/ into OUT_DIR/speed.tgz, the ablation
+# its records and finished runs (results/ablation/, results/scale/, runs/ablation*/, runs/scale/, without
+# checkpoints) into OUT_DIR/ablation.tgz: one file each, as at most 8 come back from a call. On a copy of the tree
+# without .git, set NANOFP4_COMMIT=<commit> so the records name their code. DEADLINE (seconds, default 560) bounds
+# the whole call: every stage gets
 # what is left, and the bench and the ablation start no run they cannot finish before it. The training stages
 # build the offline corpus first if data_cache/default does not hold it.
 set -uo pipefail
@@ -37,9 +40,10 @@ for stage in ${*:-tests bench}; do
   case $stage in
     tests) timeout "$(left)" python -m pytest -q -m gpu ${TEST_ARGS:-tests} -p no:cacheprovider >> "$log" 2>&1; rc=$? ;;
     bench) timeout "$(left)" python bench/run.py --deadline $(( $(left) - 120 )) ${BENCH_ARGS:-} >> "$log" 2>&1; rc=$?
-           cp -r results/speed "$OUT_DIR/" ;;
+           tar czf "$OUT_DIR/speed.tgz" results/speed ;;
     ablation) timeout "$(left)" python tools/ablation.py --deadline "$(left)" ${ABLATION_ARGS:-} >> "$log" 2>&1; rc=$?
-              cp -r results/ablation "$OUT_DIR/" 2>/dev/null ;;
+              tar czf "$OUT_DIR/ablation.tgz" --exclude='*.pt' $(ls -d results/ablation results/scale \
+                  runs/ablation* runs/scale 2>/dev/null) ;;
     profile) timeout "$(left)" python bench/profile_step.py ${PROFILE_ARGS:-} --out "$OUT_DIR/profile.json" >> "$log" 2>&1; rc=$? ;;
     *) echo "unknown stage $stage (expected tests, bench, profile or ablation)" | tee -a "$log" >&2; exit 2 ;;
   esac
