@@ -38,7 +38,8 @@ for stage in ${*:-tests bench}; do
   log="$OUT_DIR/$stage.log"
   echo "== $stage ($(date -u +%FT%TZ), $(left)s left)" | tee "$log"
   case $stage in
-    tests) timeout "$(left)" python -m pytest -q -m gpu ${TEST_ARGS:-tests} -p no:cacheprovider >> "$log" 2>&1; rc=$? ;;
+    tests) timeout "$(left)" python -m pytest -q -m gpu ${TEST_ARGS:-tests} -p no:cacheprovider \
+             --durations=15 >> "$log" 2>&1; rc=$? ;;
     bench) timeout "$(left)" python bench/run.py --deadline $(( $(left) - 120 )) ${BENCH_ARGS:-} >> "$log" 2>&1; rc=$?
            tar czf "$OUT_DIR/speed.tgz" results/speed ;;
     ablation) timeout "$(left)" python tools/ablation.py --deadline "$(left)" ${ABLATION_ARGS:-} >> "$log" 2>&1; rc=$?
