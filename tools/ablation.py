@@ -171,7 +171,9 @@ def parse_args(argv=None):
     add("--results", default=None, help="summary.json, table.md, loss_curves.png (default: "
         "results/ablation[/split|/width])")
     add("--gpus", default=None, help="GPU ids, e.g. 0,1 (default: every visible GPU; '': the CPU)")
-    add("--jobs_per_gpu", type=int, default=1, help="runs side by side on one GPU")
+    add("--jobs_per_gpu", type=int, default=None, help="runs side by side on one GPU (default: "
+        "8 for the tiny grids, whose runs leave an H200 mostly idle (results/ablation/README.md "
+        "measures it); 1 for the scale grid, whose larger rungs need the GPU to themselves)")
     add("--threads", type=int, default=None, help="torch CPU threads per run (OMP_NUM_THREADS; "
         "default: the cores / the runs side by side, so parallel runs never oversubscribe the host)")
     add("--cpu_jobs", type=int, default=1, help="runs side by side without a GPU")
@@ -216,6 +218,7 @@ def checked(args):
         die("--lr: required to run the grid (the setup's peak lr, e.g. --lr adamw=2e-3,root=4e-3)")
     if not args.lora_lr_scale > 0:
         die(f"--lora_lr_scale {args.lora_lr_scale:g}: must be > 0")
+    args.jobs_per_gpu = args.jobs_per_gpu or (1 if args.grid == "scale" else 8)
     if min(args.jobs_per_gpu, args.cpu_jobs, args.threads or 1) < 1:
         die("--jobs_per_gpu / --cpu_jobs / --threads: must be >= 1")
     try:
