@@ -132,6 +132,22 @@ def test_table3_prints_the_records_digits():
     assert "| `naive_fp4` | 9237.0000 (n=1): collapsed |" in block
     assert "13 runs (seeds 0, 1, 2), `tiny` (7.23M parameters, 1500 steps, 12.3M tokens" in block
     assert "Not recorded" in readme_tables.table3(None)
+    assert "Root's split" not in block  # no split record: no line
+
+
+def test_readme_split_line_is_the_split_record():
+    """Root's split, from the split grid's rows: each part's cost over lora_svd paired by seed, and
+    the interaction, what the parts' sum misses of fullstack's cost."""
+    cost = {"lora_svd": 0.0, "lora_svd_attn_fp4": 1.0, "lora_svd_momentum_nvfp4": 2.0,
+            "lora_svd_adamw_nvfp4": 0.0, "lora_svd_ns_nvfp4": 0.5, "fullstack": 4.0}
+    rows = [{"row": row, "optimizer": "root", "seed": s, "val_loss": base * (1 + c / 100)}
+            for row, c in cost.items() for s, base in enumerate([2.3, 2.4, 2.5])]
+    rows[-1]["val_loss"] = 2.5 * 1.05  # seed 2's fullstack 5%: interactions 0.5, 0.5, 1.5
+    line = readme_tables.split_line(rows)[-1]
+    assert "FP4 attention +1.00 ± 0.00 (n=3); NVFP4 momentum +2.00 ± 0.00 (n=3)" in line
+    assert "NVFP4 Newton–Schulz +0.50 ± 0.00 (n=3); all (`fullstack`) +4.33 ± 0.33 (n=3)" in line
+    assert "interaction +0.83 ± 0.33 (n=3)" in line
+    assert readme_tables.split_line(None) == []
 
 
 def test_cost_is_the_measured_rate():

@@ -7,7 +7,8 @@ The README's result tables, written from the records, so that no hand-typed numb
 README.md holds each generated block between `<!-- tables:NAME -->` and `<!-- /tables:NAME -->`;
 BLOCKS names the function that writes it from its record:
   table3  results/ablation/summary.json (tools/ablation.py): Table 3's val losses, mean +- std over
-          seeds, gaps to bf16, the verdicts; until that record exists, a line saying so
+          seeds, gaps to bf16, the verdicts; until that record exists, a line saying so; and
+          from results/ablation/split/summary.json (--grid split), where it exists, Root's split
   speed   results/speed/speed.json (bench/run.py): ours against a user's baseline, with the goals
   cost    the same record: what the paper's runs would take on H200s from
           each 1b recipe's measured tokens/s: a 1b ablation row (20B tokens) and the 3b run (64B
@@ -28,6 +29,7 @@ from tools import ablation  # noqa: E402
 
 README = os.path.join(ROOT, "README.md")
 TABLE3 = os.path.join(ROOT, "results", "ablation", "summary.json")
+SPLIT = os.path.join(ROOT, "results", "ablation", "split", "summary.json")
 SPEED = os.path.join(ROOT, "results", "speed", "speed.json")
 FIGURES = os.path.join(ROOT, "results", "figures", "figures.json")
 ROW_TOKENS = 20e9  # the paper's 1B ablation rows
@@ -43,8 +45,9 @@ def read_json(path):
         return None
 
 
-def table3(rows):
-    """Table 3 as README.md shows it: one line per recipe, both optimizers side by side."""
+def table3(rows, split=None):
+    """Table 3 as README.md shows it: one line per recipe, both optimizers side by side; then
+    Root's split where its record exists (split_line)."""
     if not rows:
         return ("*Not recorded with today's numerics yet*: the command is in "
                 "[results/ablation/](results/ablation/README.md); the record of 2026-11-30, made "
@@ -82,11 +85,38 @@ def table3(rows):
                   f"points (n={n})" for opt in ablation.OPTIMIZERS
                   for m, se, n in [ablation.difference(
                       ablation.gaps(rows, "fullstack", opt), ablation.gaps(rows, "lora_svd", opt))])
-              + "."]
+              + "."] + split_line(split)
     lines += ["", "Confirmed (paired by seed, 2 standard errors): "
               + ("; ".join(resolved) or "none") + "; the rest are not resolved yet: "
               "[table.md](results/ablation/table.md)."]
     return "\n".join(lines)
+
+
+SPLIT_PARTS = {"lora_svd_attn_fp4": "FP4 attention", "lora_svd_momentum_nvfp4": "NVFP4 momentum",
+               "lora_svd_adamw_nvfp4": "AdamW's NVFP4 states",
+               "lora_svd_ns_nvfp4": "NVFP4 Newton–Schulz"}
+
+
+def split_line(rows):
+    """Root's split (tools/ablation.py --grid split) as one paragraph: each part of fullstack alone
+    on lora_svd, its cost in % of lora_svd's val loss paired by seed (mean ± SE), and what the
+    parts' sum misses of fullstack's (their interaction); [] without the record."""
+    if not rows:
+        return []
+    rows = [{**r, "recipe": r["row"]} for r in rows]
+    base = ablation.val_by_seed(rows, "lora_svd", "root")
+    parts = {row: ablation.paired(ablation.val_by_seed(rows, row, "root"), base)
+             for row in SPLIT_PARTS}
+    full = ablation.paired(ablation.val_by_seed(rows, "fullstack", "root"), base)
+    together = set(full).intersection(*parts.values())
+    interaction = {s: full[s] - sum(p[s] for p in parts.values()) for s in together}
+    cells = []
+    for what, d in [*((SPLIT_PARTS[row], d) for row, d in parts.items()),
+                    ("all (`fullstack`)", full), ("interaction", interaction)]:
+        mean, se, n = ablation.difference(d, dict.fromkeys(d, 0.0))
+        cells.append(f"{what} {ablation.fmt(mean, 2, True)} ± {ablation.fmt(se, 2)} (n={n})")
+    return ["", "Root's split, % over `lora_svd` paired by seed (mean ± SE): " + "; ".join(cells)
+            + " ([table](results/ablation/split/table.md))."]
 
 
 @functools.lru_cache
@@ -202,7 +232,7 @@ def figures(record):
     return "\n".join(lines)
 
 
-BLOCKS = {"table3": lambda: table3(read_json(TABLE3)), "speed": lambda: speed(read_json(SPEED)),
+BLOCKS = {"table3": lambda: table3(read_json(TABLE3), read_json(SPLIT)), "speed": lambda: speed(read_json(SPEED)),
           "cost": lambda: cost(read_json(SPEED)), "figures": lambda: figures(read_json(FIGURES))}
 MARKED = re.compile(r"(<!-- tables:(\w+) -->\n)(.*?\n)?(<!-- /tables:\2 -->)", re.S)
 
