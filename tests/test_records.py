@@ -172,3 +172,21 @@ def test_figures_print_the_records_digits():
     assert f"−{100 * min(rank32):.0f}…−{100 * max(rank32):.0f}% at rank 32" in block
     roots = [r["nvfp4_root"] for r in record["fig4b"]["rows"]]
     assert f"fitted Root coefficients {min(roots):.2f}–{max(roots):.2f} polar error" in block
+
+
+def test_readme_speed_shows_graphed_1b_rows_against_their_own_calls_bf16():
+    """A 1b row with CUDA graphs joins the speed table only with a ratio taken in its own call
+    (bench/end_to_end.add_ratios), against that call's bf16 rate; its goal counts."""
+    record = json.load(open(os.path.join(ROOT, "results", "speed", "speed.json")))
+    before = readme_tables.speed(record)
+    row = {"section": "train", "config": "1b", "recipe": "fullstack", "optimizer": "adamw",
+           "compile": False, "cuda_graphs": True, "measured": {"date": "2026-12-05"}}
+    record["rows"] += [{**row, "name": "1b_fullstack_adamw_graphs", "tokens_per_s": 55000.0,
+                        "vs_bf16": 55 / 69, "bf16_tokens_per_s": 69000.0},
+                       {**row, "name": "1b_fullstack_root_graphs", "optimizer": "root",
+                        "tokens_per_s": 50000.0}]  # measured in a call without bf16: no ratio
+    after = readme_tables.speed(record)
+    assert "| … with `--cuda_graphs` | 55,000 tokens/s | `bf16` 69,000 | 0.80× | ≥ 0.78× |" in after
+    assert "Root" not in after and after.count("\n") == before.count("\n") + 1
+    met = lambda text: int(text.split("Goals met: ")[1].split(" ")[0])
+    assert met(after) == met(before) + 1 and "of 8." in after
