@@ -180,7 +180,8 @@ def speed(record):
         used.append(r)
         if goal is not None:
             goals.append((r[f"vs_{key}"], goal))
-        graphed.append(f"| {what} | {r['tokens_per_s']:,.0f} tokens/s | `{key.replace('_', ' --')}` "
+        baseline = key.replace("_", " --")  # bf16, bf16 --compile
+        graphed.append(f"| {what} | {r['tokens_per_s']:,.0f} tokens/s | `{baseline}` "
                        f"{r[f'{key}_tokens_per_s']:,.0f} | {r[f'vs_{key}']:.2f}× | "
                        + ("–" if goal is None else f"≥ {goal:.2f}×") + " |")
     dates = ", ".join(sorted({r["measured"]["date"] for r in used}))
