@@ -249,8 +249,9 @@ def figures(record):
     return "\n".join(lines)
 
 
-BLOCKS = {"table3": lambda: table3(read_json(TABLE3), read_json(SPLIT)), "speed": lambda: speed(read_json(SPEED)),
-          "cost": lambda: cost(read_json(SPEED)), "figures": lambda: figures(read_json(FIGURES))}
+BLOCKS = {"table3": lambda: table3(read_json(TABLE3), read_json(SPLIT)),
+          "speed": lambda: speed(read_json(SPEED)), "cost": lambda: cost(read_json(SPEED)),
+          "figures": lambda: figures(read_json(FIGURES))}
 MARKED = re.compile(r"(<!-- tables:(\w+) -->\n)(.*?\n)?(<!-- /tables:\2 -->)", re.S)
 
 
