@@ -167,9 +167,9 @@ def parse_args(argv=None):
     add("--tokens_per_param", type=float, default=1.7, help="--grid scale: tokens a run / the "
         "rung's parameters (default: %(default)s, Table 3's tiny runs)")
     add("--runs", default=None, help="one directory per run in here (default: runs/ablation, "
-        "runs/ablation_split, runs/ablation_width)")
+        "runs/ablation_split, runs/ablation_width, runs/scale)")
     add("--results", default=None, help="summary.json, table.md, loss_curves.png (default: "
-        "results/ablation[/split|/width])")
+        "results/ablation[/split|/width], results/scale)")
     add("--gpus", default=None, help="GPU ids, e.g. 0,1 (default: every visible GPU; '': the CPU)")
     add("--jobs_per_gpu", type=int, default=None, help="runs side by side on one GPU (default: "
         "8 for the tiny grids, whose runs leave an H200 mostly idle (results/ablation/README.md "
@@ -984,10 +984,9 @@ def split_tables(rows):
     both = set(full).intersection(*parts) if parts else set()
     interaction = {s: full[s] - sum(p[s] for p in parts) for s in both}
     lines += ["", "| claim | verdict | numbers |", "|---|---|---|"]
-    for claim, d, rule in (
-            (f"`fullstack`/Root within {SIGNIFICANT_SES:g} SE of `lora_svd`/Root", full, "close"),
-            ("interaction: `fullstack` - `lora_svd` minus the parts' costs, within "
-             f"{SIGNIFICANT_SES:g} SE of 0", interaction, "close")):
+    for claim, d in ((f"`fullstack`/Root within {SIGNIFICANT_SES:g} SE of `lora_svd`/Root", full),
+                     ("interaction: `fullstack` - `lora_svd` minus the parts' costs, within "
+                      f"{SIGNIFICANT_SES:g} SE of 0", interaction)):
         mean, std, n = stats(d.values())
         se = None if std is None else std / math.sqrt(n)
         if se is None:
