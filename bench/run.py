@@ -164,11 +164,11 @@ def tables(rows):
                 "| vs bf16 --compile | peak mem | optimizer bytes/param | measured |",
                 "|---|---|---|---|---|---|---|---|---|---|"]
         for r in train:
-            def ratio(key):  # against the baseline measured in the same call, and its rate
-                return f"{r[key]:.2f}x of {r[key[3:] + '_tokens_per_s']:,.0f}" if (
-                    key[3:] + "_tokens_per_s" in r) else "-"
-            numbers = (f"{r['tokens_per_s']:,.0f} | {ratio('vs_bf16')} | "
-                       f"{ratio('vs_bf16_compile')} | {r['peak_mem_gib']:.1f} GiB | "
+            def ratio(base):  # against the baseline measured in the same call, and its rate
+                return (f"{r[f'vs_{base}']:.2f}x of {r[f'{base}_tokens_per_s']:,.0f}"
+                        if f"{base}_tokens_per_s" in r else "-")
+            numbers = (f"{r['tokens_per_s']:,.0f} | {ratio('bf16')} | "
+                       f"{ratio('bf16_compile')} | {r['peak_mem_gib']:.1f} GiB | "
                        f"{r['optimizer_bytes_per_param']:.2f}") if "error" not in r \
                 else f"failed: {r['error'].strip().splitlines()[-1][:100]} | | | | "
             out.append(f"| {r['config']} | `{r['recipe']}` | {r['optimizer']} | "

@@ -955,6 +955,18 @@ def verdict_of_difference(d, what):
     return "within noise", mean, se, n
 
 
+def split_costs(rows):
+    """{row: {seed: % over lora_svd/Root}} of each Root row of the split (paired by seed), and
+    "interaction": fullstack's cost minus the sum of its parts', over the seeds that have them all."""
+    base = val_by_seed(rows, "lora_svd", "root")
+    costs = {row: paired(val_by_seed(rows, row, "root"), base)
+             for row, _, opt, _, _ in SPLIT_ROWS[1:] if opt == "root"}
+    parts = [d for row, d in costs.items() if row != "fullstack"]
+    seeds = set(costs["fullstack"]).intersection(*parts)
+    costs["interaction"] = {s: costs["fullstack"][s] - sum(p[s] for p in parts) for s in seeds}
+    return costs
+
+
 def split_tables(rows):
     """The split grid: every row against its optimizer's reference row (lora_svd), paired by
     seed, and item 3's claim (fullstack/Root with the fixed momentum within 2 SE of lora_svd)."""
@@ -978,15 +990,12 @@ def split_tables(rows):
                             + [f"`--{k} {v}`" for k, v in flags.items()]) or recipe
         lines.append(f"| `{row}` | {opt} | {entries} | {n} | {fmt(mean, 4)} ± {fmt(std, 4)} | "
                      + " | ".join(cells) + " |")
-    full = paired(val_by_seed(rows, "fullstack", "root"), val_by_seed(rows, "lora_svd", "root"))
-    parts = [paired(val_by_seed(rows, row, "root"), val_by_seed(rows, "lora_svd", "root"))
-             for row, _, opt, _, _ in SPLIT_ROWS[1:] if opt == "root" and row != "fullstack"]
-    both = set(full).intersection(*parts) if parts else set()
-    interaction = {s: full[s] - sum(p[s] for p in parts) for s in both}
+    costs = split_costs(rows)
     lines += ["", "| claim | verdict | numbers |", "|---|---|---|"]
-    for claim, d in ((f"`fullstack`/Root within {SIGNIFICANT_SES:g} SE of `lora_svd`/Root", full),
+    for claim, d in ((f"`fullstack`/Root within {SIGNIFICANT_SES:g} SE of `lora_svd`/Root",
+                      costs["fullstack"]),
                      ("interaction: `fullstack` - `lora_svd` minus the parts' costs, within "
-                      f"{SIGNIFICANT_SES:g} SE of 0", interaction)):
+                      f"{SIGNIFICANT_SES:g} SE of 0", costs["interaction"])):
         mean, std, n = stats(d.values())
         se = None if std is None else std / math.sqrt(n)
         if se is None:

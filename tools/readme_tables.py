@@ -103,17 +103,11 @@ def split_line(rows):
     parts' sum misses of fullstack's (their interaction); [] without the record."""
     if not rows:
         return []
-    rows = [{**r, "recipe": r["row"]} for r in rows]
-    base = ablation.val_by_seed(rows, "lora_svd", "root")
-    parts = {row: ablation.paired(ablation.val_by_seed(rows, row, "root"), base)
-             for row in SPLIT_PARTS}
-    full = ablation.paired(ablation.val_by_seed(rows, "fullstack", "root"), base)
-    together = set(full).intersection(*parts.values())
-    interaction = {s: full[s] - sum(p[s] for p in parts.values()) for s in together}
+    costs = ablation.split_costs([{**r, "recipe": r["row"]} for r in rows])
     cells = []
-    for what, d in [*((SPLIT_PARTS[row], d) for row, d in parts.items()),
-                    ("all (`fullstack`)", full), ("interaction", interaction)]:
-        mean, se, n = ablation.difference(d, dict.fromkeys(d, 0.0))
+    for row, what in (*SPLIT_PARTS.items(), ("fullstack", "all (`fullstack`)"),
+                      ("interaction", "interaction")):
+        mean, se, n = ablation.difference(costs[row], dict.fromkeys(costs[row], 0.0))
         cells.append(f"{what} {ablation.fmt(mean, 2, True)} ± {ablation.fmt(se, 2)} (n={n})")
     return ["", "Root's split, % over `lora_svd` paired by seed (mean ± SE): " + "; ".join(cells)
             + " ([table](results/ablation/split/table.md))."]
