@@ -144,9 +144,15 @@ def test_readme_split_line_is_the_split_record():
             for row, c in cost.items() for s, base in enumerate([2.3, 2.4, 2.5])]
     rows[-1]["val_loss"] = 2.5 * 1.05  # seed 2's fullstack 5%: interactions 0.5, 0.5, 1.5
     line = readme_tables.split_line(rows)[-1]
-    assert "FP4 attention +1.00 ± 0.00 (n=3); NVFP4 momentum +2.00 ± 0.00 (n=3)" in line
-    assert "NVFP4 Newton–Schulz +0.50 ± 0.00 (n=3); all (`fullstack`) +4.33 ± 0.33 (n=3)" in line
-    assert "interaction +0.83 ± 0.33 (n=3)" in line
+    assert "(mean ± SE, n=3): FP4 attention +1.00 ± 0.00; NVFP4 momentum +2.00 ± 0.00;" in line
+    assert "NVFP4 Newton–Schulz +0.50 ± 0.00; all (`fullstack`) +4.33 ± 0.33;" in line
+    assert "interaction +0.83 ± 0.33 (" in line
+    # a part short of a seed: each cell names its own n (the interaction needs every part's seed)
+    short = [r for r in rows if (r["row"], r["seed"]) != ("lora_svd_ns_nvfp4", 2)]
+    line = readme_tables.split_line(short)[-1]
+    assert "(mean ± SE): FP4 attention +1.00 ± 0.00 (n=3);" in line
+    assert "NVFP4 Newton–Schulz +0.50 ± 0.00 (n=2);" in line
+    assert "interaction +0.50 ± 0.00 (n=2)" in line
     assert readme_tables.split_line(None) == []
 
 

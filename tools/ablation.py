@@ -83,7 +83,7 @@ ROW_FIELDS = ("recipe", "optimizer", "seed", "val_loss", "train_loss", "tokens",
 BF16_ATTN = {"attn_policy": "bf16"}                  # fullstack's other parts without FP4 attention
 MOMENTUM_FP32 = "optim.root.momentum=fp32"
 NS_FP32 = "optim.newton_schulz=fp32"
-ADAMW_FP32 = "optim.adamw.m=fp32"                    # AdamW's moments (embeddings, norms) in fp32
+ADAMW_FP32 = "optim.adamw.m=fp32"  # AdamW's moments in fp32 (embeddings, head, norms, LoRA factors)
 # split: which part of fullstack costs Root. (row, recipe, optimizer, numerics, flags); the first
 # row of each optimizer is the reference the others are paired with, seed by seed. A row with one
 # part of fullstack on lora_svd is fullstack with every other part back in fp32 / bf16; the row

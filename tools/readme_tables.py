@@ -108,8 +108,11 @@ def split_line(rows):
     for row, what in (*SPLIT_PARTS.items(), ("fullstack", "all (`fullstack`)"),
                       ("interaction", "interaction")):
         mean, se, n = ablation.difference(costs[row], dict.fromkeys(costs[row], 0.0))
-        cells.append(f"{what} {ablation.fmt(mean, 2, True)} ± {ablation.fmt(se, 2)} (n={n})")
-    return ["", "Root's split, % over `lora_svd` paired by seed (mean ± SE): " + "; ".join(cells)
+        cells.append((f"{what} {ablation.fmt(mean, 2, True)} ± {ablation.fmt(se, 2)}", n))
+    ns = {n for _, n in cells}
+    common = f", n={ns.pop()}" if len(ns) == 1 else ""  # name n once where every cell shares it
+    return ["", f"Root's split, % over `lora_svd` paired by seed (mean ± SE{common}): "
+            + "; ".join(c if common else f"{c} (n={n})" for c, n in cells)
             + " ([table](results/ablation/split/table.md))."]
 
 
