@@ -364,3 +364,24 @@ def test_scale_grid_runs_and_aggregates_on_a_cpu(tmp_path):
     assert "| `fullstack` | adamw |" in table and (tmp_path / "results" / "gap_vs_params.png").exists()
     rows = json.load(open(tmp_path / "results" / "summary.json"))
     assert sorted(r["row"] for r in rows) == ["bf16_l4w128", "fullstack_l4w128"]
+
+
+def test_the_deadline_starts_no_run_the_finished_ones_say_cannot_finish(monkeypatch, capsys):
+    """A run starts only if the time left covers what this call's finished runs took (their
+    median), and at least a minute: one started to be killed slows the runs beside it."""
+    clock = [0.0]
+    ran = []
+
+    def fake_run(args, job, label, env, stop_at):  # each run takes 100 s of the clock
+        ran.append(ablation.run_name(*job))
+        clock[0] += 100
+        return "ok", "done"
+
+    monkeypatch.setattr(ablation.time, "time", lambda: clock[0])
+    monkeypatch.setattr(ablation, "run_one", fake_run)
+    args = ablation.parse_args(TINY + ["--cpu_jobs", "1", "--deadline", "220"])  # stops at 190 s
+    jobs = [("bf16", "adamw", s) for s in range(3)]
+    ablation.run_grid(args, jobs)
+    # 190 s left: the first starts; 90 s left (over a minute, under the 100 s a run took): no more
+    assert ran == ["bf16_adamw_s0"]
+    assert capsys.readouterr().out.count("deadline: not starting") == 2

@@ -511,6 +511,7 @@ def run_grid(args, jobs):
     for job in jobs:
         todo.put(job)
     errors, failures = [], []  # failures: the failed runs since the last success
+    walls = []  # seconds of the runs this call finished: what the next one will likely take
 
     def worker(label, env):
         while not errors:
@@ -518,14 +519,20 @@ def run_grid(args, jobs):
                 job = todo.get_nowait()
             except queue.Empty:
                 return
-            if stop_at is not None and stop_at - time.time() < 60:  # under a minute says nothing
+            # under a minute says nothing; nor does a run the call's finished runs say cannot finish
+            # (it would slow the runs beside it and, on a fresh machine, lose its checkpoints)
+            need = max(60, statistics.median(walls) if walls else 0)
+            if stop_at is not None and stop_at - time.time() < need:
                 print(f"[{label}] deadline: not starting {run_name(*job)}", flush=True)
                 continue
+            begun = time.time()
             try:
                 status, last = run_one(args, job, label, env, stop_at)
             except Broken as e:
                 errors.append(str(e))
                 return
+            if status == "ok":
+                walls.append(time.time() - begun)
             if status == "failed":
                 failures.append(f"{run_name(*job)}: {last}")
                 if len(failures) >= 3:
