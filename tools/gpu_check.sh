@@ -11,9 +11,9 @@
 # its records and finished runs (results/ablation/, results/scale/, runs/ablation*/, runs/scale/, without
 # checkpoints) into OUT_DIR/ablation.tgz: one file each, as at most 8 come back from a call. On a copy of the tree
 # without .git, set NANOFP4_COMMIT=<commit> so the records name their code. DEADLINE (seconds, default 560) bounds
-# the whole call: every stage gets
-# what is left, and the bench and the ablation start no run they cannot finish before it (the ablation: by its finished runs). The training stages
-# build the offline corpus first if data_cache/default does not hold it.
+# the whole call: every stage gets what is left, and the bench and the ablation start no run they cannot finish
+# before it (the ablation judges by the runs it finished). The training stages build the offline corpus first if
+# data_cache/default does not hold it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -lt 1 ]; then
