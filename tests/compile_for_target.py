@@ -5,13 +5,19 @@ target (its route, tiles and E4M3 path), so each kernel is compiled with exactly
 and options its launcher passes on that GPU; then triton.compile builds it for the target through
 ptxas and this prints one line per kernel specialization:
     <kernel> <arch> <shared bytes> <MMA instruction>:<count>,... (or -) <what launched it>
-Usage: python tests/compile_for_target.py <capability, e.g. 80 90 120 121>
-tests/test_targets.py runs it for every target in its matrix."""
+Usage: python tests/compile_for_target.py <capability, e.g. 80 90 120 121> [--sass]
+tests/test_targets.py runs it for every target in its matrix. --sass adds each specialization's
+registers and stack (spills) per thread, its static SASS instructions (NOPs left out; Triton's
+bundled cuobjdump) and the launch's switches that are on: the instruction counts
+docs/performance.md reasons with (these kernels have no loops but unrolled ones, so static =
+executed per thread)."""
 
 import collections
 import os
 import re
+import subprocess
 import sys
+import tempfile
 
 os.environ["NANOFP4_ROUTE"] = "kernels"  # the public calls take their kernel routes on CPU tensors
 os.environ["TRITON_INTERPRET"] = "0"  # compiled, not interpreted (kernels/__init__ would choose it)
@@ -206,9 +212,23 @@ def set_target(capability):
 MMA = re.compile(r"\b(?:tcgen05\.mma|wgmma\.mma_async|mma\.sync)[\w.:]*")
 
 
-def compile_all(capability):
+def sass_counts(cubin):
+    """(registers per thread, bytes of stack per thread (spilled registers), static SASS
+    instructions without NOPs) of a compiled kernel."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage, sass = (subprocess.run([tool, flag, f.name], capture_output=True, text=True,
+                                      check=True).stdout for flag in ("-res-usage", "-sass"))
+    code = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(\S.*)$", sass, re.M)
+    reg, stack = (int(re.search(rf"{k}:(\d+)", usage).group(1)) for k in ("REG", "STACK"))
+    return reg, stack, sum("NOP" not in c for c in code)
+
+
+def compile_all(capability, sass=False):
     """Compile each recorded specialization once for capability's GPU; print a line for each
-    (specialization, what launched it)."""
+    (specialization, what launched it), with --sass its registers and instructions."""
     target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
     compiled, printed = {}, set()
     for fn, args, kwargs, label in LAUNCHES:
@@ -222,6 +242,9 @@ def compile_all(capability):
             mma = collections.Counter(MMA.findall(ptx))
             compiled[key] = (re.search(r"\.target (\S+)", ptx).group(1), kernel.metadata.shared,
                              ",".join(f"{k}:{n}" for k, n in sorted(mma.items())) or "-")
+            if sass:  # and the launch's switches that are on (which variant it is)
+                on = ",".join(k for k, v in sorted(kwargs.items()) if v is True) or "-"
+                compiled[key] += ("regs %d stack %d sass %d" % sass_counts(kernel.asm["cubin"]), on)
         print(fn.__name__, *compiled[key], label, flush=True)
 
 
@@ -230,6 +253,6 @@ if __name__ == "__main__":
     capability = (cap // 10, cap % 10)
     set_target(capability)
     record_fullstack()
-    compile_all(capability)
+    compile_all(capability, sass="--sass" in sys.argv[2:])
 
 
