@@ -34,7 +34,7 @@ Where it can differ from the reference:
 Three quantize kernels, each the fastest layout for its case (the same arithmetic, the same bits):
   _quantize_rows_kernel  1x16 blocks of a contiguous x: one block per thread
   _quantize_cols_kernel  16x1 blocks of a row-major x (eq. 2's wgrad operands): two column blocks
-                         per thread (one for SR with 4/6: _cols_width)
+                         per thread
   _quantize_kernel       everything else (16x16 weight blocks, transposed views): (BM, BN) tiles
 """
 
@@ -248,17 +248,15 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
 
 @triton.jit
 def _cols_source(x_ptr, xs_ptr, xgs_ptr, pid_b, m0, n0, row, pair, col, mask, M, N, stride_xb,
-                 stride_xm, W: tl.constexpr, PACKED_X: tl.constexpr, X_BF16: tl.constexpr,
-                 HW_BF16: tl.constexpr):
-    """The cols kernel's (C, 16, W) fp32 tile of x: as stored, or with PACKED_X decoded from a
+                 stride_xm, PACKED_X: tl.constexpr, X_BF16: tl.constexpr, HW_BF16: tl.constexpr):
+    """The cols kernel's (C, 16, 2) fp32 tile of x: as stored, or with PACKED_X decoded from a
     packed 1x16 x (codes at x_ptr (B * M, N / 2), E4M3 scales at xs_ptr (B * M, N / 16), the global
     scale at xgs_ptr) to exactly the values its dequantize gives, (q * s_b) * s_g (rounded to bf16
     with X_BF16, as dequantize(..., bf16) rounds it): eq. 2's Q16x1(H^T Q1x16(X)) from the saved
     packed X, with no bf16 X_hat written and read twice (amax pre-pass and quantize pass). A
-    thread's columns of a row are one code byte (W 2) or one nibble of it (W 1) and share one block
-    scale."""
+    thread's two columns of a row are one code byte and share one block scale."""
     if PACKED_X:
-        byte = (n0 + pair * W) // 2                                                    # (C, 1, 1)
+        byte = n0 // 2 + pair                                                          # (C, 1, 1)
         bmask = (byte < N // 2) & (row < 16)                                           # (C, 16, 1)
         r0 = pid_b.to(tl.int64) * M + m0  # the tile's first row: int64 once, int32 offsets
         # one byte per thread and row: without the hint Triton's coalescing would give each thread
@@ -266,11 +264,11 @@ def _cols_source(x_ptr, xs_ptr, xgs_ptr, pid_b, m0, n0, row, pair, col, mask, M,
         # memory into the layout the butterfly needs (whole column pairs per thread)
         offs = tl.max_contiguous(row * (N // 2) + byte, [1, 1, 1])
         c8 = tl.load(x_ptr + r0 * (N // 2) + offs, mask=bmask, other=0)
-        s_b = tl.load(xs_ptr + r0 * (N // 16) + row * (N // 16) + (n0 + W * pair) // 16, mask=bmask,
+        s_b = tl.load(xs_ptr + r0 * (N // 16) + row * (N // 16) + (n0 + 2 * pair) // 16, mask=bmask,
                       other=0)
         s_b = _e4m3_value(s_b)
-        # (C, 16, W): an even column's nibble shifted to bits 31..28, an odd one's (<< 24)
-        x = _decode_e2m1(c8.to(tl.int32) << (28 - 4 * (col % 2)), s_b, tl.load(xgs_ptr))
+        # (C, 16, 2): the even element's nibble shifted to bits 31..28, the odd one's (<< 24)
+        x = _decode_e2m1(c8.to(tl.int32) << (28 - 4 * tl.arange(0, 2)), s_b, tl.load(xgs_ptr))
         return _round_to_bf16(x, HW_BF16) if X_BF16 else x
     else:
         ptrs = x_ptr + pid_b.to(tl.int64) * stride_xb + (m0 + row).to(tl.int64) * stride_xm + col
@@ -285,12 +283,11 @@ def _quantize_cols_kernel(x_ptr, xs_ptr, xgs_ptr, h_ptr, amax_ptr, gs_out_ptr, c
                           HADAMARD: tl.constexpr, WRITE_CODES: tl.constexpr,
                           WRITE_VALUES: tl.constexpr, AMAX_ONLY: tl.constexpr,
                           PLAIN_TOO: tl.constexpr, PACKED_X: tl.constexpr, X_BF16: tl.constexpr,
-                          HW_BF16: tl.constexpr, W: tl.constexpr):
+                          HW_BF16: tl.constexpr):
     """_quantize_kernel's arithmetic for 16x1 blocks of a row-major x (eq. 2's wgrad operands,
-    Q16x1(H^T dY) and Q16x1(H^T X-hat)): a (16, W C) tile held as (C, 16, W), i.e. each thread holds
-    W whole column blocks (16 rows x W adjacent columns; W 2: 4-byte loads, 128 bytes per row and
-    warp, one code byte per row; W 1 where two blocks' registers would spill, _cols_width). So the
-    rotation H^T x is a butterfly in registers, a block's amax needs
+    Q16x1(H^T dY) and Q16x1(H^T X-hat)): a (16, 2C) tile held as (C, 16, 2), i.e. each thread holds
+    two whole column blocks (16 rows x 2 adjacent columns: 4-byte loads, 128 bytes per row and warp,
+    one code byte per row). So the rotation H^T x is a butterfly in registers, a block's amax needs
     no shuffle and its scale is computed once; in the (16, BN) tile kernel a column block spanned
     several threads, which each recomputed its scale. Same results bit for bit as the tile kernel
     (same operations per element, same Philox counters: _column_random_words). AMAX_ONLY: the
@@ -299,15 +296,15 @@ def _quantize_cols_kernel(x_ptr, xs_ptr, xgs_ptr, h_ptr, amax_ptr, gs_out_ptr, c
     PACKED_X, X_BF16, HW_BF16: x is read as a packed 1x16 tensor (_cols_source)."""
     # rows on axis 0: no 65535 cap
     pid_m, pid_n, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    m0, n0 = pid_m * 16, pid_n * (W * C)
+    m0, n0 = pid_m * 16, pid_n * (2 * C)
     pair = tl.arange(0, C)[:, None, None]
     row = tl.arange(0, 16)[None, :, None]
-    col = n0 + pair * W + tl.arange(0, W)[None, None, :]                               # (C, 1, W)
-    mask = (col < N) & (row < 16)                                                      # (C, 16, W)
+    col = n0 + pair * 2 + tl.arange(0, 2)[None, None, :]                               # (C, 1, 2)
+    mask = (col < N) & (row < 16)                                                      # (C, 16, 2)
     rows = pid_b.to(tl.int64) * M + m0 + row  # row index in (B * M, N)
     x = _cols_source(x_ptr, xs_ptr, xgs_ptr, pid_b, m0, n0, row, pair, col, mask, M, N,
-                     stride_xb, stride_xm, W, PACKED_X, X_BF16, HW_BF16)
-    xr = _hadamard16(x, h_ptr, C, W) if HADAMARD else x  # H^T x along the rows
+                     stride_xb, stride_xm, PACKED_X, X_BF16, HW_BF16)
+    xr = _hadamard16(x, h_ptr, C, 2) if HADAMARD else x  # H^T x along the rows
     ax = tl.abs(xr)
     if AMAX_ONLY:
         n_programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
@@ -322,21 +319,21 @@ def _quantize_cols_kernel(x_ptr, xs_ptr, xgs_ptr, h_ptr, amax_ptr, gs_out_ptr, c
         s_enc, s_dec = _global_scales(amax, FP8_BOUND)
         if (pid_m == 0) & (pid_n == 0) & (pid_b == 0):
             tl.store(gs_out_ptr, s_dec)
-        # the column blocks as (C, 16, W, 1) for _scale_blocks: C x W blocks of 16 x 1
-        a, s_b, bits, q = _scale_blocks(ax.reshape(C, 16, W, 1), s_enc, s_dec, C, 16, W, 1,
+        # the column blocks as (C, 16, 2, 1) for _scale_blocks: C x 2 blocks of 16 x 1
+        a, s_b, bits, q = _scale_blocks(ax.reshape(C, 16, 2, 1), s_enc, s_dec, C, 16, 2, 1,
                                         FOUR_OVER_SIX, SCALE_UP)
-        a, q = a.reshape(C, 16, W), q.reshape(C, 16, W)
+        a, q = a.reshape(C, 16, 2), q.reshape(C, 16, 2)
         if SR:
             octs = (pid_b.to(tl.int64) * M + m0) // 8 + tl.arange(0, 2)[None, :, None]  # (1, 2, 1)
-            rand = _column_random_words(tl.load(seed_ptr), octs * N + col)  # (C, 2, W, 2, 2, 2)
+            rand = _column_random_words(tl.load(seed_ptr), octs * N + col)  # (C, 2, 2, 2, 2, 2)
             # row 8i + 4a + 2b + h
-            rand = tl.permute(rand, (0, 1, 3, 4, 5, 2)).reshape(C, 16, W)
+            rand = tl.permute(rand, (0, 1, 3, 4, 5, 2)).reshape(C, 16, 2)
             q = _sr_e2m1_value(a, rand)
-        if WRITE_CODES:  # W 2 (_cols_width): a thread's two columns are one byte per row
+        if WRITE_CODES:
             packed = _pack_codes(q, xr, a, C, 16, 2).to(tl.uint8)  # even / odd column: (C, 16)
             tl.store(codes_ptr + rows.reshape(1, 16) * (N // 2) + (n0 // 2 + pair.reshape(C, 1)),
                      packed, mask=(n0 // 2 + pair.reshape(C, 1)) < N // 2)
-            scol = col.reshape(C, W)
+            scol = col.reshape(C, 2)
             tl.store(scales_ptr + (pid_b.to(tl.int64) * (M // 16) + pid_m) * N + scol, bits,
                      mask=scol < N)
         if WRITE_VALUES:  # q * s_b, exact in bf16
@@ -354,16 +351,8 @@ AMAX_DTYPES = (torch.float32, torch.bfloat16)
 # with more).
 ROWS_LAUNCH = (128, 4, 4)
 ROWS_LAUNCH_SR = (128, 4, 1)
-COLS_WARPS = 4  # _quantize_cols_kernel: (16, 32 * warps * W) tiles, W column blocks per thread
+COLS_WARPS = 4  # _quantize_cols_kernel: (16, 64 * warps) tiles, 2 column blocks per thread
 COLS_MAXNREG = 168  # the register cap that fits 3 programs of SR + Hadamard per SM without spilling
-
-
-def _cols_width(four_over_six, rounding, codes):
-    """W, the cols kernel's column blocks per thread: 2 (4-byte loads, a code byte per row), but 1
-    for SR with 4/6 writing values only: two blocks' two candidates, Hadamard and random words
-    spill even at 255 registers (tests/compile_for_target.py --sass), one block's fit. The codes
-    (the Blackwell route) need both nibbles of a byte in one thread."""
-    return 1 if four_over_six and rounding in SR_MODES and codes is None else 2
 
 
 def _tiles(block, x):
@@ -501,8 +490,8 @@ def _cols_launch(x3, amax, hadamard, four_over_six, seed, rounding="rtn", codes=
     (max |H^T x|,) or with plain_too (max |H^T x|, max |x|)."""
     packed = not torch.is_tensor(x3)
     *lead, M, N = x3.shape
-    C, W = 32 * COLS_WARPS, _cols_width(four_over_six, rounding, codes)
-    grid = (M // 16, triton.cdiv(N, W * C), math.prod(lead))
+    C = 32 * COLS_WARPS
+    grid = (M // 16, triton.cdiv(N, 2 * C), math.prod(lead))
     n = grid[0] * grid[1] * grid[2]
     partial = (torch.empty((2 if plain_too else 1) * n, device=x3.device, dtype=torch.float32)
                if amax_only else None)
@@ -520,7 +509,7 @@ def _cols_launch(x3, amax, hadamard, four_over_six, seed, rounding="rtn", codes=
         HADAMARD=hadamard is not None, WRITE_CODES=codes is not None,
         WRITE_VALUES=values is not None, AMAX_ONLY=amax_only, PLAIN_TOO=plain_too,
         # HW_BF16: how a packed source decodes to bf16 (its only use)
-        PACKED_X=packed, X_BF16=packed and x3.bf16, HW_BF16=packed and x3.bf16 and on_gpu(), W=W,
+        PACKED_X=packed, X_BF16=packed and x3.bf16, HW_BF16=packed and x3.bf16 and on_gpu(),
         num_warps=COLS_WARPS, maxnreg=COLS_MAXNREG, enable_fp_fusion=False)
     return partial.view(-1, n).amax(1).unbind() if amax_only else None
 
