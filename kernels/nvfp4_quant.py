@@ -247,6 +247,19 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
 
 
 @triton.jit
+def _load_columns(ptrs, mask, other, W: tl.constexpr):
+    """A (C, 16, W) tile of the cols kernel loaded as the kernel computes on it: the C column
+    groups across the threads, each thread's 16 rows x W columns in its registers (its column
+    blocks whole). Triton's coalescing orders a load's dims by contiguity and breaks ties by the
+    higher index: loaded as (C, 16, W) the tile had its rows across the threads (or, contiguous
+    along C, vectors of several column groups a thread) and went through shared memory for every
+    butterfly stage and block maximum. Loaded as (16, C, W) with the contiguity of W only, the
+    threads take the column groups, and the permutes are free."""
+    ptrs = tl.max_contiguous(tl.permute(ptrs, (1, 0, 2)), [1, 1, W])
+    return tl.permute(tl.load(ptrs, mask=tl.permute(mask, (1, 0, 2)), other=other), (1, 0, 2))
+
+
+@triton.jit
 def _cols_source(x_ptr, xs_ptr, xgs_ptr, pid_b, m0, n0, row, pair, col, mask, M, N, stride_xb,
                  stride_xm, PACKED_X: tl.constexpr, X_BF16: tl.constexpr, HW_BF16: tl.constexpr):
     """The cols kernel's (C, 16, 2) fp32 tile of x: as stored, or with PACKED_X decoded from a
@@ -259,20 +272,16 @@ def _cols_source(x_ptr, xs_ptr, xgs_ptr, pid_b, m0, n0, row, pair, col, mask, M,
         byte = n0 // 2 + pair                                                          # (C, 1, 1)
         bmask = (byte < N // 2) & (row < 16)                                           # (C, 16, 1)
         r0 = pid_b.to(tl.int64) * M + m0  # the tile's first row: int64 once, int32 offsets
-        # one byte per thread and row: without the hint Triton's coalescing would give each thread
-        # 8 consecutive bytes (8 column pairs of one row) and then shuffle the tile through shared
-        # memory into the layout the butterfly needs (whole column pairs per thread)
-        offs = tl.max_contiguous(row * (N // 2) + byte, [1, 1, 1])
-        c8 = tl.load(x_ptr + r0 * (N // 2) + offs, mask=bmask, other=0)
-        s_b = tl.load(xs_ptr + r0 * (N // 16) + row * (N // 16) + (n0 + 2 * pair) // 16, mask=bmask,
-                      other=0)
+        c8 = _load_columns(x_ptr + r0 * (N // 2) + (row * (N // 2) + byte), bmask, 0, 1)
+        s_b = _load_columns(xs_ptr + r0 * (N // 16) + (row * (N // 16) + (n0 + 2 * pair) // 16),
+                            bmask, 0, 1)
         s_b = _e4m3_value(s_b)
         # (C, 16, 2): the even element's nibble shifted to bits 31..28, the odd one's (<< 24)
         x = _decode_e2m1(c8.to(tl.int32) << (28 - 4 * tl.arange(0, 2)), s_b, tl.load(xgs_ptr))
         return _round_to_bf16(x, HW_BF16) if X_BF16 else x
     else:
-        ptrs = x_ptr + pid_b.to(tl.int64) * stride_xb + (m0 + row).to(tl.int64) * stride_xm + col
-        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        base = x_ptr + pid_b.to(tl.int64) * stride_xb + m0.to(tl.int64) * stride_xm
+        return _load_columns(base + (row * stride_xm + col), mask, 0.0, 2).to(tl.float32)
 
 
 @triton.jit

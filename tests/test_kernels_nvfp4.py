@@ -460,6 +460,10 @@ def test_rows_and_cols_kernels_equal_the_tile_kernel(block, options):
           nvfp4.NVFP4Tensor(*tile, tile_gs, shape, block))
     # -0.0 included
     assert torch.equal(fast_values.view(torch.int16), tile_values.view(torch.int16))
+    # values only, as Hopper's wgrad operands are written (no codes)
+    values, gs = kq.quantize_dequant(x, block, **opts)
+    assert torch.equal(values.view(torch.int16), tile_values.view(torch.int16))
+    assert torch.equal(gs, tile_gs)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -614,6 +618,9 @@ def test_packed_source_equals_dequantize_then_quantize(options, dtype):
         _same(nvfp4.NVFP4Tensor(*got, got_gs, shape, (16, 1)),
               nvfp4.NVFP4Tensor(*want, want_gs, shape, (16, 1)))
         assert torch.equal(_bits16(got_v), _bits16(want_v))
+        # values only (Hopper's wgrad.x)
+        only_v, only_gs = kq.quantize_dequant(xq, (16, 1), hadamard=H, source_dtype=dtype, **opts)
+        assert torch.equal(_bits16(only_v), _bits16(want_v)) and torch.equal(only_gs, want_gs)
     # codes only (the Blackwell route); fp16: not decoded in the kernel, dequantized first
     for dt in (dtype, torch.float16) if H is not None else ():
         x_hat = kd.dequantize(xq.codes, xq.scales, xq.global_scale, xq.shape, xq.block, dt)
