@@ -179,6 +179,29 @@ def _rows_values_ptrs(values_ptr, base, blk, offs, ld_values, ROW_BLOCKS: tl.con
     return vptrs
 
 
+# Triton's coalescing orders a memory access's dims by contiguity and breaks ties by the higher
+# index (getOrderFromContiguity); the threads take the dims in that order after the vectorized
+# one. The rows and cols kernels want the threads on their blocks (a block whole in one thread's
+# registers), so their loads and stores present the blocks' dim as the higher of the tied dims, by
+# a permute (free in registers). Without it Triton 3.9 split each block over threads and converted
+# the tiles through shared memory (tests/compile_for_target.py --sass counts the shuffles and the
+# shared-memory stores).
+
+@triton.jit
+def _load_blocks(ptrs, mask):
+    """The rows kernel's (NB, 2, 8) tile (NB blocks, their two 8-element halves): loaded as
+    (2, NB, 8), so the threads take the blocks and each holds both halves of its block."""
+    ptrs, mask = tl.permute(ptrs, (1, 0, 2)), tl.permute(mask, (1, 0, 2))
+    return tl.permute(tl.load(ptrs, mask=mask, other=0.0), (1, 0, 2))
+
+
+@triton.jit
+def _store_blocks(ptrs, values, mask):
+    """_load_blocks' store: (NB, 2, 8) values stored as (2, NB, 8)."""
+    tl.store(tl.permute(ptrs, (1, 0, 2)), tl.permute(values, (1, 0, 2)),
+             mask=tl.permute(mask, (1, 0, 2)))
+
+
 @triton.jit
 def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, values_ptr,
                           part_ptr, n_blocks, ld_values, seed_ptr, NB: tl.constexpr,
@@ -211,16 +234,15 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
             tl.store(gs_out_ptr, s_dec)
     else:
         run_max = tl.zeros((NB,), dtype=tl.float32)
-    x_next = tl.load(x_ptr + first * 16 + offs, mask=(blk < n_blocks - first)[:, None, None],
-                     other=0.0)
+    x_next = _load_blocks(x_ptr + first * 16 + offs, (blk < n_blocks - first)[:, None, None])
     for c in tl.range(0, CHUNKS, loop_unroll_factor=CHUNKS):
         base = first + c * NB
         bmask = blk < n_blocks - base
         mask = bmask[:, None, None]
         x = x_next.to(tl.float32)
         # prefetch the next chunk (none after the last: an all-false mask moves no data)
-        x_next = tl.load(x_ptr + (base + NB) * 16 + offs, other=0.0,
-                         mask=((blk < n_blocks - base - NB) & (c + 1 < CHUNKS))[:, None, None])
+        x_next = _load_blocks(x_ptr + (base + NB) * 16 + offs,
+                              ((blk < n_blocks - base - NB) & (c + 1 < CHUNKS))[:, None, None])
         if HADAMARD:  # x . H on each block (the reference's hadamard_transform(x, H, dim=-1))
             x = _hadamard16(x.reshape(NB, 16, 1), h_ptr, NB, 1).reshape(NB, 2, 8)
         if AMAX_ONLY:  # (an else branch, not an early return: Triton would compile the rest anyway)
@@ -240,21 +262,18 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
                 tl.store(scales_ptr + base + blk, bits, mask=bmask)
             if WRITE_VALUES:
                 q = _with_sign(q * s_b[:, None, None], (x < 0) & (a > 0))
-                tl.store(_rows_values_ptrs(values_ptr, base, blk, offs, ld_values, ROW_BLOCKS),
-                         q.to(tl.bfloat16), mask=mask)
+                _store_blocks(_rows_values_ptrs(values_ptr, base, blk, offs, ld_values, ROW_BLOCKS),
+                              q.to(tl.bfloat16), mask)
     if AMAX_ONLY:
         tl.store(part_ptr + pid, tl.max(run_max, axis=0))
 
 
 @triton.jit
 def _load_columns(ptrs, mask, other, W: tl.constexpr):
-    """A (C, 16, W) tile of the cols kernel loaded as the kernel computes on it: the C column
-    groups across the threads, each thread's 16 rows x W columns in its registers (its column
-    blocks whole). Triton's coalescing orders a load's dims by contiguity and breaks ties by the
-    higher index: loaded as (C, 16, W) the tile had its rows across the threads (or, contiguous
-    along C, vectors of several column groups a thread) and went through shared memory for every
-    butterfly stage and block maximum. Loaded as (16, C, W) with the contiguity of W only, the
-    threads take the column groups, and the permutes are free."""
+    """A (C, 16, W) tile of the cols kernel (C column groups of W columns, 16 rows) loaded as
+    (16, C, W) with the contiguity of its W columns only (none across the groups, or a thread
+    would take several), so the threads take the column groups and each holds its column blocks
+    whole (16 rows x W columns): the butterfly and the block maxima in registers."""
     ptrs = tl.max_contiguous(tl.permute(ptrs, (1, 0, 2)), [1, 1, W])
     return tl.permute(tl.load(ptrs, mask=tl.permute(mask, (1, 0, 2)), other=other), (1, 0, 2))
 

@@ -8,9 +8,9 @@ ptxas and this prints one line per kernel specialization:
 Usage: python tests/compile_for_target.py <capability, e.g. 80 90 120 121> [--sass]
 tests/test_targets.py runs it for every target in its matrix. --sass adds each specialization's
 registers and stack (spills) per thread, its static SASS instructions (NOPs left out; Triton's
-bundled cuobjdump) and the launch's switches that are on: the instruction counts
-docs/performance.md reasons with (these kernels have no loops but unrolled ones, so static =
-executed per thread)."""
+bundled cuobjdump), of them the shuffles and shared-memory stores, and the launch's switches that
+are on: the counts docs/performance.md reasons with (these kernels have no loops but unrolled
+ones, so static = executed per thread)."""
 
 import collections
 import os
@@ -214,7 +214,8 @@ MMA = re.compile(r"\b(?:tcgen05\.mma|wgmma\.mma_async|mma\.sync)[\w.:]*")
 
 def sass_counts(cubin):
     """(registers per thread, bytes of stack per thread (spilled registers), static SASS
-    instructions without NOPs) of a compiled kernel."""
+    instructions without NOPs, of them warp shuffles and shared-memory stores: a layout conversion
+    where a kernel meant none) of a compiled kernel."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
@@ -223,7 +224,8 @@ def sass_counts(cubin):
                                       check=True).stdout for flag in ("-res-usage", "-sass"))
     code = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(\S.*)$", sass, re.M)
     reg, stack = (int(re.search(rf"{k}:(\d+)", usage).group(1)) for k in ("REG", "STACK"))
-    return reg, stack, sum("NOP" not in c for c in code)
+    count = lambda op: sum(c.split()[0 if c[0] != "@" else 1].startswith(op) for c in code)
+    return reg, stack, sum("NOP" not in c for c in code), count("SHFL"), count("STS")
 
 
 def compile_all(capability, sass=False):
@@ -244,7 +246,8 @@ def compile_all(capability, sass=False):
                              ",".join(f"{k}:{n}" for k, n in sorted(mma.items())) or "-")
             if sass:  # and the launch's switches that are on (which variant it is)
                 on = ",".join(k for k, v in sorted(kwargs.items()) if v is True) or "-"
-                compiled[key] += ("regs %d stack %d sass %d" % sass_counts(kernel.asm["cubin"]), on)
+                compiled[key] += ("regs %d stack %d sass %d shfl %d sts %d"
+                                  % sass_counts(kernel.asm["cubin"]), on)
         print(fn.__name__, *compiled[key], label, flush=True)
 
 
