@@ -229,11 +229,15 @@ def quantize_rows(device, dry):
     x = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     copy_ms = time_ms(lambda: x.clone(), device)
     H = nvfp4.random_hadamard(device=device)
+    # the first two as nvfp4.LINEAR's plain entries; the last two as fullstack quantizes its
+    # gradients (SR, 4/6): dY for dX (1x16) and eq. 2's wgrad operands (16x1 after the Hadamard)
     cases = {
         "RTN 1x16 (activations, forward)": dict(block=(1, 16)),
         "RTN 16x16 (weights)": dict(block=(16, 16)),
-        "SR + random Hadamard 1x16 (wgrad operands, eq. 2)": dict(block=(1, 16), rounding="sr",
-                                                                  hadamard=H),
+        "SR 1x16 + 4/6 (fullstack's dY for dX)": dict(block=(1, 16), rounding="sr",
+                                                      four_over_six=True),
+        "SR + random Hadamard 16x1 + 4/6 (fullstack's wgrad operands, eq. 2)": dict(
+            block=(16, 1), rounding="sr", four_over_six=True, hadamard=H),
     }
     return [row("quantize", f"nvfp4.quantize {name}, {n}x{n} bf16",
                 time_ms(lambda: nvfp4.quantize(x, **kw), device),
