@@ -5,7 +5,9 @@
 #             side (TEST_ARGS: files, -k ...: one process)
 #   bench     python bench/run.py: the speed table into results/speed/ (BENCH_ARGS: e.g. "--only attention,linear")
 #   profile   python bench/profile_step.py: one micro-step's kernels per recipe into OUT_DIR/profile.json
-#             (PROFILE_ARGS: default the 1b config, bf16 and fullstack, 8 x 2048 tokens)
+#             (PROFILE_ARGS: default the 1b config, bf16 and fullstack, 8 x 2048 tokens; PROFILE_BASE: the
+#             root of another tree, e.g. a carried worktree of an earlier commit, profiled the same way
+#             into OUT_DIR/profile_base.json: an A/B of two trees in one call)
 #   ablation  python tools/ablation.py over every visible GPU into results/ablation/ (ABLATION_ARGS: its flags)
 # Each stage writes OUT_DIR/<stage>.log; the bench packs results/speed/ into OUT_DIR/speed.tgz, the ablation
 # its records and finished runs (results/ablation/, results/scale/, runs/ablation*/, runs/scale/, without
@@ -59,7 +61,13 @@ for stage in ${*:-tests bench}; do
     ablation) timeout "$(left)" python tools/ablation.py --deadline "$(left)" ${ABLATION_ARGS:-} >> "$log" 2>&1; rc=$?
               tar czf "$OUT_DIR/ablation.tgz" --exclude='*.pt' $(ls -d results/ablation results/scale \
                   runs/ablation* runs/scale 2>/dev/null) ;;
-    profile) timeout "$(left)" python bench/profile_step.py ${PROFILE_ARGS:-} --out "$OUT_DIR/profile.json" >> "$log" 2>&1; rc=$? ;;
+    profile) timeout "$(left)" python bench/profile_step.py ${PROFILE_ARGS:-} --out "$OUT_DIR/profile.json" >> "$log" 2>&1; rc=$?
+             if [ -n "${PROFILE_BASE:-}" ]; then
+               out=$(cd "$OUT_DIR" && pwd)/profile_base.json
+               echo "== profile of $PROFILE_BASE" >> "$log"
+               (cd "$PROFILE_BASE" && timeout "$(left)" python bench/profile_step.py ${PROFILE_ARGS:-} \
+                  --out "$out") >> "$log" 2>&1; rc=$(( rc || $? ))
+             fi ;;
     *) echo "unknown stage $stage (expected tests, bench, profile or ablation)" | tee -a "$log" >&2; exit 2 ;;
   esac
   echo "== $stage exit $rc ($(left)s left)" | tee -a "$log"
