@@ -194,7 +194,7 @@ def test_split_grid_dry_run_prints_one_command_per_run(tmp_path, capsys):
     ablation.main(SPLIT + ["--runs", str(tmp_path / "runs")])
     out = capsys.readouterr().out.strip().splitlines()
     commands = [line for line in out if line.startswith("train.py")]
-    assert len(commands) == len(ablation.SPLIT_ROWS) * 3 == 24
+    assert len(commands) == (len(ablation.SPLIT_ROWS) + len(ablation.LEAVE_ONE_OUT_ROWS)) * 3 == 36
     assert "estimated" in out[-1] and "min of one H200" in out[-1]
     one = next(c for c in commands if "/lora_svd_momentum_nvfp4_root_s1 " in c)
     assert "--recipe fullstack --optimizer root --seed 1" in one and "--attn_policy bf16" in one
@@ -204,10 +204,17 @@ def test_split_grid_dry_run_prints_one_command_per_run(tmp_path, capsys):
     assert "--recipe fullstack" in states and "--attn_policy bf16" in states and "--lr 0.003 " in states
     refs = [c for c in commands if "/lora_svd_root_s" in c or "/lora_svd_adamw_s" in c]
     assert len(refs) == 6 and not any("--numerics" in c for c in refs)  # plain lora_svd
+    # leave one out: fullstack with only the named part back in high precision
+    out1 = next(c for c in commands if "/fullstack_momentum_fp32_root_s2 " in c)
+    assert "--recipe fullstack --optimizer root --seed 2" in out1 and "--attn_policy" not in out1
+    assert out1.count("--numerics") == 1 and f"--numerics {ablation.MOMENTUM_FP32}" in out1
+    attn = next(c for c in commands if "/fullstack_attn_bf16_root_s0 " in c)
+    assert "--attn_policy bf16" in attn and "--numerics" not in attn
     capsys.readouterr()
     ablation.main(SPLIT + ["--runs", str(tmp_path / "runs"), "--rows", "fullstack"])
     out = [x for x in capsys.readouterr().out.splitlines() if x.startswith("train.py")]
     assert len(out) == 3 and all("--recipe fullstack" in c and "--numerics" not in c for c in out)
+    assert all("/fullstack_root_s" in c for c in out)  # the row, not the rows named after it
 
 
 def test_split_takes_table3s_runs_where_the_commands_match(tmp_path, capsys):
@@ -228,8 +235,9 @@ def test_split_takes_table3s_runs_where_the_commands_match(tmp_path, capsys):
     ablation.main(table3 + ["--rows", "*_root_s*"])
     out = capsys.readouterr().out.splitlines()
     commands = [x for x in out if x.startswith("train.py")]
-    assert len(commands) == 4 * 5 and not any("--recipe lora_svd --optimizer root" in c
-                                              and "--attn_policy" not in c for c in commands)
+    assert len(commands) == (4 + 4) * 5 and not any("--recipe lora_svd --optimizer root" in c
+                                                    and "--attn_policy" not in c for c in commands)
+    assert not any("/fullstack_root_s" in c for c in commands)  # Table 3's
     assert ablation.table3_rows(ablation.parse_args(table3[:5] + ["1000"] + table3[6:]), []) == []
     a = shlex.split("train.py --recipe fullstack --seed 3 --out_dir x --lr 0.006")
     assert ablation.same_run(a, a[:5] + ["--out_dir", "y", "--lr", "0.006", "--cuda_graphs"])
@@ -283,6 +291,16 @@ def test_split_and_width_verdicts_follow_the_numbers():
     text = "\n".join(ablation.split_tables(rows))
     assert "| `lora_svd_momentum_nvfp4` | root |" in text and "| costs |" in text
     assert "**confirmed**" in text  # fullstack sits within 2 SE of lora_svd
+    assert "Leave one out" not in text  # none of its rows has run
+    # leave one out: fullstack's attention back in bf16 saves ~1% on every seed, the NS nothing
+    loo = [{"recipe": row, "optimizer": "root", "seed": s, "val_loss": v, "status": "ok"}
+           for row, f in (("fullstack_attn_bf16", [0.990, 0.991, 0.989]),
+                          ("fullstack_ns_fp32", [1.001, 0.999, 1.000]))
+           for s, v in enumerate(v0 * x for v0, x in zip([2.301, 2.258, 2.272], f))]
+    text = "\n".join(ablation.split_tables(rows + loo))
+    assert "| `fullstack_attn_bf16` | `--attn_policy bf16` | 3 | +1.01 ± 0.06% | costs |" in text
+    assert ("| `fullstack_ns_fp32` | `optim.newton_schulz=fp32` | 3 | +0.00 ± 0.06% | "
+            "within noise |") in text
     base = [3.0, 3.1, 2.9]
     grow = {64: 1.0, 128: 2.0, 256: 3.0}  # nvfp4_46's gap in % grows by 1 point per doubling
     rows = [{"recipe": f"{r}_w{w}", "optimizer": "adamw", "seed": s,

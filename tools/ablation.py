@@ -23,7 +23,8 @@ over. `--rows` picks rows by name: a row (`nvfp4`), a row and optimizer (`nvfp4_
 (`nvfp4_root_s1`) or a glob (`lora_*`).
 
 --grid split: SPLIT_ROWS, lora_svd plus one part of fullstack at a time (a precision-contract entry,
-train.py --numerics), paired by seed with plain lora_svd. --grid width: WIDTH_RECIPES at --widths,
+train.py --numerics), paired by seed with plain lora_svd, and LEAVE_ONE_OUT_ROWS, fullstack with
+one part back in high precision, paired with fullstack. --grid width: WIDTH_RECIPES at --widths,
 the same tokens per non-embedding parameter (width_flags). --grid scale: SCALE_RECIPES with both
 optimizers on SCALE_RUNGS, the same tokens per parameter (scale_flags), one table of the gaps and
 their slope per doubling (scale_tables) and results/scale/gap_vs_params.png. --dry_run prints
@@ -98,6 +99,15 @@ SPLIT_ROWS = (
     ("fullstack", "fullstack", "root", (), {}),
     ("lora_svd", "lora_svd", "adamw", (), {}),
     ("lora_svd_states_nvfp4", "fullstack", "adamw", (), BF16_ATTN),
+)
+# The split's reverse: fullstack/Root with one part back in fp32 / bf16, paired by seed with
+# fullstack: what each part costs in the presence of the others (SPLIT_ROWS: alone), which is what
+# an interaction between the parts shows up in.
+LEAVE_ONE_OUT_ROWS = (
+    ("fullstack_attn_bf16", "fullstack", "root", (), BF16_ATTN),
+    ("fullstack_momentum_fp32", "fullstack", "root", (MOMENTUM_FP32,), {}),
+    ("fullstack_adamw_fp32", "fullstack", "root", (ADAMW_FP32,), {}),
+    ("fullstack_ns_fp32", "fullstack", "root", (NS_FP32,), {}),
 )
 SAME_RUN_FLAGS = {"--cuda_graphs": 0, "--resume": 0, "--out_dir": 1}  # (arguments): same numbers
 # width: App. 7's claim (direct NVFP4 error grows with the hidden dim) in training. Same depth as
@@ -339,7 +349,7 @@ def scale_flags(args, recipe, layers, width):
 def row_spec(args, row, optimizer):
     """(recipe, numerics entries, flags that replace the grid's) of one row of args.grid."""
     if args.grid == "split":
-        for name, recipe, opt, numerics, flags in SPLIT_ROWS:
+        for name, recipe, opt, numerics, flags in SPLIT_ROWS + LEAVE_ONE_OUT_ROWS:
             if (name, opt) == (row, optimizer):
                 return recipe, numerics, dict(flags)
         die(f"row {row}_{optimizer}: not in the split grid")
@@ -362,7 +372,7 @@ def jobs_of(args):
     if args.grid == "table3":
         return grid(args.seeds)
     if args.grid == "split":
-        order = sorted(SPLIT_ROWS, key=lambda r: -row_ms(r[1], r[2], r[3]))
+        order = sorted(SPLIT_ROWS + LEAVE_ONE_OUT_ROWS, key=lambda r: -row_ms(r[1], r[2], r[3]))
         return [(row, opt, seed) for seed in args.seeds for row, _, opt, _, _ in order]
     if args.grid == "scale":
         return [(f"{recipe}_l{n}w{w}", opt, seed) for seed in args.seeds
@@ -1011,7 +1021,29 @@ def split_tables(rows):
             verdict = "confirmed" if abs(mean) <= SIGNIFICANT_SES * se else "not confirmed"
         lines.append(f"| {claim} (paired by seed) | **{verdict}** | {fmt(mean, 2, True)} ± "
                      f"{fmt(se, 2)}% (n={n}) |")
-    return lines
+    return lines + leave_one_out_table(rows)
+
+
+def leave_one_out_table(rows):
+    """LEAVE_ONE_OUT_ROWS against fullstack/Root, paired by seed: each part's cost with the others
+    present, 100 (fullstack - row) / row ([] before any of them has run)."""
+    full = val_by_seed(rows, "fullstack", "root")
+    lines = []
+    for row, recipe, opt, numerics, flags in LEAVE_ONE_OUT_ROWS:
+        own = val_by_seed(rows, row, opt)
+        if not own:
+            continue
+        verdict, m, se, n = verdict_of_difference(paired(full, own), "costs")
+        entries = ", ".join([f"`{e}`" for e in numerics]
+                            + [f"`--{k} {v}`" for k, v in flags.items()])
+        lines.append(f"| `{row}` | {entries} | {n} | {fmt(m, 2, True)} ± {fmt(se, 2)}% | "
+                     f"{verdict} |")
+    if not lines:
+        return []
+    return ["", "Leave one out: `fullstack`/Root with one part back in high precision; the part's "
+            "cost with the others present is 100 (fullstack - row) / row, paired by seed.", "",
+            "| row | numerics | seeds | cost of the part | verdict |", "|---|---|---|---|---|"
+            ] + lines
 
 
 def same_run(a, b):
@@ -1202,8 +1234,8 @@ def aggregate_grid(args):
     if args.grid == "split":
         title, body = "Split of fullstack/Root: its parts one at a time on lora_svd", \
             split_tables(rows)
-        panels = [(opt, [(row, o) for row, _, o, _, _ in SPLIT_ROWS if o == opt])
-                  for opt in OPTIMIZERS]
+        panels = [(opt, [(row, o) for row, _, o, _, _ in SPLIT_ROWS + LEAVE_ONE_OUT_ROWS
+                         if o == opt]) for opt in OPTIMIZERS]
     elif args.grid == "scale":
         title, body = "The full-stack gap against model size", scale_tables(rows) + [
             "", "![gap against parameters](gap_vs_params.png)"]
