@@ -279,6 +279,13 @@ def _load_columns(ptrs, mask, other, W: tl.constexpr):
 
 
 @triton.jit
+def _store_columns(ptrs, values, mask, W: tl.constexpr):
+    """_load_columns' store: a (C, 16, W) tile stored as (16, C, W), W columns contiguous."""
+    ptrs = tl.max_contiguous(tl.permute(ptrs, (1, 0, 2)), [1, 1, W])
+    tl.store(ptrs, tl.permute(values, (1, 0, 2)), mask=tl.permute(mask, (1, 0, 2)))
+
+
+@triton.jit
 def _cols_source(x_ptr, xs_ptr, xgs_ptr, pid_b, m0, n0, row, pair, col, mask, M, N, stride_xb,
                  stride_xm, PACKED_X: tl.constexpr, X_BF16: tl.constexpr, HW_BF16: tl.constexpr):
     """The cols kernel's (C, 16, 2) fp32 tile of x: as stored, or with PACKED_X decoded from a
@@ -359,14 +366,14 @@ def _quantize_cols_kernel(x_ptr, xs_ptr, xgs_ptr, h_ptr, amax_ptr, gs_out_ptr, c
             q = _sr_e2m1_value(a, rand)
         if WRITE_CODES:
             packed = _pack_codes(q, xr, a, C, 16, 2).to(tl.uint8)  # even / odd column: (C, 16)
-            tl.store(codes_ptr + rows.reshape(1, 16) * (N // 2) + (n0 // 2 + pair.reshape(C, 1)),
-                     packed, mask=(n0 // 2 + pair.reshape(C, 1)) < N // 2)
+            _store_columns(codes_ptr + rows * (N // 2) + (n0 // 2 + pair), packed.reshape(C, 16, 1),
+                           (n0 // 2 + pair < N // 2) & (row < 16), 1)
             scol = col.reshape(C, 2)
             tl.store(scales_ptr + (pid_b.to(tl.int64) * (M // 16) + pid_m) * N + scol, bits,
                      mask=scol < N)
         if WRITE_VALUES:  # q * s_b, exact in bf16
             q = _with_sign(q * s_b[:, None, :], (xr < 0) & (a > 0))
-            tl.store(values_ptr + rows * ld_values + col, q.to(tl.bfloat16), mask=mask)
+            _store_columns(values_ptr + rows * ld_values + col, q.to(tl.bfloat16), mask, 2)
 
 
 # --------------------------------------------------------------------------------------------------

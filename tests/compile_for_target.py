@@ -157,12 +157,14 @@ def record_layers():
     from kernels import nvfp4_linear
     LABEL[0] = "layers"
     c = nvfp4.linear_contract(True)
-    x, w, dy = torch.zeros(64, 256), torch.zeros(128, 256), torch.zeros(64, 128)
+    # bf16 activations and gradients, as under train.py's autocast; the fp32 master weight
+    x, w = torch.zeros(64, 256, dtype=torch.bfloat16), torch.zeros(128, 256)
+    dy = torch.zeros(64, 128, dtype=torch.bfloat16)
     H, need = torch.eye(16), (True, True)
     y, xq, w_used = nvfp4_linear.forward(x, w, c["forward.x"], c["forward.w"], (1, 2))
     xq = Packed(*xq, x.shape, (1, 16))
     nvfp4_linear.backward(dy, xq, w_used, c, need, 3, H, (4, 5), torch.float32)
-    L1, L2 = torch.zeros(8, 256), torch.zeros(128, 8)
+    L1, L2 = torch.zeros(16, 256), torch.zeros(128, 16)  # rank 16: [X_hat | branch] rows 16-aligned
     _, _, w_used = nvfp4_linear.forward(x, w, c["forward.x"], c["forward.w"], (1, 2), L1, L2, 0.5)
     nvfp4_linear.backward(dy, xq, w_used, c, need, 3, H, (4, 5), torch.float32, L1, L2, 0.5)
 

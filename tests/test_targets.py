@@ -10,7 +10,9 @@ interpreted), and
         10.x  tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale.block16
         12.x  mma.sync.aligned.m16n8k64.row.col.kind::mxf4nvf4.block_scale.scale_vec::4X...ue4m3
     (kind::mxf4nvf4: FP4 operands with block scales; block16 / scale_vec::4X with ue4m3: one E4M3
-    scale per 16 elements, the NVFP4 layout) and to bf16 MMAs everywhere else (no FP4 instruction).
+    scale per 16 elements, the NVFP4 layout) and to bf16 MMAs everywhere else (no FP4 instruction);
+  * on sm_90 (the H200's), the linear layers' quantize passes hold each block in one thread as
+    written (no spill, shuffle or shared-memory store: compile_for_target.py --sass).
 
 The interpreter does not type-check, so this is also where a launch that only a GPU would reject
 shows (one did: the rows kernel's amax pre-pass loaded an unused bf16 dummy pointer as its fp32
@@ -30,6 +32,7 @@ from kernels import targets
 pytestmark = pytest.mark.targets  # ~80 compiles a target: its own run, `pytest -m targets`
 SCRIPT = os.path.join(os.path.dirname(__file__), "compile_for_target.py")
 # (test id, capability): the 'a' targets are what Triton builds for 9.0 and newer
+HOPPER = (9, 0)  # the H200's
 MATRIX = [("sm_80", (8, 0)), ("sm_86", (8, 6)), ("sm_89", (8, 9)), ("sm_90a", (9, 0)),
           ("sm_100a", (10, 0)), ("sm_103a", (10, 3)), ("sm_120a", (12, 0)), ("sm_121a", (12, 1))]
 FP4_MMA = {10: re.compile(r"tcgen05\.mma\.cta_group::1\.kind::mxf4nvf4\.block_scale\.block16"),
@@ -48,7 +51,9 @@ def compiled():
     """{capability: [(kernel, arch, shared, {MMA: count}, label)]}: every target's subprocess
     starts at once (each compiles its specializations once), and each test waits for its own."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    procs = {cap: subprocess.Popen([sys.executable, SCRIPT, f"{cap[0]}{cap[1]}"], env=env,
+    # the H200's target also with --sass: registers, spills, shuffles (test_hopper_quantize_...)
+    procs = {cap: subprocess.Popen([sys.executable, SCRIPT, f"{cap[0]}{cap[1]}"]
+                                   + (["--sass"] if cap == HOPPER else []), env=env,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _, cap in MATRIX}
     results = {}
@@ -66,9 +71,16 @@ def compiled():
 
 
 def _parse(line):
-    kernel, arch, shared, mma, label = line.split(" ")
+    """(kernel, arch, shared bytes, {MMA: count}, label), and with --sass sixth its counts
+    {"regs", "stack", "sass", "shfl", "sts": int} and seventh its switches that are on."""
+    kernel, arch, shared, mma, *sass, label = line.split(" ")
     pairs = [] if mma == "-" else (m.rsplit(":", 1) for m in mma.split(","))
-    return kernel, arch, int(shared), {k: int(n) for k, n in pairs}, label
+    parsed = (kernel, arch, int(shared), {k: int(n) for k, n in pairs}, label)
+    if not sass:
+        return parsed
+    *counts, switches = sass
+    return parsed + ({k: int(n) for k, n in zip(counts[::2], counts[1::2])},
+                     set(switches.split(",")))
 
 
 @pytest.mark.parametrize("cap", [cap for _, cap in MATRIX], ids=[name for name, _ in MATRIX])
@@ -80,9 +92,9 @@ def test_every_specialization_compiles_and_fits(compiled, cap):
     assert {"_quantize_rows_kernel", "_quantize_cols_kernel", "_quantize_kernel",
             "_dequantize_rows_kernel", "_dequantize_kernel", "_amax_pass", "_update_pass",
             "_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq"} <= kernels, kernels
-    assert {label.split(":")[-1] for *_, label in lines} >= {"layers", "adamw", "root",
+    assert {line[4].split(":")[-1] for line in lines} >= {"layers", "adamw", "root",
                                                             *FP4_POLICIES, "bf16"}
-    for kernel, got_arch, shared, _, label in lines:
+    for kernel, got_arch, shared, _, label, *_ in lines:
         assert got_arch == arch, (kernel, label, got_arch)
         assert shared <= t.shared, (kernel, label, shared, t.shared)
 
@@ -100,18 +112,18 @@ def test_fp4_products_lower_to_the_targets_mma(compiled, cap):
     if t.route != "fp4-mma":
         assert not any("mxf4" in mma for line in lines for mma in line[3]), cap
         assert "_nvfp4_gemm_sm100_kernel" not in {line[0] for line in lines}
-        for kernel, _, _, mma, label in lines:  # Hopper: wgmma of several shapes
+        for kernel, _, _, mma, label, *_ in lines:  # Hopper: wgmma of several shapes
             if kernel.startswith("_attn_"):
                 assert mma and all(k.startswith(BF16_MMA[cap[0]].split(".m")[0]) and "bf16" in k
                                    for k in mma), (kernel, label, mma)
         return
-    gemms = {label: mma for kernel, _, _, mma, label in lines
+    gemms = {label: mma for kernel, _, _, mma, label, *_ in lines
              if kernel == "_nvfp4_gemm_sm100_kernel"}
     assert set(GEMM_PRODUCTS) <= set(gemms), gemms
     for label, mma in gemms.items():
         assert len(mma) == 1 and fp4.fullmatch(next(iter(mma))), (label, mma)
     count = {}
-    for kernel, _, _, mma, label in lines:
+    for kernel, _, _, mma, label, *_ in lines:
         policy = label.split(":")[-1]
         if not kernel.startswith("_attn_") or policy not in FP4_POLICIES:
             continue
@@ -124,3 +136,21 @@ def test_fp4_products_lower_to_the_targets_mma(compiled, cap):
     dkdv = [count[p, "_attn_bwd_dkdv"] for p in ("fp4", "fp4_dov", "fp4_all")]
     assert dkdv == sorted(set(dkdv)), dkdv
     assert count["fp4_dov", "_attn_bwd_dq"] > count["fp4", "_attn_bwd_dq"]
+
+
+def test_hopper_quantize_passes_hold_each_block_in_one_thread(compiled):
+    """sm_90, the route the H200 runs: the linear layers' quantize passes (the rows and cols
+    kernels: X forward, dY for dX, eq. 2's two wgrad operands) compile as they are written, each
+    block whole in one thread: no register spilled, no warp shuffle, no shared-memory store (the
+    signs of Triton splitting blocks over threads and converting layouts through shared memory:
+    kernels/nvfp4_quant.py's _load_blocks, _load_columns). Their amax pre-passes only spill
+    nothing: their final maximum over the program's threads is a shuffle by nature."""
+    passes = [line for line in compiled(HOPPER) if line[4] == "layers"
+              and line[0] in ("_quantize_rows_kernel", "_quantize_cols_kernel")]
+    assert {("AMAX_ONLY" in line[6], line[0]) for line in passes} == {
+        (False, "_quantize_rows_kernel"), (False, "_quantize_cols_kernel"),
+        (True, "_quantize_cols_kernel")}, passes
+    for kernel, _, _, _, _, counts, switches in passes:
+        assert counts["stack"] == 0, (kernel, switches, counts)
+        if "AMAX_ONLY" not in switches:
+            assert counts["shfl"] == counts["sts"] == 0, (kernel, switches, counts)
