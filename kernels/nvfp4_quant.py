@@ -182,24 +182,26 @@ def _rows_values_ptrs(values_ptr, base, blk, offs, ld_values, ROW_BLOCKS: tl.con
 # Triton's coalescing orders a memory access's dims by contiguity and breaks ties by the higher
 # index (getOrderFromContiguity); the threads take the dims in that order after the vectorized
 # one. The rows and cols kernels want the threads on their blocks (a block whole in one thread's
-# registers), so their loads and stores present the blocks' dim as the higher of the tied dims, by
-# a permute (free in registers). Without it Triton 3.9 split each block over threads and converted
-# the tiles through shared memory (tests/compile_for_target.py --sass counts the shuffles and the
-# shared-memory stores).
+# registers), so they load and store their tiles with the first two dims swapped, the blocks' dim
+# then the higher of the tied dims, and swap back (free in registers). Without it Triton 3.9 split
+# each block over threads and converted the tiles through shared memory
+# (tests/compile_for_target.py --sass counts the shuffles and the shared-memory stores).
 
 @triton.jit
-def _load_blocks(ptrs, mask):
-    """The rows kernel's (NB, 2, 8) tile (NB blocks, their two 8-element halves): loaded as
-    (2, NB, 8), so the threads take the blocks and each holds both halves of its block."""
-    ptrs, mask = tl.permute(ptrs, (1, 0, 2)), tl.permute(mask, (1, 0, 2))
-    return tl.permute(tl.load(ptrs, mask=mask, other=0.0), (1, 0, 2))
+def _load_swapped(ptrs, mask, other, CONTIG: tl.constexpr):
+    """tl.load of a 3-D tile (blocks or column groups, then the rest) issued as its first two dims
+    swapped, with contiguity CONTIG along the last dim only (none across the blocks, or a thread
+    would take several): the rows kernel's (NB, 2, 8) tile (blocks, halves, elements), the cols
+    kernel's (C, 16, W) (column groups, rows, columns)."""
+    ptrs = tl.max_contiguous(tl.permute(ptrs, (1, 0, 2)), [1, 1, CONTIG])
+    return tl.permute(tl.load(ptrs, mask=tl.permute(mask, (1, 0, 2)), other=other), (1, 0, 2))
 
 
 @triton.jit
-def _store_blocks(ptrs, values, mask):
-    """_load_blocks' store: (NB, 2, 8) values stored as (2, NB, 8)."""
-    tl.store(tl.permute(ptrs, (1, 0, 2)), tl.permute(values, (1, 0, 2)),
-             mask=tl.permute(mask, (1, 0, 2)))
+def _store_swapped(ptrs, values, mask, CONTIG: tl.constexpr):
+    """_load_swapped's store."""
+    ptrs = tl.max_contiguous(tl.permute(ptrs, (1, 0, 2)), [1, 1, CONTIG])
+    tl.store(ptrs, tl.permute(values, (1, 0, 2)), mask=tl.permute(mask, (1, 0, 2)))
 
 
 @triton.jit
@@ -234,15 +236,17 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
             tl.store(gs_out_ptr, s_dec)
     else:
         run_max = tl.zeros((NB,), dtype=tl.float32)
-    x_next = _load_blocks(x_ptr + first * 16 + offs, (blk < n_blocks - first)[:, None, None])
+    x_next = _load_swapped(x_ptr + first * 16 + offs, (blk < n_blocks - first)[:, None, None],
+                           0.0, 8)
     for c in tl.range(0, CHUNKS, loop_unroll_factor=CHUNKS):
         base = first + c * NB
         bmask = blk < n_blocks - base
         mask = bmask[:, None, None]
         x = x_next.to(tl.float32)
         # prefetch the next chunk (none after the last: an all-false mask moves no data)
-        x_next = _load_blocks(x_ptr + (base + NB) * 16 + offs,
-                              ((blk < n_blocks - base - NB) & (c + 1 < CHUNKS))[:, None, None])
+        x_next = _load_swapped(x_ptr + (base + NB) * 16 + offs,
+                               ((blk < n_blocks - base - NB) & (c + 1 < CHUNKS))[:, None, None],
+                               0.0, 8)
         if HADAMARD:  # x . H on each block (the reference's hadamard_transform(x, H, dim=-1))
             x = _hadamard16(x.reshape(NB, 16, 1), h_ptr, NB, 1).reshape(NB, 2, 8)
         if AMAX_ONLY:  # (an else branch, not an early return: Triton would compile the rest anyway)
@@ -262,27 +266,10 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
                 tl.store(scales_ptr + base + blk, bits, mask=bmask)
             if WRITE_VALUES:
                 q = _with_sign(q * s_b[:, None, None], (x < 0) & (a > 0))
-                _store_blocks(_rows_values_ptrs(values_ptr, base, blk, offs, ld_values, ROW_BLOCKS),
-                              q.to(tl.bfloat16), mask)
+                _store_swapped(_rows_values_ptrs(values_ptr, base, blk, offs, ld_values,
+                                                 ROW_BLOCKS), q.to(tl.bfloat16), mask, 8)
     if AMAX_ONLY:
         tl.store(part_ptr + pid, tl.max(run_max, axis=0))
-
-
-@triton.jit
-def _load_columns(ptrs, mask, other, W: tl.constexpr):
-    """A (C, 16, W) tile of the cols kernel (C column groups of W columns, 16 rows) loaded as
-    (16, C, W) with the contiguity of its W columns only (none across the groups, or a thread
-    would take several), so the threads take the column groups and each holds its column blocks
-    whole (16 rows x W columns): the butterfly and the block maxima in registers."""
-    ptrs = tl.max_contiguous(tl.permute(ptrs, (1, 0, 2)), [1, 1, W])
-    return tl.permute(tl.load(ptrs, mask=tl.permute(mask, (1, 0, 2)), other=other), (1, 0, 2))
-
-
-@triton.jit
-def _store_columns(ptrs, values, mask, W: tl.constexpr):
-    """_load_columns' store: a (C, 16, W) tile stored as (16, C, W), W columns contiguous."""
-    ptrs = tl.max_contiguous(tl.permute(ptrs, (1, 0, 2)), [1, 1, W])
-    tl.store(ptrs, tl.permute(values, (1, 0, 2)), mask=tl.permute(mask, (1, 0, 2)))
 
 
 @triton.jit
@@ -298,8 +285,8 @@ def _cols_source(x_ptr, xs_ptr, xgs_ptr, pid_b, m0, n0, row, pair, col, mask, M,
         byte = n0 // 2 + pair                                                          # (C, 1, 1)
         bmask = (byte < N // 2) & (row < 16)                                           # (C, 16, 1)
         r0 = pid_b.to(tl.int64) * M + m0  # the tile's first row: int64 once, int32 offsets
-        c8 = _load_columns(x_ptr + r0 * (N // 2) + (row * (N // 2) + byte), bmask, 0, 1)
-        s_b = _load_columns(xs_ptr + r0 * (N // 16) + (row * (N // 16) + (n0 + 2 * pair) // 16),
+        c8 = _load_swapped(x_ptr + r0 * (N // 2) + (row * (N // 2) + byte), bmask, 0, 1)
+        s_b = _load_swapped(xs_ptr + r0 * (N // 16) + (row * (N // 16) + (n0 + 2 * pair) // 16),
                             bmask, 0, 1)
         s_b = _e4m3_value(s_b)
         # (C, 16, 2): the even element's nibble shifted to bits 31..28, the odd one's (<< 24)
@@ -307,7 +294,7 @@ def _cols_source(x_ptr, xs_ptr, xgs_ptr, pid_b, m0, n0, row, pair, col, mask, M,
         return _round_to_bf16(x, HW_BF16) if X_BF16 else x
     else:
         base = x_ptr + pid_b.to(tl.int64) * stride_xb + m0.to(tl.int64) * stride_xm
-        return _load_columns(base + (row * stride_xm + col), mask, 0.0, 2).to(tl.float32)
+        return _load_swapped(base + (row * stride_xm + col), mask, 0.0, 2).to(tl.float32)
 
 
 @triton.jit
@@ -366,14 +353,14 @@ def _quantize_cols_kernel(x_ptr, xs_ptr, xgs_ptr, h_ptr, amax_ptr, gs_out_ptr, c
             q = _sr_e2m1_value(a, rand)
         if WRITE_CODES:
             packed = _pack_codes(q, xr, a, C, 16, 2).to(tl.uint8)  # even / odd column: (C, 16)
-            _store_columns(codes_ptr + rows * (N // 2) + (n0 // 2 + pair), packed.reshape(C, 16, 1),
+            _store_swapped(codes_ptr + rows * (N // 2) + (n0 // 2 + pair), packed.reshape(C, 16, 1),
                            (n0 // 2 + pair < N // 2) & (row < 16), 1)
             scol = col.reshape(C, 2)
             tl.store(scales_ptr + (pid_b.to(tl.int64) * (M // 16) + pid_m) * N + scol, bits,
                      mask=scol < N)
         if WRITE_VALUES:  # q * s_b, exact in bf16
             q = _with_sign(q * s_b[:, None, :], (xr < 0) & (a > 0))
-            _store_columns(values_ptr + rows * ld_values + col, q.to(tl.bfloat16), mask, 2)
+            _store_swapped(values_ptr + rows * ld_values + col, q.to(tl.bfloat16), mask, 2)
 
 
 # --------------------------------------------------------------------------------------------------

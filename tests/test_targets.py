@@ -143,7 +143,7 @@ def test_hopper_quantize_passes_hold_each_block_in_one_thread(compiled):
     kernels: X forward, dY for dX, eq. 2's two wgrad operands) compile as they are written, each
     block whole in one thread: no register spilled, no warp shuffle, no shared-memory store (the
     signs of Triton splitting blocks over threads and converting layouts through shared memory:
-    kernels/nvfp4_quant.py's _load_blocks, _load_columns). Their amax pre-passes only spill
+    kernels/nvfp4_quant.py's _load_swapped). Their amax pre-passes only spill
     nothing: their final maximum over the program's threads is a shuffle by nature."""
     passes = [line for line in compiled(HOPPER) if line[4] == "layers"
               and line[0] in ("_quantize_rows_kernel", "_quantize_cols_kernel")]
