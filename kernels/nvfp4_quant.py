@@ -165,43 +165,56 @@ def _quantize_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, 
 
 
 @triton.jit
-def _rows_values_ptrs(values_ptr, base, blk, offs, ld_values, ROW_BLOCKS: tl.constexpr):
+def _rows_values_at(values_ptr, base, blk, offs, ld_values, ROW_BLOCKS: tl.constexpr):
     """Where the rows kernel stores the values of blocks base + blk (element offsets offs from block
-    base): flat as x (ROW_BLOCKS 0), or in rows ld_values elements apart of ROW_BLOCKS blocks each
-    (x's rows in the left columns of a wider buffer: LoRA-SVD's [X_hat | branch],
-    kernels/nvfp4_linear.py, written without a concatenation): shifted by ld_values - N per row."""
-    vptrs = values_ptr + base * 16 + offs
+    base), as a pointer and int32 offsets from it: flat as x (ROW_BLOCKS 0), or in rows ld_values
+    elements apart of ROW_BLOCKS blocks each (x's rows in the left columns of a wider buffer:
+    LoRA-SVD's [X_hat | branch], kernels/nvfp4_linear.py, written without a concatenation):
+    shifted by ld_values - N per row."""
+    ptr = values_ptr + base * 16
     if ROW_BLOCKS:
         row0 = base // ROW_BLOCKS  # the chunk's first row (a scalar)
-        # int32 and a constant divisor (a multiply and a shift) per block
-        row = row0 + ((base - row0 * ROW_BLOCKS).to(tl.int32) + blk) // ROW_BLOCKS
-        vptrs += (row * (ld_values - ROW_BLOCKS * 16))[:, None, None]
-    return vptrs
+        # the rows after it: int32 and a constant divisor (a multiply and a shift) per block
+        rel = ((base - row0 * ROW_BLOCKS).to(tl.int32) + blk) // ROW_BLOCKS
+        shift = ld_values - ROW_BLOCKS * 16
+        ptr += row0 * shift
+        offs += (rel * shift)[:, None, None]
+    return ptr, offs
 
 
-# Triton's coalescing orders a memory access's dims by contiguity and breaks ties by the higher
-# index (getOrderFromContiguity); the threads take the dims in that order after the vectorized
-# one. The rows and cols kernels want the threads on their blocks (a block whole in one thread's
-# registers), so they load and store their tiles with the first two dims swapped, the blocks' dim
-# then the higher of the tied dims, and swap back (free in registers). Without it Triton 3.9 split
-# each block over threads and converted the tiles through shared memory
-# (tests/compile_for_target.py --sass counts the shuffles and the shared-memory stores).
-
-@triton.jit
-def _load_swapped(ptrs, mask, other, CONTIG: tl.constexpr):
-    """tl.load of a 3-D tile (blocks or column groups, then the rest) issued as its first two dims
-    swapped, with contiguity CONTIG along the last dim only (none across the blocks, or a thread
-    would take several): the rows kernel's (NB, 2, 8) tile (blocks, halves, elements), the cols
-    kernel's (C, 16, W) (column groups, rows, columns)."""
-    ptrs = tl.max_contiguous(tl.permute(ptrs, (1, 0, 2)), [1, 1, CONTIG])
-    return tl.permute(tl.load(ptrs, mask=tl.permute(mask, (1, 0, 2)), other=other), (1, 0, 2))
+# Triton's coalescing orders a memory access's dims by contiguity; the threads take the dims in
+# that order after the vectorized one. The rows and cols kernels want the threads on their blocks
+# (a block whole in one thread's registers): dim 0 of their tiles, tied in contiguity with dim 1.
+# Triton 3.6 breaks the tie by the lower index (dim 0: the blocks), 3.7 and later by the higher
+# (getOrderFromContiguity; with dim 1 the tile goes through shared memory, a 752-byte spill with
+# 4/6). So from 3.7 the tiles are accessed with their first two dims swapped, the blocks' dim then
+# the higher, and swapped back (free in registers). tests/compile_for_target.py --sass counts the
+# shuffles and shared-memory stores a wrong order costs; docs/performance.md has the numbers.
+TIES_TO_HIGHER = tl.constexpr(tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 7))
 
 
 @triton.jit
-def _store_swapped(ptrs, values, mask, CONTIG: tl.constexpr):
-    """_load_swapped's store."""
-    ptrs = tl.max_contiguous(tl.permute(ptrs, (1, 0, 2)), [1, 1, CONTIG])
-    tl.store(ptrs, tl.permute(values, (1, 0, 2)), mask=tl.permute(mask, (1, 0, 2)))
+def _load_by_blocks(ptr, offs, mask, other):
+    """tl.load at ptr + offs of a 3-D tile (blocks or column groups, then the rest) with its blocks'
+    dim on the threads: the rows kernel's (NB, 2, 8) tile (blocks, halves, elements), the cols
+    kernel's (C, 16, W) (column groups, rows, columns). The caller hints the offsets' contiguity
+    (tl.max_contiguous where they are computed: Triton 3.6 drops a hint on a function's argument):
+    along the last dim only, none across the blocks, or a thread would take several."""
+    if TIES_TO_HIGHER:
+        x = tl.load(ptr + tl.permute(offs, (1, 0, 2)), mask=tl.permute(mask, (1, 0, 2)), other=other)
+        return tl.permute(x, (1, 0, 2))
+    else:
+        return tl.load(ptr + offs, mask=mask, other=other)
+
+
+@triton.jit
+def _store_by_blocks(ptr, offs, values, mask):
+    """_load_by_blocks's store."""
+    if TIES_TO_HIGHER:
+        tl.store(ptr + tl.permute(offs, (1, 0, 2)), tl.permute(values, (1, 0, 2)),
+                 mask=tl.permute(mask, (1, 0, 2)))
+    else:
+        tl.store(ptr + offs, values, mask=mask)
 
 
 @triton.jit
@@ -221,14 +234,14 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
     before this chunk's arithmetic (arithmetic-bound: the loads' latency hides behind it), the
     global scale's two divisions once per program. Same bits (same operations per element; SR: the
     same Philox counters, element index // 8). AMAX_ONLY: the global-amax pre-pass over the same
-    (rotated) values. ROW_BLOCKS, ld_values: where the values go (_rows_values_ptrs)."""
+    (rotated) values. ROW_BLOCKS, ld_values: where the values go (_rows_values_at)."""
     pid = tl.program_id(0)
     blk = tl.arange(0, NB)
-    # (NB, 2, 8): the halves' dim after the blocks' dim, so Triton's coalescing (dims ordered by
-    # contiguity, ties by index) spreads the blocks over the threads and keeps both halves of a
-    # block in one thread
+    # (NB, 2, 8) element offsets: the blocks over the threads (_load_by_blocks), both halves of a
+    # block in one thread; 8 contiguous (a 16-byte load of bf16), none across halves or blocks
     half = tl.arange(0, 2)[None, :, None]
-    offs = blk[:, None, None] * 16 + half * 8 + tl.arange(0, 8)[None, None, :]  # element offsets
+    offs = tl.max_contiguous(blk[:, None, None] * 16 + half * 8 + tl.arange(0, 8)[None, None, :],
+                             [1, 1, 8])
     first = pid.to(tl.int64) * (NB * CHUNKS)  # first block of this program
     if not AMAX_ONLY:  # amax: fp32, or bf16 (torch's amax of a bf16 x, exact)
         s_enc, s_dec = _global_scales(tl.load(amax_ptr).to(tl.float32), FP8_BOUND)
@@ -236,17 +249,17 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
             tl.store(gs_out_ptr, s_dec)
     else:
         run_max = tl.zeros((NB,), dtype=tl.float32)
-    x_next = _load_swapped(x_ptr + first * 16 + offs, (blk < n_blocks - first)[:, None, None],
-                           0.0, 8)
+    x_next = _load_by_blocks(x_ptr + first * 16, offs, (blk < n_blocks - first)[:, None, None],
+                             0.0)
     for c in tl.range(0, CHUNKS, loop_unroll_factor=CHUNKS):
         base = first + c * NB
         bmask = blk < n_blocks - base
         mask = bmask[:, None, None]
         x = x_next.to(tl.float32)
         # prefetch the next chunk (none after the last: an all-false mask moves no data)
-        x_next = _load_swapped(x_ptr + (base + NB) * 16 + offs,
-                               ((blk < n_blocks - base - NB) & (c + 1 < CHUNKS))[:, None, None],
-                               0.0, 8)
+        x_next = _load_by_blocks(x_ptr + (base + NB) * 16, offs,
+                                 ((blk < n_blocks - base - NB) & (c + 1 < CHUNKS))[:, None, None],
+                                 0.0)
         if HADAMARD:  # x . H on each block (the reference's hadamard_transform(x, H, dim=-1))
             x = _hadamard16(x.reshape(NB, 16, 1), h_ptr, NB, 1).reshape(NB, 2, 8)
         if AMAX_ONLY:  # (an else branch, not an early return: Triton would compile the rest anyway)
@@ -266,8 +279,8 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
                 tl.store(scales_ptr + base + blk, bits, mask=bmask)
             if WRITE_VALUES:
                 q = _with_sign(q * s_b[:, None, None], (x < 0) & (a > 0))
-                _store_swapped(_rows_values_ptrs(values_ptr, base, blk, offs, ld_values,
-                                                 ROW_BLOCKS), q.to(tl.bfloat16), mask, 8)
+                vptr, voffs = _rows_values_at(values_ptr, base, blk, offs, ld_values, ROW_BLOCKS)
+                _store_by_blocks(vptr, voffs, q.to(tl.bfloat16), mask)
     if AMAX_ONLY:
         tl.store(part_ptr + pid, tl.max(run_max, axis=0))
 
@@ -285,16 +298,18 @@ def _cols_source(x_ptr, xs_ptr, xgs_ptr, pid_b, m0, n0, row, pair, col, mask, M,
         byte = n0 // 2 + pair                                                          # (C, 1, 1)
         bmask = (byte < N // 2) & (row < 16)                                           # (C, 16, 1)
         r0 = pid_b.to(tl.int64) * M + m0  # the tile's first row: int64 once, int32 offsets
-        c8 = _load_swapped(x_ptr + r0 * (N // 2) + (row * (N // 2) + byte), bmask, 0, 1)
-        s_b = _load_swapped(xs_ptr + r0 * (N // 16) + (row * (N // 16) + (n0 + 2 * pair) // 16),
-                            bmask, 0, 1)
+        # one code byte per thread and row (contiguous bytes along the column groups: one each)
+        c8 = _load_by_blocks(x_ptr + r0 * (N // 2),
+                             tl.max_contiguous(row * (N // 2) + byte, [1, 1, 1]), bmask, 0)
+        s_b = _load_by_blocks(xs_ptr + r0 * (N // 16), row * (N // 16) + (n0 + 2 * pair) // 16,
+                              bmask, 0)
         s_b = _e4m3_value(s_b)
         # (C, 16, 2): the even element's nibble shifted to bits 31..28, the odd one's (<< 24)
         x = _decode_e2m1(c8.to(tl.int32) << (28 - 4 * tl.arange(0, 2)), s_b, tl.load(xgs_ptr))
         return _round_to_bf16(x, HW_BF16) if X_BF16 else x
     else:
         base = x_ptr + pid_b.to(tl.int64) * stride_xb + m0.to(tl.int64) * stride_xm
-        return _load_swapped(base + (row * stride_xm + col), mask, 0.0, 2).to(tl.float32)
+        return _load_by_blocks(base, row * stride_xm + col, mask, 0.0).to(tl.float32)
 
 
 @triton.jit
@@ -323,7 +338,7 @@ def _quantize_cols_kernel(x_ptr, xs_ptr, xgs_ptr, h_ptr, amax_ptr, gs_out_ptr, c
     row = tl.arange(0, 16)[None, :, None]
     col = n0 + pair * 2 + tl.arange(0, 2)[None, None, :]                               # (C, 1, 2)
     mask = (col < N) & (row < 16)                                                      # (C, 16, 2)
-    rows = pid_b.to(tl.int64) * M + m0 + row  # row index in (B * M, N)
+    r0 = pid_b.to(tl.int64) * M + m0  # the tile's first row in (B * M, N): int64 once
     x = _cols_source(x_ptr, xs_ptr, xgs_ptr, pid_b, m0, n0, row, pair, col, mask, M, N,
                      stride_xb, stride_xm, PACKED_X, X_BF16, HW_BF16)
     xr = _hadamard16(x, h_ptr, C, 2) if HADAMARD else x  # H^T x along the rows
@@ -353,14 +368,16 @@ def _quantize_cols_kernel(x_ptr, xs_ptr, xgs_ptr, h_ptr, amax_ptr, gs_out_ptr, c
             q = _sr_e2m1_value(a, rand)
         if WRITE_CODES:
             packed = _pack_codes(q, xr, a, C, 16, 2).to(tl.uint8)  # even / odd column: (C, 16)
-            _store_swapped(codes_ptr + rows * (N // 2) + (n0 // 2 + pair), packed.reshape(C, 16, 1),
-                           (n0 // 2 + pair < N // 2) & (row < 16), 1)
+            _store_by_blocks(codes_ptr + r0 * (N // 2),
+                             tl.max_contiguous(row * (N // 2) + (n0 // 2 + pair), [1, 1, 1]),
+                             packed.reshape(C, 16, 1), (n0 // 2 + pair < N // 2) & (row < 16))
             scol = col.reshape(C, 2)
             tl.store(scales_ptr + (pid_b.to(tl.int64) * (M // 16) + pid_m) * N + scol, bits,
                      mask=scol < N)
         if WRITE_VALUES:  # q * s_b, exact in bf16
             q = _with_sign(q * s_b[:, None, :], (xr < 0) & (a > 0))
-            _store_swapped(values_ptr + rows * ld_values + col, q.to(tl.bfloat16), mask, 2)
+            _store_by_blocks(values_ptr + r0 * ld_values, row * ld_values + col,
+                             q.to(tl.bfloat16), mask)
 
 
 # --------------------------------------------------------------------------------------------------
