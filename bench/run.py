@@ -23,7 +23,6 @@ import datetime
 import itertools
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -117,20 +116,12 @@ def gemm_route():
 
 
 def measured_with():
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit, dirty = "", ""
-    if not commit:  # a copy of the tree without .git (the GPU machine): the caller names it
-        commit, dirty = os.environ.get("NANOFP4_COMMIT", ""), ""
+    from train import git_commit  # $NANOFP4_COMMIT first: a GPU machine's copy of .git may be stale
     import triton
     return {"date": datetime.date.today().isoformat(),
             # one call's rows share it: the ratios are taken within a call (add_ratios)
             "call": datetime.datetime.now().isoformat(timespec="seconds"),
-            "commit": commit + ("+changes" if dirty else ""),
+            "commit": git_commit() or "",
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "triton": triton.__version__, "gemm_route": gemm_route()}
 

@@ -135,8 +135,14 @@ def cost(speed):
     ratio = flops_per_token("3b") / flops_per_token("1b")
     lines = ["| 1b run, one H200 | tokens/s | MFU | 1b row, 20B tokens | 3b run, 64B tokens |",
              "|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: -r["tokens_per_s"]):
-        name = f"`{r['recipe']}`/{r['optimizer']}" + (" `--compile`" if r["compile"] else "")
+    fastest = {}  # per recipe and optimizer, its fastest flags (what a user would run)
+    for r in rows:
+        key = (r["recipe"], r["optimizer"])
+        if key not in fastest or r["tokens_per_s"] > fastest[key]["tokens_per_s"]:
+            fastest[key] = r
+    for r in sorted(fastest.values(), key=lambda r: -r["tokens_per_s"]):
+        name = (f"`{r['recipe']}`/{r['optimizer']}" + (" `--compile`" if r["compile"] else "")
+                + (" `--cuda_graphs`" if r.get("cuda_graphs") else ""))
         hours = ROW_TOKENS / r["tokens_per_s"] / 3600
         main = MAIN_TOKENS * ratio / r["tokens_per_s"] / 3600
         lines.append(f"| {name} ({r['measured']['date']}) | {r['tokens_per_s']:,.0f} | "
@@ -162,8 +168,15 @@ def speed(record):
         "fullstack_adamw", "fullstack_adamw_graphs", "bf16_adamw"))
     toy_bf = rows["toy_fullstack_adamw_graphs"].get("bf16_tokens_per_s", toy_bf)
     used = [rows[f"1b_{n}"] for n in ("fullstack_adamw", "bf16_adamw")] + [attn, lin, q]
-    goals = [(fs / bf, 0.8), (fsc / bfc, 0.65), (fsc / fs, 1.1), (attn["speed_vs_baseline"], 0.5),
+    goals = [(fs / bf, 0.8), (fsc / bfc, 0.65), (attn["speed_vs_baseline"], 0.5),
              (lin["speed_vs_baseline"], 0.8), (q["speed_vs_baseline"], 0.6), (toy_g / toy_bf, 0.6)]
+    # --compile over eager only from one call (bench/run.py measures both rows side by side)
+    eager, compiled = rows["1b_fullstack_adamw"], rows["1b_fullstack_adamw_compile"]
+    over_eager = ""
+    call = eager["measured"].get("call")
+    if call and call == compiled["measured"].get("call"):
+        goals.append((fsc / fs, 1.1))
+        over_eager = f" ({fsc / fs:.2f}× eager)"
     # the 1b rows with CUDA graphs, where measured: each against the bf16 of its own call
     graphed = []
     for name, what, key, goal in (
@@ -187,7 +200,7 @@ def speed(record):
         f"| `1b` `fullstack`/AdamW, 1M-token step | {fs:,.0f} tokens/s | `bf16` {bf:,.0f} | "
         f"{fs / bf:.2f}× | ≥ 0.80× |",
         f"| … with `--compile` | {fsc:,.0f} tokens/s | `bf16 --compile` {bfc:,.0f} | "
-        f"{fsc / bfc:.2f}× ({fsc / fs:.2f}× eager) | ≥ 0.65× (≥ 1.1×) |", *graphed,
+        f"{fsc / bfc:.2f}×{over_eager} | ≥ 0.65× (≥ 1.1×) |", *graphed,
         f"| `toy` `fullstack`/AdamW, 1M-token step, `--cuda_graphs` | {toy_g:,.0f} tokens/s | "
         f"`bf16` {toy_bf:,.0f} | {toy_g / toy_bf:.2f}× ({toy / toy_bf:.2f}× without graphs) | "
         "≥ 0.60× |",
