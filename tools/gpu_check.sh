@@ -6,8 +6,9 @@
 #   bench     python bench/run.py: the speed table into results/speed/ (BENCH_ARGS: e.g. "--only attention,linear")
 #   profile   python bench/profile_step.py: one micro-step's kernels per recipe into OUT_DIR/profile.json
 #             (PROFILE_ARGS: default the 1b config, bf16 and fullstack, 8 x 2048 tokens; PROFILE_BASE: the
-#             root of another tree, e.g. a carried worktree of an earlier commit, profiled the same way
-#             into OUT_DIR/profile_base.json: an A/B of two trees in one call)
+#             roots of other trees, space-separated, e.g. carried worktrees of earlier commits, each
+#             profiled the same way into OUT_DIR/profile_base_<its folder name>.json: an A/B of two
+#             trees, or a bisection of several, in one call)
 #   ablation  python tools/ablation.py over every visible GPU into results/ablation/ (ABLATION_ARGS: its flags)
 # Each stage writes OUT_DIR/<stage>.log; the bench packs results/speed/ into OUT_DIR/speed.tgz, the ablation
 # its records and finished runs (results/ablation/, results/scale/, runs/ablation*/, runs/scale/, without
@@ -62,12 +63,12 @@ for stage in ${*:-tests bench}; do
               tar czf "$OUT_DIR/ablation.tgz" --exclude='*.pt' $(ls -d results/ablation results/scale \
                   runs/ablation* runs/scale 2>/dev/null) ;;
     profile) timeout "$(left)" python bench/profile_step.py ${PROFILE_ARGS:-} --out "$OUT_DIR/profile.json" >> "$log" 2>&1; rc=$?
-             if [ -n "${PROFILE_BASE:-}" ]; then
-               out=$(cd "$OUT_DIR" && pwd)/profile_base.json
-               echo "== profile of $PROFILE_BASE" >> "$log"
-               (cd "$PROFILE_BASE" && timeout "$(left)" python bench/profile_step.py ${PROFILE_ARGS:-} \
+             for base in ${PROFILE_BASE:-}; do
+               out=$(cd "$OUT_DIR" && pwd)/profile_base_$(basename "$base").json
+               echo "== profile of $base" >> "$log"
+               (cd "$base" && timeout "$(left)" python bench/profile_step.py ${PROFILE_ARGS:-} \
                   --out "$out") >> "$log" 2>&1; rc=$(( rc || $? ))
-             fi ;;
+             done ;;
     *) echo "unknown stage $stage (expected tests, bench, profile or ablation)" | tee -a "$log" >&2; exit 2 ;;
   esac
   echo "== $stage exit $rc ($(left)s left)" | tee -a "$log"
