@@ -1,0 +1,92 @@
+"""
+The dS-quantizing dK/dV pass's tiles, timed: how kernels/flash_attention.DKDV_CONFIG_QUANT_DS is
+chosen (docs/attention.md). attention.attention(policy) fwd+bwd at the speed table's shape (bench/
+layers.py), once per candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) of that pass, against
+torch's default SDPA dispatch; each candidate's gradients against the committed tiles' (dK and dV
+differ by summation order only: the dS draws are per element).
+
+    python bench/attention_tiles.py                                 # the candidates below, fp4
+    python bench/attention_tiles.py --tiles 32x64x4x3,16x128x8x2 --policy fp4_all
+    python bench/attention_tiles.py --dry_run                       # CPU smoke run, no timing
+
+The candidates: the committed tiles and those that compile for sm_90 without a spill under Triton
+3.6 and 3.9 (tests/compile_for_target.py 90 --sass; the committed 32x64 on 4 warps spills).
+"""
+
+import argparse
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+if "--dry_run" in sys.argv and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("NANOFP4_ROUTE", "kernels")
+
+import attention  # noqa: E402
+from kernels import flash_attention  # noqa: E402
+from layers import time_ms  # noqa: E402
+
+CANDIDATES = "32x64x4x3,16x128x8x2,64x32x8x2,16x64x8x2,32x32x8x2"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
+    p.add_argument("--tiles", default=CANDIDATES,
+                   help="comma-separated BLOCK_MxBLOCK_Nxnum_warpsxnum_stages of the dK/dV pass")
+    p.add_argument("--policy", default="fp4", choices=[p for p in attention.POLICIES
+                                                       if p != "bf16"])
+    p.add_argument("--dry_run", action="store_true", help="tiny shapes on the CPU's interpreter "
+                   "(which runs its own tiles): checks the script, no timing claim")
+    args = p.parse_args(argv)
+    try:
+        tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
+        assert all(len(t) == 4 for t in tiles)
+    except (ValueError, AssertionError):
+        print(f"attention_tiles.py: --tiles {args.tiles!r} is not BLOCK_MxBLOCK_Nxwarpsxstages,...",
+              file=sys.stderr)
+        sys.exit(2)
+    device = "cpu" if args.dry_run else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        print("attention_tiles.py: needs a CUDA GPU (--dry_run for the CPU)", file=sys.stderr)
+        sys.exit(2)
+    B, H, Hkv, T, D = (1, 2, 1, 64, 64) if args.dry_run else (8, 16, 8, 2048, 128)
+    torch.manual_seed(0)
+    q = torch.randn(B, H, T, D, device=device, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(B, Hkv, T, D, device=device, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(B, Hkv, T, D, device=device, dtype=torch.bfloat16, requires_grad=True)
+    do = torch.randn_like(q)
+
+    def fwd_bwd(attend):
+        return lambda: torch.autograd.grad(attend(q, k, v), (q, k, v), do)
+
+    sdpa_ms = time_ms(fwd_bwd(lambda q, k, v: F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=True)), device)
+    run = fwd_bwd(lambda q, k, v: attention.attention(q, k, v, causal=True, policy=args.policy))
+    committed = dict(flash_attention.DKDV_CONFIG_QUANT_DS)
+    torch.manual_seed(1)  # the same dS SR seeds (drawn by the device's RNG) for each candidate
+    want = run()
+    print(f"attention(policy={args.policy!r}) fwd+bwd, B{B} H{H}/{Hkv} T{T} D{D} causal; "
+          f"SDPA default dispatch {sdpa_ms:.3f} ms")
+    print("| dK/dV tiles (M, N, warps, stages) | ms | vs SDPA | max |dK - committed's| / max |dK| |")
+    print("|---|---|---|---|")
+    try:
+        for bm, bn, warps, stages in tiles:
+            flash_attention.DKDV_CONFIG_QUANT_DS = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+                                                        num_stages=stages)
+            torch.manual_seed(1)
+            dk = run()[1].float()
+            diff = ((dk - want[1].float()).abs().max() / want[1].float().abs().max()).item()
+            ms = time_ms(run, device)
+            print(f"| {bm} x {bn}, {warps}, {stages} | {ms:.3f} | {sdpa_ms / ms:.2f}x | "
+                  f"{diff:.1e} |", flush=True)
+    finally:
+        flash_attention.DKDV_CONFIG_QUANT_DS = committed
+
+
+if __name__ == "__main__":
+    main()
