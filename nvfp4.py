@@ -385,14 +385,18 @@ def _pack(codes):
 
 def sylvester_hadamard(n=16, device=None):
     """The n x n Sylvester Hadamard matrix (n a power of 2): H[i, j] = (-1)^popcount(i & j), the
-    entries +-1 in fp32. Built per call (a few tiny kernels), not cached: a cached tensor first made
-    while torch.compile's CUDA graphs warm up would stay in their memory pool, which they refuse."""
+    entries +-1 in fp32. Built per call (a few tiny kernels: every eager backward draws one), not
+    cached: a cached tensor first made while torch.compile's CUDA graphs warm up would stay in
+    their memory pool, which they refuse."""
     i = torch.arange(n, device=device)
     bits = i[:, None] & i  # (n, n)
-    parity = torch.zeros_like(bits)
-    for k in range(n.bit_length() - 1):
-        parity ^= (bits >> k) & 1
-    return (1 - 2 * parity).float()
+    shift = 1
+    while 2 * shift < n.bit_length() - 1:  # fold halves of the log2(n) bits: bit 0 ends as parity
+        shift *= 2
+    while shift:
+        bits = bits ^ (bits >> shift)
+        shift //= 2
+    return (1 - 2 * (bits & 1)).float()
 
 
 def random_hadamard(generator=None, device=None):

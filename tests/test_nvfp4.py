@@ -420,3 +420,12 @@ def test_the_capability_table_routes_every_generation(monkeypatch):
         monkeypatch.setattr(targets, "capability", lambda device, cap=cap: cap)
         assert nvfp4.use_kernels(x) == (route != "reference"), cap
         assert nvfp4_gemm.use_dot_scaled(x.device) == (route == "fp4-mma"), cap
+
+
+def test_sylvester_hadamard_is_its_definition():
+    """H[i, j] = (-1)^popcount(i & j) exactly, in fp32, for every power of two up to 256 (16 is
+    eq. 2's)."""
+    for n in (1, 2, 4, 8, 16, 32, 256):
+        want = torch.tensor([[(-1.0) ** bin(i & j).count("1") for j in range(n)] for i in range(n)])
+        got = nvfp4.sylvester_hadamard(n)
+        assert got.dtype == torch.float32 and torch.equal(got, want), n
