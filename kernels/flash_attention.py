@@ -54,7 +54,7 @@ P_S_ENC = tl.constexpr(nvfp4_math.E4M3_MAX * nvfp4_math.FP4_MAX)
 # a loop (TritonGPUOptimizeAccumulatorInit: "'ttng.tmem_alloc' op uninitialized alloc must have a
 # mutable memdesc type"; also with no accumulator); a zero it cannot fold compiles. 3.9 takes the
 # plain zero (3.7 and 3.8 not checked: they keep the workaround).
-OPAQUE_ZERO = tl.constexpr(tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 9))
+OPAQUE_ZERO = tl.constexpr(nvfp4_math.TRITON_VERSION < (3, 9))
 
 
 # --------------------------------------------------------------------------------------------------

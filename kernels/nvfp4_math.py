@@ -17,6 +17,10 @@ import triton.language as tl
 
 from kernels import targets
 
+# (major, minor) of the Triton that compiles the kernels: where its versions lay out or compile a
+# kernel differently (kernels/nvfp4_quant.TIES_TO_HIGHER, kernels/flash_attention.OPAQUE_ZERO)
+TRITON_VERSION = tuple(int(v) for v in triton.__version__.split(".")[:2])
+
 FP4_MAX = tl.constexpr(6.0)          # largest E2M1 magnitude
 E4M3_MAX = tl.constexpr(448.0)       # largest E4M3 block scale
 # the global scale's bound with 4/6: the x1.5 candidate (max -> 4) must still fit E4M3

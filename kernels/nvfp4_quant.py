@@ -47,7 +47,7 @@ import triton.language as tl
 
 from kernels.nvfp4_dequant import dequantize
 from kernels.nvfp4_math import (
-    E4M3_MAX, E4M3_MAX_46, _block_random_words, _column_random_words, _decode_e2m1, _e4m3_value,
+    E4M3_MAX, E4M3_MAX_46, TRITON_VERSION, _block_random_words, _column_random_words, _decode_e2m1, _e4m3_value,
     _global_scales, _hadamard16, _load_tile, _pack_codes, _random_words, _rotate, _round_to_bf16,
     _scale_blocks, _sr_e2m1_value, _with_sign, on_gpu)
 
@@ -190,7 +190,7 @@ def _rows_values_at(values_ptr, base, blk, offs, ld_values, ROW_BLOCKS: tl.const
 # 4/6). So from 3.7 the tiles are accessed with their first two dims swapped, the blocks' dim then
 # the higher, and swapped back (free in registers). tests/compile_for_target.py --sass counts the
 # shuffles and shared-memory stores a wrong order costs; docs/performance.md has the numbers.
-TIES_TO_HIGHER = tl.constexpr(tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 7))
+TIES_TO_HIGHER = tl.constexpr(TRITON_VERSION >= (3, 7))
 
 
 @triton.jit
