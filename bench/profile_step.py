@@ -44,6 +44,8 @@ def profile_recipe(config, recipe, batch, seq_len, iters, device, graphs=False):
     """{wall_ms, busy, kernels: {name: ms}} per micro-step of one recipe (fresh model, seed 0);
     graphs: replayed as CUDA graphs (train.py --cuda_graphs)."""
     torch.manual_seed(0)
+    if device == "cuda":
+        torch.cuda.reset_accumulated_memory_stats()
     with torch.device(device):
         model = GPT(config_from_name(config, recipe=RECIPES[recipe]))
     x = torch.randint(0, model.cfg.vocab_size, (batch, seq_len), device=device)
@@ -66,22 +68,32 @@ def profile_recipe(config, recipe, batch, seq_len, iters, device, graphs=False):
         for _ in range(iters):
             micro_step(model, x, y, device, graphs)
         sync()
+    host = {e.key[:80]: e.self_cpu_time_total / 1e3 / iters  # the host's own time per op, ms
+            for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]}
     kernels = collections.Counter()
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             kernels[e.name[:80]] += e.device_time / 1e3 / iters  # us -> ms per micro-step
     busy = sum(kernels.values()) / wall_ms if kernels else 0.0
+    # cudaMalloc/cudaFree through the caching allocator: a retry frees the cache and waits for the GPU
+    stats = torch.cuda.memory_stats() if device == "cuda" else {}
+    allocator = {k: stats.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")}
     del model
     if device == "cuda":
         torch.cuda.empty_cache()
-    return {"wall_ms": wall_ms, "busy": busy, "kernels": dict(kernels.most_common())}
+    return {"wall_ms": wall_ms, "busy": busy, "kernels": dict(kernels.most_common()), "host": host,
+            "allocator": allocator}
 
 
 def report(results, top):
     lines = []
     for recipe, r in results.items():
-        lines.append(f"{recipe}: {r['wall_ms']:.1f} ms per micro-step, GPU busy {r['busy']:.0%}")
+        lines.append(f"{recipe}: {r['wall_ms']:.1f} ms per micro-step, GPU busy {r['busy']:.0%}, "
+                     f"allocator {r['allocator']}")
         for name, ms in list(r["kernels"].items())[:top]:
+            lines.append(f"  {ms:9.2f} ms  {name}")
+        lines.append("  host, self time:")
+        for name, ms in list(r["host"].items())[:6]:
             lines.append(f"  {ms:9.2f} ms  {name}")
     first, *others = results
     for recipe in others:
