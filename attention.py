@@ -100,82 +100,45 @@ def attention(q, k, v, causal=True, policy="fp4"):
     if q.dtype != k.dtype or q.dtype != v.dtype:
         raise ValueError(f"attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, "
                          f"{v.dtype}")
-    return attention_op(q, k, v, causal, policy)[0]
-
-
+    # one tensor given twice (k as v, say): a view makes the inputs distinct, as torch.compile
+    # cannot trace an autograd.Function that takes a tensor twice (eager does not care)
+    k = k.view_as(k) if k is q else k
+    v = v.view_as(v) if v is q or v is k else v
+    return AttentionFunction.apply(q, k, v, causal, policy)
 
 
 # --------------------------------------------------------------------------------------------------
-# Attention as two torch.library custom ops, the forward and the backward, with autograd between
-# them (eager runs them as they are; torch.compile sees opaque nodes). The draws (dS's stream seed,
-# dO's SR seeds) are made inside the backward body when it runs, in eager's order.
+# Attention as autograd sees it (eager and compiled), its forward and backward bodies, and the
+# bodies as torch.library custom ops for torch.compile. The draws (dS's stream seed, dO's SR
+# seeds) are made inside the backward body when it runs, in eager's order.
 
-@torch.library.custom_op("nanofp4::attention", mutates_args=())
-def attention_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, policy: str
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                            Tensor, Tensor, Tensor]:
-    """attention_forward: (o, lse, q_codes, q_scales, q_scale, k_codes, k_scales, k_scale,
-    v_codes, v_scales, v_scale)."""
-    with torch.autocast(q.device.type, enabled=False):  # the policy's arithmetic, not autocast's
-        return attention_forward(q, k, v, causal, policy)
-
-
-@attention_op.register_fake
-def _(q, k, v, causal, policy):
-    """attention_forward's outputs, empty: what torch.compile plans with."""
-    (B, H, T, D), Hkv = q.shape, k.shape[1]
-    fp4 = ([t for h in (H, Hkv, Hkv)  # codes, scales, global scale of Q, K, V
-            for t in (q.new_empty(B, h, T, D // 2, dtype=torch.uint8),
-                      q.new_empty(B, h, T, D // 16, dtype=torch.float8_e4m3fn),
-                      q.new_empty((), dtype=torch.float32))]
-           if POLICIES[policy]["qkv"] else [q.new_empty(0) for _ in range(9)])
-    return q.new_empty(q.shape), q.new_empty(B, H, T, dtype=torch.float32), *fp4
-
-
-@torch.library.custom_op("nanofp4::attention_backward", mutates_args=())
-def attention_backward_op(do: Tensor, o: Tensor, lse: Tensor, q_codes: Tensor, q_scales: Tensor,
-                          q_scale: Tensor, k_codes: Tensor, k_scales: Tensor, k_scale: Tensor,
-                          v_codes: Tensor, v_scales: Tensor, v_scale: Tensor, q: Tensor,
-                          k: Tensor, v: Tensor, causal: bool, policy: str
-                          ) -> tuple[Tensor, Tensor, Tensor]:
-    """attention_backward: (dQ, dK, dV). q, k, v: the BF16 inputs where the policy keeps them
-    (empty tensors where it quantizes them: then the packed ones are read)."""
-    fp4 = None
-    if POLICIES[policy]["qkv"]:
-        fp4 = (nvfp4.packed(q_codes, q_scales, q_scale, (1, 16)),
-               nvfp4.packed(k_codes, k_scales, k_scale, (1, 16)),
-               nvfp4.packed(v_codes, v_scales, v_scale, (1, 16)))
-    with torch.autocast(do.device.type, enabled=False):
-        return attention_backward(do, o, lse, fp4, (q, k, v), causal, policy)
-
-
-@attention_backward_op.register_fake
-def _(do, o, lse, q_codes, q_scales, q_scale, k_codes, k_scales, k_scale, v_codes, v_scales,
-      v_scale, q, k, v, causal, policy):
-    kv_shape = (o.shape[0], (k_codes if POLICIES[policy]["qkv"] else k).shape[1], *o.shape[2:])
-    return o.new_empty(o.shape), o.new_empty(kv_shape), o.new_empty(kv_shape)
-
-
-def _attention_setup_context(ctx, inputs, output):
+class AttentionFunction(torch.autograd.Function):
     """Saved for the backward: o, lse, the packed NVFP4 Q, K, V, and the BF16 q, k, v only where
-    the policy does not quantize them (empty tensors in their place otherwise)."""
-    q, k, v, causal, policy = inputs
-    o, lse, *fp4 = output
-    qkv = [q.new_empty(0) for _ in "qkv"] if POLICIES[policy]["qkv"] else (q, k, v)
-    ctx.save_for_backward(o, lse, *fp4, *qkv)
-    ctx.causal, ctx.policy = causal, policy
+    the policy does not quantize them (empty tensors in their place otherwise). Under torch.compile
+    the bodies run as the opaque custom ops below; eager calls them directly (a custom op's dispatch
+    costs host time: nvfp4.LinearFunction)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, policy):
+        body = attention_op if torch.compiler.is_compiling() else attention_forward
+        with torch.autocast(q.device.type, enabled=False):  # the policy's arithmetic
+            o, lse, *fp4 = body(q, k, v, causal, policy)
+        qkv = [q.new_empty(0) for _ in "qkv"] if POLICIES[policy]["qkv"] else (q, k, v)
+        ctx.save_for_backward(o, lse, *fp4, *qkv)
+        ctx.causal, ctx.policy = causal, policy
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        body = attention_backward_op if torch.compiler.is_compiling() else attention_backward_saved
+        with torch.autocast(do.device.type, enabled=False):
+            dq, dk, dv = body(do, *ctx.saved_tensors, ctx.causal, ctx.policy)
+        return dq, dk, dv, None, None
 
 
-def _attention_autograd(ctx, do, *_):
-    o, lse, *rest = ctx.saved_tensors
-    dq, dk, dv = attention_backward_op(do, o, lse, *rest, ctx.causal, ctx.policy)
-    return dq, dk, dv, None, None
-
-
-attention_op.register_autograd(_attention_autograd, setup_context=_attention_setup_context)
-
-
-def attention_forward(q, k, v, causal, policy):
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, policy: str
+                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                 Tensor, Tensor, Tensor]:
     """-> (o, lse, then the NVFP4 Q, K, V the backward reads, as (codes, scales, global scale)
     each (the saved activations are 4-bit), empty tensors where the policy keeps them in BF16:
     then the backward reads q, k, v)."""
@@ -263,6 +226,48 @@ def attention_backward(do, o, lse, fp4, qkv, causal, policy):
             do_pdo=do_pdo.dequantize()[:, :, :T] if pol["pdo"] else None,
             ds_amax=ds_amax, keys=keys)
     return dq.to(dtype), dk.to(dtype), dv.to(dtype)
+
+
+def attention_backward_saved(do: Tensor, o: Tensor, lse: Tensor, q_codes: Tensor, q_scales: Tensor,
+                             q_scale: Tensor, k_codes: Tensor, k_scales: Tensor, k_scale: Tensor,
+                             v_codes: Tensor, v_scales: Tensor, v_scale: Tensor, q: Tensor,
+                             k: Tensor, v: Tensor, causal: bool, policy: str
+                             ) -> tuple[Tensor, Tensor, Tensor]:
+    """attention_backward from the tensors the forward saved: (dQ, dK, dV). q, k, v: the BF16
+    inputs where the policy keeps them (empty tensors where it quantizes them: then the packed ones
+    are read)."""
+    fp4 = None
+    if POLICIES[policy]["qkv"]:
+        fp4 = (nvfp4.packed(q_codes, q_scales, q_scale, (1, 16)),
+               nvfp4.packed(k_codes, k_scales, k_scale, (1, 16)),
+               nvfp4.packed(v_codes, v_scales, v_scale, (1, 16)))
+    return attention_backward(do, o, lse, fp4, (q, k, v), causal, policy)
+
+
+# What torch.compile sees: the bodies as custom ops (schemas from their annotations), each with a
+# fake that gives its outputs' shapes and dtypes (tests: torch.library.opcheck)
+attention_op = torch.library.custom_op("nanofp4::attention", attention_forward, mutates_args=())
+attention_backward_op = torch.library.custom_op("nanofp4::attention_backward",
+                                                attention_backward_saved, mutates_args=())
+
+
+@attention_op.register_fake
+def _(q, k, v, causal, policy):
+    """attention_forward's outputs, empty: what torch.compile plans with."""
+    (B, H, T, D), Hkv = q.shape, k.shape[1]
+    fp4 = ([t for h in (H, Hkv, Hkv)  # codes, scales, global scale of Q, K, V
+            for t in (q.new_empty(B, h, T, D // 2, dtype=torch.uint8),
+                      q.new_empty(B, h, T, D // 16, dtype=torch.float8_e4m3fn),
+                      q.new_empty((), dtype=torch.float32))]
+           if POLICIES[policy]["qkv"] else [q.new_empty(0) for _ in range(9)])
+    return q.new_empty(q.shape), q.new_empty(B, H, T, dtype=torch.float32), *fp4
+
+
+@attention_backward_op.register_fake
+def _(do, o, lse, q_codes, q_scales, q_scale, k_codes, k_scales, k_scale, v_codes, v_scales,
+      v_scale, q, k, v, causal, policy):
+    kv_shape = (o.shape[0], (k_codes if POLICIES[policy]["qkv"] else k).shape[1], *o.shape[2:])
+    return o.new_empty(o.shape), o.new_empty(kv_shape), o.new_empty(kv_shape)
 
 
 # The bodies: forward and backward of one policy, on the kernels or the reference

@@ -283,8 +283,8 @@ class GPT(nn.Module):
 
 def compile_model(model, mode=None):
     """torch.compile(model), the FP4 parts included: the NVFP4 linears, LoRA-SVD and FP4 attention
-    run as torch.library custom ops under compilation (nvfp4.nvfp4_linear, lora_svd.lora_svd_linear,
-    attention.attention), one opaque node each, so the graph has no break and inductor fuses what
+    (nvfp4.LinearFunction, attention.AttentionFunction) run their bodies as torch.library custom
+    ops under compilation, one opaque node each, so the graph has no break and inductor fuses what
     lies between them (norms, RoPE, SwiGLU, residuals, the loss) without re-tracing the Triton
     kernels inside. The ops' random draws are made when they run, in eager's order
     (tests/test_compile.py; docs/performance.md: what compiles, where bits can differ). mode:

@@ -15,7 +15,8 @@ The format, in Transformer Engine's arithmetic (its NVFP4 recipe; docs/nvfp4_for
   value     q = E2M1(clamp(x * RN(1 / (s_b * S_dec)), -6, 6)),  x_hat = q * s_b * S_dec
 and the choices of eqs. 1-2 (which operand gets which blocks and rounding) as data: LINEAR, the
 contract below. In paper order: §2's format, quantizer and Hadamard, the GEMM, the contract, then the
-linear layer of eqs. 1-2 (its two custom ops and the module), App. 7's error analysis; plumbing last.
+linear layer of eqs. 1-2 (its bodies, its autograd.Function, the bodies as custom ops for
+torch.compile, the module), App. 7's error analysis; plumbing last.
 """
 
 import math
@@ -579,11 +580,10 @@ def wgrad(dy, qx, c, hadamard, seeds, out_dtype=torch.float32):
 
 
 # --------------------------------------------------------------------------------------------------
-# The linear layer of eqs. 1-2 (and LoRA-SVD's, eq. 1's branch beside it: lora_svd.py) as two
-# torch.library custom ops, the forward and the backward, with autograd between them. Eager runs
-# them as they are; torch.compile sees opaque nodes (no graph break, no re-traced Triton kernel).
-# The random draws (draws, backward_draws) are made inside the bodies when they run, so a compiled
-# run draws in eager's order (tests/test_compile.py).
+# The linear layer of eqs. 1-2 (and LoRA-SVD's, eq. 1's branch beside it: lora_svd.py): the forward
+# and backward bodies, the autograd.Function between them, and the same bodies as torch.library
+# custom ops for torch.compile. The random draws (draws, backward_draws) are made inside the bodies
+# when they run, so a compiled run draws in eager's order (tests/test_compile.py).
 
 def low_rank(x, A, B, dtype):
     """LoRA-SVD's branch (x A^T) B^T on dtype operands, the rank-r intermediate rounded to dtype
@@ -592,7 +592,9 @@ def low_rank(x, A, B, dtype):
     return t.float() @ B.to(dtype).float().t()
 
 
-def linear_forward(x, weight, L1, L2, beta, branch_dtype, four_over_six):
+def linear_forward(x: Tensor, weight: Tensor, L1: Optional[Tensor], L2: Optional[Tensor],
+                   beta: float, branch_dtype: torch.dtype, four_over_six: bool
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """eq. 1: Y = Q1x16(X) Q16x16(W)^T [+ beta (X L1^T) L2^T with LoRA-SVD's L1 (r, in), L2 (out,
     r); None: the direct layer], each operand as LINEAR says (read when it runs, 4/6 resolved).
     x (..., in), weight (out, in) -> (Y (..., out) in x's dtype, then what the backward reads:
@@ -617,11 +619,14 @@ def linear_forward(x, weight, L1, L2, beta, branch_dtype, four_over_six):
     return y.reshape(*x.shape[:-1], -1), *qx, *qw
 
 
-def linear_backward(dy, qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale, L1, L2, beta,
-                    branch_dtype, four_over_six, dw_dtype, need_dx, need_dw):
+def linear_backward(dy: Tensor, qx_codes: Tensor, qx_scales: Tensor, qx_scale: Tensor,
+                    qw_data: Tensor, qw_scales: Tensor, qw_scale: Tensor, L1: Optional[Tensor],
+                    L2: Optional[Tensor], beta: float, branch_dtype: torch.dtype,
+                    four_over_six: bool, dw_dtype: torch.dtype, need_dx: bool, need_dw: bool
+                    ) -> tuple[Tensor, Tensor]:
     """eq. 1's dX = Q1x16(dY) Q16x16(W) [+ beta (dY L2) L1] (the forward's W reused) and eq. 2's
     dW = wgrad, in dw_dtype, from what linear_forward saved. -> (dX (..., in), dW (out, in)), each
-    None where not needed."""
+    an empty tensor where not needed (a custom op returns tensors)."""
     c = linear_contract(four_over_six)
     dy2 = dy.reshape(-1, dy.shape[-1])                                                  # (T, out)
     qx = packed(qx_codes, qx_scales, qx_scale, (1, 16))
@@ -640,7 +645,8 @@ def linear_backward(dy, qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_sc
                 dx = (dx + beta * low_rank(dy2, L2.t(), L1.t(), branch_dtype)).to(dy.dtype)
         if need_dw:
             dw = wgrad(dy2, qx, c, H, seeds_dw, out_dtype=dw_dtype)                        # eq. 2
-    return (dx.reshape(*dy.shape[:-1], -1) if dx is not None else None), dw
+    empty = dy.new_empty(0)
+    return (dx.reshape(*dy.shape[:-1], -1) if need_dx else empty), (dw if need_dw else empty)
 
 
 def packed(codes, scales, global_scale, block):
@@ -649,13 +655,47 @@ def packed(codes, scales, global_scale, block):
                        block)
 
 
-@torch.library.custom_op("nanofp4::linear", mutates_args=())
-def linear_op(x: Tensor, weight: Tensor, L1: Optional[Tensor], L2: Optional[Tensor], beta: float,
-              branch_dtype: torch.dtype, four_over_six: bool
-              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """linear_forward: (y, qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale)."""
-    with torch.autocast(x.device.type, enabled=False):  # the contract's arithmetic, not autocast's
-        return linear_forward(x, weight, L1, L2, beta, branch_dtype, four_over_six)
+class LinearFunction(torch.autograd.Function):
+    """Eqs. 1-2 as autograd sees them, eager and compiled. Saved for the backward: the packed
+    Q1x16(X) (the 4-bit activations: where FP4 training saves memory), W as dX multiplies it, and
+    LoRA-SVD's L1, L2; never X itself. Under torch.compile the bodies run as the custom ops below,
+    opaque nodes in the graph (inductor neither sees nor re-traces their Triton kernels); eager
+    calls them directly, as a custom op's dispatch costs host time that slows a 1b eager step by 8%
+    (docs/performance.md)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, L1, L2, beta, branch_dtype, four_over_six):
+        body = linear_op if torch.compiler.is_compiling() else linear_forward
+        with torch.autocast(x.device.type, enabled=False):  # the contract's arithmetic
+            y, qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale = body(
+                x, weight, L1, L2, beta, branch_dtype, four_over_six)
+        ctx.save_for_backward(qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale, L1, L2)
+        ctx.beta, ctx.branch_dtype, ctx.four_over_six = beta, branch_dtype, four_over_six
+        ctx.dw_dtype = weight.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        """-> grads of (x, weight, L1, L2, ...). L1 and L2 get zeros: they keep every parameter
+        "used" for DDP (no find_unused_parameters) and give lora_svd.project_gradients a grad to
+        add into; their true gradients come from dW there (App. 8, eqs. 3-4)."""
+        qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale, L1, L2 = ctx.saved_tensors
+        need_dx, need_dw, need_l1, need_l2 = ctx.needs_input_grad[:4]
+        body = linear_backward_op if torch.compiler.is_compiling() else linear_backward
+        with torch.autocast(dy.device.type, enabled=False):
+            dx, dw = body(dy, qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale, L1, L2,
+                          ctx.beta, ctx.branch_dtype, ctx.four_over_six, ctx.dw_dtype, need_dx,
+                          need_dw)
+        return (dx if need_dx else None, dw if need_dw else None,
+                torch.zeros_like(L1) if need_l1 else None,
+                torch.zeros_like(L2) if need_l2 else None, None, None, None)
+
+
+# What torch.compile sees: the bodies as custom ops (schemas from their annotations), each with a
+# fake that gives its outputs' shapes and dtypes (tests: torch.library.opcheck)
+linear_op = torch.library.custom_op("nanofp4::linear", linear_forward, mutates_args=())
+linear_backward_op = torch.library.custom_op("nanofp4::linear_backward", linear_backward,
+                                             mutates_args=())
 
 
 @linear_op.register_fake
@@ -673,20 +713,6 @@ def _(x, weight, L1, L2, beta, branch_dtype, four_over_six):
     return x.new_empty((*x.shape[:-1], N)), *(x.new_empty(s, dtype=d) for s, d in made)
 
 
-@torch.library.custom_op("nanofp4::linear_backward", mutates_args=())
-def linear_backward_op(dy: Tensor, qx_codes: Tensor, qx_scales: Tensor, qx_scale: Tensor,
-                       qw_data: Tensor, qw_scales: Tensor, qw_scale: Tensor, L1: Optional[Tensor],
-                       L2: Optional[Tensor], beta: float, branch_dtype: torch.dtype,
-                       four_over_six: bool, dw_dtype: torch.dtype, need_dx: bool, need_dw: bool
-                       ) -> tuple[Tensor, Tensor]:
-    """linear_backward: (dX, dW), an empty tensor for one not needed."""
-    with torch.autocast(dy.device.type, enabled=False):
-        dx, dw = linear_backward(dy, qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale,
-                                 L1, L2, beta, branch_dtype, four_over_six, dw_dtype, need_dx,
-                                 need_dw)
-    return (dy.new_empty(0) if dx is None else dx), (dy.new_empty(0) if dw is None else dw)
-
-
 @linear_backward_op.register_fake
 def _(dy, qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale, L1, L2, beta, branch_dtype,
       four_over_six, dw_dtype, need_dx, need_dw):
@@ -695,39 +721,13 @@ def _(dy, qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale, L1, L2, b
             dy.new_empty((N, K), dtype=dw_dtype) if need_dw else dy.new_empty(0))
 
 
-def _linear_setup_context(ctx, inputs, output):
-    """Saved for the backward: the packed Q1x16(X) and W as dX reads it (output[1:], the 4-bit
-    activations: where FP4 training saves memory), and LoRA-SVD's L1, L2; never X itself."""
-    x, weight, L1, L2, beta, branch_dtype, four_over_six = inputs
-    _, qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale = output
-    ctx.save_for_backward(qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale, L1, L2)
-    ctx.beta, ctx.branch_dtype, ctx.four_over_six = beta, branch_dtype, four_over_six
-    ctx.dw_dtype = weight.dtype
-
-
-def _linear_autograd(ctx, dy, *_):
-    """-> grads of (x, weight, L1, L2, ...). L1 and L2 get zeros: they keep every parameter "used"
-    for DDP (no find_unused_parameters) and give lora_svd.project_gradients a grad to add into;
-    their true gradients come from dW there (App. 8, eqs. 3-4)."""
-    *saved, L1, L2 = ctx.saved_tensors
-    need_dx, need_dw, need_l1, need_l2 = ctx.needs_input_grad[:4]
-    dx, dw = linear_backward_op(dy, *saved, L1, L2, ctx.beta, ctx.branch_dtype, ctx.four_over_six,
-                                ctx.dw_dtype, need_dx, need_dw)
-    return (dx if need_dx else None, dw if need_dw else None,
-            torch.zeros_like(L1) if need_l1 else None, torch.zeros_like(L2) if need_l2 else None,
-            None, None, None)
-
-
-linear_op.register_autograd(_linear_autograd, setup_context=_linear_setup_context)
-
-
 def nvfp4_linear(x, weight, four_over_six=False, L1=None, L2=None, beta=1.0,
                  branch_dtype=torch.bfloat16):
     """Y = Q1x16(X) Q16x16(W)^T with the eq. 1-2 backward (LINEAR); with L1, L2 LoRA-SVD's
     eq. 1 (lora_svd.lora_svd_linear). Under autocast X is cast to the autocast dtype."""
     if torch.is_autocast_enabled(x.device.type):
         x = x.to(torch.get_autocast_dtype(x.device.type))
-    return linear_op(x, weight, L1, L2, float(beta), branch_dtype, four_over_six)[0]
+    return LinearFunction.apply(x, weight, L1, L2, float(beta), branch_dtype, four_over_six)
 
 
 class NVFP4Linear(nn.Module):
