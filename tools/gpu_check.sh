@@ -8,7 +8,9 @@
 #             (PROFILE_ARGS: default the 1b config, bf16 and fullstack, 8 x 2048 tokens; PROFILE_BASE: the
 #             roots of other trees, space-separated, e.g. carried worktrees of earlier commits, each
 #             profiled the same way into OUT_DIR/profile_base_<its folder name>.json: an A/B of two
-#             trees, or a bisection of several, in one call)
+#             trees, or a bisection of several, in one call; PROFILE_ROUNDS=N: N rounds of this tree
+#             then each base, rounds after the first into *_r<round>.json: the host's speed wanders
+#             between runs, so an A/B of eager host time wants its trees interleaved)
 #   ablation  python tools/ablation.py over every visible GPU into results/ablation/ (ABLATION_ARGS: its flags)
 # Each stage writes OUT_DIR/<stage>.log; the bench packs results/speed/ into OUT_DIR/speed.tgz, the ablation
 # its records and finished runs (results/ablation/, results/scale/, runs/ablation*/, runs/scale/, without
@@ -62,12 +64,17 @@ for stage in ${*:-tests bench}; do
     ablation) timeout "$(left)" python tools/ablation.py --deadline "$(left)" ${ABLATION_ARGS:-} >> "$log" 2>&1; rc=$?
               tar czf "$OUT_DIR/ablation.tgz" --exclude='*.pt' $(ls -d results/ablation results/scale \
                   runs/ablation* runs/scale 2>/dev/null) ;;
-    profile) timeout "$(left)" python bench/profile_step.py ${PROFILE_ARGS:-} --out "$OUT_DIR/profile.json" >> "$log" 2>&1; rc=$?
-             for base in ${PROFILE_BASE:-}; do
-               out=$(cd "$OUT_DIR" && pwd)/profile_base_$(basename "$base").json
-               echo "== profile of $base" >> "$log"
-               (cd "$base" && timeout "$(left)" python bench/profile_step.py ${PROFILE_ARGS:-} \
-                  --out "$out") >> "$log" 2>&1; rc=$(( rc || $? ))
+    profile) rc=0
+             for round in $(seq 1 "${PROFILE_ROUNDS:-1}"); do
+               sfx=$([ "$round" -gt 1 ] && echo "_r$round")
+               timeout "$(left)" python bench/profile_step.py ${PROFILE_ARGS:-} \
+                 --out "$OUT_DIR/profile$sfx.json" >> "$log" 2>&1; rc=$(( rc || $? ))
+               for base in ${PROFILE_BASE:-}; do
+                 out=$(cd "$OUT_DIR" && pwd)/profile_base_$(basename "$base")$sfx.json
+                 echo "== profile of $base" >> "$log"
+                 (cd "$base" && timeout "$(left)" python bench/profile_step.py ${PROFILE_ARGS:-} \
+                    --out "$out") >> "$log" 2>&1; rc=$(( rc || $? ))
+               done
              done ;;
     *) echo "unknown stage $stage (expected tests, bench, profile or ablation)" | tee -a "$log" >&2; exit 2 ;;
   esac
