@@ -600,8 +600,8 @@ def linear_forward(x: Tensor, weight: Tensor, L1: Optional[Tensor], L2: Optional
     x (..., in), weight (out, in) -> (Y (..., out) in x's dtype, then what the backward reads:
     the packed Q1x16(X) (T, in) as qx_codes, qx_scales, qx_scale, and W's quantization as dX
     multiplies it, qw_data, qw_scales, qw_scale: the packed Q16x16(W) likewise, or on the Hopper
-    kernels the bf16 grid values (with LoRA [W_hat | L2]) and an empty scales tensor). Leading
-    dims are flattened into tokens T: Y is not a view (FSDP2 wants that)."""
+    kernels the bf16 grid values (with LoRA [W_hat | L2 ; L1 | unused]) and an empty scales
+    tensor). Leading dims are flattened into tokens T: Y is not a view (FSDP2 wants that)."""
     c = linear_contract(four_over_six)
     x2 = x.reshape(-1, x.shape[-1])                                                     # (T, in)
     w = weight.detach()
@@ -706,7 +706,7 @@ def _(x, weight, L1, L2, beta, branch_dtype, four_over_six):
     r = 0 if L1 is None else L1.shape[0]
     T = x.numel() // K
     grid_values = use_kernels(x) and not use_dot_scaled(x.device)  # the Hopper kernels'
-    qw = ([((N, K + r), torch.bfloat16), ((0,), e4m3)] if grid_values
+    qw = ([((N + r, K + r), torch.bfloat16), ((0,), e4m3)] if grid_values
           else [((N, K // 2), torch.uint8), ((N // 16, K // 16), e4m3)])
     made = [((T, K // 2), torch.uint8), ((T, K // 16), e4m3), ((), torch.float32), *qw,
             ((), torch.float32)]

@@ -94,7 +94,8 @@ def forward(x, w, ex, ew, seeds=(0, 0), L1=None, L2=None, beta=1.0, branch_dtype
     forward.w); seeds: their SR seeds; L1 (r, in), L2 (out, r): LoRA-SVD's branch, or None.
     -> (Y (T, out) in x's dtype, Q1x16(X) as (codes, scales, global_scale) for eq. 2, W's
     quantization as dX multiplies it, three tensors on either route: (bf16 grid values (out, in),
-    with a branch [W_hat | L2] (out, in + r), an empty scales tensor, global scale), on Blackwell
+    with a branch [W_hat | L2 ; L1 | unused] (out + r, in + r), an empty scales tensor, global
+    scale), on Blackwell
     the packed Q16x16(W) (codes, scales, global scale))."""
     ex, ew = _check(ex, "forward.x", (1, 16)), _check(ew, "forward.w", (16, 16))
     _check_branch(L1, branch_dtype)
@@ -109,17 +110,18 @@ def forward(x, w, ex, ew, seeds=(0, 0), L1=None, L2=None, beta=1.0, branch_dtype
             return nvfp4_gemm(qx, qw, x.dtype), qx[:3], qw[:3]
         y = nvfp4_gemm(qx, qw, torch.float32) + beta * _branch(x, L1, L2)
         return y.to(x.dtype), qx[:3], qw[:3]
-    # W's one quantize pass writes W_hat, beside L2: [W_hat | L2] (out, K + r)
+    # W's one quantize pass writes W_hat into [W_hat | L2 ; L1 | unused] (out + r, K + r): the
+    # forward multiplies its first `out` rows [W_hat | L2], dX its first K columns [W_hat ; L1]
     (N, K), r = w.shape, 0 if L2 is None else L2.shape[1]
-    wbuf = torch.empty((N, K + r), device=w.device, dtype=torch.bfloat16)
+    wbuf = torch.empty((N + r, K + r), device=w.device, dtype=torch.bfloat16)
     _, s_gw = quantize_dequant(w, (16, 16), ew.rounding, ew.four_over_six, seeds[1],
-                               name="weight W", out=wbuf[:, :K])
+                               name="weight W", out=wbuf[:N, :K])
     if L2 is not None:
-        wbuf[:, K:] = L2
+        wbuf[:N, K:], wbuf[N:, :K] = L2, L1
     # one pass writes the packed X (kept) and its bf16 grid values [X_hat | beta X L1^T / s_g]
     abuf, s_gx, (xc, xs) = _operand(x, L1, beta, ex.rounding, ex.four_over_six, seeds[0], s_gw,
                                     "activation X", return_tensor=True)
-    return (grid_values_mm(abuf, wbuf.t(), s_gx, s_gw, x.dtype), (xc, xs, s_gx),
+    return (grid_values_mm(abuf, wbuf[:N].t(), s_gx, s_gw, x.dtype), (xc, xs, s_gx),
             (wbuf, wbuf.new_empty(0, dtype=torch.float8_e4m3fn), s_gw))
 
 
@@ -153,10 +155,8 @@ def backward(dy, qx, w_used, c, need, seed_dx, hadamard, seeds_dw, dw_dtype, L1=
         abuf, s_g, _ = _operand(dy, None if L2 is None else L2.t(), beta, edy.rounding,
                                 edy.four_over_six, seed_dx, w_used[2], "gradient dY",
                                 global_amax=amax_dy)
-        w_hat = w_used[0][:, :K]  # the forward's W_hat (beside L2)
-        if L1 is not None:
-            w_hat = torch.cat([w_hat, L1])  # (out + r, in) = [W_hat ; L1]
-        dx = grid_values_mm(abuf, w_hat, s_g, w_used[2], dy.dtype)
+        # the forward's W_hat (out, in), with a branch [W_hat ; L1] (out + r, in)
+        dx = grid_values_mm(abuf, w_used[0][:, :K], s_g, w_used[2], dy.dtype)
     if need[1]:
         dw = wgrad(dy, qx, c, hadamard, seeds_dw, amax_dyh, dw_dtype, fp4_mma)
     return dx, dw

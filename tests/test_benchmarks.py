@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -120,3 +121,24 @@ def test_attention_tiles_gives_each_candidate_the_same_draws_and_rejects_bad_til
     assert len(rows) == 2 and all(line.rstrip(" |").endswith("0.0e+00") for line in rows), proc.stdout
     proc = run("--tiles", "32x64")
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "32x64" in proc.stderr
+
+
+def test_fingerprint_is_stable_and_sees_a_changed_bit(monkeypatch):
+    """tools/fingerprint.py's hashes: the same twice in one process (every part is seeded), and a
+    contract that rounds X stochastically instead moves the linear layers' hashes and not
+    attention's."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "tools"))
+    import fingerprint
+    import nvfp4
+
+    def hashes():
+        return {name: fingerprint.digest(t) for name, t in fingerprint.parts("cpu")}
+
+    monkeypatch.setenv("NANOFP4_ROUTE", "reference")
+    before = hashes()
+    assert hashes() == before
+    monkeypatch.setitem(nvfp4.LINEAR, "forward.x",
+                        replace(nvfp4.LINEAR["forward.x"], rounding="sr"))
+    after = hashes()
+    assert after["NVFP4Linear fp32"] != before["NVFP4Linear fp32"]
+    assert after["attention fp4"] == before["attention fp4"]

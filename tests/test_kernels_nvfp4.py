@@ -564,7 +564,8 @@ def test_grid_values_decode_into_a_wider_buffer():
 @pytest.mark.parametrize("rounding", ["rtn", "sr"])
 def test_lora_operands_equal_the_concatenations_bit_for_bit(rounding):
     """kernels/nvfp4_linear's LoRA buffers written in place are the concatenations they replace:
-    [X_hat | beta X L^T / (s_g s_g_other)] and [W_hat | L2], every bit."""
+    [X_hat | beta X L^T / (s_g s_g_other)], and W's [W_hat | L2] (the forward's rows) and
+    [W_hat ; L1] (dX's columns), every bit."""
     from kernels import nvfp4_linear
     g = torch.Generator().manual_seed(19)
     x, L = _heavy_tailed((48, 64), g), torch.randn(5, 64, generator=g)
@@ -582,8 +583,9 @@ def test_lora_operands_equal_the_concatenations_bit_for_bit(rounding):
                                                  (0, 0), L, L2, beta)
     qw = nvfp4.quantize_reference(w, (16, 16), "rtn", True)
     assert torch.equal(s_gw, qw.global_scale)
-    assert torch.equal(_bits16(wbuf), _bits16(torch.cat((qw.grid_values().bfloat16(),
-                                                          L2.bfloat16()), dim=1)))
+    w_hat, N, K = qw.grid_values().bfloat16(), *w.shape
+    assert torch.equal(_bits16(wbuf[:N]), _bits16(torch.cat((w_hat, L2.bfloat16()), dim=1)))
+    assert torch.equal(_bits16(wbuf[:, :K]), _bits16(torch.cat((w_hat, L.bfloat16()))))
 
 
 # --------------------------------------------------------------------------------------------------
