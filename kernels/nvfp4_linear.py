@@ -22,6 +22,7 @@ nvfp4.py's ops call `forward` and `backward`; which route multiplies is decided 
 
     The quantize pass writes X_hat straight into the left columns of the (T, K + r) operand (no
     concatenation, no second copy of an activation), one small GEMM the branch columns beside it;
+    W_hat likewise into [W_hat | L2 ; L1 | unused], whose rows the forward and columns dX read;
     one GEMM with K + r columns writes Y once, for ~r/K more FLOPs (docs/nvfp4_kernels.md measures
     the alternatives). The branch is BF16 (lora_svd.BRANCH: bf16 operands, fp32 accumulation,
     beta x L^T / s_g rounded to bf16 once): the reference's branch up to where that intermediate
