@@ -660,8 +660,8 @@ class LinearFunction(torch.autograd.Function):
     Q1x16(X) (the 4-bit activations: where FP4 training saves memory), W as dX multiplies it, and
     LoRA-SVD's L1, L2; never X itself. Under torch.compile the bodies run as the custom ops below,
     opaque nodes in the graph (inductor neither sees nor re-traces their Triton kernels); eager
-    calls them directly, as a custom op's dispatch costs host time that slows a 1b eager step by 8%
-    (docs/performance.md)."""
+    calls them directly: a custom op's dispatch is host time every eager layer call would pay
+    (docs/performance.md measures it)."""
 
     @staticmethod
     def forward(ctx, x, weight, L1, L2, beta, branch_dtype, four_over_six):
