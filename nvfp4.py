@@ -645,8 +645,8 @@ def linear_backward(dy: Tensor, qx_codes: Tensor, qx_scales: Tensor, qx_scale: T
                 dx = (dx + beta * low_rank(dy2, L2.t(), L1.t(), branch_dtype)).to(dy.dtype)
         if need_dw:
             dw = wgrad(dy2, qx, c, H, seeds_dw, out_dtype=dw_dtype)                        # eq. 2
-    empty = dy.new_empty(0)
-    return (dx.reshape(*dy.shape[:-1], -1) if need_dx else empty), (dw if need_dw else empty)
+    return (dx.reshape(*dy.shape[:-1], -1) if need_dx else dy.new_empty(0),
+            dw if need_dw else dy.new_empty(0))
 
 
 def packed(codes, scales, global_scale, block):

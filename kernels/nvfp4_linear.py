@@ -96,8 +96,7 @@ def forward(x, w, ex, ew, seeds=(0, 0), L1=None, L2=None, beta=1.0, branch_dtype
     -> (Y (T, out) in x's dtype, Q1x16(X) as (codes, scales, global_scale) for eq. 2, W's
     quantization as dX multiplies it, three tensors on either route: (bf16 grid values (out, in),
     with a branch [W_hat | L2 ; L1 | unused] (out + r, in + r), an empty scales tensor, global
-    scale), on Blackwell
-    the packed Q16x16(W) (codes, scales, global scale))."""
+    scale), on Blackwell the packed Q16x16(W) (codes, scales, global scale))."""
     ex, ew = _check(ex, "forward.x", (1, 16)), _check(ew, "forward.w", (16, 16))
     _check_branch(L1, branch_dtype)
     if L1 is not None:

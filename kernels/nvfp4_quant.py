@@ -47,9 +47,9 @@ import triton.language as tl
 
 from kernels.nvfp4_dequant import dequantize
 from kernels.nvfp4_math import (
-    E4M3_MAX, E4M3_MAX_46, TRITON_VERSION, _block_random_words, _column_random_words, _decode_e2m1, _e4m3_value,
-    _global_scales, _hadamard16, _load_tile, _pack_codes, _random_words, _rotate, _round_to_bf16,
-    _scale_blocks, _sr_e2m1_value, _with_sign, on_gpu)
+    E4M3_MAX, E4M3_MAX_46, TRITON_VERSION, _block_random_words, _column_random_words, _decode_e2m1,
+    _e4m3_value, _global_scales, _hadamard16, _load_tile, _pack_codes, _random_words, _rotate,
+    _round_to_bf16, _scale_blocks, _sr_e2m1_value, _with_sign, on_gpu)
 
 # The block shapes these kernels lay out and the roundings they take: the spec's nvfp4.BLOCKS and
 # nvfp4.ROUNDINGS (nvfp4.quantize checks the rounding; the input's shape and values are checked
@@ -201,7 +201,8 @@ def _load_by_blocks(ptr, offs, mask, other):
     (tl.max_contiguous where they are computed: Triton 3.6 drops a hint on a function's argument):
     along the last dim only, none across the blocks, or a thread would take several."""
     if TIES_TO_HIGHER:
-        x = tl.load(ptr + tl.permute(offs, (1, 0, 2)), mask=tl.permute(mask, (1, 0, 2)), other=other)
+        x = tl.load(ptr + tl.permute(offs, (1, 0, 2)), mask=tl.permute(mask, (1, 0, 2)),
+                    other=other)
         return tl.permute(x, (1, 0, 2))
     else:
         return tl.load(ptr + offs, mask=mask, other=other)
