@@ -380,6 +380,7 @@ def test_scale_grid_runs_and_aggregates_on_a_cpu(tmp_path):
                    "--results", str(tmp_path / "results")])
     table = (tmp_path / "results" / "table.md").read_text()
     assert "| `fullstack` | adamw |" in table and (tmp_path / "results" / "gap_vs_params.png").exists()
+    assert "One rung so far: no slope" in table and "does it narrow" not in table
     rows = json.load(open(tmp_path / "results" / "summary.json"))
     assert sorted(r["row"] for r in rows) == ["bf16_l4w128", "fullstack_l4w128"]
 

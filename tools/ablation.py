@@ -330,7 +330,9 @@ def scale_flags(args, recipe, layers, width):
     """train.py flags of one rung: the model's shape, the batch (base_batch x width / 128 sequences
     of --seq_len 256, micro-steps of <= MAX_MICRO_BATCH), the steps that reach --tokens_per_param,
     warmup 50 and eval every sixth of the steps (unless given), the lr (--lr x 128 / width, the
-    LoRA factors' likewise), LoRA rank width / 4. The smallest rung is Table 3's tiny run."""
+    LoRA factors' likewise), LoRA rank width / 4. The smallest rung trains Table 3's tiny run;
+    its val loss averages --config's eval_iters batches (toy: 20, Table 3's: 8): compare gaps,
+    not losses, across the two."""
     shape, non_embedding, embedding = width_shape(width, layers)
     batch = max(1, args.base_batch * width // 128)
     accum = math.ceil(batch / MAX_MICRO_BATCH)
@@ -1187,6 +1189,8 @@ def scale_tables(rows, target=1.03e9):
                       f"{fmt(se, 2)} points per doubling (n={k}); "
                       f"extrapolated to {target / 1e9:.2g}B parameters: {fmt(at_target, 2, True)}% "
                       f"({doublings:.1f} doublings past the data: an extrapolation) |")
+    if not claims:  # a slope needs two rungs with the same seeds
+        return lines + ["", "One rung so far: no slope against parameters yet."]
     return lines + ["", "| gap | does it narrow with parameters? | slope; the 1b extrapolation |",
                     "|---|---|---|"] + claims
 
@@ -1205,10 +1209,13 @@ def plot_scale(rows, path):
         ax.errorbar(sizes, [m for m, _, _ in means], yerr=err, marker="o", capsize=3,
                     label=f"{recipe} / {opt}")
     ax.set_xscale("log")
+    ladder = [scale_params(n, w) for n, w in SCALE_RUNGS]  # the whole ladder, rungs not yet run too
+    ax.set_xlim(min(ladder) / 1.3, max(ladder) * 1.3)
     ax.axhline(0, color="gray", lw=0.5)
     ax.set_xlabel("parameters")
     ax.set_ylabel("val loss gap to bf16 (%)")
-    ax.legend()
+    if ax.lines:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
