@@ -409,8 +409,9 @@ def test_shape_flags_build_and_record_the_model_they_name(byte_data, micro1, tmp
 def test_bad_flag_subprocess_has_no_traceback(tmp_path):
     for flags, message in [(["--config", "huge"], "--config"),
                            (["--batch_size", "3"],
-                            "--batch_size 3: does not divide across 2 ranks")]:
-        env = {**os.environ, "WORLD_SIZE": "2"} if "--batch_size" in flags else dict(os.environ)
+                            "--batch_size 3: does not divide across 2 ranks"),
+                           (["--cuda_graphs"], "--cuda_graphs: one CUDA GPU only (no CPU, no DDP")]:
+        env = {**os.environ, "WORLD_SIZE": "2"} if flags[0] != "--config" else dict(os.environ)
         p = subprocess.run([sys.executable, "train.py", "--device", "cpu", "--out_dir",
                             str(tmp_path), *flags],
                            cwd=ROOT, capture_output=True, text=True, env=env)
