@@ -214,20 +214,41 @@ def set_target(capability):
 MMA = re.compile(r"\b(?:tcgen05\.mma|wgmma\.mma_async|mma\.sync)[\w.:]*")
 
 
+def mma_loop(code):
+    """Instructions (without NOPs) of the shortest innermost loop that issues a tensor-core MMA, a
+    loop being a branch back to an earlier address (code: (address, instruction) pairs): an
+    attention kernel's unmasked tile loop, its instructions per thread and tile (the masked copies
+    add the masks' compares); 0 for a kernel without one."""
+    at = {a: i for i, (a, _) in enumerate(code)}
+    op = lambda c: c.split()[0 if c[0] != "@" else 1]
+    spans = [(at[int(m.group(1), 16)], i) for i, (a, c) in enumerate(code) if op(c).startswith("BRA")
+             and (m := re.search(r"0x([0-9a-f]+)", c)) and int(m.group(1), 16) in at
+             and int(m.group(1), 16) <= a]
+    mma = [(s, e) for s, e in spans
+           if any(op(c).startswith(("HGMMA", "HMMA", "UTCMMA", "UTCQMMA")) for _, c in code[s:e])]
+    inner = [(s, e) for s, e in mma if not any(s <= s2 and e2 <= e and (s2, e2) != (s, e)
+                                               for s2, e2 in mma)]
+    return min((sum("NOP" not in c for _, c in code[s:e + 1]) for s, e in inner), default=0)
+
+
 def sass_counts(cubin):
     """(registers per thread, bytes of stack per thread (spilled registers), static SASS
-    instructions without NOPs, of them warp shuffles and shared-memory stores: a layout conversion
-    where a kernel meant none) of a compiled kernel."""
+    instructions without NOPs, of them warp shuffles and shared-memory stores (a layout conversion
+    where a kernel meant none), and its unmasked MMA loop's instructions per thread and tile (mma_loop))
+    of a compiled kernel."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         usage, sass = (subprocess.run([tool, flag, f.name], capture_output=True, text=True,
                                       check=True).stdout for flag in ("-res-usage", "-sass"))
-    code = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(\S.*)$", sass, re.M)
+    lines = [(int(a, 16), c) for a, c in re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(\S.*)$", sass,
+                                                     re.M)]
+    code = [c for _, c in lines]
     reg, stack = (int(re.search(rf"{k}:(\d+)", usage).group(1)) for k in ("REG", "STACK"))
     count = lambda op: sum(c.split()[0 if c[0] != "@" else 1].startswith(op) for c in code)
-    return reg, stack, sum("NOP" not in c for c in code), count("SHFL"), count("STS")
+    return (reg, stack, sum("NOP" not in c for c in code), count("SHFL"), count("STS"),
+            mma_loop(lines))
 
 
 def compile_all(capability, sass=False):
@@ -248,7 +269,7 @@ def compile_all(capability, sass=False):
                              ",".join(f"{k}:{n}" for k, n in sorted(mma.items())) or "-")
             if sass:  # and the launch's switches that are on (which variant it is)
                 on = ",".join(k for k, v in sorted(kwargs.items()) if v is True) or "-"
-                compiled[key] += ("regs %d stack %d sass %d shfl %d sts %d"
+                compiled[key] += ("regs %d stack %d sass %d shfl %d sts %d loop %d"
                                   % sass_counts(kernel.asm["cubin"]), on)
         print(fn.__name__, *compiled[key], label, flush=True)
 
