@@ -1,16 +1,19 @@
 """
-The dS-quantizing dK/dV pass's tiles, timed: how kernels/flash_attention.DKDV_CONFIG_QUANT_DS is
-chosen (docs/attention.md). attention.attention(policy) fwd+bwd at the speed table's shape (bench/
-layers.py), once per candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) of that pass, against
-torch's default SDPA dispatch; each candidate's gradients against the committed tiles' (dK and dV
-differ by summation order only: the dS draws are per element).
+The dS-quantizing backward passes' tiles, timed: how kernels/flash_attention.DKDV_CONFIG_QUANT_DS
+and DQ_CONFIG_QUANT_DS are chosen (docs/attention.md). attention.attention(policy) fwd+bwd at the
+speed table's shape (bench/layers.py), once per candidate (BLOCK_M, BLOCK_N, num_warps,
+num_stages) of one pass, against torch's default SDPA dispatch; each candidate's gradient (dK, or
+dQ for --pass dq) against the committed tiles' (they differ by summation order only: the dS draws
+are per element).
 
-    python bench/attention_tiles.py                                 # the candidates below, fp4
+    python bench/attention_tiles.py                                 # dK/dV candidates, fp4
+    python bench/attention_tiles.py --pass dq                       # dQ candidates
     python bench/attention_tiles.py --tiles 32x64x4x3,16x128x8x2 --policy fp4_all
     python bench/attention_tiles.py --dry_run                       # CPU smoke run, no timing
 
-The candidates: the committed tiles and those that compile for sm_90 without a spill under Triton
-3.6 and 3.9 (tests/compile_for_target.py 90 --sass; the committed 32x64 on 4 warps spills).
+The dK/dV candidates: the committed tiles and those that compile for sm_90 without a spill under
+Triton 3.6 and 3.9 (tests/compile_for_target.py 90 --sass; the committed 32x64 on 4 warps spills).
+The dQ candidates: the committed 64x32 and its neighbours in tile, warps and stages.
 """
 
 import argparse
@@ -31,18 +34,24 @@ import attention  # noqa: E402
 from kernels import flash_attention  # noqa: E402
 from layers import time_ms  # noqa: E402
 
-CANDIDATES = "32x64x4x3,16x128x8x2,64x32x8x2,16x64x8x2,32x32x8x2"
+CANDIDATES = {"dkdv": "32x64x4x3,16x128x8x2,64x32x8x2,16x64x8x2,32x32x8x2",
+              "dq": "64x32x4x4,64x32x4x3,32x64x4x3,64x64x4x3,128x32x8x3,32x32x4x4"}
+CONFIG = {"dkdv": "DKDV_CONFIG_QUANT_DS", "dq": "DQ_CONFIG_QUANT_DS"}  # flash_attention's names
+GRADIENT = {"dkdv": 1, "dq": 0}  # the gradient each pass writes: dK, dQ
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
-    p.add_argument("--tiles", default=CANDIDATES,
-                   help="comma-separated BLOCK_MxBLOCK_Nxnum_warpsxnum_stages of the dK/dV pass")
+    p.add_argument("--pass", dest="pass_", default="dkdv", choices=sorted(CONFIG),
+                   help="which backward pass's tiles")
+    p.add_argument("--tiles", default=None, help="comma-separated "
+                   "BLOCK_MxBLOCK_Nxnum_warpsxnum_stages of that pass (default: its candidates)")
     p.add_argument("--policy", default="fp4", choices=[p for p in attention.POLICIES
                                                        if p != "bf16"])
     p.add_argument("--dry_run", action="store_true", help="tiny shapes on the CPU's interpreter "
                    "(which runs its own tiles): checks the script, no timing claim")
     args = p.parse_args(argv)
+    args.tiles = args.tiles or CANDIDATES[args.pass_]
     try:
         tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
         assert all(len(t) == 4 for t in tiles)
@@ -67,26 +76,28 @@ def main(argv=None):
     sdpa_ms = time_ms(fwd_bwd(lambda q, k, v: F.scaled_dot_product_attention(
         q, k, v, is_causal=True, enable_gqa=True)), device)
     run = fwd_bwd(lambda q, k, v: attention.attention(q, k, v, causal=True, policy=args.policy))
-    committed = dict(flash_attention.DKDV_CONFIG_QUANT_DS)
+    name, g = CONFIG[args.pass_], GRADIENT[args.pass_]
+    committed = dict(getattr(flash_attention, name))
     torch.manual_seed(1)  # the same dS SR seeds (drawn by the device's RNG) for each candidate
-    want = run()
+    want = run()[g].float()
+    grad = ("dK", "dQ")[args.pass_ == "dq"]
     print(f"attention(policy={args.policy!r}) fwd+bwd, B{B} H{H}/{Hkv} T{T} D{D} causal; "
           f"SDPA default dispatch {sdpa_ms:.3f} ms")
-    print("| dK/dV tiles (M, N, warps, stages) | ms | vs SDPA | max |dK - committed's| / max |dK| |")
+    print(f"| {args.pass_} tiles (M, N, warps, stages) | ms | vs SDPA | "
+          f"max |{grad} - committed's| / max |{grad}| |")
     print("|---|---|---|---|")
     try:
         for bm, bn, warps, stages in tiles:
-            flash_attention.DKDV_CONFIG_QUANT_DS = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
-                                                        num_stages=stages)
+            setattr(flash_attention, name, dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+                                                num_stages=stages))
             torch.manual_seed(1)
-            dk = run()[1].float()
-            diff = ((dk - want[1].float()).abs().max() / want[1].float().abs().max()).item()
+            got = run()[g].float()
+            diff = ((got - want).abs().max() / want.abs().max()).item()
             ms = time_ms(run, device)
             print(f"| {bm} x {bn}, {warps}, {stages} | {ms:.3f} | {sdpa_ms / ms:.2f}x | "
                   f"{diff:.1e} |", flush=True)
     finally:
-        flash_attention.DKDV_CONFIG_QUANT_DS = committed
-
+        setattr(flash_attention, name, committed)
 
 if __name__ == "__main__":
     main()
