@@ -50,6 +50,7 @@ def _interpreting():
 
 # P's encode scale: amax(P) <= 1 (attention.P_GLOBAL_SCALE is its S_dec)
 P_S_ENC = tl.constexpr(nvfp4_math.E4M3_MAX * nvfp4_math.FP4_MAX)
+SIGN_BIT = tl.constexpr(-2**31)   # an fp32's sign bit, as int32
 # Triton 3.6 fails to compile, for sm_100a, a block-scaled MMA into a fresh zero accumulator inside
 # a loop (TritonGPUOptimizeAccumulatorInit: "'ttng.tmem_alloc' op uninitialized alloc must have a
 # mutable memdesc type"; also with no accumulator); a zero it cannot fold compiles. 3.9 takes the
@@ -179,17 +180,23 @@ def _ds_random_words(key, rows, c0, T, R: tl.constexpr, C: tl.constexpr, QUERY_P
 
 
 @triton.jit
-def _fake_quant_rows16(x, s_enc, s_dec, r, R: tl.constexpr, C: tl.constexpr, SR: tl.constexpr):
+def _fake_quant_rows16(x, s_enc, s_dec, r, R: tl.constexpr, C: tl.constexpr, SR: tl.constexpr,
+                       SIGNED: tl.constexpr):
     """NVFP4 quantize-dequantize of an (R, C) fp32 tile in 1x16 blocks along its last dim, with
     global scales (S_enc, S_dec): returns q * s_b (the caller applies S_dec). nvfp4_math's block
     scaling and E2M1 rounding (nvfp4.quantize's formulas, bit for bit): RTN ties-to-even, or SR
-    from the random words r (R, C) (up iff (r >> 8) * 2^-24 < the fractional distance)."""
+    from the random words r (R, C) (up iff (r >> 8) * 2^-24 < the fractional distance).
+    SIGNED: x may be negative (dS; P >= 0 is not): x's sign bit is set on q * s_b >= 0, one bit
+    operation instead of a compare and select (docs/performance.md), so an x < 0 that rounds to
+    zero gives -0.0 where the reference gives +0.0: the same products in the dots the tile feeds."""
     xb = tl.reshape(x, (R, 1, C // 16, 16))
     a, s_b, _, q = nvfp4_math._scale_blocks(tl.abs(xb), s_enc, s_dec, R, 1, C // 16, 16, False)
     if SR:
         q = nvfp4_math._sr_e2m1_value(a, tl.reshape(r, (R, 1, C // 16, 16)))
     v = q * s_b[:, None, :, None]
-    v = tl.where((xb < 0) & (a > 0), -v, v)
+    if SIGNED:
+        v = (v.to(tl.int32, bitcast=True) | (xb.to(tl.int32, bitcast=True) & SIGN_BIT)).to(
+            tl.float32, bitcast=True)
     return tl.reshape(v, (R, C))
 
 
@@ -223,7 +230,7 @@ def _fwd_inner(acc, l_i, m_i, q, qs, K, KC, KS, V, start, end, offs_m, T, s_scal
         v = _load_tile(V, offs_n, T, D, MASK, DTYPE)                                   # (N, D)
         if QUANT_P:
             # 1x16 along keys, RTN
-            p = _fake_quant_rows16(p, P_S_ENC, sg_p, p, BLOCK_M, BLOCK_N, False)
+            p = _fake_quant_rows16(p, P_S_ENC, sg_p, p, BLOCK_M, BLOCK_N, False, False)
         acc = tl.dot(_op(p, DTYPE, EMU), v, acc, input_precision=PREC)
         m_i = m_new
     return acc, l_i, m_i
@@ -314,7 +321,7 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, DOQ, DOT, LSE, DELTA, key, start, end, offs
         elif QUANT_PDO:
             doT = tl.load(DOT + offs_m[:, None] * D + cols[None, :], mask=rmask[:, None],
                           other=0.0).to(DTYPE)
-            pq = _fake_quant_rows16(pT, P_S_ENC, sg_p, pT, BLOCK_N, BLOCK_M, False)
+            pq = _fake_quant_rows16(pT, P_S_ENC, sg_p, pT, BLOCK_N, BLOCK_M, False, False)
             dv = tl.dot(_op(pq, DTYPE, EMU), doT, dv, input_precision=PREC)
         else:
             dv = tl.dot(_op(pT, DTYPE, EMU), do, dv, input_precision=PREC)  # dV += P^T dO
@@ -331,7 +338,7 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, DOQ, DOT, LSE, DELTA, key, start, end, offs
         # dK = dS^T Q contracts over queries: 1x16 blocks of dS^T along the queries, SR
         if QUANT_DS:
             r = _ds_random_words(key, offs_n, start_m, T, BLOCK_N, BLOCK_M, True)
-            dsT = _fake_quant_rows16(dsT, se_ds, sg_ds, r, BLOCK_N, BLOCK_M, True)
+            dsT = _fake_quant_rows16(dsT, se_ds, sg_ds, r, BLOCK_N, BLOCK_M, True, True)
         dk = tl.dot(_op(dsT, DTYPE, EMU), q, dk, input_precision=PREC)
     return dk, dv
 
@@ -448,7 +455,7 @@ def _dq_inner(dq, q, do, lse, delta, K, V, key, start, end, offs_m, T, s_scale, 
         ds = p * (dp - delta[:, None])
         if QUANT_DS:   # dQ = dS K contracts over keys: 1x16 blocks of dS along the keys, SR
             r = _ds_random_words(key, offs_m, start_n, T, BLOCK_M, BLOCK_N, False)
-            ds = _fake_quant_rows16(ds, se_ds, sg_ds, r, BLOCK_M, BLOCK_N, True)
+            ds = _fake_quant_rows16(ds, se_ds, sg_ds, r, BLOCK_M, BLOCK_N, True, True)
         dq = tl.dot(_op(ds, DTYPE, EMU), k, dq, input_precision=PREC)
     return dq
 

@@ -208,7 +208,7 @@ def _quant_tile_kernel(X, U, OUT, AMAX, R: tl.constexpr, C: tl.constexpr, SR: tl
     # uniforms on torch.rand's 2^-24 grid -> the random words the kernels draw (exactly the same
     # decisions)
     out = fa._fake_quant_rows16(tl.load(X + r), s_enc, s_dec,
-                                noise_bits(tl.load(U + r)), R, C, SR)
+                                noise_bits(tl.load(U + r)), R, C, SR, True)
     tl.store(OUT + r, out)
 
 
