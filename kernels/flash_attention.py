@@ -25,7 +25,8 @@ SM100_CONFIGS (they fit 12.x's ~100 KB too). Hopper compiles FP4_MMA=False.
 In-register quantization (`_fake_quant_rows16`): tiles of dS (and of P in the fp4_pv / fp4_all
 variants) are quantized in 1x16 blocks along the tile's last dim with nvfp4_math's block scaling
 and E2M1 rounding, the helpers of every quantize kernel, so nvfp4.quantize_reference (which
-attention.py's reference calls with the same global amax and uniforms) gives the same bits. SR
+attention.py's reference calls with the same global amax and uniforms) gives the same values (dS's
+zeros may carry x's sign: the same products). SR
 draws 16 random bits per element from a counter hash of its (head, query, key) position
 (`_ds_random_words`), so the draw does not depend on the tiling and the reference reproduces it.
 
