@@ -221,9 +221,9 @@ def mma_loop(code):
     add the masks' compares); 0 for a kernel without one."""
     at = {a: i for i, (a, _) in enumerate(code)}
     op = lambda c: c.split()[0 if c[0] != "@" else 1]
-    spans = [(at[int(m.group(1), 16)], i) for i, (a, c) in enumerate(code) if op(c).startswith("BRA")
-             and (m := re.search(r"0x([0-9a-f]+)", c)) and int(m.group(1), 16) in at
-             and int(m.group(1), 16) <= a]
+    spans = [(at[int(m.group(1), 16)], i) for i, (a, c) in enumerate(code)
+             if op(c).startswith("BRA") and (m := re.search(r"0x([0-9a-f]+)", c))
+             and int(m.group(1), 16) in at and int(m.group(1), 16) <= a]
     mma = [(s, e) for s, e in spans
            if any(op(c).startswith(("HGMMA", "HMMA", "UTCMMA", "UTCQMMA")) for _, c in code[s:e])]
     inner = [(s, e) for s, e in mma if not any(s <= s2 and e2 <= e and (s2, e2) != (s, e)
@@ -234,8 +234,8 @@ def mma_loop(code):
 def sass_counts(cubin):
     """(registers per thread, bytes of stack per thread (spilled registers), static SASS
     instructions without NOPs, of them warp shuffles and shared-memory stores (a layout conversion
-    where a kernel meant none), and its unmasked MMA loop's instructions per thread and tile (mma_loop))
-    of a compiled kernel."""
+    where a kernel meant none), and its unmasked MMA loop's instructions per thread and tile
+    (mma_loop)) of a compiled kernel."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)

@@ -138,6 +138,19 @@ def test_fp4_products_lower_to_the_targets_mma(compiled, cap):
     assert count["fp4_dov", "_attn_bwd_dq"] > count["fp4", "_attn_bwd_dq"]
 
 
+def test_hopper_attention_loops_show_the_ds_quantizer(compiled):
+    """sm_90: each attention kernel's unmasked tile loop (compile_for_target's `loop`, the count
+    docs/performance.md reasons with): the fp4 policy's forward is the bf16 policy's instruction for
+    instruction (Q, K, V arrive as grid values, P is not quantized), and its dK/dV and dQ loops are
+    longer by the dS quantizer; the quantize passes have no MMA loop."""
+    loops = {(line[0], line[4]): line[5]["loop"] for line in compiled(HOPPER)
+             if line[4] in ("attention:fp4", "attention:bf16", "layers")}
+    assert loops[("_attn_fwd", "attention:fp4")] == loops[("_attn_fwd", "attention:bf16")] > 0
+    for kernel in ("_attn_bwd_dkdv", "_attn_bwd_dq"):
+        assert loops[(kernel, "attention:fp4")] > loops[(kernel, "attention:bf16")] > 0, loops
+    assert loops[("_quantize_rows_kernel", "layers")] == 0
+
+
 def test_hopper_quantize_passes_hold_each_block_in_one_thread(compiled):
     """sm_90, the route the H200 runs: the linear layers' quantize passes (the rows and cols
     kernels: X forward, dY for dX, eq. 2's two wgrad operands) compile as they are written, each
