@@ -14,7 +14,7 @@ are per element).
 The dK/dV candidates: the committed tiles and those that compile for sm_90 without a spill under
 Triton 3.6 and 3.9 (tests/compile_for_target.py 90 --sass; the committed 32x64 on 4 warps spills).
 The dQ candidates: the committed 64x32 and the neighbours whose unmasked loop (compile_for_target's
-`loop`, sm_90, Triton 3.6) stays near its 43 instructions a dS element (32x64 and 64x64 on 8 warps
+`loop`, sm_90, Triton 3.6) stays near its 43 instructions a dS element (32x64 on 4 warps, 64x64 on 8
 take 72 and 85: left out); 128x64 on 8 warps fits without a spill at 41; 32x32 on 4 warps, at 74,
 holds 168 registers: three blocks an SM where the others fit two.
 """
