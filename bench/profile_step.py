@@ -75,9 +75,11 @@ def profile_recipe(config, recipe, batch, seq_len, iters, device, graphs=False):
         if e.device_type == torch.autograd.DeviceType.CUDA:
             kernels[e.name[:80]] += e.device_time / 1e3 / iters  # us -> ms per micro-step
     busy = sum(kernels.values()) / wall_ms if kernels else 0.0
-    # cudaMalloc/cudaFree through the caching allocator: a retry frees the cache and waits for the GPU
+    # cudaMalloc/cudaFree through the caching allocator: a retry frees the cache and waits for the
+    # GPU
     stats = torch.cuda.memory_stats() if device == "cuda" else {}
-    allocator = {k: stats.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")}
+    allocator = {k: stats.get(k, 0)
+                 for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")}
     del model
     if device == "cuda":
         torch.cuda.empty_cache()

@@ -113,17 +113,19 @@ def test_attention_tiles_gives_each_candidate_the_same_draws_and_rejects_bad_til
     """bench/attention_tiles.py times each candidate dK/dV (or dQ) tiling with the same dS draws
     (the interpreter runs its own tiles: every candidate's gradients equal the committed run's),
     and a malformed --tiles is one line, exit 2."""
-    run = lambda *flags: subprocess.run([sys.executable, "bench/attention_tiles.py", "--dry_run", *flags],
-                                        cwd=ROOT, capture_output=True, text=True, timeout=600)
-    proc = run("--tiles", "32x64x4x3,16x128x8x2")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| 32 x 64") or line.startswith("| 16 x 128")]
-    assert len(rows) == 2 and all(line.rstrip(" |").endswith("0.0e+00") for line in rows), proc.stdout
+    def run(*flags):
+        return subprocess.run([sys.executable, "bench/attention_tiles.py", "--dry_run", *flags],
+                              cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+    def assert_same_gradients(proc, prefixes):  # one row per candidate, 0 from the committed tiles
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rows = [line for line in proc.stdout.splitlines() if line.startswith(prefixes)]
+        assert len(rows) == 2 and all(r.rstrip(" |").endswith("0.0e+00") for r in rows), proc.stdout
+
+    assert_same_gradients(run("--tiles", "32x64x4x3,16x128x8x2"), ("| 32 x 64", "| 16 x 128"))
     proc = run("--pass", "dq", "--tiles", "64x32x4x4,32x64x4x3")  # the dQ pass's tiles, dQ compared
-    assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| dq tiles" in proc.stdout and "max |dQ - committed's|" in proc.stdout
-    rows = [line for line in proc.stdout.splitlines() if line.startswith(("| 64 x 32", "| 32 x 64"))]
-    assert len(rows) == 2 and all(line.rstrip(" |").endswith("0.0e+00") for line in rows), proc.stdout
+    assert_same_gradients(proc, ("| 64 x 32", "| 32 x 64"))
     proc = run("--tiles", "32x64")
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "32x64" in proc.stderr
 
