@@ -247,9 +247,10 @@ def quantize_rows(device, dry):
             for name, kw in cases.items()]
 
 
-def kernel_ms(fn, device, calls=10):
+def kernel_ms(fn, device, calls=10, name=None):
     """The GPU kernels' own time per call (the profiler's device time, summed): below the call's
-    time when the host's work per call (checks, allocations, launches) is the longer of the two."""
+    time when the host's work per call (checks, allocations, launches) is the longer of the two.
+    name: only the kernels whose name starts with it."""
     if device != "cuda":
         return 0.0
     from torch.profiler import ProfilerActivity, profile
@@ -258,7 +259,8 @@ def kernel_ms(fn, device, calls=10):
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and (name is None or e.name.startswith(name))]
     return sum(e.device_time for e in kernels) / 1e3 / calls
 
 
