@@ -130,7 +130,7 @@ def attention_rows(device, dry, policies=("bf16", "fp4", "fp4_all")):
                                                                   enable_gqa=True))
     backend, kernels = sdpa_backend(sdpa, device)
     baseline = f"torch SDPA, default dispatch ({backend})"
-    sdpa_ms = time_ms(sdpa, device)
+    sdpa_ms, sdpa_kernels_ms = time_ms(sdpa, device), kernel_ms(sdpa, device)
     # causal: fwd 2 matmuls over half the (T, T) scores, bwd 2.5x fwd
     flop = 3.5 * 2 * 2 * B * H * T * T * D / 2
     shape = f"B{B} H{H}/{Hkv} T{T} D{D} causal"
@@ -141,7 +141,8 @@ def attention_rows(device, dry, policies=("bf16", "fp4", "fp4_all")):
         rows.append(row("attention", f"attention(policy={policy!r}) fwd+bwd, {shape}", ms,
                         baseline, sdpa_ms,
                         tflops=flop / ms / 1e9, baseline_tflops=flop / sdpa_ms / 1e9,
-                        sdpa_backend=backend, sdpa_kernels=kernels, host_ms=host_ms(run, device)))
+                        sdpa_backend=backend, sdpa_kernels=kernels, host_ms=host_ms(run, device),
+                        device_ms=kernel_ms(run, device), baseline_device_ms=sdpa_kernels_ms))
     return rows
 
 
