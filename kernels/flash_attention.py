@@ -182,16 +182,19 @@ def _ds_random_words(key, rows, c0, T, R: tl.constexpr, C: tl.constexpr, QUERY_P
 
 @triton.jit
 def _fake_quant_rows16(x, s_enc, s_dec, r, R: tl.constexpr, C: tl.constexpr, SR: tl.constexpr,
-                       SIGNED: tl.constexpr):
+                       SIGNED: tl.constexpr, inv_table=None):
     """NVFP4 quantize-dequantize of an (R, C) fp32 tile in 1x16 blocks along its last dim, with
     global scales (S_enc, S_dec): returns q * s_b (the caller applies S_dec). nvfp4_math's block
     scaling and E2M1 rounding (nvfp4.quantize's formulas, bit for bit): RTN ties-to-even, or SR
     from the random words r (R, C) (up iff (r >> 8) * 2^-24 < the fractional distance).
     SIGNED: x may be negative (dS; P >= 0 is not): x's sign bit is set on q * s_b >= 0, one bit
     operation instead of a compare and select (docs/performance.md), so an x < 0 that rounds to
-    zero gives -0.0 where the reference gives +0.0: the same products in the dots the tile feeds."""
+    zero gives -0.0 where the reference gives +0.0: the same products in the dots the tile feeds.
+    inv_table: None, or the (128,) element scales of s_dec by E4M3 code (_ds_inv_table_kernel),
+    looked up instead of a division per block in each of the four threads holding it."""
     xb = tl.reshape(x, (R, 1, C // 16, 16))
-    a, s_b, _, q = nvfp4_math._scale_blocks(tl.abs(xb), s_enc, s_dec, R, 1, C // 16, 16, False)
+    a, s_b, _, q = nvfp4_math._scale_blocks(tl.abs(xb), s_enc, s_dec, R, 1, C // 16, 16, False,
+                                            inv_table=inv_table)
     if SR:
         q = nvfp4_math._sr_e2m1_value(a, tl.reshape(r, (R, 1, C // 16, 16)))
     v = q * s_b[:, None, :, None]
@@ -288,8 +291,8 @@ def _attn_fwd(Q, K, V, SG, O, LSE, T, H, G, qk_scale, QC, QS, KC, KS,
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, Q, DO, DOQ, DOT, LSE, DELTA, key, start, end, offs_n, T, s_scale,
-                sg_dp, se_ds, sg_ds, sg_p, kc, ks, vc, vs, QC, QS, DOQC, DOQS, DOTC, DOTS, bh,
-                D: tl.constexpr, BLOCK_M: tl.constexpr,
+                sg_dp, se_ds, sg_ds, ds_inv, sg_p, kc, ks, vc, vs, QC, QS, DOQC, DOQS, DOTC, DOTS,
+                bh, D: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
                 QUANT_DS: tl.constexpr, QUANT_DOV: tl.constexpr, QUANT_PDO: tl.constexpr,
                 DTYPE: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr, FP4_MMA: tl.constexpr):
@@ -339,14 +342,14 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, DOQ, DOT, LSE, DELTA, key, start, end, offs
         # dK = dS^T Q contracts over queries: 1x16 blocks of dS^T along the queries, SR
         if QUANT_DS:
             r = _ds_random_words(key, offs_n, start_m, T, BLOCK_N, BLOCK_M, True)
-            dsT = _fake_quant_rows16(dsT, se_ds, sg_ds, r, BLOCK_N, BLOCK_M, True, True)
+            dsT = _fake_quant_rows16(dsT, se_ds, sg_ds, r, BLOCK_N, BLOCK_M, True, True, ds_inv)
         dk = tl.dot(_op(dsT, DTYPE, EMU), q, dk, input_precision=PREC)
     return dk, dv
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, SG, DO, DOQ, DOT, LSE, DELTA, SGDS, KEYS, DK, DV, T, H, G, qk_scale,
-                   sm_scale, QC, QS, KC, KS, VC, VS, DOQC, DOQS, DOTC, DOTS,
+def _attn_bwd_dkdv(Q, K, V, SG, DO, DOQ, DOT, LSE, DELTA, SGDS, DSINV, KEYS, DK, DV, T, H, G,
+                   qk_scale, sm_scale, QC, QS, KC, KS, VC, VS, DOQC, DOQS, DOTC, DOTS,
                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, QUANT_DS: tl.constexpr, QUANT_DOV: tl.constexpr,
                    QUANT_PDO: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr,
@@ -393,6 +396,9 @@ def _attn_bwd_dkdv(Q, K, V, SG, DO, DOQ, DOT, LSE, DELTA, SGDS, KEYS, DK, DV, T,
         row = bh.to(tl.int64) * T * D
         # from dS's bound
         se_ds, sg_ds = nvfp4_math._global_scales(tl.load(SGDS + bh), nvfp4_math.E4M3_MAX)
+        ds_inv = None
+        if QUANT_DS:  # its element scales by E4M3 code (_ds_inv_table_kernel)
+            ds_inv = tl.load(DSINV + bh * 128 + tl.arange(0, 128))
         key = tl.load(KEYS + 2 * bh + 1).to(tl.uint32, bitcast=True)
         dk = dk * tl.div_rn(sg_prev, sg_ds)
         sg_prev = sg_ds
@@ -400,19 +406,19 @@ def _attn_bwd_dkdv(Q, K, V, SG, DO, DOQ, DOT, LSE, DELTA, SGDS, KEYS, DK, DV, T,
         # (masked)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, DO + row, DOQ + row, DOT + row, LSE + bh * T,
                              DELTA + bh * T, key, lo, mid, offs_n, T, s_scale, sg_dp, se_ds,
-                             sg_ds, sg_p, kc, ks, vc, vs, QC, QS, DOQC, DOQS, DOTC, DOTS, bh, D,
-                             BLOCK_M, BLOCK_N, True, CAUSAL, QUANT_DS, QUANT_DOV, QUANT_PDO, DTYPE,
-                             PREC, EMU, FP4_MMA)
+                             sg_ds, ds_inv, sg_p, kc, ks, vc, vs, QC, QS, DOQC, DOQS, DOTC, DOTS,
+                             bh, D, BLOCK_M, BLOCK_N, True, CAUSAL, QUANT_DS, QUANT_DOV,
+                             QUANT_PDO, DTYPE, PREC, EMU, FP4_MMA)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, DO + row, DOQ + row, DOT + row, LSE + bh * T,
                              DELTA + bh * T, key, mid, n_full, offs_n, T, s_scale, sg_dp, se_ds,
-                             sg_ds, sg_p, kc, ks, vc, vs, QC, QS, DOQC, DOQS, DOTC, DOTS, bh, D,
-                             BLOCK_M, BLOCK_N, False, CAUSAL, QUANT_DS, QUANT_DOV, QUANT_PDO, DTYPE,
-                             PREC, EMU, FP4_MMA)
+                             sg_ds, ds_inv, sg_p, kc, ks, vc, vs, QC, QS, DOQC, DOQS, DOTC, DOTS,
+                             bh, D, BLOCK_M, BLOCK_N, False, CAUSAL, QUANT_DS, QUANT_DOV,
+                             QUANT_PDO, DTYPE, PREC, EMU, FP4_MMA)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, DO + row, DOQ + row, DOT + row, LSE + bh * T,
                              DELTA + bh * T, key, n_full, T, offs_n, T, s_scale, sg_dp, se_ds,
-                             sg_ds, sg_p, kc, ks, vc, vs, QC, QS, DOQC, DOQS, DOTC, DOTS, bh, D,
-                             BLOCK_M, BLOCK_N, True, CAUSAL, QUANT_DS, QUANT_DOV, QUANT_PDO, DTYPE,
-                             PREC, EMU, FP4_MMA)
+                             sg_ds, ds_inv, sg_p, kc, ks, vc, vs, QC, QS, DOQC, DOQS, DOTC, DOTS,
+                             bh, D, BLOCK_M, BLOCK_N, True, CAUSAL, QUANT_DS, QUANT_DOV,
+                             QUANT_PDO, DTYPE, PREC, EMU, FP4_MMA)
     dk = dk * (sg_prev * sm_scale * sg_q)
     dv = dv * (sg_p * sg_pdo)                 # 1 unless QUANT_PDO
     cols = tl.arange(0, D)
@@ -427,7 +433,7 @@ def _attn_bwd_dkdv(Q, K, V, SG, DO, DOQ, DOT, LSE, DELTA, SGDS, KEYS, DK, DV, T,
 
 @triton.jit
 def _dq_inner(dq, q, do, lse, delta, K, V, key, start, end, offs_m, T, s_scale, sg_dp, se_ds, sg_ds,
-              qc, qs, doc, dos, KC, KS, VC, VS,
+              ds_inv, qc, qs, doc, dos, KC, KS, VC, VS,
               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
               CAUSAL: tl.constexpr, QUANT_DS: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr,
               EMU: tl.constexpr, QUANT_DOV: tl.constexpr, FP4_MMA: tl.constexpr):
@@ -456,13 +462,13 @@ def _dq_inner(dq, q, do, lse, delta, K, V, key, start, end, offs_m, T, s_scale, 
         ds = p * (dp - delta[:, None])
         if QUANT_DS:   # dQ = dS K contracts over keys: 1x16 blocks of dS along the keys, SR
             r = _ds_random_words(key, offs_m, start_n, T, BLOCK_M, BLOCK_N, False)
-            ds = _fake_quant_rows16(ds, se_ds, sg_ds, r, BLOCK_M, BLOCK_N, True, True)
+            ds = _fake_quant_rows16(ds, se_ds, sg_ds, r, BLOCK_M, BLOCK_N, True, True, ds_inv)
         dq = tl.dot(_op(ds, DTYPE, EMU), k, dq, input_precision=PREC)
     return dq
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, SG, DO, LSE, DELTA, SGDS, KEYS, DQ, T, H, G, qk_scale, sm_scale,
+def _attn_bwd_dq(Q, K, V, SG, DO, LSE, DELTA, SGDS, DSINV, KEYS, DQ, T, H, G, qk_scale, sm_scale,
                  QC, QS, KC, KS, VC, VS, DOC, DOS,
                  D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  CAUSAL: tl.constexpr, QUANT_DS: tl.constexpr, DTYPE: tl.constexpr,
@@ -506,15 +512,31 @@ def _attn_bwd_dq(Q, K, V, SG, DO, LSE, DELTA, SGDS, KEYS, DQ, T, H, G, qk_scale,
     else:
         lo = (T // BLOCK_N) * BLOCK_N
         hi = T
+    ds_inv = None
+    if QUANT_DS:  # dS's element scales by E4M3 code (_ds_inv_table_kernel)
+        ds_inv = tl.load(DSINV + bh * 128 + tl.arange(0, 128))
     dq = _dq_inner(dq, q, do, lse, delta, K, V, key, 0, lo, offs_m, T, s_scale, sg_dp, se_ds, sg_ds,
-                   qc, qs, doc, dos, KC, KS, VC, VS, D, BLOCK_M, BLOCK_N, False, CAUSAL, QUANT_DS,
-                   DTYPE, PREC, EMU, QUANT_DOV, FP4_MMA)
-    dq = _dq_inner(dq, q, do, lse, delta, K, V, key, lo, hi, offs_m, T, s_scale, sg_dp, se_ds,
-                   sg_ds, qc, qs, doc, dos, KC, KS, VC, VS, D, BLOCK_M, BLOCK_N, True, CAUSAL,
+                   ds_inv, qc, qs, doc, dos, KC, KS, VC, VS, D, BLOCK_M, BLOCK_N, False, CAUSAL,
                    QUANT_DS, DTYPE, PREC, EMU, QUANT_DOV, FP4_MMA)
+    dq = _dq_inner(dq, q, do, lse, delta, K, V, key, lo, hi, offs_m, T, s_scale, sg_dp, se_ds,
+                   sg_ds, ds_inv, qc, qs, doc, dos, KC, KS, VC, VS, D, BLOCK_M, BLOCK_N, True,
+                   CAUSAL, QUANT_DS, DTYPE, PREC, EMU, QUANT_DOV, FP4_MMA)
     dq = dq * (sm_scale * sg_k * sg_ds)
     tl.store(DQ + row + offs_m[:, None] * D + cols[None, :],
              _op(dq, DQ.dtype.element_ty, EMU), mask=rmask[:, None])
+
+
+@triton.jit
+def _ds_inv_table_kernel(SGDS, DSINV):
+    """dS's element scale for each of the 128 E4M3 block-scale codes, per (batch, head) from its
+    S_dec (nvfp4_math._element_scale: the same correctly rounded reciprocal): the backward passes
+    look a block's up by its code (_fake_quant_rows16's inv_table) where the four threads holding
+    the block would each divide: 12% fewer instructions in their loops (docs/performance.md)."""
+    bh = tl.program_id(0)
+    _, s_dec = nvfp4_math._global_scales(tl.load(SGDS + bh), nvfp4_math.E4M3_MAX)
+    codes = tl.arange(0, 128)
+    _, inv = nvfp4_math._element_scale(nvfp4_math._e4m3_value(codes.to(tl.uint8)), s_dec)
+    tl.store(DSINV + bh * 128 + codes, inv)
 
 
 @triton.jit
@@ -634,9 +656,12 @@ def flash_backward(q, k, v, scales, do, lse, delta, do_dov, do_pdo, ds_amax, key
     do_pdo = do_pdo.contiguous() if quant_pdo else do
     if quant_ds:
         ds_amax, keys = ds_amax.contiguous(), as_int32(keys)
+        ds_inv = torch.empty(B * H, 128, device=dev, dtype=torch.float32)
+        _ds_inv_table_kernel[(B * H,)](ds_amax, ds_inv)
     else:
         ds_amax = torch.full((B * H,), P_S_ENC.value, device=dev)  # 448 * 6: scales (1, 1)
         keys = torch.zeros(B * H, 2, device=dev, dtype=torch.int32)
+        ds_inv = ds_amax  # not read
     dq = torch.empty(B, H, T, D, device=dev, dtype=dtype)
     dk = torch.empty(B, Hkv, T, D, device=dev, dtype=dtype)
     dv = torch.empty(B, Hkv, T, D, device=dev, dtype=dtype)
@@ -646,7 +671,8 @@ def flash_backward(q, k, v, scales, do, lse, delta, do_dov, do_pdo, ds_amax, key
     meta = _meta(dtype, "dkdv", SM100_CONFIGS["dkdv"] if fp4_mma else
                  DKDV_CONFIG_QUANT_DS if quant_ds else DKDV_CONFIG, D)
     grid = (triton.cdiv(T, meta["BLOCK_N"]), B * Hkv)
-    _attn_bwd_dkdv[grid](q, k, v, scales, do, do_dov, do_pdo, lse, delta, ds_amax, keys, dk, dv,
+    _attn_bwd_dkdv[grid](q, k, v, scales, do, do_dov, do_pdo, lse, delta, ds_amax, ds_inv, keys,
+                         dk, dv,
                          T, H, H // Hkv, sm_scale * LOG2E, sm_scale,
                          *_packed(qp, kp, vp, dovp, pdop), CAUSAL=causal,
                          QUANT_DS=quant_ds, QUANT_DOV=quant_dov, QUANT_PDO=quant_pdo,
@@ -655,7 +681,7 @@ def flash_backward(q, k, v, scales, do, lse, delta, do_dov, do_pdo, ds_amax, key
                  DQ_CONFIG_QUANT_DS if quant_ds else
                  DQ_CONFIG_100KB if 0 < targets.of(dev).shared <= 101376 else DQ_CONFIG, D)
     grid = (triton.cdiv(T, meta["BLOCK_M"]), B * H)
-    _attn_bwd_dq[grid](q, k, v, scales, do_dov, lse, delta, ds_amax, keys, dq,
+    _attn_bwd_dq[grid](q, k, v, scales, do_dov, lse, delta, ds_amax, ds_inv, keys, dq,
                        T, H, H // Hkv, sm_scale * LOG2E, sm_scale,
                        *_packed(qp, kp, vp, dovp), CAUSAL=causal, QUANT_DS=quant_ds,
                        QUANT_DOV=quant_dov, FP4_MMA=fp4_mma, **meta)

@@ -136,21 +136,36 @@ def _global_scales(amax, FP8_BOUND: tl.constexpr):
 
 
 @triton.jit
-def _block_scale(block_amax, s_enc, s_dec, MAX_Q: tl.constexpr, UP: tl.constexpr = False):
+def _element_scale(s, s_dec):
+    """Transformer Engine's element scale of block scales s (nvfp4.element_scale): den = s * S_dec
+    (fp32) and inv = min(RN(1 / den), FLT_MAX), by which every element of the block is multiplied
+    (FLT_MAX for an all-zero block's den = 0)."""
+    den = s * s_dec
+    inv = tl.where(den > 0, tl.div_rn(1.0, tl.where(den > 0, den, 1.0)), FLT_MAX)
+    return den, tl.minimum(inv, FLT_MAX)
+
+
+@triton.jit
+def _block_scale(block_amax, s_enc, s_dec, MAX_Q: tl.constexpr, UP: tl.constexpr = False,
+                 inv_table=None):
     """A block scale candidate with the block's max mapped to MAX_Q (6; 4 for 4/6's second
     candidate), in Transformer Engine's arithmetic (nvfp4.block_scale, nvfp4.element_scale):
     s_b = e4m3(min(amax_b * (S_enc * RN(1 / MAX_Q)), 448)) (RNE, or up with UP: nvfp4's "sr_up"),
-    its uint8 bits, den = s_b * S_dec (fp32) and the element scale inv = min(RN(1 / den), FLT_MAX),
-    by which every element is multiplied: one correctly rounded reciprocal per block, a multiply per
-    element."""
+    its uint8 bits, den and the element scale inv (_element_scale): one correctly rounded
+    reciprocal per block, a multiply per element. inv_table: None, or a (128,) tensor of
+    _element_scale of every E4M3 code for this S_dec, from which s_b's code gathers its inv instead
+    of dividing (the attention passes, where four threads hold each block and would each divide)."""
     if MAX_Q == FP4_MAX:
         rcp: tl.constexpr = RCP_6
     else:
         rcp: tl.constexpr = 1.0 / MAX_Q   # 1/4: exact
     s, bits = _round_to_e4m3(tl.minimum(block_amax * (s_enc * rcp), E4M3_MAX), UP)
-    den = s * s_dec
-    inv = tl.where(den > 0, tl.div_rn(1.0, tl.where(den > 0, den, 1.0)), FLT_MAX)
-    return s, bits, den, tl.minimum(inv, FLT_MAX)
+    if inv_table is None:
+        den, inv = _element_scale(s, s_dec)
+    else:
+        idx = tl.reshape(bits.to(tl.int32), (bits.numel,))
+        den, inv = s * s_dec, tl.reshape(tl.gather(inv_table, idx, 0), bits.shape)
+    return s, bits, den, inv
 
 
 @triton.jit
@@ -310,7 +325,8 @@ def _pairwise_block_sum(e, GM: tl.constexpr, SBM: tl.constexpr, GN: tl.constexpr
 
 @triton.jit
 def _scale_blocks(ax, s_enc, s_dec, GM: tl.constexpr, SBM: tl.constexpr, GN: tl.constexpr,
-                  SBN: tl.constexpr, FOUR_OVER_SIX: tl.constexpr, UP: tl.constexpr = False):
+                  SBN: tl.constexpr, FOUR_OVER_SIX: tl.constexpr, UP: tl.constexpr = False,
+                  inv_table=None):
     """§2's block scaling of |x| held as (GM, SBM, GN, SBN), GM x GN blocks of SBM x SBN, given the
     global scales (nvfp4.scale_blocks, bit for bit): the block scale s_b with the block max mapped
     to 6 and the scaled magnitudes a = min(|x| * RN(1 / (s_b * S_dec)), 6); with FOUR_OVER_SIX
@@ -318,9 +334,10 @@ def _scale_blocks(ax, s_enc, s_dec, GM: tl.constexpr, SBM: tl.constexpr, GN: tl.
     reconstruction has the lower squared error (summed in the fixed tree), ties to 6 (paper §2;
     docs/nvfp4_format.md). The choice uses the RTN error also under SR, so the random draw does not
     pick the scale. -> (a, s_b (GM, GN), its E4M3 bits, _rtn_e2m1_value(a)); the last costs nothing
-    where a caller rounds otherwise (the compiler drops it)."""
+    where a caller rounds otherwise (the compiler drops it). inv_table: _block_scale's (the
+    max -> 6 candidate's only)."""
     block_amax = tl.max(tl.max(ax, axis=3), axis=1)                                    # (GM, GN)
-    s_b, bits, den, inv = _block_scale(block_amax, s_enc, s_dec, FP4_MAX, UP)
+    s_b, bits, den, inv = _block_scale(block_amax, s_enc, s_dec, FP4_MAX, UP, inv_table)
     a = tl.minimum(ax * inv[:, None, :, None], FP4_MAX)
     q = _rtn_e2m1_value(a)
     if FOUR_OVER_SIX:

@@ -424,6 +424,21 @@ def test_gpu_kernel_quantizer_bitwise(rounding):
         assert torch.equal(out.to(dev), ref.grid_values())
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_ds_element_scale_table_is_the_division(device):
+    """The backward passes read dS's element scale by its block scale's E4M3 code from a per-head
+    table (fa._ds_inv_table_kernel) instead of dividing in every thread that holds the block: each
+    finite code's entry is nvfp4.element_scale's correctly rounded reciprocal of s_b S_dec, for dS
+    bounds from 0 and a subnormal to near FLT_MAX, and random ones."""
+    amax = torch.cat([torch.tensor([0.0, 1e-39, 2.0**-126, 3e-8, 1.0, 2688.0, 1e30, 3.4e38]),
+                      torch.rand(8).mul(60).sub(30).exp2()])
+    table = torch.empty(len(amax), 128, device=device)
+    fa._ds_inv_table_kernel[(len(amax),)](amax.to(device), table)
+    s_b = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0x7F is NaN
+    _, s_dec = nvfp4.global_scales(amax)
+    assert torch.equal(table[:, :127].cpu(), nvfp4.element_scale(s_b[None, :], s_dec[:, None]))
+
+
 # --------------------------------------------------------------------------------------------------
 # dS's global scale bound and its SR, where they are tight
 
