@@ -570,8 +570,10 @@ def _amax_launch(x3, hadamard, had_dim, tiles, plain_too):
 
 def _global_amax(x3, hadamard, had_dim, block):
     """max |x| (of x·H when rotating): one read of x, per-program partial maxima, then a tiny torch
-    max. Without a rotation in x's dtype (exact: a maximum of x's values; the kernels read either
-    dtype). A _Packed1x16 x: the cols kernel's pre-pass, decoding it as its quantize pass will."""
+    max (fp32; exact: a maximum of x's values, or of the rotated values the quantize pass computes).
+    Without a rotation any contiguous x goes through the rows kernel's pass, whatever its block (a
+    strided view through torch's reduction, in x's dtype: the kernels read either). A _Packed1x16 x:
+    the cols kernel's pre-pass, decoding it as its quantize pass will."""
     if not torch.is_tensor(x3):
         return _cols_launch(x3, None, hadamard, False, 0, amax_only=True)[0]
     if had_dim == 0 and x3.is_contiguous():  # the rows kernel's pass: max |x| of any flat tensor
