@@ -229,20 +229,18 @@ def _pack_codes(q, x, a, S0: tl.constexpr, S1: tl.constexpr, N: tl.constexpr):
 @triton.jit
 def _sr_e2m1_value(a, r):
     """Stochastic rounding of a in [0, 6] to an E2M1 magnitude (nvfp4.sr_e2m1's grid value, as
-    fp32: up to the next grid value iff u < (a - lo) / step), for the uniform u = (r >> 8) * 2^-24
-    of a uint32 r. The SR contract's words (_word_halves) carry 16 random bits in r's high half,
-    low half zero: u = (r >> 16) * 2^-16, nvfp4.sr_uniforms' u. Any 24-bit uniform on torch.rand's
-    fp32 grid passes through exactly too (the tests give u = k 2^-24 as k << 8). In units of the
-    step p / 2 (_binade_bits), y = a / (p / 2) is exact (a power of two), lo = floor(y) and the
-    fractional distance f = y - floor(y) is exact, and so is f * 2^24 (f has at most 24 fractional
-    bits), so u < f <=> float(r >> 8) < f * 2^24 compares exact values: the same decisions as the
-    reference for every such u, so the kernels reproduce it bit for bit (tested on every 16-bit
-    half-word, at u = f too, where "up" must not be taken). At a = 6, f = 0: never up."""
+    fp32: up to the next grid value iff u < (a - lo) / step), for the SR contract's words: 16
+    random bits in the high half of a uint32 r, low half zero (_word_halves), u = (r >> 16) 2^-16,
+    nvfp4.sr_uniforms' u. u is built from the bits (1 + u as an fp32's mantissa, minus 1: exact).
+    In units of the step p / 2 (_binade_bits), y = a / (p / 2) in [0, 4) is exact (a power of two),
+    and so is y - u: at y >= 1 both are multiples of y's ulp (>= 2^-23) below 4; at y < 1 only its
+    sign matters. So ceil(y - u) is floor(y) + 1 exactly when u < y - floor(y), else floor(y): the
+    reference's decision for every 16-bit u, bit for bit (tested on every half-word, at u = f too,
+    where "up" must not be taken). + 0.0 turns ceil's -0.0 (y < u < 1) into 0. At a = 6: never up."""
     pbits = _binade_bits(a)
     y = a * ((255 << 23) - pbits).to(tl.float32, bitcast=True)                        # 2 / p
-    fl = tl.floor(y)
-    up = (r >> 8).to(tl.float32) < (y - fl) * 2.0 ** 24
-    return (fl + up.to(tl.float32)) * (pbits - (1 << 23)).to(tl.float32, bitcast=True)  # p / 2
+    u = ((r >> 9) | 0x3F800000).to(tl.float32, bitcast=True) - 1.0                   # exact
+    return (tl.ceil(y - u) + 0.0) * (pbits - (1 << 23)).to(tl.float32, bitcast=True)  # p / 2
 
 
 # SR's random bits (nvfp4.sr_uniforms): 16 per element, one Philox4x32-10 call (tl.randint4x,
@@ -273,8 +271,8 @@ def _random_words(seed, rows, n0, N, BM: tl.constexpr, BN: tl.constexpr):
     """(BM, BN) random words (for _sr_e2m1_value) for the elements (rows[i], n0 + j) of a row-major
     tensor with N columns, for 1x16 blocks: counter = element index // 8, so an eighth of tl.rand's
     Philox work and a draw that does not depend on the tiling. Raw bits, not tl.rand's floats
-    (_sr_e2m1_value compares their top 24 bits as an exact fp32 integer). n0 and N are multiples of
-    8 (of 16, in fact)."""
+    (_sr_e2m1_value builds its exact u from each word's high half). n0 and N are multiples of 8 (of
+    16, in fact)."""
     offs8 = rows[:, None] * (N // 8) + (n0 // 8 + tl.arange(0, BN // 8))[None, :]
     return _philox_halves(seed, offs8).reshape(BM, BN)
 

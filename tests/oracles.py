@@ -1,6 +1,7 @@
 """Test oracles that the product does not need (the layers read stored operands transposed instead; the
 kernels draw their own random bits)."""
 
+import torch
 import triton
 import triton.language as tl
 
@@ -15,8 +16,14 @@ def transposed(t):
                              t.global_scale, codes.shape, t.block[::-1])
 
 
+def uniforms16(shape, generator=None, device=None):
+    """Uniforms on the SR contract's grid, u = h * 2^-16 for 16 random bits h (nvfp4.sr_uniforms'),
+    from torch's generator: what the kernels' random words can carry (noise_bits)."""
+    return torch.randint(0, 2**16, shape, generator=generator).to(device) * 2.0**-16
+
+
 @triton.jit
 def noise_bits(u):
-    """Given uniforms u = k * 2^-24 (torch.rand's fp32 grid, k < 2^24) -> the 32 random bits
-    nvfp4_math._sr_e2m1_value reads: k << 8, exactly (the same decisions as the reference's u)."""
-    return (u * 2.0 ** 24).to(tl.uint32) << 8
+    """Given uniforms u = h * 2^-16 (uniforms16) -> the random word nvfp4_math._sr_e2m1_value reads:
+    h in the high half, exactly (the same decisions as the reference's u)."""
+    return (u * 2.0 ** 16).to(tl.uint32) << 16

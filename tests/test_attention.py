@@ -14,7 +14,7 @@ import attention
 import nvfp4
 from kernels import flash_attention as fa
 from kernels import nvfp4_math as nm
-from oracles import noise_bits
+from oracles import noise_bits, uniforms16
 
 FP4_POLICIES = ["fp4", "fp4_pv", "fp4_dov", "fp4_all"]
 
@@ -205,7 +205,7 @@ def test_forward_backward_consistency():
 def _quant_tile_kernel(X, U, OUT, AMAX, R: tl.constexpr, C: tl.constexpr, SR: tl.constexpr):
     r = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
     s_enc, s_dec = nm._global_scales(tl.load(AMAX), 448.0)
-    # uniforms on torch.rand's 2^-24 grid -> the random words the kernels draw (exactly the same
+    # uniforms on the contract's 2^-16 grid -> the random words the kernels draw (exactly the same
     # decisions)
     out = fa._fake_quant_rows16(tl.load(X + r), s_enc, s_dec,
                                 noise_bits(tl.load(U + r)), R, C, SR, True)
@@ -214,8 +214,9 @@ def _quant_tile_kernel(X, U, OUT, AMAX, R: tl.constexpr, C: tl.constexpr, SR: tl
 
 @triton.jit
 def _uniform_kernel(KEY, OUT, T, R: tl.constexpr, C: tl.constexpr, QUERY_PAIRS: tl.constexpr):
-    # the tile (R, C) is (queries, keys), or (keys, queries) with QUERY_PAIRS;
-    # u = (word >> 8) * 2^-24
+    # the tile (R, C) is (queries, keys), or (keys, queries) with QUERY_PAIRS; u read from 24
+    # bits, (word >> 8) * 2^-24: the reference's 16-bit u only if the low half is zero, as
+    # _sr_e2m1_value needs
     word = fa._ds_random_words(tl.load(KEY).to(tl.uint32, bitcast=True), tl.arange(0, R), 0, T,
                                R, C, QUERY_PAIRS)
     i = tl.arange(0, R)
@@ -241,7 +242,7 @@ def _hard_tile(R=8, C=64, seed=0, device="cpu"):
 def test_kernel_quantizer_matches_torch_mirror_bitwise(rounding):
     x = _hard_tile()
     amax = x.abs().amax()
-    u = torch.rand(x.shape, generator=torch.Generator().manual_seed(1))
+    u = uniforms16(x.shape, torch.Generator().manual_seed(1))
     out = torch.empty_like(x)
     _quant_tile_kernel[(1,)](x, u, out, amax.reshape(1), 8, 64, rounding == "sr")
     mirror = nvfp4.quantize_reference(x, (1, 16), rounding, global_amax=amax, uniforms=u)
@@ -414,7 +415,7 @@ def test_gpu_triton_equals_reference(policy):
 def test_gpu_kernel_quantizer_bitwise(rounding):
     x = _hard_tile(device="cuda")
     amax = x.abs().amax()
-    u = torch.rand(x.shape, device="cuda")
+    u = uniforms16(x.shape, device="cuda")
     out = torch.empty_like(x)
     _quant_tile_kernel[(1,)](x, u, out, amax.reshape(1), 8, 64, rounding == "sr")
     # mirror on the GPU

@@ -384,7 +384,7 @@ def _words_probe(out_ptr, seed, M, N, WHICH: tl.constexpr, BM: tl.constexpr, BN:
 @pytest.mark.parametrize("which, block", [(0, (1, 16)), (1, (1, 16)), (2, (16, 1))])
 def test_sr_words_are_the_references_half_words(which, block):
     """Every SR helper draws nvfp4.sr_uniforms' 16 bits per element, in the high half of its word
-    (the low half zero: _sr_e2m1_value reads u = (r >> 8) * 2^-24 = (r >> 16) * 2^-16)."""
+    (the low half zero: _sr_e2m1_value reads u = (r >> 16) * 2^-16 from bits 31..9)."""
     M, N, seed = 32, 64, 424242
     out = torch.zeros(M, N, dtype=torch.int32)
     _words_probe[(1,)](out, seed, M, N, which, M, N)
