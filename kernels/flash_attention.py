@@ -163,12 +163,12 @@ def _fmix32(x):
 @triton.jit
 def _ds_random_words(key, rows, c0, T, R: tl.constexpr, C: tl.constexpr, QUERY_PAIRS: tl.constexpr):
     """(R, C) random words for SR (nvfp4_math._sr_e2m1_value's: the uniform is
-    (word >> 16) * 2^-16, the low half zero) for a dS tile whose rows are `rows` and whose last dim runs over
-    c0 + arange(C) (c0 even), of the head whose stream key is `key` (uint32). 16 random bits per
-    element: the elements 2j and 2j + 1 along the last dim share one hash of the pair's (query,
-    key) counter, the even one taking its low half and the odd one its high half (half the
-    hashing; u is then a multiple of 2^-16, which biases a rounding decision by < 2^-16 of an E2M1
-    step).
+    (word >> 16) * 2^-16, the low half zero) for a dS tile whose rows are `rows` and whose last
+    dim runs over c0 + arange(C) (c0 even), of the head whose stream key is `key` (uint32). 16
+    random bits per element: the elements 2j and 2j + 1 along the last dim share one hash of the
+    pair's (query, key) counter, the even one taking its low half and the odd one its high half
+    (half the hashing; u is then a multiple of 2^-16, which biases a rounding decision by < 2^-16
+    of an E2M1 step).
     The tile is (queries, keys), or (keys, queries) when QUERY_PAIRS (dS^T in the dK/dV pass).
     attention.sr_uniforms draws the same u."""
     cols = c0 + 2 * tl.arange(0, C // 2)
@@ -672,8 +672,7 @@ def flash_backward(q, k, v, scales, do, lse, delta, do_dov, do_pdo, ds_amax, key
                  DKDV_CONFIG_QUANT_DS if quant_ds else DKDV_CONFIG, D)
     grid = (triton.cdiv(T, meta["BLOCK_N"]), B * Hkv)
     _attn_bwd_dkdv[grid](q, k, v, scales, do, do_dov, do_pdo, lse, delta, ds_amax, ds_inv, keys,
-                         dk, dv,
-                         T, H, H // Hkv, sm_scale * LOG2E, sm_scale,
+                         dk, dv, T, H, H // Hkv, sm_scale * LOG2E, sm_scale,
                          *_packed(qp, kp, vp, dovp, pdop), CAUSAL=causal,
                          QUANT_DS=quant_ds, QUANT_DOV=quant_dov, QUANT_PDO=quant_pdo,
                          FP4_MMA=fp4_mma, **meta)

@@ -576,12 +576,10 @@ def _global_amax(x3, hadamard, had_dim, block):
     the cols kernel's pre-pass, decoding it as its quantize pass will."""
     if not torch.is_tensor(x3):
         return _cols_launch(x3, None, hadamard, False, 0, amax_only=True)[0]
-    if had_dim == 0 and x3.is_contiguous():  # the rows kernel's pass: max |x| of any flat tensor
-        return _rows_launch(x3, None, None, False, 0, amax_only=True)
+    if had_dim < 2 and x3.is_contiguous():  # the rows kernel's pass (rotating rows' blocks or not)
+        return _rows_launch(x3, None, hadamard, False, 0, amax_only=True)
     if had_dim == 0:  # a strided view: max |x| without an |x| temporary
         return torch.linalg.vector_norm(x3, ord=float("inf"))
-    if _use_rows(x3, (1, 16) if had_dim == 1 else (16, 1)):  # the quantize kernel's own pass over x
-        return _rows_launch(x3, None, hadamard, False, 0, amax_only=True)
     if _use_cols(x3, (16, 1) if had_dim == 2 else (1, 16)):
         return _cols_launch(x3, None, hadamard, False, 0, amax_only=True)[0]
     return _amax_launch(x3, hadamard, had_dim, _tiles(block, x3), plain_too=False)[0]
