@@ -577,8 +577,9 @@ SM100_CONFIGS = {"fwd": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
                  "dkdv": dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
                  "dq": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)}
 # The forward's key tile is part of the fp4_pv / fp4_all numbers (P~ = exp(S - running max) is
-# quantized per tile), so the reference uses it too. Every other policy gives the same numbers for
-# any tiles.
+# quantized per tile), so the reference uses it too. Every other policy's values do not depend on
+# the tiles, its bits do: another forward tile changes O's last bits on the H200 (the MMA's shape
+# sets its summation order; docs/performance.md).
 P_BLOCK_N = FWD_CONFIG["BLOCK_N"]
 # The interpreter (CPU tests) runs small tiles: the same numbers, much faster. Chosen by
 # TRITON_INTERPRET (_interpreting), not by the tensors' device: Triton takes the interpreter for the

@@ -182,15 +182,17 @@ def speed(record):
     if call and call == compiled["measured"].get("call"):
         goals.append((fsc / fs, 1.1))
         over_eager = f" ({fsc / fs:.2f}× eager)"
-    # the 1b rows with CUDA graphs, where measured: each against the bf16 of its own call
+    # the 1b rows with CUDA graphs, where measured: each against the bf16 of its own call (compiled
+    # rows against bf16 --compile where their call ran it, else against bf16)
     graphed = []
-    for name, what, key, goal in (
-            ("fullstack_adamw_graphs", "… with `--cuda_graphs`", "bf16", 0.78),
-            ("fullstack_adamw_compile_graphs", "… with `--compile --cuda_graphs`", "bf16_compile",
-             None),
-            ("fullstack_root_graphs", "`1b` `fullstack`/Root, `--cuda_graphs`", "bf16", None)):
+    for name, what, keys, goal in (
+            ("fullstack_adamw_graphs", "… with `--cuda_graphs`", ("bf16",), 0.78),
+            ("fullstack_adamw_compile_graphs", "… with `--compile --cuda_graphs`",
+             ("bf16_compile", "bf16"), None),
+            ("fullstack_root_graphs", "`1b` `fullstack`/Root, `--cuda_graphs`", ("bf16",), None)):
         r = rows.get(f"1b_{name}")
-        if r is None or "error" in r or f"vs_{key}" not in r:
+        key = next((k for k in keys if r is not None and f"vs_{k}" in r), None)
+        if r is None or "error" in r or key is None:
             continue
         used.append(r)
         if goal is not None:
