@@ -135,7 +135,7 @@ def _quant_rows16(x, s_enc, s_dec, R: tl.constexpr, C: tl.constexpr):
     helpers)."""
     xb = tl.reshape(x, (R, 1, C // 16, 16))
     a, _, bits, q = nvfp4_math._scale_blocks(tl.abs(xb), s_enc, s_dec, R, 1, C // 16, 16, False)
-    codes = nvfp4_math._pack_codes(q, xb, a, R, C // 2, 2).to(tl.uint8)
+    codes = nvfp4_math._pack_codes(q, nvfp4_math._sign_bits(xb, a), R, C // 2, 2).to(tl.uint8)
     return codes, bits.to(tl.float8e4nv, bitcast=True)
 
 

@@ -201,22 +201,31 @@ def _decode_e2m1(top, s_b, s_g):
 
 
 @triton.jit
-def _with_sign(q, neg):
-    """q >= 0 with the sign bit set where `neg` (the code's sign bit): -q is 0 - q in Triton, which
-    turns a negative code's -0.0 into +0.0, so set the fp32 sign bit instead."""
-    return (q.to(tl.int32, bitcast=True) | (neg.to(tl.int32) << 31)).to(tl.float32, bitcast=True)
+def _sign_bits(x, a):
+    """uint32 with bit 31 set where x < 0 and a > 0 (a code's sign bit: a negative x that scales to
+    a > 0; -0.0, and an x whose a is 0, get a + code, as nvfp4.quantize). a >= 0 is +0.0 or
+    positive, so 0 - a's bits has bit 31 set exactly where a > 0, and there x's bit 31 is x < 0:
+    a negation and one bit operation instead of two compares."""
+    return x.to(tl.uint32, bitcast=True) & (0 - a.to(tl.uint32, bitcast=True)) & 0x80000000
 
 
 @triton.jit
-def _pack_codes(q, x, a, S0: tl.constexpr, S1: tl.constexpr, N: tl.constexpr):
-    """The stored codes of S0 * S1 * N elements (q, x, a: any shapes holding them in row-major
-    order): the E2M1 index of the magnitude q (_e2m1_index) with bit 3 the sign of x where its
-    scaled magnitude a > 0 (-0.0, and an x whose a is 0, get a + code, as nvfp4.quantize), N (2, 8
-    or 16) consecutive codes along the last dim packed into one integer, element k in nibble k (the
-    even element in a byte's low nibble, as stored) -> (S0, S1) uint32 (N = 2: a byte; 8: a word)
-    or int64 (16). Pair by pair, by splits: a block's codes stay in the thread that holds them."""
-    neg = (x.reshape(S0, S1 * N // 2, 2) < 0) & (a.reshape(S0, S1 * N // 2, 2) > 0)
-    code = _e2m1_index(q.reshape(S0, S1 * N // 2, 2)).to(tl.uint32) | (neg.to(tl.uint32) << 3)
+def _with_sign(v, sign):
+    """v >= 0 with the fp32 sign bit set from sign (_sign_bits): -v is 0 - v in Triton, which turns
+    a negative code's -0.0 into +0.0."""
+    return (v.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pack_codes(q, sign, S0: tl.constexpr, S1: tl.constexpr, N: tl.constexpr):
+    """The stored codes of S0 * S1 * N elements (q, sign: any shapes holding them in row-major
+    order): the E2M1 index of the magnitude q (_e2m1_index) with bit 3 from sign (_sign_bits),
+    N (2, 8 or 16) consecutive codes along the last dim packed into one integer, element k in
+    nibble k (the even element in a byte's low nibble, as stored) -> (S0, S1) uint32 (N = 2: a
+    byte; 8: a word) or int64 (16). Pair by pair, by splits: a block's codes stay in the thread
+    that holds them."""
+    code = (_e2m1_index(q.reshape(S0, S1 * N // 2, 2)).to(tl.uint32)
+            | (sign.reshape(S0, S1 * N // 2, 2) >> 28))
     for i in tl.static_range(4):  # pairs of nibbles, of bytes, of half-words, of words
         if (2 << i) <= N:
             lo, hi = tl.split(code.reshape(S0, S1 * (N >> (i + 1)), 2))

@@ -49,7 +49,7 @@ from kernels.nvfp4_dequant import dequantize
 from kernels.nvfp4_math import (
     E4M3_MAX, E4M3_MAX_46, TRITON_VERSION, _block_random_words, _column_random_words, _decode_e2m1,
     _e4m3_value, _global_scales, _hadamard16, _load_tile, _pack_codes, _random_words, _rotate,
-    _round_to_bf16, _scale_blocks, _sr_e2m1_value, _with_sign, on_gpu)
+    _round_to_bf16, _scale_blocks, _sign_bits, _sr_e2m1_value, _with_sign, on_gpu)
 
 # The block shapes these kernels lay out and the roundings they take: the spec's nvfp4.BLOCKS and
 # nvfp4.ROUNDINGS (nvfp4.quantize checks the rounding; the input's shape and values are checked
@@ -145,9 +145,12 @@ def _quantize_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, 
         else:  # counter-based: independent of the tiling
             rand = _random_words(tl.load(seed_ptr), pid_b * M + offs_m, n0, N, BM, BN)
         q = _sr_e2m1_value(a, rand.reshape(BM // SBM, SBM, BN // SBN, SBN))
+    # _sign_bits' bits by compares: a thread here holds up to 64 elements, and keeping x itself
+    # until the end instead of its compare spills (sm_90: 272 -> 384 bytes with 4/6)
+    sign = ((x < 0) & (a.reshape(BM, BN) > 0)).to(tl.uint32) << 31
 
     if WRITE_CODES:
-        packed = _pack_codes(q, x, a, BM, BN // 2, 2).to(tl.uint8)  # two per byte along the row
+        packed = _pack_codes(q, sign, BM, BN // 2, 2).to(tl.uint8)  # two per byte along the row
         offs_c = n0 // 2 + tl.arange(0, BN // 2)
         cptrs = codes_ptr + (pid_b.to(tl.int64) * M + offs_m[:, None]) * (N // 2) + offs_c[None, :]
         tl.store(cptrs, packed, mask=(offs_m[:, None] < M) & (offs_c[None, :] < N // 2))
@@ -158,8 +161,7 @@ def _quantize_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, 
         tl.store(sptrs, bits, mask=(offs_sm[:, None] < M // SBM) & (offs_sn[None, :] < N // SBN))
     if WRITE_VALUES:
         # q * s_b: at most 6 significant bits and within bf16's range, so the bf16 store is exact
-        q = _with_sign((q * s_b[:, None, :, None]).reshape(BM, BN),
-                       (x < 0) & (a.reshape(BM, BN) > 0))
+        q = _with_sign((q * s_b[:, None, :, None]).reshape(BM, BN), sign)
         vrows = (pid_b.to(tl.int64) * M + offs_m[:, None]) * ld_values
         tl.store(values_ptr + vrows + offs_n[None, :], q.to(tl.bfloat16), mask=mask)
 
@@ -273,13 +275,14 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
                 q.reshape(NB, 2, 8)
             if SR:  # the flat tensor as rows of 16 elements: the counters element index // 8
                 q = _sr_e2m1_value(a, _block_random_words(tl.load(seed_ptr), base + blk, NB))
+            sign = _sign_bits(x, a)
             if WRITE_CODES:
-                words = _pack_codes(q, x, a, NB, 2, 8).to(tl.int32, bitcast=True)  # (NB, 2)
+                words = _pack_codes(q, sign, NB, 2, 8).to(tl.int32, bitcast=True)  # (NB, 2)
                 tl.store(codes_ptr + base * 2 + blk[:, None] * 2 + tl.arange(0, 2)[None, :], words,
                          mask=bmask[:, None])
                 tl.store(scales_ptr + base + blk, bits, mask=bmask)
             if WRITE_VALUES:
-                q = _with_sign(q * s_b[:, None, None], (x < 0) & (a > 0))
+                q = _with_sign(q * s_b[:, None, None], sign)
                 vptr, voffs = _rows_values_at(values_ptr, base, blk, offs, ld_values, ROW_BLOCKS)
                 _store_by_blocks(vptr, voffs, q.to(tl.bfloat16), mask)
     if AMAX_ONLY:
@@ -367,8 +370,9 @@ def _quantize_cols_kernel(x_ptr, xs_ptr, xgs_ptr, h_ptr, amax_ptr, gs_out_ptr, c
             # row 8i + 4a + 2b + h
             rand = tl.permute(rand, (0, 1, 3, 4, 5, 2)).reshape(C, 16, 2)
             q = _sr_e2m1_value(a, rand)
+        sign = _sign_bits(xr, a)
         if WRITE_CODES:
-            packed = _pack_codes(q, xr, a, C, 16, 2).to(tl.uint8)  # even / odd column: (C, 16)
+            packed = _pack_codes(q, sign, C, 16, 2).to(tl.uint8)  # even / odd column: (C, 16)
             _store_by_blocks(codes_ptr + r0 * (N // 2),
                              tl.max_contiguous(row * (N // 2) + (n0 // 2 + pair), [1, 1, 1]),
                              packed.reshape(C, 16, 1), (n0 // 2 + pair < N // 2) & (row < 16))
@@ -376,7 +380,7 @@ def _quantize_cols_kernel(x_ptr, xs_ptr, xgs_ptr, h_ptr, amax_ptr, gs_out_ptr, c
             tl.store(scales_ptr + (pid_b.to(tl.int64) * (M // 16) + pid_m) * N + scol, bits,
                      mask=scol < N)
         if WRITE_VALUES:  # q * s_b, exact in bf16
-            q = _with_sign(q * s_b[:, None, :], (xr < 0) & (a > 0))
+            q = _with_sign(q * s_b[:, None, :], sign)
             _store_by_blocks(values_ptr + r0 * ld_values, row * ld_values + col,
                              q.to(tl.bfloat16), mask)
 

@@ -43,7 +43,7 @@ import triton.language as tl
 
 from kernels.nvfp4_math import (E4M3_MAX_46, _butterfly16, _decode_e2m1, _div_by, _e4m3_value,
                                 _global_scales, _pack_codes, _random_words, _scale_blocks,
-                                _sr_e2m1_value)
+                                _sign_bits, _sr_e2m1_value)
 from kernels.nvfp4_quant import _exact_fma, seed_tensor
 
 
@@ -172,7 +172,7 @@ def _encode(x, s_enc, s_dec, rand, codes_ptr, scales_ptr, blk, rmask, SR: tl.con
     a = a.reshape(BM, BN // 16, 16)
     if SR:
         q = _sr_e2m1_value(a, rand.reshape(BM, BN // 16, 16))
-    w = _pack_codes(q, x, a, BM, BN // 16, 16)  # a block's 16 codes: one int64, as _decode reads
+    w = _pack_codes(q, _sign_bits(x, a.reshape(BM, BN)), BM, BN // 16, 16)  # one int64 a block
     tl.store(codes_ptr.to(tl.pointer_type(tl.int64)) + blk, w, mask=rmask)
     tl.store(scales_ptr + blk, bits, mask=rmask)
 
