@@ -9,6 +9,7 @@ are per element).
     python bench/attention_tiles.py                                 # dK/dV candidates, fp4
     python bench/attention_tiles.py --pass dq                       # dQ candidates
     python bench/attention_tiles.py --tiles 32x64x4x3,16x128x8x2 --policy fp4_all
+    python bench/attention_tiles.py --pass dq --tiles 64x32x4x2r168 # a register cap (maxnreg)
     python bench/attention_tiles.py --dry_run                       # CPU smoke run, no timing
 
 The dK/dV candidates: the committed tiles, those that compile for sm_90 without a spill under
@@ -18,6 +19,11 @@ committed tiles' 44 instructions a dS element with half their spill. The dQ cand
 committed 64x32 and the neighbours whose loop stays near its 38 (32x64 on 4 warps, 64x64 on 8 take
 about twice: left out); 128x64 on 8 warps and 64x64 on 4 take 35 but fit one block an SM; 32x32 on
 4 warps, smaller, fits more blocks an SM (Dec 4 counts, with dS's element-scale table).
+
+A tile may end in rR: Triton's register cap (maxnreg) R. The passes run far below the SM's issue
+rate (the dQ pass at ~40% of it on the H200) with two blocks of 4 warps an SM; 64x32 on 4 warps
+with 2 stages takes 66 KB of shared memory and, capped at 168 registers, compiles without a spill
+(sm_90, Triton 3.6): three blocks an SM.
 """
 
 import argparse
@@ -45,12 +51,21 @@ GRADIENT = {"dkdv": 1, "dq": 0}  # the gradient each pass writes: dK, dQ
 KERNEL = {"dkdv": "_attn_bwd_dkdv", "dq": "_attn_bwd_dq"}  # the pass's kernel, by its name
 
 
+def tile(spec):
+    """'64x32x4x2' or '64x32x4x2r168' -> the launch config: tiles, warps, stages[, maxnreg]."""
+    shape, r, cap = spec.partition("r")
+    bm, bn, warps, stages = (int(v) for v in shape.split("x"))
+    cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+    return dict(cfg, maxnreg=int(cap)) if r else cfg
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
     p.add_argument("--pass", dest="pass_", default="dkdv", choices=sorted(CONFIG),
                    help="which backward pass's tiles")
     p.add_argument("--tiles", default=None, help="comma-separated "
-                   "BLOCK_MxBLOCK_Nxnum_warpsxnum_stages of that pass (default: its candidates)")
+                   "BLOCK_MxBLOCK_Nxnum_warpsxnum_stages[rMAXNREG] of that pass (default: its "
+                   "candidates)")
     p.add_argument("--policy", default="fp4", choices=[p for p in attention.POLICIES
                                                        if p != "bf16"])
     p.add_argument("--dry_run", action="store_true", help="tiny shapes on the CPU's interpreter "
@@ -58,11 +73,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     args.tiles = args.tiles or CANDIDATES[args.pass_]
     try:
-        tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
-        assert all(len(t) == 4 for t in tiles)
+        tiles = [tile(t) for t in args.tiles.split(",")]
     except (ValueError, AssertionError):
-        print(f"attention_tiles.py: --tiles {args.tiles!r} is not BLOCK_MxBLOCK_Nxwarpsxstages,...",
-              file=sys.stderr)
+        print(f"attention_tiles.py: --tiles {args.tiles!r} is not "
+              "BLOCK_MxBLOCK_Nxwarpsxstages[rMAXNREG],...", file=sys.stderr)
         sys.exit(2)
     device = "cpu" if args.dry_run else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
@@ -91,19 +105,21 @@ def main(argv=None):
           f"SDPA default dispatch {sdpa_ms:.3f} ms, its kernels {sdpa_kernels:.3f} ms")
     # ms: a call's wall time, which the host's launches can set (the FP4 call's host time is
     # near its GPU time); kernels: the GPU's own time, the one to choose tiles by
-    print(f"| {args.pass_} tiles (M, N, warps, stages) | ms | kernels ms | {KERNEL[args.pass_]} ms "
+    print(f"| {args.pass_} tiles (M, N, warps, stages[, register cap]) | ms | kernels ms "
+          f"| {KERNEL[args.pass_]} ms "
           f"| kernels vs SDPA's | max |{grad} - committed's| / max |{grad}| |")
     print("|---|---|---|---|---|---|")
     try:
-        for bm, bn, warps, stages in tiles:
-            setattr(flash_attention, name, dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
-                                                num_stages=stages))
+        for cfg in tiles:
+            setattr(flash_attention, name, cfg)
             torch.manual_seed(1)
             got = run()[g].float()
             diff = ((got - want).abs().max() / want.abs().max()).item()
             ms, kms = time_ms(run, device), kernel_ms(run, device)
             pass_ms = kernel_ms(run, device, name=KERNEL[args.pass_])
-            print(f"| {bm} x {bn}, {warps}, {stages} | {ms:.3f} | {kms:.3f} | {pass_ms:.3f} | "
+            cap = f", {cfg['maxnreg']} regs" if "maxnreg" in cfg else ""
+            print(f"| {cfg['BLOCK_M']} x {cfg['BLOCK_N']}, {cfg['num_warps']}, {cfg['num_stages']}"
+                  f"{cap} | {ms:.3f} | {kms:.3f} | {pass_ms:.3f} | "
                   f"{sdpa_kernels / kms if kms else 0:.2f}x | {diff:.1e} |", flush=True)
     finally:
         setattr(flash_attention, name, committed)

@@ -123,11 +123,13 @@ def test_attention_tiles_gives_each_candidate_the_same_draws_and_rejects_bad_til
         assert len(rows) == 2 and all(r.rstrip(" |").endswith("0.0e+00") for r in rows), proc.stdout
 
     assert_same_gradients(run("--tiles", "32x64x4x3,16x128x8x2"), ("| 32 x 64", "| 16 x 128"))
-    proc = run("--pass", "dq", "--tiles", "64x32x4x4,32x64x4x3")  # the dQ pass's tiles, dQ compared
+    # the dQ pass's tiles, dQ compared; a register cap reaches the launch (and its row)
+    proc = run("--pass", "dq", "--tiles", "64x32x4x4,32x64x4x3r168")
     assert "| dq tiles" in proc.stdout and "max |dQ - committed's|" in proc.stdout
-    assert_same_gradients(proc, ("| 64 x 32", "| 32 x 64"))
-    proc = run("--tiles", "32x64")
-    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "32x64" in proc.stderr
+    assert_same_gradients(proc, ("| 64 x 32, 4, 4 |", "| 32 x 64, 4, 3, 168 regs |"))
+    for bad in ("32x64", "32x64x4x3r"):
+        proc = run("--tiles", bad)
+        assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and bad in proc.stderr
 
 
 def test_fingerprint_is_stable_and_sees_a_changed_bit(monkeypatch):
