@@ -14,16 +14,14 @@ are per element).
 
 The dK/dV candidates: the committed tiles, those that compile for sm_90 without a spill under
 Triton 3.6 and 3.9 (tests/compile_for_target.py 90 --sass; the committed 32x64 on 4 warps spills),
-and 32x128 on 8 warps, whose unmasked loop (compile_for_target's `loop`, sm_90, Triton 3.6) is the
-committed tiles' 44 instructions a dS element with half their spill. The dQ candidates: the
-committed 64x32 and the neighbours whose loop stays near its 38 (32x64 on 4 warps, 64x64 on 8 take
-about twice: left out); 128x64 on 8 warps and 64x64 on 4 take 35 but fit one block an SM; 32x32 on
-4 warps, smaller, fits more blocks an SM (Dec 4 counts, with dS's element-scale table).
+and 32x128 on 8 warps, whose unmasked loop (compile_for_target's `loop`) costs the committed
+tiles' instructions a dS element with less spill. The dQ candidates: the committed 64x32 and the
+neighbours whose loop stays near its length per element (32x64 on 4 warps, 64x64 on 8 take about
+twice: left out); 128x64 on 8 warps and 64x64 on 4 fit one block an SM; 32x32 on 4 warps,
+smaller, fits more (docs/performance.md has the counts).
 
-A tile may end in rR: Triton's register cap (maxnreg) R. The passes run far below the SM's issue
-rate (the dQ pass at ~40% of it on the H200) with two blocks of 4 warps an SM; 64x32 on 4 warps
-with 2 stages takes 66 KB of shared memory and, capped at 168 registers, compiles without a spill
-(sm_90, Triton 3.6): three blocks an SM.
+A tile may end in rR: Triton's register cap (maxnreg) R, to fit more blocks an SM where registers
+are what limits them (the passes are latency-bound: docs/performance.md).
 """
 
 import argparse

@@ -51,7 +51,6 @@ def _interpreting():
 
 # P's encode scale: amax(P) <= 1 (attention.P_GLOBAL_SCALE is its S_dec)
 P_S_ENC = tl.constexpr(nvfp4_math.E4M3_MAX * nvfp4_math.FP4_MAX)
-SIGN_BIT = tl.constexpr(-2**31)   # an fp32's sign bit, as int32
 # Triton 3.6 fails to compile, for sm_100a, a block-scaled MMA into a fresh zero accumulator inside
 # a loop (TritonGPUOptimizeAccumulatorInit: "'ttng.tmem_alloc' op uninitialized alloc must have a
 # mutable memdesc type"; also with no accumulator); a zero it cannot fold compiles. 3.9 takes the
@@ -199,8 +198,7 @@ def _fake_quant_rows16(x, s_enc, s_dec, r, R: tl.constexpr, C: tl.constexpr, SR:
         q = nvfp4_math._sr_e2m1_value(a, tl.reshape(r, (R, 1, C // 16, 16)))
     v = q * s_b[:, None, :, None]
     if SIGNED:
-        v = (v.to(tl.int32, bitcast=True) | (xb.to(tl.int32, bitcast=True) & SIGN_BIT)).to(
-            tl.float32, bitcast=True)
+        v = nvfp4_math._with_sign(v, xb.to(tl.uint32, bitcast=True) & 0x80000000)
     return tl.reshape(v, (R, C))
 
 
@@ -531,7 +529,7 @@ def _ds_inv_table_kernel(SGDS, DSINV):
     """dS's element scale for each of the 128 E4M3 block-scale codes, per (batch, head) from its
     S_dec (nvfp4_math._element_scale: the same correctly rounded reciprocal): the backward passes
     look a block's up by its code (_fake_quant_rows16's inv_table) where the four threads holding
-    the block would each divide: 12% fewer instructions in their loops (docs/performance.md)."""
+    the block would each divide (docs/performance.md counts the loops)."""
     bh = tl.program_id(0)
     _, s_dec = nvfp4_math._global_scales(tl.load(SGDS + bh), nvfp4_math.E4M3_MAX)
     codes = tl.arange(0, 128)

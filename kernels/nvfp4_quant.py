@@ -146,7 +146,7 @@ def _quantize_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_ptr, 
             rand = _random_words(tl.load(seed_ptr), pid_b * M + offs_m, n0, N, BM, BN)
         q = _sr_e2m1_value(a, rand.reshape(BM // SBM, SBM, BN // SBN, SBN))
     # _sign_bits' bits by compares: a thread here holds up to 64 elements, and keeping x itself
-    # until the end instead of its compare spills (sm_90: 272 -> 384 bytes with 4/6)
+    # until the end instead of its compare spills more with 4/6 (docs/performance.md)
     sign = ((x < 0) & (a.reshape(BM, BN) > 0)).to(tl.uint32) << 31
 
     if WRITE_CODES:
