@@ -43,7 +43,7 @@ from kernels import flash_attention  # noqa: E402
 from layers import kernel_ms, time_ms  # noqa: E402
 
 CANDIDATES = {"dkdv": "32x64x4x3,32x128x8x2,16x128x8x2,64x32x8x2,16x64x8x2,32x32x8x2",
-              "dq": "64x32x4x4,64x32x4x3,128x32x8x3,128x64x8x2,64x64x4x3,32x32x4x4"}
+              "dq": "64x32x4x2r168,64x32x4x4,64x32x4x3,128x32x8x3,128x64x8x2,64x64x4x3"}
 CONFIG = {"dkdv": "DKDV_CONFIG_QUANT_DS", "dq": "DQ_CONFIG_QUANT_DS"}  # flash_attention's names
 GRADIENT = {"dkdv": 1, "dq": 0}  # the gradient each pass writes: dK, dQ
 KERNEL = {"dkdv": "_attn_bwd_dkdv", "dq": "_attn_bwd_dq"}  # the pass's kernel, by its name

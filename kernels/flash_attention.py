@@ -565,9 +565,10 @@ DQ_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
 DQ_CONFIG_100KB = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
 # Passes that quantize dS in registers take smaller tiles on 4 warps: the quantizer's temporaries
 # next to large dK/dV accumulators spill, and a thread holds 4 elements of every 16-element block
-# whatever the tile size.
+# whatever the tile size. The dQ pass is latency-bound at two programs an SM: its register cap
+# (maxnreg, 166 used, nothing spilled on sm_90) and two stages (66 KB of shared memory) fit three.
 DKDV_CONFIG_QUANT_DS = dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3)
-DQ_CONFIG_QUANT_DS = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=4)
+DQ_CONFIG_QUANT_DS = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2, maxnreg=168)
 # FP4_MMA (Blackwell): tl.dot_scaled lowers to the block-scaled FP4 MMA only for 128 rows (tiles of
 # 64 rows compile to a bf16 MMA on upcast operands), and P^T dO (fp4_all) contracts over the query
 # tile, which must hold the MMA's K step (64). Untuned: not run on a Blackwell GPU.
