@@ -168,16 +168,19 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, policy: str
     return o, lse, *fp4
 
 
-def _ds_bound(do, do_dov, do_norm, delta, vq):
-    """dS in NVFP4 (§3.5, SR): its stream keys (one seed drawn on the device, nvfp4.sr_seed) and
-    ds_bound."""
+def _ds_inputs(do, do_dov, do_norm, delta, vq, kernels):
+    """dS in NVFP4 (§3.5, SR): its bound ds_bound and its stream keys (one seed drawn on the
+    device, nvfp4.sr_seed); on the kernels the same bits from flash_attention.ds_setup in one
+    launch, with the element-scale tables the passes read."""
     B, H, T, D = do.shape
     seed = nvfp4.sr_seed(device=do.device)
-    keys = sr_keys(seed, B * H, device=do.device).reshape(B, H, 2)
     do_eff_norm = do_dov.dequantize().norm(dim=-1) if do_dov is not None else do_norm
+    if kernels:
+        return flash_attention.ds_setup(seed, do_eff_norm, delta, vq.global_scale, D)
+    keys = sr_keys(seed, B * H, device=do.device).reshape(B, H, 2)
     # >= every |V_hat| (s_b <= 448)
     v_amax = vq.global_scale * (nvfp4.E4M3_MAX * nvfp4.FP4_MAX)
-    return keys, ds_bound(do_eff_norm, v_amax, delta, D, H // vq.shape[1])
+    return ds_bound(do_eff_norm, v_amax, delta, D, H // vq.shape[1]), keys
 
 
 def attention_backward(do, o, lse, fp4, qkv, causal, policy):
@@ -201,7 +204,7 @@ def attention_backward(do, o, lse, fp4, qkv, causal, policy):
     else:
         delta = (o.float() * do.float()).sum(-1)
         do_norm = do.float().norm(dim=-1)
-    keys, ds_amax = _ds_bound(do, do_dov, do_norm, delta, fp4[2]) if pol["ds"] else (None, None)
+    ds = _ds_inputs(do, do_dov, do_norm, delta, fp4[2], kernels) if pol["ds"] else None
     if kernels:
         if pol["qkv"]:
             ops = [grid_values_bf16(t) for t in fp4]
@@ -215,11 +218,11 @@ def attention_backward(do, o, lse, fp4, qkv, causal, policy):
             *ops, scales, do, lse, delta,
             do_dov.grid_values().to(dtype) if pol["dov"] else None,
             do_pdo.grid_values()[:, :, :T].to(dtype) if pol["pdo"] else None,
-            None if ds_amax is None else ds_amax.reshape(-1),
-            None if keys is None else keys.reshape(-1, 2), causal, sm_scale, dtype,
+            ds, causal, sm_scale, dtype,
             packed=(*fp4, do_dov, do_pdo) if pol["qkv"] else None)
     else:
         ops = [t.dequantize() for t in fp4] if pol["qkv"] else [x.float() for x in qkv]
+        ds_amax, keys = ds if ds is not None else (None, None)
         dq, dk, dv = reference_backward(
             *ops, o, lse, do, causal, sm_scale, dtype,
             do_dov=do_dov.dequantize() if pol["dov"] else None,

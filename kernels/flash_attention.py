@@ -35,6 +35,8 @@ forward saves lse2 = m + log2(l) per row and the backward recomputes P = exp2(S2
 """
 
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -189,7 +191,7 @@ def _fake_quant_rows16(x, s_enc, s_dec, r, R: tl.constexpr, C: tl.constexpr, SR:
     SIGNED: x may be negative (dS; P >= 0 is not): x's sign bit is set on q * s_b >= 0, one bit
     operation instead of a compare and select (docs/performance.md), so an x < 0 that rounds to
     zero gives -0.0 where the reference gives +0.0: the same products in the dots the tile feeds.
-    inv_table: None, or the (128,) element scales of s_dec by E4M3 code (_ds_inv_table_kernel),
+    inv_table: None, or the (128,) element scales of s_dec by E4M3 code (_ds_setup_kernel),
     looked up instead of a division per block in each of the four threads holding it."""
     xb = tl.reshape(x, (R, 1, C // 16, 16))
     a, s_b, _, q = nvfp4_math._scale_blocks(tl.abs(xb), s_enc, s_dec, R, 1, C // 16, 16, False,
@@ -395,7 +397,7 @@ def _attn_bwd_dkdv(Q, K, V, SG, DO, DOQ, DOT, LSE, DELTA, SGDS, DSINV, KEYS, DK,
         # from dS's bound
         se_ds, sg_ds = nvfp4_math._global_scales(tl.load(SGDS + bh), nvfp4_math.E4M3_MAX)
         ds_inv = None
-        if QUANT_DS:  # its element scales by E4M3 code (_ds_inv_table_kernel)
+        if QUANT_DS:  # its element scales by E4M3 code (_ds_setup_kernel)
             ds_inv = tl.load(DSINV + bh * 128 + tl.arange(0, 128))
         key = tl.load(KEYS + 2 * bh + 1).to(tl.uint32, bitcast=True)
         dk = dk * tl.div_rn(sg_prev, sg_ds)
@@ -511,7 +513,7 @@ def _attn_bwd_dq(Q, K, V, SG, DO, LSE, DELTA, SGDS, DSINV, KEYS, DQ, T, H, G, qk
         lo = (T // BLOCK_N) * BLOCK_N
         hi = T
     ds_inv = None
-    if QUANT_DS:  # dS's element scales by E4M3 code (_ds_inv_table_kernel)
+    if QUANT_DS:  # dS's element scales by E4M3 code (_ds_setup_kernel)
         ds_inv = tl.load(DSINV + bh * 128 + tl.arange(0, 128))
     dq = _dq_inner(dq, q, do, lse, delta, K, V, key, 0, lo, offs_m, T, s_scale, sg_dp, se_ds, sg_ds,
                    ds_inv, qc, qs, doc, dos, KC, KS, VC, VS, D, BLOCK_M, BLOCK_N, False, CAUSAL,
@@ -525,16 +527,44 @@ def _attn_bwd_dq(Q, K, V, SG, DO, LSE, DELTA, SGDS, DSINV, KEYS, DQ, T, H, G, qk
 
 
 @triton.jit
-def _ds_inv_table_kernel(SGDS, DSINV):
-    """dS's element scale for each of the 128 E4M3 block-scale codes, per (batch, head) from its
-    S_dec (nvfp4_math._element_scale: the same correctly rounded reciprocal): the backward passes
-    look a block's up by its code (_fake_quant_rows16's inv_table) where the four threads holding
-    the block would each divide (docs/performance.md counts the loops)."""
+def _ds_setup_kernel(SEED, DONORM, DELTA, SGV, SGDS, KEYS, DSINV, T, sqrt_d,
+                     BLOCK_T: tl.constexpr):
+    """What dS's SR quantization needs before the passes, per (batch, head), in one launch instead of
+    about twenty small torch ops (their launches cost more than their work):
+    - SGDS: dS's bound (attention.ds_bound), max_i ||dO_i|| * (sqrt(D) * amax(V)) + max_i |D_i|,
+      amax(V) = s_g(V) * 448 * 6 >= every |V_hat|; the same fp32 products and sum (the launch
+      disables FMA contraction), maxima that propagate NaN as torch's amax does;
+    - KEYS: the two SR stream keys (attention.sr_keys), fmix32(seed * golden + i), i = 2 bh, 2 bh + 1;
+    - DSINV: the element scale for each of the 128 E4M3 block-scale codes from the bound's S_dec
+      (nvfp4_math._element_scale: the same correctly rounded reciprocal); the passes look a block's
+      up by its code (_fake_quant_rows16's inv_table) where the four threads holding the block
+      would each divide (docs/performance.md counts the loops)."""
     bh = tl.program_id(0)
-    _, s_dec = nvfp4_math._global_scales(tl.load(SGDS + bh), nvfp4_math.E4M3_MAX)
+    row = bh.to(tl.int64) * T
+    norm_max = tl.zeros((BLOCK_T,), tl.float32)
+    delta_max = tl.zeros((BLOCK_T,), tl.float32)
+    for t0 in range(0, T, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        norm = tl.load(DONORM + row + t, mask=t < T, other=0.0)
+        delta = tl.abs(tl.load(DELTA + row + t, mask=t < T, other=0.0))
+        norm_max = tl.maximum(norm_max, norm, propagate_nan=tl.PropagateNan.ALL)
+        delta_max = tl.maximum(delta_max, delta, propagate_nan=tl.PropagateNan.ALL)
+    v_amax = tl.load(SGV) * P_S_ENC
+    bound = (tl.reduce(norm_max, 0, _max_nan) * (sqrt_d * v_amax)
+             + tl.reduce(delta_max, 0, _max_nan))
+    tl.store(SGDS + bh, bound)
+    i = 2 * bh + tl.arange(0, 2)
+    keys = _fmix32(tl.load(SEED).to(tl.uint32) * 0x9E3779B9 + i.to(tl.uint32))
+    tl.store(KEYS + i, keys.to(tl.int32, bitcast=True))
+    _, s_dec = nvfp4_math._global_scales(bound, nvfp4_math.E4M3_MAX)
     codes = tl.arange(0, 128)
     _, inv = nvfp4_math._element_scale(nvfp4_math._e4m3_value(codes.to(tl.uint8)), s_dec)
     tl.store(DSINV + bh * 128 + codes, inv)
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -607,9 +637,21 @@ def _packed(*tensors):
             for x in ((None, None) if t is None else (t.codes.contiguous(), t.scales.contiguous()))]
 
 
-def as_int32(keys):
-    """uint32 values held in int64 -> the same bits as int32 (the kernels bitcast them back)."""
-    return torch.where(keys >= 2**31, keys - 2**32, keys).to(torch.int32).contiguous()
+def ds_setup(seed, do_norm, delta, v_global_scale, D):
+    """dS's SR quantization inputs (_ds_setup_kernel): seed, a 0-d int64 tensor on the device
+    (nvfp4.sr_seed); do_norm (B, H, T) fp32: the row norms of the dO that enters dP; delta
+    (B, H, T) fp32; v_global_scale: V's 0-d fp32 s_g; D: the head dim. -> (ds_amax (B*H,) fp32,
+    the bounds attention.ds_bound gives; keys (B*H, 2) int32, the bits of attention.sr_keys;
+    ds_inv (B*H, 128) fp32, the element scales by block-scale code)."""
+    B, H, T = delta.shape
+    dev = delta.device
+    ds_amax = torch.empty(B * H, device=dev, dtype=torch.float32)
+    keys = torch.empty(B * H, 2, device=dev, dtype=torch.int32)
+    ds_inv = torch.empty(B * H, 128, device=dev, dtype=torch.float32)
+    _ds_setup_kernel[(B * H,)](seed, do_norm.contiguous(), delta.contiguous(), v_global_scale,
+                               ds_amax, keys, ds_inv, T, math.sqrt(D),
+                               BLOCK_T=256 if _interpreting() else 1024, enable_fp_fusion=False)
+    return ds_amax, keys, ds_inv
 
 
 def flash_forward(q, k, v, scales, causal, sm_scale, quant_p, dtype, packed=None):
@@ -637,13 +679,12 @@ def flash_forward(q, k, v, scales, causal, sm_scale, quant_p, dtype, packed=None
     return o, lse
 
 
-def flash_backward(q, k, v, scales, do, lse, delta, do_dov, do_pdo, ds_amax, keys, causal, sm_scale,
-                   dtype, packed=None):
+def flash_backward(q, k, v, scales, do, lse, delta, do_dov, do_pdo, ds, causal, sm_scale, dtype,
+                   packed=None):
     """dq (B, H, T, D), dk, dv (B, Hkv, T, D) in dtype. q, k, v, scales: as flash_forward's.
     do_dov / do_pdo: dO's NVFP4 grid values (q * s_b) for dO V^T / P^T dO (fp4_dov, fp4_all), or
-    None; ds_amax: (B*H,) fp32 bounds on |dS| (attention.ds_bound: its global scales derive from
-    them), or None (dS in BF16); keys: (B*H, 2) uint32 values (int64) of the SR streams of the dQ
-    and dK passes. packed: the NVFP4Tensors (Q, K, V, dO for dO V^T or None, dO for P^T dO (T
+    None; ds: what ds_setup returns (dS's bounds, from which its global scales derive, the SR
+    streams' keys of the dQ and dK passes, the element-scale tables), or None (dS in BF16). packed: the NVFP4Tensors (Q, K, V, dO for dO V^T or None, dO for P^T dO (T
     zero-padded to a multiple of 16) or None) behind those grid values, or None; on a GPU with FP4
     tensor cores (use_dot_scaled) the products whose operands are all blocked along the
     contraction multiply their codes and scales."""
@@ -651,13 +692,11 @@ def flash_backward(q, k, v, scales, do, lse, delta, do_dov, do_pdo, ds_amax, key
     Hkv = k.shape[1]
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     dev = q.device
-    quant_ds, quant_dov, quant_pdo = ds_amax is not None, do_dov is not None, do_pdo is not None
+    quant_ds, quant_dov, quant_pdo = ds is not None, do_dov is not None, do_pdo is not None
     do_dov = do_dov.contiguous() if quant_dov else do
     do_pdo = do_pdo.contiguous() if quant_pdo else do
     if quant_ds:
-        ds_amax, keys = ds_amax.contiguous(), as_int32(keys)
-        ds_inv = torch.empty(B * H, 128, device=dev, dtype=torch.float32)
-        _ds_inv_table_kernel[(B * H,)](ds_amax, ds_inv)
+        ds_amax, keys, ds_inv = ds
     else:
         ds_amax = torch.full((B * H,), P_S_ENC.value, device=dev)  # 448 * 6: scales (1, 1)
         keys = torch.zeros(B * H, 2, device=dev, dtype=torch.int32)

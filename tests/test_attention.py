@@ -267,7 +267,7 @@ def test_ties_round_to_even_with_unit_scale():
 def test_sr_uniforms_kernel_equals_torch_and_unbiased():
     keys = attention.sr_keys(123, 3)
     out = torch.empty(8, 32)
-    key32 = fa.as_int32(keys[2:3, 1])
+    key32 = _int32_bits(keys[2:3, 1])
     _uniform_kernel[(1,)](key32, out, 77, 8, 32, False)
     mirror = attention.sr_uniforms(keys[2, 1], torch.arange(8), torch.arange(32), 77)
     assert torch.equal(out, mirror)
@@ -289,6 +289,37 @@ def test_sr_uniforms_kernel_equals_torch_and_unbiased():
     many = attention.fake_quantize_rows(x.expand(2**16, 16), torch.tensor(2688.0), "sr",
                                         u.reshape(2**16, 16))
     assert (many.mean(0) - x[0]).abs().max() < 0.02
+
+
+def _int32_bits(keys):
+    """uint32 values held in int64 -> the same bits as int32 (the kernels bitcast them back)."""
+    return torch.where(keys >= 2**31, keys - 2**32, keys).to(torch.int32)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_ds_setup_is_ds_bound_and_sr_keys(device):
+    """fa.ds_setup (one launch) gives attention.ds_bound's bounds and attention.sr_keys' keys to the
+    bit, on fresh random norms, deltas, V scales and seeds over many binades; a NaN in dO's norms or
+    in delta makes the bound NaN, as torch's amax does."""
+    g = torch.Generator().manual_seed(7)
+    B, H, T, D = 2, 3, 1100, 128   # T: more than one of the kernel's row chunks
+    for _ in range(4):
+        do_norm = torch.rand(B, H, T, generator=g) * 2.0 ** torch.randint(-20, 20, (B, H, 1),
+                                                                          generator=g)
+        delta = torch.randn(B, H, T, generator=g) * 2.0 ** torch.randint(-20, 20, (B, H, 1),
+                                                                         generator=g)
+        v_scale = torch.rand((), generator=g) * 2.0 ** -8
+        seed = torch.randint(0, 2**31 - 1, (), generator=g)
+        ds_amax, keys, _ = fa.ds_setup(seed.to(device), do_norm.to(device), delta.to(device),
+                                       v_scale.to(device), D)
+        want = attention.ds_bound(do_norm, v_scale * (nvfp4.E4M3_MAX * nvfp4.FP4_MAX), delta, D, 1)
+        assert torch.equal(ds_amax.cpu(), want.reshape(-1))
+        assert torch.equal(keys.cpu(), _int32_bits(attention.sr_keys(seed, B * H)))
+    do_norm[0, 1, 5] = float("nan")
+    delta[1, 2, T - 1] = float("nan")
+    ds_amax = fa.ds_setup(seed.to(device), do_norm.to(device), delta.to(device),
+                          v_scale.to(device), D)[0].cpu().reshape(B, H)
+    assert ds_amax[0, 1].isnan() and ds_amax[1, 2].isnan() and ds_amax.isnan().sum() == 2
 
 
 def test_ds_bound_bounds_ds():
@@ -320,7 +351,7 @@ def _imported_modules(path):
 
 @pytest.mark.parametrize("module,allowed", [
     (attention, {"math", "torch", "nvfp4", "kernels"}),
-    (fa, {"os", "torch", "triton", "kernels"}),
+    (fa, {"math", "torch", "triton", "kernels"}),
 ])
 def test_imports_go_down_the_hallway(module, allowed):
     assert _imported_modules(module.__file__) <= allowed, \
@@ -428,13 +459,17 @@ def test_gpu_kernel_quantizer_bitwise(rounding):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_ds_element_scale_table_is_the_division(device):
     """The backward passes read dS's element scale by its block scale's E4M3 code from a per-head
-    table (fa._ds_inv_table_kernel) instead of dividing in every thread that holds the block: each
-    finite code's entry is nvfp4.element_scale's correctly rounded reciprocal of s_b S_dec, for dS
-    bounds from 0 and a subnormal to near FLT_MAX, and random ones."""
+    table (fa.ds_setup's) instead of dividing in every thread that holds the block: each finite
+    code's entry is nvfp4.element_scale's correctly rounded reciprocal of s_b S_dec, for dS bounds
+    from 0 and a subnormal to near FLT_MAX, and random ones (each head's bound is its largest
+    |delta|: V's scale 0)."""
     amax = torch.cat([torch.tensor([0.0, 1e-39, 2.0**-126, 3e-8, 1.0, 2688.0, 1e30, 3.4e38]),
                       torch.rand(8).mul(60).sub(30).exp2()])
-    table = torch.empty(len(amax), 128, device=device)
-    fa._ds_inv_table_kernel[(len(amax),)](amax.to(device), table)
+    delta = torch.rand(1, len(amax), 16) * amax[None, :, None]
+    delta[0, :, 3] = -amax
+    bound, _, table = fa.ds_setup(torch.tensor(0, device=device), torch.rand_like(delta).to(device),
+                                  delta.to(device), torch.tensor(0.0, device=device), 64)
+    assert torch.equal(bound.cpu(), amax)
     s_b = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0x7F is NaN
     _, s_dec = nvfp4.global_scales(amax)
     assert torch.equal(table[:, :127].cpu(), nvfp4.element_scale(s_b[None, :], s_dec[:, None]))
