@@ -40,6 +40,16 @@ def micro_step(model, x, y, device, graphs=False):
     model.zero_grad(set_to_none=not graphs)  # graphs: the gradients stay put (train.graph_grads)
 
 
+def kernel_key(name):
+    """A kernel's name as the tables key it: torch's elementwise kernels share ~80 characters of
+    template prefix before their functor (what they compute: a copy, an add, a cast), so the
+    namespaces go and 160 characters stay."""
+    for noise in ("void ", "at::native::", "(anonymous namespace)::", "at_cuda_detail::", "at::",
+                  "c10::", "::operator()() const"):
+        name = name.replace(noise, "")
+    return name[:160]
+
+
 def profile_recipe(config, recipe, batch, seq_len, iters, device, graphs=False):
     """{wall_ms, busy, kernels: {name: ms}} per micro-step of one recipe (fresh model, seed 0);
     graphs: replayed as CUDA graphs (train.py --cuda_graphs)."""
@@ -73,7 +83,7 @@ def profile_recipe(config, recipe, batch, seq_len, iters, device, graphs=False):
     kernels = collections.Counter()
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[e.name[:80]] += e.device_time / 1e3 / iters  # us -> ms per micro-step
+            kernels[kernel_key(e.name)] += e.device_time / 1e3 / iters  # us -> ms per micro-step
     busy = sum(kernels.values()) / wall_ms if kernels else 0.0
     # cudaMalloc/cudaFree through the caching allocator: a retry frees the cache and waits for the
     # GPU

@@ -70,6 +70,23 @@ def test_profile_step_bad_recipe_gives_one_line_and_exit_2():
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "int2" in proc.stderr
 
 
+def test_profile_keys_tell_torchs_elementwise_kernels_apart():
+    """Two of torch's elementwise kernels whose names differ only after their shared template
+    prefix (names as the H200's profiler gives them) get different keys; Triton's keep theirs."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from profile_step import kernel_key
+    prefix = ("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<"
+              "at::native::")
+    copy = prefix + ("direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}::operator()()"
+                     " const::{lambda()#7}::operator()() const::{lambda(c10::BFloat16)#1}>"
+                     "(at::TensorIteratorBase&, ...)")
+    add = prefix + ("CUDAFunctor_add<float>>(at::TensorIteratorBase&, "
+                    "at::native::CUDAFunctor_add<float> const&)::{lambda(int)#1}>(int, ...)")
+    assert copy[:80] == add[:80] and kernel_key(copy) != kernel_key(add)
+    assert "direct_copy_kernel_cuda" in kernel_key(copy) and "BFloat16" in kernel_key(copy)
+    assert kernel_key("_quantize_rows_kernel") == "_quantize_rows_kernel"
+
+
 @pytest.mark.gpu
 def test_profile_step_names_the_quantize_kernels_of_an_fp4_recipe(tmp_path):
     """The profile that results/speed/ quotes: the FP4 recipe's micro-step holds the quantize
