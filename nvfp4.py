@@ -254,8 +254,11 @@ def check_blocks(x, block, name):
     if M % bm or N % bn or N % 2:
         raise ValueError(f"{name}: shape {tuple(x.shape)} does not fit NVFP4 block {block}: "
                          f"the last two dims must be multiples of ({bm}, {max(bn, 2)})")
-    # On CUDA this check would cost a host sync and an extra pass per quantization: there a
-    # non-finite input gives a NaN global scale instead, and train.py's non-finite loss/gradient
+    # On CUDA this check would cost a host sync and an extra pass per quantization, so none is
+    # made there: an Inf gives an infinite decode scale and NaN outputs, while the GPU kernels'
+    # maxima and clamps skip a NaN (Triton's default min/max; the interpreter's propagate it), so
+    # a NaN in a block of numbers comes out finite (+-6 s_b). In training the residual stream
+    # carries a NaN past the quantized GEMMs to the loss and the gradient norm, and train.py's
     # check stops the run.
     if not x.is_cuda and not torch.isfinite(x).all():
         raise ValueError(f"{name}: non-finite values (NaN/Inf) in tensor of shape {tuple(x.shape)}")
