@@ -255,11 +255,9 @@ def check_blocks(x, block, name):
         raise ValueError(f"{name}: shape {tuple(x.shape)} does not fit NVFP4 block {block}: "
                          f"the last two dims must be multiples of ({bm}, {max(bn, 2)})")
     # On CUDA this check would cost a host sync and an extra pass per quantization, so none is
-    # made there: an Inf gives an infinite decode scale and NaN outputs, while the GPU kernels'
-    # maxima and clamps skip a NaN (Triton's default min/max; the interpreter's propagate it), so
-    # a NaN in a block of numbers comes out finite (+-6 s_b). In training the residual stream
-    # carries a NaN past the quantized GEMMs to the loss and the gradient norm, and train.py's
-    # check stops the run.
+    # made there: a NaN comes out as NaN (its block's scale E4M3's NaN, as here), an Inf as an
+    # infinite decode scale and NaN outputs, and train.py's non-finite loss/gradient check stops
+    # the run.
     if not x.is_cuda and not torch.isfinite(x).all():
         raise ValueError(f"{name}: non-finite values (NaN/Inf) in tensor of shape {tuple(x.shape)}")
 

@@ -547,11 +547,11 @@ def _ds_setup_kernel(SEED, DONORM, DELTA, SGV, SGDS, KEYS, DSINV, T, sqrt_d,
         t = t0 + tl.arange(0, BLOCK_T)
         norm = tl.load(DONORM + row + t, mask=t < T, other=0.0)
         delta = tl.abs(tl.load(DELTA + row + t, mask=t < T, other=0.0))
-        norm_max = tl.maximum(norm_max, norm, propagate_nan=tl.PropagateNan.ALL)
-        delta_max = tl.maximum(delta_max, delta, propagate_nan=tl.PropagateNan.ALL)
+        norm_max = nvfp4_math._max_nan(norm_max, norm)
+        delta_max = nvfp4_math._max_nan(delta_max, delta)
     v_amax = tl.load(SGV) * P_S_ENC
-    bound = (tl.reduce(norm_max, 0, _max_nan) * (sqrt_d * v_amax)
-             + tl.reduce(delta_max, 0, _max_nan))
+    bound = (tl.reduce(norm_max, 0, nvfp4_math._max_nan) * (sqrt_d * v_amax)
+             + tl.reduce(delta_max, 0, nvfp4_math._max_nan))
     tl.store(SGDS + bh, bound)
     i = 2 * bh + tl.arange(0, 2)
     keys = _fmix32(tl.load(SEED).to(tl.uint32) * 0x9E3779B9 + i.to(tl.uint32))
@@ -560,11 +560,6 @@ def _ds_setup_kernel(SEED, DONORM, DELTA, SGV, SGDS, KEYS, DSINV, T, sqrt_d,
     codes = tl.arange(0, 128)
     _, inv = nvfp4_math._element_scale(nvfp4_math._e4m3_value(codes.to(tl.uint8)), s_dec)
     tl.store(DSINV + bh * 128 + codes, inv)
-
-
-@triton.jit
-def _max_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit

@@ -78,6 +78,7 @@ def _round_to_e4m3(s, UP: tl.constexpr = False):
     normal = ((ve - 120) << 3) | ((vbits >> 20) & 7)
     sub = (v * 2.0 ** 9).to(tl.int32)
     code = tl.where(ve >= 127 - 6, normal, sub)
+    code = tl.where(ve == 255, 0x7F, code)  # a NaN s (its block held a NaN): E4M3's NaN
     return v, code.to(tl.uint8)
 
 
@@ -114,12 +115,20 @@ def _e4m3_value(bits):
     b = bits.to(tl.int32)
     e, m = (b >> 3) & 15, b & 7
     normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)  # 2^(e-7) (1 + m/8)
+    normal = tl.where(b == 0x7F, float("nan"), normal)                    # E4M3's NaN
     return tl.where(e == 0, m.to(tl.float32) * 2.0 ** -9, normal)         # subnormal: m 2^-9
 
 
 # the element scale's cap (TE's: an all-zero block's 1/0)
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 RCP_6 = tl.constexpr(0.1666666716337204)       # RN(1/6) in fp32 (0x3E2AAAAB), Transformer Engine's
+
+
+@triton.jit
+def _max_nan(a, b):
+    """The maximum that keeps a NaN, as torch's amax does (Triton's default max skips it on a GPU,
+    and a NaN would then come out of a quantization as a finite value): for tl.reduce."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -159,7 +168,8 @@ def _block_scale(block_amax, s_enc, s_dec, MAX_Q: tl.constexpr, UP: tl.constexpr
         rcp: tl.constexpr = RCP_6
     else:
         rcp: tl.constexpr = 1.0 / MAX_Q   # 1/4: exact
-    s, bits = _round_to_e4m3(tl.minimum(block_amax * (s_enc * rcp), E4M3_MAX), UP)
+    s, bits = _round_to_e4m3(tl.minimum(block_amax * (s_enc * rcp), E4M3_MAX,
+                                        propagate_nan=tl.PropagateNan.ALL), UP)
     if inv_table is None:
         den, inv = _element_scale(s, s_dec)
     else:
@@ -345,7 +355,7 @@ def _scale_blocks(ax, s_enc, s_dec, GM: tl.constexpr, SBM: tl.constexpr, GN: tl.
     pick the scale. -> (a, s_b (GM, GN), its E4M3 bits, _rtn_e2m1_value(a)); the last costs nothing
     where a caller rounds otherwise (the compiler drops it). inv_table: _block_scale's (the
     max -> 6 candidate's only)."""
-    block_amax = tl.max(tl.max(ax, axis=3), axis=1)                                    # (GM, GN)
+    block_amax = tl.reduce(tl.reduce(ax, 3, _max_nan), 1, _max_nan)                   # (GM, GN)
     s_b, bits, den, inv = _block_scale(block_amax, s_enc, s_dec, FP4_MAX, UP, inv_table)
     a = tl.minimum(ax * inv[:, None, :, None], FP4_MAX)
     q = _rtn_e2m1_value(a)

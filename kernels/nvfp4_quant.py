@@ -48,8 +48,8 @@ import triton.language as tl
 from kernels.nvfp4_dequant import dequantize
 from kernels.nvfp4_math import (
     E4M3_MAX, E4M3_MAX_46, TRITON_VERSION, _block_random_words, _column_random_words, _decode_e2m1,
-    _e4m3_value, _global_scales, _hadamard16, _load_tile, _pack_codes, _random_words, _rotate,
-    _round_to_bf16, _scale_blocks, _sign_bits, _sr_e2m1_value, _with_sign, on_gpu)
+    _e4m3_value, _global_scales, _hadamard16, _load_tile, _max_nan, _pack_codes, _random_words,
+    _rotate, _round_to_bf16, _scale_blocks, _sign_bits, _sr_e2m1_value, _with_sign, on_gpu)
 
 # The block shapes these kernels lay out and the roundings they take: the spec's nvfp4.BLOCKS and
 # nvfp4.ROUNDINGS (nvfp4.quantize checks the rounding; the input's shape and values are checked
@@ -90,6 +90,18 @@ def _exact_fma():
 # --------------------------------------------------------------------------------------------------
 # Kernels
 
+# A program's partial maximum of a 2-D / 3-D tile, keeping a NaN (_max_nan): a NaN input then makes
+# the global amax NaN, as torch's amax does on the reference route
+@triton.jit
+def _amax2(x):
+    return tl.reduce(tl.reduce(x, 1, _max_nan), 0, _max_nan)
+
+
+@triton.jit
+def _amax3(x):
+    return _amax2(tl.reduce(x, 2, _max_nan))
+
+
 @triton.jit
 def _amax_kernel(x_ptr, h_ptr, part_ptr, M, N, stride_xb, stride_xm, stride_xn,
                  BM: tl.constexpr, BN: tl.constexpr, HAD_DIM: tl.constexpr,
@@ -105,9 +117,9 @@ def _amax_kernel(x_ptr, h_ptr, part_ptr, M, N, stride_xb, stride_xm, stride_xn,
     n_programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
     pid = (pid_b * tl.num_programs(1) + pid_n) * tl.num_programs(0) + pid_m
     if PLAIN_TOO:
-        tl.store(part_ptr + n_programs + pid, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+        tl.store(part_ptr + n_programs + pid, _amax2(tl.abs(x)))
     x = _rotate(x, h_ptr, BM, BN, HAD_DIM)
-    tl.store(part_ptr + pid, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+    tl.store(part_ptr + pid, _amax2(tl.abs(x)))
 
 
 # seed_ptr: SR's seed as a device int64 (seed_tensor), loaded by every program: a captured CUDA
@@ -266,7 +278,8 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
         if HADAMARD:  # x . H on each block (the reference's hadamard_transform(x, H, dim=-1))
             x = _hadamard16(x.reshape(NB, 16, 1), h_ptr, NB, 1).reshape(NB, 2, 8)
         if AMAX_ONLY:  # (an else branch, not an early return: Triton would compile the rest anyway)
-            run_max = tl.maximum(run_max, tl.max(tl.max(tl.abs(x), axis=2), axis=1))
+            run_max = _max_nan(run_max, tl.reduce(tl.reduce(tl.abs(x), 2, _max_nan), 1,
+                                                  _max_nan))
         else:
             # the blocks as (NB, 1, 1, 16) for _scale_blocks (a reshape within each thread)
             a, s_b, bits, q = _scale_blocks(tl.abs(x).reshape(NB, 1, 1, 16), s_enc, s_dec,
@@ -286,7 +299,7 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
                 vptr, voffs = _rows_values_at(values_ptr, base, blk, offs, ld_values, ROW_BLOCKS)
                 _store_by_blocks(vptr, voffs, q.to(tl.bfloat16), mask)
     if AMAX_ONLY:
-        tl.store(part_ptr + pid, tl.max(run_max, axis=0))
+        tl.store(part_ptr + pid, tl.reduce(run_max, 0, _max_nan))
 
 
 @triton.jit
@@ -352,8 +365,8 @@ def _quantize_cols_kernel(x_ptr, xs_ptr, xgs_ptr, h_ptr, amax_ptr, gs_out_ptr, c
         pid = (pid_b * tl.num_programs(1) + pid_n) * tl.num_programs(0) + pid_m
         if PLAIN_TOO:
             tl.store(part_ptr + n_programs + pid,
-                     tl.max(tl.max(tl.max(tl.abs(x), axis=2), axis=1), axis=0))
-        tl.store(part_ptr + pid, tl.max(tl.max(tl.max(ax, axis=2), axis=1), axis=0))
+                     _amax3(tl.abs(x)))
+        tl.store(part_ptr + pid, _amax3(ax))
     else:
         # fp32, or bf16 from torch's amax of a bf16 x (exact)
         amax = tl.load(amax_ptr).to(tl.float32)
