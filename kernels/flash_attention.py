@@ -550,8 +550,8 @@ def _ds_setup_kernel(SEED, DONORM, DELTA, SGV, SGDS, KEYS, DSINV, T, sqrt_d,
         norm_max = nvfp4_math._max_nan(norm_max, norm)
         delta_max = nvfp4_math._max_nan(delta_max, delta)
     v_amax = tl.load(SGV) * P_S_ENC
-    bound = (tl.reduce(norm_max, 0, nvfp4_math._max_nan) * (sqrt_d * v_amax)
-             + tl.reduce(delta_max, 0, nvfp4_math._max_nan))
+    bound = (nvfp4_math._amax_nan(norm_max, 0) * (sqrt_d * v_amax)
+             + nvfp4_math._amax_nan(delta_max, 0))
     tl.store(SGDS + bh, bound)
     i = 2 * bh + tl.arange(0, 2)
     keys = _fmix32(tl.load(SEED).to(tl.uint32) * 0x9E3779B9 + i.to(tl.uint32))

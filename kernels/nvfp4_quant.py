@@ -48,7 +48,7 @@ import triton.language as tl
 from kernels.nvfp4_dequant import dequantize
 from kernels.nvfp4_math import (
     E4M3_MAX, E4M3_MAX_46, TRITON_VERSION, _block_random_words, _column_random_words, _decode_e2m1,
-    _e4m3_value, _global_scales, _hadamard16, _load_tile, _max_nan, _pack_codes, _random_words,
+    _e4m3_value, _global_scales, _hadamard16, _load_tile, _amax_nan, _max_nan, _pack_codes, _random_words,
     _rotate, _round_to_bf16, _scale_blocks, _sign_bits, _sr_e2m1_value, _with_sign, on_gpu)
 
 # The block shapes these kernels lay out and the roundings they take: the spec's nvfp4.BLOCKS and
@@ -90,16 +90,16 @@ def _exact_fma():
 # --------------------------------------------------------------------------------------------------
 # Kernels
 
-# A program's partial maximum of a 2-D / 3-D tile, keeping a NaN (_max_nan): a NaN input then makes
-# the global amax NaN, as torch's amax does on the reference route
+# A program's partial maximum of a 2-D / 3-D tile, keeping a NaN (_amax_nan): a NaN input then
+# makes the global amax NaN, as torch's amax does on the reference route
 @triton.jit
 def _amax2(x):
-    return tl.reduce(tl.reduce(x, 1, _max_nan), 0, _max_nan)
+    return _amax_nan(_amax_nan(x, 1), 0)
 
 
 @triton.jit
 def _amax3(x):
-    return _amax2(tl.reduce(x, 2, _max_nan))
+    return _amax2(_amax_nan(x, 2))
 
 
 @triton.jit
@@ -278,8 +278,7 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
         if HADAMARD:  # x . H on each block (the reference's hadamard_transform(x, H, dim=-1))
             x = _hadamard16(x.reshape(NB, 16, 1), h_ptr, NB, 1).reshape(NB, 2, 8)
         if AMAX_ONLY:  # (an else branch, not an early return: Triton would compile the rest anyway)
-            run_max = _max_nan(run_max, tl.reduce(tl.reduce(tl.abs(x), 2, _max_nan), 1,
-                                                  _max_nan))
+            run_max = _max_nan(run_max, _amax_nan(_amax_nan(tl.abs(x), 2), 1))
         else:
             # the blocks as (NB, 1, 1, 16) for _scale_blocks (a reshape within each thread)
             a, s_b, bits, q = _scale_blocks(tl.abs(x).reshape(NB, 1, 1, 16), s_enc, s_dec,
@@ -299,7 +298,7 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
                 vptr, voffs = _rows_values_at(values_ptr, base, blk, offs, ld_values, ROW_BLOCKS)
                 _store_by_blocks(vptr, voffs, q.to(tl.bfloat16), mask)
     if AMAX_ONLY:
-        tl.store(part_ptr + pid, tl.reduce(run_max, 0, _max_nan))
+        tl.store(part_ptr + pid, _amax_nan(run_max, 0))
 
 
 @triton.jit

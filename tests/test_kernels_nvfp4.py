@@ -797,22 +797,28 @@ def test_gpu_sr_bit_exact_given_the_seed_and_unbiased(block):
     _assert_sr_unbiased(d, row, nvfp4.quantize_reference(xs, block, "rtn", False))
 
 
-@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, on the interpreter's NaN casts
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("rounding,four_over_six,rotate",
                          [("rtn", False, False), ("rtn", True, False), ("sr", True, False),
                           ("sr", True, True), ("sr_up", False, False)])
-def test_gpu_a_nan_comes_out_nan(block, rounding, four_over_six, rotate):
+def test_a_nan_comes_out_nan(monkeypatch, device, block, rounding, four_over_six, rotate):
     """On a GPU no finiteness check runs (it would sync the host), so a NaN in x must come out of
     the kernels as the reference makes it: NaN in its block (E4M3's NaN scale; Triton's default
-    max on a GPU would skip it and quantize it to a finite +-6 s_b), the global amax NaN, every
-    other value the reference's. Multiples of 1/8: every rotation exact in any summation order."""
+    max skips a NaN, on a GPU and in the interpreter alike, and quantized it to a finite
+    +-6 s_b), the global amax NaN, every other value the reference's. On the CPU, whose check
+    raises on a NaN, the check is lifted to run the kernels as a GPU does. Multiples of 1/8:
+    every rotation exact in any summation order."""
+    if device == "cpu":
+        monkeypatch.setattr(kq, "_check_input", lambda *args: None)
     g = torch.Generator().manual_seed(9)
-    x = torch.randint(-64, 65, (256, 256), generator=g).float() / 8
-    x[37, 101] = float("nan")
+    n = 256 if device == "cuda" else 64
+    x = torch.randint(-64, 65, (n, n), generator=g).float() / 8
+    x[37, 21] = float("nan")
     H = nvfp4.random_hadamard(g) if rotate and block != (16, 16) else None
-    k = kquantize(x.cuda(), block, rounding, four_over_six, seed=4,
-                  hadamard=None if H is None else H.cuda()).dequantize().cpu()
+    k = kquantize(x.to(device), block, rounding, four_over_six, seed=4,
+                  hadamard=None if H is None else H.to(device)).dequantize().cpu()
     xr = x if H is None else nvfp4.hadamard_transform(x, H, dim=-1 if block == (1, 16) else -2)
     r = nvfp4.quantize_reference(xr, block, rounding, four_over_six, 4).dequantize()
     assert r.isnan().any() and torch.equal(k.isnan(), r.isnan())
