@@ -529,12 +529,13 @@ def _attn_bwd_dq(Q, K, V, SG, DO, LSE, DELTA, SGDS, DSINV, KEYS, DQ, T, H, G, qk
 @triton.jit
 def _ds_setup_kernel(SEED, DONORM, DELTA, SGV, SGDS, KEYS, DSINV, T, sqrt_d,
                      BLOCK_T: tl.constexpr):
-    """What dS's SR quantization needs before the passes, per (batch, head), in one launch instead of
-    about twenty small torch ops (their launches cost more than their work):
+    """What dS's SR quantization needs before the passes, per (batch, head), in one launch instead
+    of about twenty small torch ops (their launches cost more than their work):
     - SGDS: dS's bound (attention.ds_bound), max_i ||dO_i|| * (sqrt(D) * amax(V)) + max_i |D_i|,
       amax(V) = s_g(V) * 448 * 6 >= every |V_hat|; the same fp32 products and sum (the launch
       disables FMA contraction), maxima that propagate NaN as torch's amax does;
-    - KEYS: the two SR stream keys (attention.sr_keys), fmix32(seed * golden + i), i = 2 bh, 2 bh + 1;
+    - KEYS: the two SR stream keys (attention.sr_keys), fmix32(seed * golden + i), i = 2 bh and
+      2 bh + 1;
     - DSINV: the element scale for each of the 128 E4M3 block-scale codes from the bound's S_dec
       (nvfp4_math._element_scale: the same correctly rounded reciprocal); the passes look a block's
       up by its code (_fake_quant_rows16's inv_table) where the four threads holding the block
@@ -679,10 +680,11 @@ def flash_backward(q, k, v, scales, do, lse, delta, do_dov, do_pdo, ds, causal, 
     """dq (B, H, T, D), dk, dv (B, Hkv, T, D) in dtype. q, k, v, scales: as flash_forward's.
     do_dov / do_pdo: dO's NVFP4 grid values (q * s_b) for dO V^T / P^T dO (fp4_dov, fp4_all), or
     None; ds: what ds_setup returns (dS's bounds, from which its global scales derive, the SR
-    streams' keys of the dQ and dK passes, the element-scale tables), or None (dS in BF16). packed: the NVFP4Tensors (Q, K, V, dO for dO V^T or None, dO for P^T dO (T
-    zero-padded to a multiple of 16) or None) behind those grid values, or None; on a GPU with FP4
-    tensor cores (use_dot_scaled) the products whose operands are all blocked along the
-    contraction multiply their codes and scales."""
+    streams' keys of the dQ and dK passes, the element-scale tables), or None (dS in BF16).
+    packed: the NVFP4Tensors (Q, K, V, dO for dO V^T or None, dO for P^T dO (T zero-padded to a
+    multiple of 16) or None) behind those grid values, or None; on a GPU with FP4 tensor cores
+    (use_dot_scaled) the products whose operands are all blocked along the contraction multiply
+    their codes and scales."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()

@@ -47,9 +47,10 @@ import triton.language as tl
 
 from kernels.nvfp4_dequant import dequantize
 from kernels.nvfp4_math import (
-    E4M3_MAX, E4M3_MAX_46, TRITON_VERSION, _block_random_words, _column_random_words, _decode_e2m1,
-    _e4m3_value, _global_scales, _hadamard16, _load_tile, _amax_nan, _max_nan, _pack_codes, _random_words,
-    _rotate, _round_to_bf16, _scale_blocks, _sign_bits, _sr_e2m1_value, _with_sign, on_gpu)
+    E4M3_MAX, E4M3_MAX_46, TRITON_VERSION, _amax_nan, _block_random_words, _column_random_words,
+    _decode_e2m1, _e4m3_value, _global_scales, _hadamard16, _load_tile, _max_nan, _pack_codes,
+    _random_words, _rotate, _round_to_bf16, _scale_blocks, _sign_bits, _sr_e2m1_value, _with_sign,
+    on_gpu)
 
 # The block shapes these kernels lay out and the roundings they take: the spec's nvfp4.BLOCKS and
 # nvfp4.ROUNDINGS (nvfp4.quantize checks the rounding; the input's shape and values are checked
@@ -363,8 +364,7 @@ def _quantize_cols_kernel(x_ptr, xs_ptr, xgs_ptr, h_ptr, amax_ptr, gs_out_ptr, c
         n_programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
         pid = (pid_b * tl.num_programs(1) + pid_n) * tl.num_programs(0) + pid_m
         if PLAIN_TOO:
-            tl.store(part_ptr + n_programs + pid,
-                     _amax3(tl.abs(x)))
+            tl.store(part_ptr + n_programs + pid, _amax3(tl.abs(x)))
         tl.store(part_ptr + pid, _amax3(ax))
     else:
         # fp32, or bf16 from torch's amax of a bf16 x (exact)
