@@ -22,6 +22,11 @@ smaller, fits more (docs/performance.md has the counts).
 
 A tile may end in rR: Triton's register cap (maxnreg) R, to fit more blocks an SM where registers
 are what limits them (the passes are latency-bound: docs/performance.md).
+
+    python bench/attention_tiles.py --schedule 1,33554432           # the launch order's groups
+
+--schedule times the committed tiles under values of flash_attention.SCHEDULE_L2_BYTES (1: one kv
+head a group, close to a head-major order) and checks that dQ, dK and dV keep every bit.
 """
 
 import argparse
@@ -68,6 +73,9 @@ def main(argv=None):
                                                        if p != "bf16"])
     p.add_argument("--dry_run", action="store_true", help="tiny shapes on the CPU's interpreter "
                    "(which runs its own tiles): checks the script, no timing claim")
+    p.add_argument("--schedule", default=None, help="comma-separated byte counts for "
+                   "flash_attention.SCHEDULE_L2_BYTES, timed with the committed tiles (instead of "
+                   "tiles)")
     args = p.parse_args(argv)
     args.tiles = args.tiles or CANDIDATES[args.pass_]
     try:
@@ -76,6 +84,12 @@ def main(argv=None):
         print(f"attention_tiles.py: --tiles {args.tiles!r} is not "
               "BLOCK_MxBLOCK_Nxwarpsxstages[rMAXNREG],...", file=sys.stderr)
         sys.exit(2)
+    l2_bytes = args.schedule.split(",") if args.schedule else []
+    if not all(b.isdigit() and int(b) > 0 for b in l2_bytes):
+        print(f"attention_tiles.py: --schedule {args.schedule!r} is not positive byte counts "
+              "BYTES,...", file=sys.stderr)
+        sys.exit(2)
+    l2_bytes = [int(b) for b in l2_bytes]
     device = "cpu" if args.dry_run else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         print("attention_tiles.py: needs a CUDA GPU (--dry_run for the CPU)", file=sys.stderr)
@@ -94,6 +108,8 @@ def main(argv=None):
                                                                   enable_gqa=True))
     sdpa_ms, sdpa_kernels = time_ms(sdpa, device), kernel_ms(sdpa, device)
     run = fwd_bwd(lambda q, k, v: attention.attention(q, k, v, causal=True, policy=args.policy))
+    if l2_bytes:
+        return schedules(run, l2_bytes, device, sdpa_kernels, (B, H, Hkv, T, D), args.policy)
     name, g = CONFIG[args.pass_], GRADIENT[args.pass_]
     committed = dict(getattr(flash_attention, name))
     torch.manual_seed(1)  # the same dS SR seeds (drawn by the device's RNG) for each candidate
@@ -121,6 +137,32 @@ def main(argv=None):
                   f"{sdpa_kernels / kms if kms else 0:.2f}x | {diff:.1e} |", flush=True)
     finally:
         setattr(flash_attention, name, committed)
+
+def schedules(run, l2_bytes, device, sdpa_kernels, shape, policy):
+    """The three passes' kernel times under each SCHEDULE_L2_BYTES; the gradients must not move."""
+    B, H, Hkv, T, D = shape
+    committed = flash_attention.SCHEDULE_L2_BYTES
+    torch.manual_seed(1)
+    want = run()
+    print(f"attention(policy={policy!r}) fwd+bwd, B{B} H{H}/{Hkv} T{T} D{D} causal, committed "
+          f"tiles; SDPA's kernels {sdpa_kernels:.3f} ms")
+    print("| SCHEDULE_L2_BYTES | kv heads a group | kernels ms | _attn_fwd | _attn_bwd_dkdv "
+          "| _attn_bwd_dq | kernels vs SDPA's | dQ, dK, dV bit for bit |")
+    print("|---|---|---|---|---|---|---|---|")
+    try:
+        for b in l2_bytes:
+            flash_attention.SCHEDULE_L2_BYTES = b
+            torch.manual_seed(1)
+            same = all(torch.equal(x, y) for x, y in zip(run(), want))
+            kms = kernel_ms(run, device)
+            passes = [kernel_ms(run, device, name=n)
+                      for n in ("_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq")]
+            group = flash_attention._kv_head_group(T, D, H // Hkv, 2)
+            print(f"| {b} | {group} | {kms:.3f} | " + " | ".join(f"{t:.3f}" for t in passes)
+                  + f" | {sdpa_kernels / kms if kms else 0:.2f}x | {same} |", flush=True)
+    finally:
+        flash_attention.SCHEDULE_L2_BYTES = committed
+
 
 if __name__ == "__main__":
     main()

@@ -129,6 +129,21 @@ def _load_head(C, S, head, rows, T, D: tl.constexpr, MASK_ROWS: tl.constexpr):
 
 
 @triton.jit
+def _schedule(n_tiles, n_heads, group):
+    """(head, rank) of this program on a 1-D grid of n_heads * n_tiles; rank 0 is a head's heaviest
+    causal tile. A GPU starts programs in grid order, so the heads go in groups of `group` and,
+    inside a group, every head's rank r starts before any rank r + 1: the heaviest tiles first and
+    light ones in the last wave (longest processing time first), while the running programs share
+    one group's heads in L2 (FlashAttention's SingleTileLPTScheduler orders its tiles so). Which
+    program computes a tile changes no bit of it."""
+    pid = tl.program_id(0)
+    first = pid // (group * n_tiles) * group
+    size = tl.minimum(n_heads - first, group)   # the last group may hold fewer heads
+    r = pid - first * n_tiles
+    return first + r % size, r // size
+
+
+@triton.jit
 def _quant_rows16(x, s_enc, s_dec, R: tl.constexpr, C: tl.constexpr):
     """FP4_MMA: _fake_quant_rows16's RTN quantization of an (R, C) fp32 tile as tl.dot_scaled reads
     it: E2M1 codes (R, C / 2), two per byte along C (the even element low), and E4M3 scales
@@ -241,12 +256,13 @@ def _fwd_inner(acc, l_i, m_i, q, qs, K, KC, KS, V, start, end, offs_m, T, s_scal
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, SG, O, LSE, T, H, G, qk_scale, QC, QS, KC, KS,
+def _attn_fwd(Q, K, V, SG, O, LSE, T, H, G, qk_scale, QC, QS, KC, KS, head_group,
               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
               QUANT_P: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr,
               FP4_MMA: tl.constexpr):
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)   # heaviest causal tiles first
-    bh = tl.program_id(1)
+    n_m = tl.cdiv(T, BLOCK_M)
+    bh, rank = _schedule(n_m, tl.num_programs(0) // n_m, head_group)
+    pid_m = n_m - 1 - rank                                # causal: the last query tile is heaviest
     bkv = (bh // H) * (H // G) + (bh % H) // G            # the kv head of query head h: h // G
     K += bkv.to(tl.int64) * T * D
     V += bkv.to(tl.int64) * T * D
@@ -349,13 +365,14 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, DOQ, DOT, LSE, DELTA, key, start, end, offs
 
 @triton.jit
 def _attn_bwd_dkdv(Q, K, V, SG, DO, DOQ, DOT, LSE, DELTA, SGDS, DSINV, KEYS, DK, DV, T, H, G,
-                   qk_scale, sm_scale, QC, QS, KC, KS, VC, VS, DOQC, DOQS, DOTC, DOTS,
+                   qk_scale, sm_scale, QC, QS, KC, KS, VC, VS, DOQC, DOQS, DOTC, DOTS, head_group,
                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, QUANT_DS: tl.constexpr, QUANT_DOV: tl.constexpr,
                    QUANT_PDO: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr,
                    EMU: tl.constexpr, FP4_MMA: tl.constexpr):
-    pid_n = tl.program_id(0)
-    bkv = tl.program_id(1)                    # b * Hkv + kv head
+    n_n = tl.cdiv(T, BLOCK_N)
+    # bkv: b * Hkv + kv head; causal: the first key tile is heaviest (every query sees it)
+    bkv, pid_n = _schedule(n_n, tl.num_programs(0) // n_n, head_group)
     Hkv = H // G
     b = bkv // Hkv
     g0 = (bkv % Hkv) * G                      # first query head of this kv head
@@ -469,13 +486,14 @@ def _dq_inner(dq, q, do, lse, delta, K, V, key, start, end, offs_m, T, s_scale, 
 
 @triton.jit
 def _attn_bwd_dq(Q, K, V, SG, DO, LSE, DELTA, SGDS, DSINV, KEYS, DQ, T, H, G, qk_scale, sm_scale,
-                 QC, QS, KC, KS, VC, VS, DOC, DOS,
+                 QC, QS, KC, KS, VC, VS, DOC, DOS, head_group,
                  D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  CAUSAL: tl.constexpr, QUANT_DS: tl.constexpr, DTYPE: tl.constexpr,
                  PREC: tl.constexpr, EMU: tl.constexpr, QUANT_DOV: tl.constexpr,
                  FP4_MMA: tl.constexpr):
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    bh = tl.program_id(1)
+    n_m = tl.cdiv(T, BLOCK_M)
+    bh, rank = _schedule(n_m, tl.num_programs(0) // n_m, head_group)
+    pid_m = n_m - 1 - rank
     bkv = (bh // H) * (H // G) + (bh % H) // G
     sg_q = tl.load(SG)
     sg_k = tl.load(SG + 1)
@@ -613,6 +631,19 @@ P_BLOCK_N = FWD_CONFIG["BLOCK_N"]
 INTERPRET_CONFIGS = {"fwd": dict(BLOCK_M=32, BLOCK_N=16), "dkdv": dict(BLOCK_M=16, BLOCK_N=32),
                      "dq": dict(BLOCK_M=32, BLOCK_N=16)}
 
+# The launch order (_schedule) takes the heads in groups: as many kv heads as fit this much L2 with
+# what a pass streams of each (its G query heads' Q and dO in the dK/dV pass, more than the K and V
+# the forward and dQ pass stream), a power of two, as FlashAttention's scheduler sizes its sections
+# (H100 and H200 have 50 MB).
+SCHEDULE_L2_BYTES = 32 * 2**20
+
+
+def _kv_head_group(T, D, G, itemsize):
+    """kv heads a group of _schedule takes (the passes over query heads take their G * as many)."""
+    fit = max(1, SCHEDULE_L2_BYTES // (2 * G * T * D * itemsize))
+    return 1 << (fit.bit_length() - 1)
+
+
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -668,9 +699,11 @@ def flash_forward(q, k, v, scales, causal, sm_scale, quant_p, dtype, packed=None
     if quant_p:
         meta["BLOCK_N"] = P_BLOCK_N
         meta["BLOCK_M"] = max(meta["BLOCK_M"], P_BLOCK_N)
-    grid = (triton.cdiv(T, meta["BLOCK_M"]), B * H)
-    _attn_fwd[grid](q, k, v, scales, o, lse, T, H, H // Hkv, sm_scale * LOG2E,
-                    *_packed(*(packed[:2] if fp4_mma else (None, None))), CAUSAL=causal,
+    G = H // Hkv
+    grid = (triton.cdiv(T, meta["BLOCK_M"]) * B * H,)
+    _attn_fwd[grid](q, k, v, scales, o, lse, T, H, G, sm_scale * LOG2E,
+                    *_packed(*(packed[:2] if fp4_mma else (None, None))),
+                    G * _kv_head_group(T, D, G, q.element_size()), CAUSAL=causal,
                     QUANT_P=quant_p, FP4_MMA=fp4_mma, **meta)
     return o, lse
 
@@ -706,19 +739,21 @@ def flash_backward(q, k, v, scales, do, lse, delta, do_dov, do_pdo, ds, causal, 
     vp = vp if dovp is not None else None            # V's codes: only for dO V^T (fp4_dov, fp4_all)
     meta = _meta(dtype, "dkdv", SM100_CONFIGS["dkdv"] if fp4_mma else
                  DKDV_CONFIG_QUANT_DS if quant_ds else DKDV_CONFIG, D)
-    grid = (triton.cdiv(T, meta["BLOCK_N"]), B * Hkv)
+    G = H // Hkv
+    kv_group = _kv_head_group(T, D, G, q.element_size())
+    grid = (triton.cdiv(T, meta["BLOCK_N"]) * B * Hkv,)
     _attn_bwd_dkdv[grid](q, k, v, scales, do, do_dov, do_pdo, lse, delta, ds_amax, ds_inv, keys,
-                         dk, dv, T, H, H // Hkv, sm_scale * LOG2E, sm_scale,
-                         *_packed(qp, kp, vp, dovp, pdop), CAUSAL=causal,
+                         dk, dv, T, H, G, sm_scale * LOG2E, sm_scale,
+                         *_packed(qp, kp, vp, dovp, pdop), kv_group, CAUSAL=causal,
                          QUANT_DS=quant_ds, QUANT_DOV=quant_dov, QUANT_PDO=quant_pdo,
                          FP4_MMA=fp4_mma, **meta)
     meta = _meta(dtype, "dq", SM100_CONFIGS["dq"] if fp4_mma else
                  DQ_CONFIG_QUANT_DS if quant_ds else
                  DQ_CONFIG_100KB if 0 < targets.of(dev).shared <= 101376 else DQ_CONFIG, D)
-    grid = (triton.cdiv(T, meta["BLOCK_M"]), B * H)
+    grid = (triton.cdiv(T, meta["BLOCK_M"]) * B * H,)
     _attn_bwd_dq[grid](q, k, v, scales, do_dov, lse, delta, ds_amax, ds_inv, keys, dq,
-                       T, H, H // Hkv, sm_scale * LOG2E, sm_scale,
-                       *_packed(qp, kp, vp, dovp), CAUSAL=causal, QUANT_DS=quant_ds,
+                       T, H, G, sm_scale * LOG2E, sm_scale,
+                       *_packed(qp, kp, vp, dovp), G * kv_group, CAUSAL=causal, QUANT_DS=quant_ds,
                        QUANT_DOV=quant_dov, FP4_MMA=fp4_mma, **meta)
     return dq, dk, dv
 

@@ -129,7 +129,7 @@ def test_ratios_are_taken_within_one_call():
 def test_attention_tiles_gives_each_candidate_the_same_draws_and_rejects_bad_tiles():
     """bench/attention_tiles.py times each candidate dK/dV (or dQ) tiling with the same dS draws
     (the interpreter runs its own tiles: every candidate's gradients equal the committed run's),
-    and a malformed --tiles is one line, exit 2."""
+    its --schedule rows keep every bit, and a malformed --tiles or --schedule is one line, exit 2."""
     def run(*flags):
         return subprocess.run([sys.executable, "bench/attention_tiles.py", "--dry_run", *flags],
                               cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -147,6 +147,13 @@ def test_attention_tiles_gives_each_candidate_the_same_draws_and_rejects_bad_til
     for bad in ("32x64", "32x64x4x3r"):
         proc = run("--tiles", bad)
         assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and bad in proc.stderr
+    # the launch order's head groups: one row each (1 kv head a group, and all), the same bits
+    proc = run("--schedule", "1,1000000000")
+    rows = [r for r in proc.stdout.splitlines() if r.startswith(("| 1 | 1 |", "| 1000000000 |"))]
+    assert proc.returncode == 0 and len(rows) == 2, proc.stdout + proc.stderr[-3000:]
+    assert all(r.rstrip(" |").endswith("True") for r in rows), proc.stdout
+    proc = run("--schedule", "0")
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "'0'" in proc.stderr
 
 
 def test_fingerprint_is_stable_and_sees_a_changed_bit(monkeypatch):
