@@ -63,12 +63,19 @@ SR_MODES = ("sr", "sr_up")
 def seed_tensor(seed, device):
     """SR's seed as the kernels read it: an int64 tensor on `device`. The step draws its seeds on
     the device (nvfp4.sr_seed), so a captured CUDA graph reads fresh ones each replay; a host int
-    (tests, analysis) is copied over, and RTN's 0 (never read) is a fill (no copy, no sync)."""
+    (tests, analysis) is copied over, a 0 by a fill (no copy, no sync; made per call: a cached one
+    first made inside a CUDA graph would stay in its pool)."""
     if torch.is_tensor(seed):
         return seed.to(device=device, dtype=torch.int64)
-    if seed == 0:  # a fill, no host copy; made per call (a cached one first made inside a CUDA
-        return torch.zeros((), dtype=torch.int64, device=device)  # graph would stay in its pool)
+    if seed == 0:
+        return torch.zeros((), dtype=torch.int64, device=device)
     return torch.tensor(seed, dtype=torch.int64, device=device)
+
+
+def _seed_arg(seed, rounding, device, unused):
+    """The launches' seed pointer: seed_tensor where SR reads it; RTN and the amax passes never
+    load it, so they take `unused` (a tensor the launch has anyway) and launch no fill kernel."""
+    return seed_tensor(seed, device) if rounding in SR_MODES else unused
 
 
 def _check_input(x, block, name):
@@ -528,7 +535,7 @@ def _rows_launch(x3, amax, hadamard, four_over_six, seed, rounding="rtn", codes=
         codes.view(torch.int32) if codes is not None else dummy,
         scales if scales is not None else dummy,
         values if values is not None else dummy, partial if partial is not None else dummy,
-        n_blocks, ld, seed_tensor(seed, x3.device),
+        n_blocks, ld, _seed_arg(seed, rounding, x3.device, dummy),
         NB=NB, CHUNKS=chunks, FP8_BOUND=_fp8_bound(four_over_six),
         FOUR_OVER_SIX=bool(four_over_six),
         SR=rounding in SR_MODES, SCALE_UP=rounding == "sr_up",
@@ -559,7 +566,7 @@ def _cols_launch(x3, amax, hadamard, four_over_six, seed, rounding="rtn", codes=
         amax if amax is not None else dummy, gs_out if gs_out is not None else dummy,
         codes if codes is not None else dummy, scales if scales is not None else dummy,
         values if values is not None else dummy, partial if partial is not None else dummy,
-        M, N, *strides, _row_stride(values, x3), seed_tensor(seed, x3.device),
+        M, N, *strides, _row_stride(values, x3), _seed_arg(seed, rounding, x3.device, dummy),
         C=C, FP8_BOUND=_fp8_bound(four_over_six), FOUR_OVER_SIX=bool(four_over_six),
         SR=rounding in SR_MODES, SCALE_UP=rounding == "sr_up",
         HADAMARD=hadamard is not None, WRITE_CODES=codes is not None,
@@ -654,7 +661,7 @@ def _run(x, block, rounding, four_over_six, seed, hadamard, global_amax, write_c
             codes if codes is not None else dummy, scales if scales is not None else dummy,
             values if values is not None else dummy,
             M, N, x3.stride(0), x3.stride(1), x3.stride(2), _row_stride(values, x3),
-            seed_tensor(seed, device),
+            _seed_arg(seed, rounding, device, dummy),
             BM=BM, BN=BN, SBM=bm, SBN=bn, FP8_BOUND=_fp8_bound(four_over_six),
             FOUR_OVER_SIX=bool(four_over_six), SR=rounding in SR_MODES,
             SCALE_UP=rounding == "sr_up", HAD_DIM=had_dim,
