@@ -149,17 +149,14 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, policy: str
     if pol["qkv"]:  # quantized ONCE: the backward reads these very codes (fwd-bwd consistency)
         (qq, qv), (kq, kv), (vq, vv) = [_quantize_qkv(x, n, kernels)
                                         for x, n in ((q, "Q"), (k, "K"), (v, "V"))]
-        ops, sg = (qv, kv, vv), [qq.global_scale, kq.global_scale, vq.global_scale]
-        fp4 = (qq, kq, vq)
+        ops, fp4 = (qv, kv, vv), (qq, kq, vq)
     else:
         ops = (q, k, v) if kernels else (q.float(), k.float(), v.float())
-        sg = [1.0, 1.0, 1.0]
     if kernels:
-        scales = kernel_scales(*sg, P_GLOBAL_SCALE if pol["p"] else 1.0, 1.0, 1.0,
-                                device=q.device)
         # fp4: Q K^T on the FP4 tensor cores of a Blackwell GPU (flash_attention's FP4_MMA)
-        o, lse = flash_attention.flash_forward(*ops, scales, causal, sm_scale, pol["p"], dtype,
-                                               packed=fp4)
+        o, lse = flash_attention.flash_forward(*ops, _global_scales(fp4, q.device), causal,
+                                               sm_scale, P_GLOBAL_SCALE if pol["p"] else None,
+                                               dtype, packed=fp4)
     else:
         o, lse = reference_forward(*ops, causal, pol["p"], sm_scale, dtype)
         o = o.to(dtype)
@@ -206,16 +203,13 @@ def attention_backward(do, o, lse, fp4, qkv, causal, policy):
         do_norm = do.float().norm(dim=-1)
     ds = _ds_inputs(do, do_dov, do_norm, delta, fp4[2], kernels) if pol["ds"] else None
     if kernels:
-        if pol["qkv"]:
-            ops = [grid_values_bf16(t) for t in fp4]
-            sg = [t.global_scale for t in fp4]
-        else:
-            ops, sg = qkv, [1.0, 1.0, 1.0]
-        scales = kernel_scales(*sg, P_GLOBAL_SCALE if pol["pdo"] else 1.0,
-                                do_dov.global_scale if pol["dov"] else 1.0,
-                                do_pdo.global_scale if pol["pdo"] else 1.0, device=do.device)
+        ops = [grid_values_bf16(t) for t in fp4] if pol["qkv"] else qkv
+        sg = (*_global_scales(fp4, do.device),
+              do_dov.global_scale if pol["dov"] else None,
+              do_pdo.global_scale if pol["pdo"] else None,
+              P_GLOBAL_SCALE if pol["pdo"] else None)
         dq, dk, dv = flash_attention.flash_backward(
-            *ops, scales, do, lse, delta,
+            *ops, sg, do, lse, delta,
             do_dov.grid_values().to(dtype) if pol["dov"] else None,
             do_pdo.grid_values()[:, :, :T].to(dtype) if pol["pdo"] else None,
             ds, causal, sm_scale, dtype,
@@ -288,14 +282,15 @@ def _quantize_qkv(x, name, kernels):
     return t, t.dequantize()
 
 
-def kernel_scales(*sg, device):
-    """The kernels' fp32 vector of 6 global scales [Q, K, V, P, dO (dO V^T), dO (P^T dO)], 1 where
-    unused. Python numbers become device constants by a fill, not torch.tensor (a copy from
-    pageable host memory synchronizes the stream) and not a cache (a tensor first made inside a
-    CUDA graph's capture would stay in its memory pool, which torch.compile's graphs refuse)."""
-    return torch.stack([s.float().reshape(()) if torch.is_tensor(s)
-                        else torch.full((), float(s), dtype=torch.float32, device=device)
-                        for s in sg])
+def _global_scales(fp4, device):
+    """The kernels' (s_g(Q), s_g(K), s_g(V)): the NVFP4 tensors' own 0-d fp32 scales, no copy; for
+    BF16 operands (fp4 None) ones, by one fill: not torch.tensor (a copy from pageable host
+    memory synchronizes the stream) and not a cache (a tensor first made inside a CUDA graph's
+    capture would stay in its memory pool, which torch.compile's graphs refuse)."""
+    if fp4 is not None:
+        return tuple(t.global_scale for t in fp4)
+    one = torch.ones((), dtype=torch.float32, device=device)
+    return one, one, one
 
 
 # --------------------------------------------------------------------------------------------------

@@ -256,7 +256,7 @@ def _fwd_inner(acc, l_i, m_i, q, qs, K, KC, KS, V, start, end, offs_m, T, s_scal
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, SG, O, LSE, T, H, G, qk_scale, QC, QS, KC, KS, head_group,
+def _attn_fwd(Q, K, V, SGQ, SGK, SGV, sg_p, O, LSE, T, H, G, qk_scale, QC, QS, KC, KS, head_group,
               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
               QUANT_P: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr,
               FP4_MMA: tl.constexpr):
@@ -266,10 +266,7 @@ def _attn_fwd(Q, K, V, SG, O, LSE, T, H, G, qk_scale, QC, QS, KC, KS, head_group
     bkv = (bh // H) * (H // G) + (bh % H) // G            # the kv head of query head h: h // G
     K += bkv.to(tl.int64) * T * D
     V += bkv.to(tl.int64) * T * D
-    sg_q = tl.load(SG)
-    sg_k = tl.load(SG + 1)
-    sg_v = tl.load(SG + 2)
-    sg_p = tl.load(SG + 3)
+    sg_q, sg_k, sg_v = tl.load(SGQ), tl.load(SGK), tl.load(SGV)   # global scales s_g
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if FP4_MMA:
         KC, KS = _head(KC, KS, bkv, T, D, False)
@@ -364,7 +361,8 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, DOQ, DOT, LSE, DELTA, key, start, end, offs
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, SG, DO, DOQ, DOT, LSE, DELTA, SGDS, DSINV, KEYS, DK, DV, T, H, G,
+def _attn_bwd_dkdv(Q, K, V, SGQ, SGK, SGV, sg_p, SGDOV, SGPDO, DO, DOQ, DOT, LSE, DELTA, SGDS,
+                   DSINV, KEYS, DK, DV, T, H, G,
                    qk_scale, sm_scale, QC, QS, KC, KS, VC, VS, DOQC, DOQS, DOTC, DOTS, head_group,
                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, QUANT_DS: tl.constexpr, QUANT_DOV: tl.constexpr,
@@ -376,13 +374,14 @@ def _attn_bwd_dkdv(Q, K, V, SG, DO, DOQ, DOT, LSE, DELTA, SGDS, DSINV, KEYS, DK,
     Hkv = H // G
     b = bkv // Hkv
     g0 = (bkv % Hkv) * G                      # first query head of this kv head
-    sg_q = tl.load(SG)
-    sg_k = tl.load(SG + 1)
-    sg_v = tl.load(SG + 2)
-    sg_p = tl.load(SG + 3)
-    sg_dov = tl.load(SG + 4)
-    sg_pdo = tl.load(SG + 5)
-    sg_dp = sg_v * sg_dov                     # s_g(dO) is 1 unless QUANT_DOV
+    sg_q, sg_k, sg_v = tl.load(SGQ), tl.load(SGK), tl.load(SGV)   # global scales s_g
+    sg_dov = 1.0                              # dO's s_g in dO V^T, P^T dO: 1 where dO is BF16
+    if QUANT_DOV:
+        sg_dov = tl.load(SGDOV)
+    sg_pdo = 1.0
+    if QUANT_PDO:
+        sg_pdo = tl.load(SGPDO)
+    sg_dp = sg_v * sg_dov
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k = _load_tile(K + bkv.to(tl.int64) * T * D, offs_n, T, D, True, DTYPE)
     v = _load_tile(V + bkv.to(tl.int64) * T * D, offs_n, T, D, True, DTYPE)
@@ -485,8 +484,8 @@ def _dq_inner(dq, q, do, lse, delta, K, V, key, start, end, offs_m, T, s_scale, 
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, SG, DO, LSE, DELTA, SGDS, DSINV, KEYS, DQ, T, H, G, qk_scale, sm_scale,
-                 QC, QS, KC, KS, VC, VS, DOC, DOS, head_group,
+def _attn_bwd_dq(Q, K, V, SGQ, SGK, SGV, SGDOV, DO, LSE, DELTA, SGDS, DSINV, KEYS, DQ, T, H, G,
+                 qk_scale, sm_scale, QC, QS, KC, KS, VC, VS, DOC, DOS, head_group,
                  D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  CAUSAL: tl.constexpr, QUANT_DS: tl.constexpr, DTYPE: tl.constexpr,
                  PREC: tl.constexpr, EMU: tl.constexpr, QUANT_DOV: tl.constexpr,
@@ -495,10 +494,10 @@ def _attn_bwd_dq(Q, K, V, SG, DO, LSE, DELTA, SGDS, DSINV, KEYS, DQ, T, H, G, qk
     bh, rank = _schedule(n_m, tl.num_programs(0) // n_m, head_group)
     pid_m = n_m - 1 - rank
     bkv = (bh // H) * (H // G) + (bh % H) // G
-    sg_q = tl.load(SG)
-    sg_k = tl.load(SG + 1)
-    sg_v = tl.load(SG + 2)
-    sg_dov = tl.load(SG + 4)
+    sg_q, sg_k, sg_v = tl.load(SGQ), tl.load(SGK), tl.load(SGV)   # global scales s_g
+    sg_dov = 1.0                              # dO's s_g in dO V^T: 1 where dO is BF16
+    if QUANT_DOV:
+        sg_dov = tl.load(SGDOV)
     sg_dp = sg_v * sg_dov
     # (1, 1) unless QUANT_DS
     se_ds, sg_ds = nvfp4_math._global_scales(tl.load(SGDS + bh), nvfp4_math.E4M3_MAX)
@@ -681,11 +680,11 @@ def ds_setup(seed, do_norm, delta, v_global_scale, D):
     return ds_amax, keys, ds_inv
 
 
-def flash_forward(q, k, v, scales, causal, sm_scale, quant_p, dtype, packed=None):
+def flash_forward(q, k, v, sg, causal, sm_scale, sg_p, dtype, packed=None):
     """q (B, H, T, D), k, v (B, Hkv, T, D): operand values (bf16 grid values q * s_b for NVFP4
     operands).
-    scales: fp32 (6,) [s_g(Q), s_g(K), s_g(V), s_g(P), s_g(dO for dO V^T), s_g(dO for P^T dO)],
-    1 where unused. packed: the NVFP4Tensors (Q, K, V) whose grid values q, k, v are, or None; on
+    sg: their global scales (s_g(Q), s_g(K), s_g(V)), 0-d fp32 tensors (ones for BF16 operands).
+    sg_p: P's global scale (a float) where P V quantizes P (fp4_pv, fp4_all), else None. packed: the NVFP4Tensors (Q, K, V) whose grid values q, k, v are, or None; on
     a GPU with FP4 tensor cores (use_dot_scaled) Q K^T multiplies their codes and scales.
     Returns o (B, H, T, D) in dtype and lse2 (B, H, T) fp32 (log2 domain)."""
     B, H, T, D = q.shape
@@ -696,23 +695,24 @@ def flash_forward(q, k, v, scales, causal, sm_scale, quant_p, dtype, packed=None
     fp4_mma = packed is not None and use_dot_scaled(q.device)
     meta = _meta(dtype, "fwd", SM100_CONFIGS["fwd"] if fp4_mma else FWD_CONFIG, D)
     # the numbers depend on the key tile: keep the reference's (and a query tile it divides)
-    if quant_p:
+    if sg_p is not None:
         meta["BLOCK_N"] = P_BLOCK_N
         meta["BLOCK_M"] = max(meta["BLOCK_M"], P_BLOCK_N)
     G = H // Hkv
     grid = (triton.cdiv(T, meta["BLOCK_M"]) * B * H,)
-    _attn_fwd[grid](q, k, v, scales, o, lse, T, H, G, sm_scale * LOG2E,
-                    *_packed(*(packed[:2] if fp4_mma else (None, None))),
+    _attn_fwd[grid](q, k, v, *sg, 1.0 if sg_p is None else sg_p, o, lse, T, H, G,
+                    sm_scale * LOG2E, *_packed(*(packed[:2] if fp4_mma else (None, None))),
                     G * _kv_head_group(T, D, G, q.element_size()), CAUSAL=causal,
-                    QUANT_P=quant_p, FP4_MMA=fp4_mma, **meta)
+                    QUANT_P=sg_p is not None, FP4_MMA=fp4_mma, **meta)
     return o, lse
 
 
-def flash_backward(q, k, v, scales, do, lse, delta, do_dov, do_pdo, ds, causal, sm_scale, dtype,
+def flash_backward(q, k, v, sg, do, lse, delta, do_dov, do_pdo, ds, causal, sm_scale, dtype,
                    packed=None):
-    """dq (B, H, T, D), dk, dv (B, Hkv, T, D) in dtype. q, k, v, scales: as flash_forward's.
-    do_dov / do_pdo: dO's NVFP4 grid values (q * s_b) for dO V^T / P^T dO (fp4_dov, fp4_all), or
-    None; ds: what ds_setup returns (dS's bounds, from which its global scales derive, the SR
+    """dq (B, H, T, D), dk, dv (B, Hkv, T, D) in dtype. q, k, v: as flash_forward's; sg: their
+    global scales, then dO's in dO V^T and in P^T dO (None where unused), then P's in P^T dO (a
+    float, None where unused). do_dov / do_pdo: dO's NVFP4 grid values (q * s_b) for dO V^T /
+    P^T dO (fp4_dov, fp4_all), or None; ds: what ds_setup returns (dS's bounds, from which its global scales derive, the SR
     streams' keys of the dQ and dK passes, the element-scale tables), or None (dS in BF16).
     packed: the NVFP4Tensors (Q, K, V, dO for dO V^T or None, dO for P^T dO (T zero-padded to a
     multiple of 16) or None) behind those grid values, or None; on a GPU with FP4 tensor cores
@@ -725,6 +725,9 @@ def flash_backward(q, k, v, scales, do, lse, delta, do_dov, do_pdo, ds, causal, 
     quant_ds, quant_dov, quant_pdo = ds is not None, do_dov is not None, do_pdo is not None
     do_dov = do_dov.contiguous() if quant_dov else do
     do_pdo = do_pdo.contiguous() if quant_pdo else do
+    sg_q, sg_k, sg_v, sg_dov, sg_pdo, sg_p = sg
+    sg_dov = sg_dov if quant_dov else sg_q     # any fp32 pointer where the kernels do not load it
+    sg_pdo = sg_pdo if quant_pdo else sg_q
     if quant_ds:
         ds_amax, keys, ds_inv = ds
     else:
@@ -742,7 +745,8 @@ def flash_backward(q, k, v, scales, do, lse, delta, do_dov, do_pdo, ds, causal, 
     G = H // Hkv
     kv_group = _kv_head_group(T, D, G, q.element_size())
     grid = (triton.cdiv(T, meta["BLOCK_N"]) * B * Hkv,)
-    _attn_bwd_dkdv[grid](q, k, v, scales, do, do_dov, do_pdo, lse, delta, ds_amax, ds_inv, keys,
+    _attn_bwd_dkdv[grid](q, k, v, sg_q, sg_k, sg_v, 1.0 if sg_p is None else sg_p, sg_dov, sg_pdo,
+                         do, do_dov, do_pdo, lse, delta, ds_amax, ds_inv, keys,
                          dk, dv, T, H, G, sm_scale * LOG2E, sm_scale,
                          *_packed(qp, kp, vp, dovp, pdop), kv_group, CAUSAL=causal,
                          QUANT_DS=quant_ds, QUANT_DOV=quant_dov, QUANT_PDO=quant_pdo,
@@ -751,8 +755,8 @@ def flash_backward(q, k, v, scales, do, lse, delta, do_dov, do_pdo, ds, causal, 
                  DQ_CONFIG_QUANT_DS if quant_ds else
                  DQ_CONFIG_100KB if 0 < targets.of(dev).shared <= 101376 else DQ_CONFIG, D)
     grid = (triton.cdiv(T, meta["BLOCK_M"]) * B * H,)
-    _attn_bwd_dq[grid](q, k, v, scales, do_dov, lse, delta, ds_amax, ds_inv, keys, dq,
-                       T, H, G, sm_scale * LOG2E, sm_scale,
+    _attn_bwd_dq[grid](q, k, v, sg_q, sg_k, sg_v, sg_dov, do_dov, lse, delta, ds_amax, ds_inv,
+                       keys, dq, T, H, G, sm_scale * LOG2E, sm_scale,
                        *_packed(qp, kp, vp, dovp), G * kv_group, CAUSAL=causal, QUANT_DS=quant_ds,
                        QUANT_DOV=quant_dov, FP4_MMA=fp4_mma, **meta)
     return dq, dk, dv

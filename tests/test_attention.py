@@ -155,6 +155,29 @@ def test_triton_equals_reference_in_head_groups(causal, monkeypatch):
         assert _rel_mse(a, b) < 1e-10, (name, _rel_mse(a, b))
 
 
+class _Dispatched(torch.utils._python_dispatch.TorchDispatchMode):
+    """The torch ops a call dispatches, by name."""
+
+    def __enter__(self):
+        self.ops = []
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_fp4_kernels_route_makes_no_constants():
+    # the global scales reach the kernels as the NVFP4 tensors' own (P's as a float): no fill, no
+    # stack, no zeros for an unread seed, each of which would be a small kernel per layer on a GPU
+    q, k, v, do = _inputs(B=1, H=2, Hkv=1, T=32, D=64, seed=2)
+    made = ("aten.full", "aten.fill", "aten.ones", "aten.zeros", "aten.stack", "aten.cat",
+            "aten.scalar_tensor", "aten.lift_fresh")
+    with _Dispatched() as called:
+        _run(lambda *x: attention.attention(*x, policy="fp4"), q, k, v, do, route="kernels")
+    assert not [op for op in called.ops if op.startswith(made)], called.ops
+
+
 def test_triton_equals_reference_bf16_inputs():
     q, k, v, do = _inputs(T=50, D=128, dtype=torch.bfloat16, seed=12)
     res = {}
