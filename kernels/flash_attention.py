@@ -375,12 +375,9 @@ def _attn_bwd_dkdv(Q, K, V, SGQ, SGK, SGV, sg_p, SGDOV, SGPDO, DO, DOQ, DOT, LSE
     b = bkv // Hkv
     g0 = (bkv % Hkv) * G                      # first query head of this kv head
     sg_q, sg_k, sg_v = tl.load(SGQ), tl.load(SGK), tl.load(SGV)   # global scales s_g
-    sg_dov = 1.0                              # dO's s_g in dO V^T, P^T dO: 1 where dO is BF16
-    if QUANT_DOV:
-        sg_dov = tl.load(SGDOV)
-    sg_pdo = 1.0
-    if QUANT_PDO:
-        sg_pdo = tl.load(SGPDO)
+    # dO's s_g in dO V^T and in P^T dO: 1 where dO stays BF16
+    sg_dov = tl.load(SGDOV) if QUANT_DOV else 1.0
+    sg_pdo = tl.load(SGPDO) if QUANT_PDO else 1.0
     sg_dp = sg_v * sg_dov
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k = _load_tile(K + bkv.to(tl.int64) * T * D, offs_n, T, D, True, DTYPE)
@@ -495,9 +492,7 @@ def _attn_bwd_dq(Q, K, V, SGQ, SGK, SGV, SGDOV, DO, LSE, DELTA, SGDS, DSINV, KEY
     pid_m = n_m - 1 - rank
     bkv = (bh // H) * (H // G) + (bh % H) // G
     sg_q, sg_k, sg_v = tl.load(SGQ), tl.load(SGK), tl.load(SGV)   # global scales s_g
-    sg_dov = 1.0                              # dO's s_g in dO V^T: 1 where dO is BF16
-    if QUANT_DOV:
-        sg_dov = tl.load(SGDOV)
+    sg_dov = tl.load(SGDOV) if QUANT_DOV else 1.0   # dO's s_g in dO V^T: 1 where dO stays BF16
     sg_dp = sg_v * sg_dov
     # (1, 1) unless QUANT_DS
     se_ds, sg_ds = nvfp4_math._global_scales(tl.load(SGDS + bh), nvfp4_math.E4M3_MAX)
