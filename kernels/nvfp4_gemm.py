@@ -179,6 +179,35 @@ def scale_(x, gs_a, gs_b):
     return x
 
 
+@triton.jit
+def _scale_into_kernel(x_ptr, out_ptr, gs_a_ptr, gs_b_ptr, beta, T, R, ld_out,
+                       BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr):
+    """out[t, c] = x[t, c] * beta / (s_ga * s_gb) for x (T, R) fp32 contiguous, out's rows ld_out
+    apart: the two products and the quotient each rounded to fp32 (torch's x * beta / (s_ga *
+    s_gb); tl.div_rn is IEEE's division), then one rounding to bf16, ties to even."""
+    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_R)
+    mask = (rows[:, None] < T) & (cols[None, :] < R)
+    x = tl.load(x_ptr + rows[:, None] * R + cols[None, :], mask=mask, other=0.0)
+    v = tl.div_rn(x * beta, tl.load(gs_a_ptr) * tl.load(gs_b_ptr))
+    tl.store(out_ptr + rows[:, None] * ld_out + cols[None, :],
+             _round_to_bf16(v).to(tl.bfloat16), mask=mask)
+
+
+def scale_into(out, x, beta, gs_a, gs_b):
+    """out = x * beta / (gs_a * gs_b), rounded once to out's bf16: x (T, R) fp32 contiguous, out
+    (T, R) bf16 with unit column stride and rows any fixed stride apart (LoRA-SVD's branch columns
+    of the grid-value GEMM operand, nvfp4_linear._operand); gs_a, gs_b fp32 0-d. One launch for
+    torch's four (the scales' product, the product, the quotient, the cast); returns out."""
+    T, R = x.shape
+    BLOCK_R = triton.next_power_of_2(R)
+    BLOCK_T = max(1, 4096 // BLOCK_R)
+    _scale_into_kernel[(triton.cdiv(T, BLOCK_T),)](x, out, gs_a, gs_b, beta, T, R, out.stride(0),
+                                                  BLOCK_T=BLOCK_T, BLOCK_R=BLOCK_R,
+                                                  enable_fp_fusion=False)
+    return out
+
+
 _MM_FP32_OUT = [True]  # torch.mm(..., out_dtype=torch.float32): bf16 on CUDA in recent torch
 
 

@@ -38,7 +38,7 @@ import collections
 
 import torch
 
-from kernels.nvfp4_gemm import grid_values_mm, mm_fp32, nvfp4_gemm, use_dot_scaled
+from kernels.nvfp4_gemm import grid_values_mm, mm_fp32, nvfp4_gemm, scale_into, use_dot_scaled
 from kernels.nvfp4_quant import global_amax_pair, quantize, quantize_dequant
 
 # A packed operand for nvfp4_gemm built here (nvfp4.NVFP4Tensor has the same fields)
@@ -75,7 +75,7 @@ def _branch(x, A, B):
 def _operand(x, L, beta, rounding, four_over_six, seed, s_g_other, name, return_tensor=False,
              global_amax=None):
     """The Hopper GEMM's left operand (T, K + r) in bf16: [X_hat | beta X L^T / (s_g s_g_other)]
-    with LoRA's L (r, K), plain X_hat (T, K) with L None; X's s_g and, with return_tensor, the
+    with LoRA's L (r, K) in bf16, plain X_hat (T, K) with L None; X's s_g and, with return_tensor, the
     packed Q1x16(X) (codes, scales) written by the same pass. X_hat is nvfp4_quant's quantization
     of X (the same codes and, for SR, the same Philox draws given the seed); the branch columns
     come from one GEMM with an fp32 result, scaled and rounded to bf16 once."""
@@ -85,8 +85,8 @@ def _operand(x, L, beta, rounding, four_over_six, seed, s_g_other, name, return_
     _, s_g, *packed = quantize_dequant(x, (1, 16), rounding, four_over_six, seed=seed,
                                        global_amax=global_amax, return_tensor=return_tensor,
                                        name=name, out=buf[:, :K])
-    if L is not None:
-        buf[:, K:] = _mm(x.to(L.dtype), L.t()) * beta / (s_g * s_g_other)  # (T, r), RNE to bf16
+    if L is not None:  # (T, r): fp32 steps as torch's x L^T * beta / (s_g s_g_other), RNE to bf16
+        scale_into(buf[:, K:], _mm(x.to(L.dtype), L.t()), beta, s_g, s_g_other)
     return buf, s_g, packed
 
 
@@ -99,9 +99,9 @@ def forward(x, w, ex, ew, seeds=(0, 0), L1=None, L2=None, beta=1.0, branch_dtype
     scale), on Blackwell the packed Q16x16(W) (codes, scales, global scale))."""
     ex, ew = _check(ex, "forward.x", (1, 16)), _check(ew, "forward.w", (16, 16))
     _check_branch(L1, branch_dtype)
-    if L1 is not None:
-        L1, L2 = L1.to(torch.bfloat16), L2.to(torch.bfloat16)
     if use_dot_scaled(x.device):  # W's quantization kept packed for dX (Packed, not grid values)
+        if L1 is not None:
+            L1, L2 = L1.to(torch.bfloat16), L2.to(torch.bfloat16)
         qx = Packed(*quantize(x, (1, 16), ex.rounding, ex.four_over_six, seeds[0],
                               name="activation X"), x.shape, (1, 16))
         qw = Packed(*quantize(w, (16, 16), ew.rounding, ew.four_over_six, seeds[1],
@@ -116,8 +116,9 @@ def forward(x, w, ex, ew, seeds=(0, 0), L1=None, L2=None, beta=1.0, branch_dtype
     wbuf = torch.empty((N + r, K + r), device=w.device, dtype=torch.bfloat16)
     _, s_gw = quantize_dequant(w, (16, 16), ew.rounding, ew.four_over_six, seeds[1],
                                name="weight W", out=wbuf[:N, :K])
-    if L2 is not None:
-        wbuf[:N, K:], wbuf[N:, :K] = L2, L1
+    if L2 is not None:  # cast to bf16 in place; the branch's L1 is then the buffer's
+        wbuf[:N, K:].copy_(L2)
+        L1 = wbuf[N:, :K].copy_(L1)
     # one pass writes the packed X (kept) and its bf16 grid values [X_hat | beta X L1^T / s_g]
     abuf, s_gx, (xc, xs) = _operand(x, L1, beta, ex.rounding, ex.four_over_six, seeds[0], s_gw,
                                     "activation X", return_tensor=True)
@@ -134,8 +135,6 @@ def backward(dy, qx, w_used, c, need, seed_dx, hadamard, seeds_dw, dw_dtype, L1=
     dtype, dW in dw_dtype)."""
     edy = _check(c["dgrad.dy"], "dgrad.dy", (1, 16))
     _check_branch(L1, branch_dtype)
-    if L1 is not None:
-        L1, L2 = L1.to(torch.bfloat16), L2.to(torch.bfloat16)
     K, fp4_mma = qx.shape[1], use_dot_scaled(dy.device)  # the route of dX and dW alike
     amax_dy = amax_dyh = None
     if all(need) and hadamard is not None:  # one read of dY for both of its global amaxes
@@ -148,10 +147,13 @@ def backward(dy, qx, w_used, c, need, seed_dx, hadamard, seeds_dw, dw_dtype, L1=
         if L1 is None:
             dx = nvfp4_gemm(dyq, qw, dy.dtype, trans_b=True)
         else:
+            L1, L2 = L1.to(torch.bfloat16), L2.to(torch.bfloat16)
             dx = nvfp4_gemm(dyq, qw, torch.float32, trans_b=True)
             dx = (dx + beta * _branch(dy, L2.t(), L1.t())).to(dy.dtype)
     elif need[0]:
-        # [dY_hat | beta dY L2 / s_g] times Q16x16(W) reused, [W_hat ; L1] with a branch
+        # [dY_hat | beta dY L2 / s_g] times Q16x16(W) reused, [W_hat ; L1] with a branch; L2 in
+        # bf16 is the forward buffer's [W_hat | L2] columns
+        L2 = None if L2 is None else w_used[0][:dy.shape[1], K:]
         abuf, s_g, _ = _operand(dy, None if L2 is None else L2.t(), beta, edy.rounding,
                                 edy.four_over_six, seed_dx, w_used[2], "gradient dY",
                                 global_amax=amax_dy)

@@ -757,6 +757,28 @@ def test_scale_kernel_rounds_like_torch_mul(dtype):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_scale_into_is_torchs_branch_arithmetic(device):
+    """LoRA-SVD's branch columns: x * beta / (s_ga * s_gb) with each step rounded to fp32 as torch
+    rounds it, then once to bf16, into the left operand's last columns (rows a buffer's width
+    apart), the other columns untouched."""
+    g = torch.Generator().manual_seed(12)
+    T, R, K = 300, 24, 40   # T not a multiple of the row tile; R not a power of two
+    gs_a, gs_b = (torch.tensor(v, dtype=torch.float32, device=device) for v in (3.1e-3, 0.77))
+    for beta in (1.0, 0.3):
+        x = torch.randn(T, R, generator=g) * torch.exp(3 * torch.randn(T, R, generator=g))
+        # half of them land within a few fp32 ulps of a bf16 tie: any other fp32 rounding of a step
+        # moves some across it
+        ties = (x.to(torch.bfloat16).float().view(torch.int32) | 0x8000).view(torch.float32)
+        near = ties * (gs_a.cpu() * gs_b.cpu()) / beta
+        x = torch.where(torch.arange(T)[:, None] % 2 == 0, x, near).to(device)
+        buf = torch.randn(T, K + R, generator=g).to(device=device, dtype=torch.bfloat16)
+        left = buf[:, :K].clone()
+        kg.scale_into(buf[:, K:], x, beta, gs_a, gs_b)
+        assert torch.equal(buf[:, K:], (x * beta / (gs_a * gs_b)).to(torch.bfloat16))
+        assert torch.equal(buf[:, :K], left)
+
+
 # --------------------------------------------------------------------------------------------------
 # The linear layer's kernels (kernels/nvfp4_linear.py) in the interpreter
 
