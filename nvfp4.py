@@ -401,13 +401,18 @@ def sylvester_hadamard(n=16, device=None):
     return (1 - 2 * (bits & 1)).float()
 
 
+def signed_hadamard(signs):
+    """diag(s) . H16 / 4 for signs (16, 1) in {0, 1} (s = 2 signs - 1): orthogonal, entries +-1/4."""
+    return (signs * 0.5 - 0.25) * sylvester_hadamard(16, signs.device)
+
+
 def random_hadamard(generator=None, device=None):
-    """diag(s) . H16 / 4 for random signs s: orthogonal, drawn fresh for every backward (eq. 2).
-    Random signs make the rotation of a fixed outlier pattern different each step, so its rounding
-    error does not repeat."""
+    """signed_hadamard of random signs, drawn fresh for every backward (eq. 2) on the device. Random
+    signs make the rotation of a fixed outlier pattern different each step, so its rounding error
+    does not repeat. The kernels build the matrix in one launch (the same entries)."""
     device = generator.device if generator is not None else device
-    signs = torch.randint(0, 2, (16, 1), generator=generator, device=device) * 0.5 - 0.25   # +-1/4
-    return signs * sylvester_hadamard(16, device)
+    signs = torch.randint(0, 2, (16, 1), generator=generator, device=device)
+    return quant_kernels.signed_hadamard(signs) if use_kernels(signs) else signed_hadamard(signs)
 
 
 def hadamard_transform(x, H, dim=-1):

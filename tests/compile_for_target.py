@@ -160,7 +160,7 @@ def record_layers():
     # bf16 activations and gradients, as under train.py's autocast; the fp32 master weight
     x, w = torch.zeros(64, 256, dtype=torch.bfloat16), torch.zeros(128, 256)
     dy = torch.zeros(64, 128, dtype=torch.bfloat16)
-    H, need = torch.eye(16), (True, True)
+    H, need = nvfp4.random_hadamard(device="cpu"), (True, True)  # eq. 2's H: its launch recorded
     y, xq, w_used = nvfp4_linear.forward(x, w, c["forward.x"], c["forward.w"], (1, 2))
     xq = Packed(*xq, x.shape, (1, 16))
     nvfp4_linear.backward(dy, xq, w_used, c, need, 3, H, (4, 5), torch.float32)

@@ -340,6 +340,25 @@ def test_rtn_and_the_amax_passes_make_no_seed(block):
     _same(t, nvfp4.quantize_reference(x, block, "sr", False, 0))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_signed_hadamard_kernel_is_the_reference_matrix(device, monkeypatch):
+    """Eq. 2's diag(s) H16 / 4 from one launch: nvfp4.signed_hadamard's entries for every drawn
+    sign pattern tried (all +, all -, random), and random_hadamard draws the same matrix on either
+    route."""
+    g = torch.Generator().manual_seed(13)
+    patterns = [torch.zeros(16, 1, dtype=torch.int64), torch.ones(16, 1, dtype=torch.int64)]
+    patterns += [torch.randint(0, 2, (16, 1), generator=g) for _ in range(6)]
+    for signs in patterns:
+        signs = signs.to(device)
+        assert torch.equal(kq.signed_hadamard(signs), nvfp4.signed_hadamard(signs))
+    by_route = {}
+    for route in ("kernels", "reference"):
+        monkeypatch.setenv("NANOFP4_ROUTE", route)
+        torch.manual_seed(5)
+        by_route[route] = nvfp4.random_hadamard(device=device)
+    assert torch.equal(by_route["kernels"], by_route["reference"])
+
+
 def _assert_sr_unbiased(d, row, t_rtn):
     """d: (n, C) dequantized SR draws of the same row x (C,). E[SR(a)] = a, so the mean must match
     sign(x) * min(|x| / (s_b s_g), 6) * s_b s_g (the clamp at 6 is the format's, not SR's). Per
