@@ -402,7 +402,7 @@ def sylvester_hadamard(n=16, device=None):
 
 
 def signed_hadamard(signs):
-    """diag(s) . H16 / 4 for signs (16, 1) in {0, 1} (s = 2 signs - 1): orthogonal, entries +-1/4."""
+    """diag(s) . H16 / 4 for signs (16, 1) in {0, 1}, s = 2 signs - 1: orthogonal, entries +-1/4."""
     return (signs * 0.5 - 0.25) * sylvester_hadamard(16, signs.device)
 
 

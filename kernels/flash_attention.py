@@ -362,8 +362,8 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, DOQ, DOT, LSE, DELTA, key, start, end, offs
 
 @triton.jit
 def _attn_bwd_dkdv(Q, K, V, SGQ, SGK, SGV, sg_p, SGDOV, SGPDO, DO, DOQ, DOT, LSE, DELTA, SGDS,
-                   DSINV, KEYS, DK, DV, T, H, G,
-                   qk_scale, sm_scale, QC, QS, KC, KS, VC, VS, DOQC, DOQS, DOTC, DOTS, head_group,
+                   DSINV, KEYS, DK, DV, T, H, G, qk_scale, sm_scale, QC, QS, KC, KS, VC, VS, DOQC,
+                   DOQS, DOTC, DOTS, head_group,
                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, QUANT_DS: tl.constexpr, QUANT_DOV: tl.constexpr,
                    QUANT_PDO: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr,
@@ -679,8 +679,9 @@ def flash_forward(q, k, v, sg, causal, sm_scale, sg_p, dtype, packed=None):
     """q (B, H, T, D), k, v (B, Hkv, T, D): operand values (bf16 grid values q * s_b for NVFP4
     operands).
     sg: their global scales (s_g(Q), s_g(K), s_g(V)), 0-d fp32 tensors (ones for BF16 operands).
-    sg_p: P's global scale (a float) where P V quantizes P (fp4_pv, fp4_all), else None. packed: the NVFP4Tensors (Q, K, V) whose grid values q, k, v are, or None; on
-    a GPU with FP4 tensor cores (use_dot_scaled) Q K^T multiplies their codes and scales.
+    sg_p: P's global scale (a float) where P V quantizes P (fp4_pv, fp4_all), else None.
+    packed: the NVFP4Tensors (Q, K, V) whose grid values q, k, v are, or None; on a GPU with FP4
+    tensor cores (use_dot_scaled) Q K^T multiplies their codes and scales.
     Returns o (B, H, T, D) in dtype and lse2 (B, H, T) fp32 (log2 domain)."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
@@ -707,8 +708,9 @@ def flash_backward(q, k, v, sg, do, lse, delta, do_dov, do_pdo, ds, causal, sm_s
     """dq (B, H, T, D), dk, dv (B, Hkv, T, D) in dtype. q, k, v: as flash_forward's; sg: their
     global scales, then dO's in dO V^T and in P^T dO (None where unused), then P's in P^T dO (a
     float, None where unused). do_dov / do_pdo: dO's NVFP4 grid values (q * s_b) for dO V^T /
-    P^T dO (fp4_dov, fp4_all), or None; ds: what ds_setup returns (dS's bounds, from which its global scales derive, the SR
-    streams' keys of the dQ and dK passes, the element-scale tables), or None (dS in BF16).
+    P^T dO (fp4_dov, fp4_all), or None; ds: what ds_setup returns (dS's bounds, from which its
+    global scales derive, the SR streams' keys of the dQ and dK passes, the element-scale tables),
+    or None (dS in BF16).
     packed: the NVFP4Tensors (Q, K, V, dO for dO V^T or None, dO for P^T dO (T zero-padded to a
     multiple of 16) or None) behind those grid values, or None; on a GPU with FP4 tensor cores
     (use_dot_scaled) the products whose operands are all blocked along the contraction multiply

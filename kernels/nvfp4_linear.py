@@ -75,10 +75,11 @@ def _branch(x, A, B):
 def _operand(x, L, beta, rounding, four_over_six, seed, s_g_other, name, return_tensor=False,
              global_amax=None):
     """The Hopper GEMM's left operand (T, K + r) in bf16: [X_hat | beta X L^T / (s_g s_g_other)]
-    with LoRA's L (r, K) in bf16, plain X_hat (T, K) with L None; X's s_g and, with return_tensor, the
-    packed Q1x16(X) (codes, scales) written by the same pass. X_hat is nvfp4_quant's quantization
-    of X (the same codes and, for SR, the same Philox draws given the seed); the branch columns
-    come from one GEMM with an fp32 result, scaled and rounded to bf16 once."""
+    with LoRA's L (r, K) in bf16, plain X_hat (T, K) with L None; X's s_g and, with return_tensor,
+    the packed Q1x16(X) (codes, scales) written by the same pass. X_hat is nvfp4_quant's
+    quantization of X (the same codes and, for SR, the same Philox draws given the seed); the
+    branch columns come from one GEMM with an fp32 result, scaled and rounded to bf16 once
+    (nvfp4_gemm.scale_into)."""
     (T, K), r = x.shape, 0 if L is None else L.shape[0]
     buf = torch.empty((T, K + r), device=x.device, dtype=torch.bfloat16)
     # X_hat into buf[:, :K] (rows K + r apart), the branch columns untouched
