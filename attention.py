@@ -154,7 +154,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, policy: str
         ops = (q, k, v) if kernels else (q.float(), k.float(), v.float())
     if kernels:
         # fp4: Q K^T on the FP4 tensor cores of a Blackwell GPU (flash_attention's FP4_MMA)
-        o, lse = flash_attention.flash_forward(*ops, _global_scales(fp4, q.device), causal,
+        o, lse = flash_attention.flash_forward(*ops, _qkv_global_scales(fp4, q.device), causal,
                                                sm_scale, P_GLOBAL_SCALE if pol["p"] else None,
                                                dtype, packed=fp4)
     else:
@@ -204,7 +204,7 @@ def attention_backward(do, o, lse, fp4, qkv, causal, policy):
     ds = _ds_inputs(do, do_dov, do_norm, delta, fp4[2], kernels) if pol["ds"] else None
     if kernels:
         ops = [grid_values_bf16(t) for t in fp4] if pol["qkv"] else qkv
-        sg = (*_global_scales(fp4, do.device),
+        sg = (*_qkv_global_scales(fp4, do.device),
               do_dov.global_scale if pol["dov"] else None,
               do_pdo.global_scale if pol["pdo"] else None,
               P_GLOBAL_SCALE if pol["pdo"] else None)
@@ -282,7 +282,7 @@ def _quantize_qkv(x, name, kernels):
     return t, t.dequantize()
 
 
-def _global_scales(fp4, device):
+def _qkv_global_scales(fp4, device):
     """The kernels' (s_g(Q), s_g(K), s_g(V)): the NVFP4 tensors' own 0-d fp32 scales, no copy; for
     BF16 operands (fp4 None) ones, by one fill: not torch.tensor (a copy from pageable host
     memory synchronizes the stream) and not a cache (a tensor first made inside a CUDA graph's

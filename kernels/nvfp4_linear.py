@@ -154,8 +154,8 @@ def backward(dy, qx, w_used, c, need, seed_dx, hadamard, seeds_dw, dw_dtype, L1=
     elif need[0]:
         # [dY_hat | beta dY L2 / s_g] times Q16x16(W) reused, [W_hat ; L1] with a branch; L2 in
         # bf16 is the forward buffer's [W_hat | L2] columns
-        L2 = None if L2 is None else w_used[0][:dy.shape[1], K:]
-        abuf, s_g, _ = _operand(dy, None if L2 is None else L2.t(), beta, edy.rounding,
+        L2_bf16 = None if L2 is None else w_used[0][:dy.shape[1], K:]
+        abuf, s_g, _ = _operand(dy, None if L2 is None else L2_bf16.t(), beta, edy.rounding,
                                 edy.four_over_six, seed_dx, w_used[2], "gradient dY",
                                 global_amax=amax_dy)
         # the forward's W_hat (out, in), with a branch [W_hat ; L1] (out + r, in)
