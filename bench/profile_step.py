@@ -10,13 +10,17 @@ is not in it: bench/run.py's end-to-end rows have that.
 
 Prints, per recipe, the micro-step's wall time, the share of it the GPU is busy, and the kernels
 with the most time (ms per micro-step); then each kernel's extra time over the first recipe.
-Writes the numbers as JSON (--out).
+--by_function: one more eager micro-step under Python's tracer, its kernel time by the function of
+this repository each kernel was launched from (a backward op of autograd's own: the forward
+function that made its node), so "everything else" has a place in the code. Writes the numbers as
+JSON (--out).
 """
 
 import argparse
 import collections
 import json
 import os
+import re
 import sys
 import time
 
@@ -48,6 +52,88 @@ def kernel_key(name):
                   "c10::", "::operator()() const"):
         name = name.replace(noise, "")
     return name[:160]
+
+
+# a Python frame as the profiler's tracer names it: "model.py(177): forward" (file, def line, name)
+FRAME = re.compile(r"^(.+\.py)\((\d+)\): (.+)$")
+BACKWARD_NODE = "autograd::engine::evaluate_function: "
+
+
+def _site(event, forward_sites):
+    """The innermost function of this repository that event ran in ("model.py:177
+    Attention.forward"), or for an op of one of autograd's own backward nodes "backward of " the
+    forward site that made the node (autograd runs it with no Python above it); "(elsewhere)" if
+    neither."""
+    while event is not None:
+        m = FRAME.match(event.name) if getattr(event, "is_python_function", False) else None
+        if m and os.path.isfile(os.path.join(ROOT, m.group(1))) and "bench/" not in m.group(1):
+            return _qualname(*m.groups())
+        if event.name.startswith(BACKWARD_NODE):
+            return "backward of " + forward_sites.get(event.sequence_nr, "(elsewhere)")
+        event = event.cpu_parent
+    return "(elsewhere)"
+
+
+def _qualname(path, line, name):
+    """"model.py:177 Attention.forward": a method named with its class (the nearest top-level
+    class statement above its def)."""
+    lines = open(os.path.join(ROOT, path)).read().splitlines()[:int(line)]
+    if lines and lines[-1].startswith((" ", "\t")):
+        for text in reversed(lines):
+            if text.startswith("class "):
+                name = re.split(r"[(:]", text[6:])[0] + "." + name
+                break
+    return f"{path}:{line} {name}"
+
+
+def time_by_function(events, on_gpu):
+    """{"site | op | kernel": ms} over a profile's events (torch.profiler with with_stack=True):
+    each CUDA kernel's time under the op it was launched in (on_gpu), else each aten op's own CPU
+    time, keyed by _site. Every kernel (op) is counted once: the keys' times add up to the
+    profile's."""
+    ops = sorted((e for e in events if not getattr(e, "is_python_function", False)),
+                 key=lambda e: e.time_range.start)
+    # a forward op records the sequence number autograd's next node will take: the last op to
+    # record it is the one that made that node
+    forward_sites = {e.sequence_nr: _site(e, {}) for e in ops
+                     if e.sequence_nr >= 0 and not _in_backward(e)}
+    times = collections.Counter()
+    for e in ops:
+        if on_gpu:
+            for k in e.kernels:
+                times[f"{_site(e, forward_sites)} | {e.name} | {kernel_key(k.name)}"] += \
+                    k.duration / 1e3
+        elif e.name.startswith("aten::"):
+            times[f"{_site(e, forward_sites)} | {e.name}"] += e.self_cpu_time_total / 1e3
+    return times
+
+
+def _in_backward(event):
+    while event is not None:
+        if event.name.startswith(BACKWARD_NODE):
+            return True
+        event = event.cpu_parent
+    return False
+
+
+def profile_by_function(config, recipe, batch, seq_len, device):
+    """time_by_function of one eager micro-step (fresh model, seed 0, after one warm-up), ms."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = GPT(config_from_name(config, recipe=RECIPES[recipe]))
+    x = torch.randint(0, model.cfg.vocab_size, (batch, seq_len), device=device)
+    y = torch.roll(x, -1, dims=1)
+    micro_step(model, x, y, device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities, with_stack=True) as prof:
+        micro_step(model, x, y, device)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    times = time_by_function(prof.events(), device == "cuda")
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return dict(times.most_common())
 
 
 def profile_recipe(config, recipe, batch, seq_len, iters, device, graphs=False):
@@ -100,6 +186,9 @@ def profile_recipe(config, recipe, batch, seq_len, iters, device, graphs=False):
 def report(results, top):
     lines = []
     for recipe, r in results.items():
+        if "by_function" in r:
+            lines.append(f"{recipe}, by function (ms, one eager micro-step):")
+            lines += [f"  {ms:9.2f} ms  {key}" for key, ms in list(r["by_function"].items())[:top]]
         lines.append(f"{recipe}: {r['wall_ms']:.1f} ms per micro-step, GPU busy {r['busy']:.0%}, "
                      f"allocator {r['allocator']}")
         for name, ms in list(r["kernels"].items())[:top]:
@@ -135,6 +224,9 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="JSON file for the numbers")
     p.add_argument("--cuda_graphs", action="store_true",
                    help="replay each micro-step as CUDA graphs (train.py --cuda_graphs)")
+    p.add_argument("--by_function", action="store_true",
+                   help="also: one eager micro-step's kernel time by the repository's function that "
+                   "launched it (CPU: the ops' own CPU time)")
     p.add_argument("--dry_run", action="store_true", help="tiny config on the CPU: no timing claim")
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -149,6 +241,10 @@ def main(argv=None):
         fail(f"--recipes: unknown recipe {bad[0]!r}; expected some of {', '.join(RECIPES)}")
     results = {r: profile_recipe(args.config, r, args.batch_size, args.seq_len, args.iters, device,
                                  args.cuda_graphs) for r in recipes}
+    if args.by_function:
+        for r in recipes:
+            results[r]["by_function"] = profile_by_function(args.config, r, args.batch_size,
+                                                            args.seq_len, device)
     print(report(results, args.top))
     if args.out:
         from kernels.nvfp4_gemm import use_dot_scaled  # the NVFP4 GEMM route these kernels took

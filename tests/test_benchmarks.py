@@ -2,6 +2,7 @@
 shapes, the tiny config through train.py) and writes the record, so a broken benchmark shows up in CI and not in
 a GPU run."""
 
+import inspect
 import json
 import os
 import subprocess
@@ -10,6 +11,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 
 import data
 
@@ -85,6 +87,30 @@ def test_profile_keys_tell_torchs_elementwise_kernels_apart():
     assert copy[:80] == add[:80] and kernel_key(copy) != kernel_key(add)
     assert "direct_copy_kernel_cuda" in kernel_key(copy) and "BFloat16" in kernel_key(copy)
     assert kernel_key("_quantize_rows_kernel") == "_quantize_rows_kernel"
+
+
+def test_profile_by_function_puts_each_op_where_the_model_runs_it():
+    """--by_function's table: an op lands in the repository function that ran it, an op of
+    autograd's own backward node in the forward function that made the node (the last op to record
+    its sequence number: SDPA's backward goes to attention_core, not to RoPE just before it), and
+    the keys add up to the profile's own op time, each op counted once."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import model
+    import profile_step
+    torch.manual_seed(0)
+    gpt = model.GPT(model.config_from_name("tiny", recipe=model.RECIPES["bf16"]))
+    x = torch.randint(0, gpt.cfg.vocab_size, (1, 32))
+    with torch.profiler.profile(with_stack=True) as prof:
+        profile_step.micro_step(gpt, x, x, "cpu")
+    times = profile_step.time_by_function(prof.events(), on_gpu=False)
+    own = sum(e.self_cpu_time_total for e in prof.events() if e.name.startswith("aten::")) / 1e3
+    assert sum(times.values()) == pytest.approx(own)
+    rms = f"model.py:{inspect.getsourcelines(model.RMSNorm.forward)[1]} RMSNorm.forward"
+    core = f"model.py:{inspect.getsourcelines(model.attention_core)[1]} attention_core"
+    sites = [k.split(" | ") for k in times]
+    assert any(site == rms for site, op in sites)
+    assert any(site == "backward of " + rms for site, op in sites)
+    assert any(site == "backward of " + core and "backward" in op for site, op in sites)
 
 
 @pytest.mark.gpu
