@@ -187,7 +187,7 @@ def attention_backward(do, o, lse, fp4, qkv, causal, policy):
     B, H, T, D = o.shape
     dtype = o.dtype
     sm_scale = 1.0 / math.sqrt(D)
-    do = do.to(dtype).contiguous()
+    do = do.to(dtype)  # as it arrives (heads-inner from the output projection): read in place
     do_dov = do_pdo = None
     if pol["dov"]:   # dO V^T in NVFP4: dO in 1x16 blocks along D (the contraction), SR
         do_dov = nvfp4.quantize(do, (1, 16), "sr", name="attention dO")
@@ -250,14 +250,16 @@ attention_backward_op = torch.library.custom_op("nanofp4::attention_backward",
 
 @attention_op.register_fake
 def _(q, k, v, causal, policy):
-    """attention_forward's outputs, empty: what torch.compile plans with."""
+    """attention_forward's outputs, empty, in the layouts the route gives them (the kernels write o
+    heads-inner: flash_forward): what torch.compile plans with."""
     (B, H, T, D), Hkv = q.shape, k.shape[1]
+    o = q.new_empty(B, T, H, D).transpose(1, 2) if nvfp4.use_kernels(q) else q.new_empty(q.shape)
     fp4 = ([t for h in (H, Hkv, Hkv)  # codes, scales, global scale of Q, K, V
             for t in (q.new_empty(B, h, T, D // 2, dtype=torch.uint8),
                       q.new_empty(B, h, T, D // 16, dtype=torch.float8_e4m3fn),
                       q.new_empty((), dtype=torch.float32))]
            if POLICIES[policy]["qkv"] else [q.new_empty(0) for _ in range(9)])
-    return q.new_empty(q.shape), q.new_empty(B, H, T, dtype=torch.float32), *fp4
+    return o, q.new_empty(B, H, T, dtype=torch.float32), *fp4
 
 
 @attention_backward_op.register_fake

@@ -76,6 +76,15 @@ def _load_tile(ptr, rows, T, D: tl.constexpr, MASK_ROWS: tl.constexpr, DTYPE: tl
 
 
 @triton.jit
+def _head_rows(X, bh, H, T, D: tl.constexpr, stride_h):
+    """Head bh = b * H + h of a (B, H, T, D) tensor X stored heads-outer (stride_h = T * D: (B, H,
+    T, D) contiguous, its rows D apart) or heads-inner (stride_h = D: (B, T, H, D) contiguous, as a
+    linear layer's output seen as heads, its rows H * D apart): the pointer to its row 0."""
+    b = bh // H
+    return X + b.to(tl.int64) * H * T * D + (bh - b * H).to(tl.int64) * stride_h
+
+
+@triton.jit
 def _load_packed(C, S, rows, T, D: tl.constexpr, MASK_ROWS: tl.constexpr):
     """FP4_MMA: rows `rows` of a packed (T, D) operand blocked 1x16 along D (its codes (T, D / 2),
     E4M3 scales (T, D / 16)) as tl.dot_scaled reads a product over D: codes (R, D / 2), two per
@@ -294,7 +303,8 @@ def _attn_fwd(Q, K, V, SGQ, SGK, SGV, sg_p, O, LSE, T, H, G, qk_scale, QC, QS, K
     rmask = offs_m < T
     tl.store(LSE + bh.to(tl.int64) * T + offs_m, m_i + tl.math.log2(l_i), mask=rmask)
     cols = tl.arange(0, D)
-    tl.store(O + bh.to(tl.int64) * T * D + offs_m[:, None] * D + cols[None, :],
+    # O heads-inner (flash_forward): rows H * D apart
+    tl.store(_head_rows(O, bh, H, T, D, D) + offs_m[:, None] * (H * D) + cols[None, :],
              _op(o, O.dtype.element_ty, EMU), mask=rmask[:, None])
 
 
@@ -303,7 +313,8 @@ def _attn_fwd(Q, K, V, SGQ, SGK, SGV, sg_p, O, LSE, T, H, G, qk_scale, QC, QS, K
 # tiles)
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, Q, DO, DOQ, DOT, LSE, DELTA, key, start, end, offs_n, T, s_scale,
+def _dkdv_inner(dk, dv, k, v, Q, DO, sdo_t: tl.constexpr, DOQ, DOT, LSE, DELTA, key, start, end,
+                offs_n, T, s_scale,
                 sg_dp, se_ds, sg_ds, ds_inv, sg_p, kc, ks, vc, vs, QC, QS, DOQC, DOQS, DOTC, DOTS,
                 bh, D: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
@@ -314,7 +325,7 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, DOQ, DOT, LSE, DELTA, key, start, end, offs
         offs_m = start_m + tl.arange(0, BLOCK_M)
         rmask = offs_m < T
         q = _load_tile(Q, offs_m, T, D, True, DTYPE)                                   # (M, D)
-        do = tl.load(DO + offs_m[:, None] * D + cols[None, :], mask=rmask[:, None],
+        do = tl.load(DO + offs_m[:, None] * sdo_t + cols[None, :], mask=rmask[:, None],
                      other=0.0).to(DTYPE)
         lse = tl.load(LSE + offs_m, mask=rmask, other=float("inf"))  # rows >= T: P = 0
         delta = tl.load(DELTA + offs_m, mask=rmask, other=0.0)
@@ -361,13 +372,13 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, DOQ, DOT, LSE, DELTA, key, start, end, offs
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, SGQ, SGK, SGV, sg_p, SGDOV, SGPDO, DO, DOQ, DOT, LSE, DELTA, SGDS,
-                   DSINV, KEYS, DK, DV, T, H, G, qk_scale, sm_scale, QC, QS, KC, KS, VC, VS, DOQC,
-                   DOQS, DOTC, DOTS, head_group,
-                   D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   CAUSAL: tl.constexpr, QUANT_DS: tl.constexpr, QUANT_DOV: tl.constexpr,
-                   QUANT_PDO: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr,
-                   EMU: tl.constexpr, FP4_MMA: tl.constexpr):
+def _attn_bwd_dkdv(Q, K, V, SGQ, SGK, SGV, sg_p, SGDOV, SGPDO, DO, DOQ, DOT, LSE, DELTA,
+                   SGDS, DSINV, KEYS, DK, DV, T, H, G, qk_scale, sm_scale, QC, QS, KC, KS, VC, VS,
+                   DOQC, DOQS, DOTC, DOTS, head_group, sdo_t: tl.constexpr, D: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                   QUANT_DS: tl.constexpr, QUANT_DOV: tl.constexpr, QUANT_PDO: tl.constexpr,
+                   DTYPE: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr,
+                   FP4_MMA: tl.constexpr):
     n_n = tl.cdiv(T, BLOCK_N)
     # bkv: b * Hkv + kv head; causal: the first key tile is heaviest (every query sees it)
     bkv, pid_n = _schedule(n_n, tl.num_programs(0) // n_n, head_group)
@@ -407,6 +418,8 @@ def _attn_bwd_dkdv(Q, K, V, SGQ, SGK, SGV, sg_p, SGDOV, SGPDO, DO, DOQ, DOT, LSE
         bh = b * H + g0 + g
         q_ptr = Q + bh.to(tl.int64) * T * D
         row = bh.to(tl.int64) * T * D
+        # dO heads-outer (rows sdo_t = D apart) or heads-inner (H * D): a constant in the loop
+        do_ptr = DO + row if sdo_t == D else _head_rows(DO, bh, H, T, D, D)
         # from dS's bound
         se_ds, sg_ds = nvfp4_math._global_scales(tl.load(SGDS + bh), nvfp4_math.E4M3_MAX)
         ds_inv = None
@@ -417,21 +430,21 @@ def _attn_bwd_dkdv(Q, K, V, SGQ, SGK, SGV, sg_p, SGDOV, SGPDO, DO, DOQ, DOT, LSE
         sg_prev = sg_ds
         # the queries of the causal band (masked), then whole query tiles, then a partial last tile
         # (masked)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, DO + row, DOQ + row, DOT + row, LSE + bh * T,
-                             DELTA + bh * T, key, lo, mid, offs_n, T, s_scale, sg_dp, se_ds,
-                             sg_ds, ds_inv, sg_p, kc, ks, vc, vs, QC, QS, DOQC, DOQS, DOTC, DOTS,
-                             bh, D, BLOCK_M, BLOCK_N, True, CAUSAL, QUANT_DS, QUANT_DOV,
-                             QUANT_PDO, DTYPE, PREC, EMU, FP4_MMA)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, DO + row, DOQ + row, DOT + row, LSE + bh * T,
-                             DELTA + bh * T, key, mid, n_full, offs_n, T, s_scale, sg_dp, se_ds,
-                             sg_ds, ds_inv, sg_p, kc, ks, vc, vs, QC, QS, DOQC, DOQS, DOTC, DOTS,
-                             bh, D, BLOCK_M, BLOCK_N, False, CAUSAL, QUANT_DS, QUANT_DOV,
-                             QUANT_PDO, DTYPE, PREC, EMU, FP4_MMA)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, DO + row, DOQ + row, DOT + row, LSE + bh * T,
-                             DELTA + bh * T, key, n_full, T, offs_n, T, s_scale, sg_dp, se_ds,
-                             sg_ds, ds_inv, sg_p, kc, ks, vc, vs, QC, QS, DOQC, DOQS, DOTC, DOTS,
-                             bh, D, BLOCK_M, BLOCK_N, True, CAUSAL, QUANT_DS, QUANT_DOV,
-                             QUANT_PDO, DTYPE, PREC, EMU, FP4_MMA)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, sdo_t, DOQ + row, DOT + row,
+                             LSE + bh * T, DELTA + bh * T, key, lo, mid, offs_n, T, s_scale,
+                             sg_dp, se_ds, sg_ds, ds_inv, sg_p, kc, ks, vc, vs, QC, QS, DOQC,
+                             DOQS, DOTC, DOTS, bh, D, BLOCK_M, BLOCK_N, True, CAUSAL, QUANT_DS,
+                             QUANT_DOV, QUANT_PDO, DTYPE, PREC, EMU, FP4_MMA)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, sdo_t, DOQ + row, DOT + row,
+                             LSE + bh * T, DELTA + bh * T, key, mid, n_full, offs_n, T, s_scale,
+                             sg_dp, se_ds, sg_ds, ds_inv, sg_p, kc, ks, vc, vs, QC, QS, DOQC,
+                             DOQS, DOTC, DOTS, bh, D, BLOCK_M, BLOCK_N, False, CAUSAL, QUANT_DS,
+                             QUANT_DOV, QUANT_PDO, DTYPE, PREC, EMU, FP4_MMA)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, sdo_t, DOQ + row, DOT + row,
+                             LSE + bh * T, DELTA + bh * T, key, n_full, T, offs_n, T, s_scale,
+                             sg_dp, se_ds, sg_ds, ds_inv, sg_p, kc, ks, vc, vs, QC, QS, DOQC,
+                             DOQS, DOTC, DOTS, bh, D, BLOCK_M, BLOCK_N, True, CAUSAL, QUANT_DS,
+                             QUANT_DOV, QUANT_PDO, DTYPE, PREC, EMU, FP4_MMA)
     dk = dk * (sg_prev * sm_scale * sg_q)
     dv = dv * (sg_p * sg_pdo)                 # 1 unless QUANT_PDO
     cols = tl.arange(0, D)
@@ -481,8 +494,8 @@ def _dq_inner(dq, q, do, lse, delta, K, V, key, start, end, offs_m, T, s_scale, 
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, SGQ, SGK, SGV, SGDOV, DO, LSE, DELTA, SGDS, DSINV, KEYS, DQ, T, H, G,
-                 qk_scale, sm_scale, QC, QS, KC, KS, VC, VS, DOC, DOS, head_group,
+def _attn_bwd_dq(Q, K, V, SGQ, SGK, SGV, SGDOV, DO, sdo_h, sdo_t, LSE, DELTA, SGDS, DSINV, KEYS, DQ,
+                 T, H, G, qk_scale, sm_scale, QC, QS, KC, KS, VC, VS, DOC, DOS, head_group,
                  D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  CAUSAL: tl.constexpr, QUANT_DS: tl.constexpr, DTYPE: tl.constexpr,
                  PREC: tl.constexpr, EMU: tl.constexpr, QUANT_DOV: tl.constexpr,
@@ -503,8 +516,8 @@ def _attn_bwd_dq(Q, K, V, SGQ, SGK, SGV, SGDOV, DO, LSE, DELTA, SGDS, DSINV, KEY
     row = bh.to(tl.int64) * T * D
     q = _load_tile(Q + row, offs_m, T, D, True, DTYPE)
     # DO: the incoming dO, or its NVFP4 grid values for fp4_dov / fp4_all (1x16 along D)
-    do = tl.load(DO + row + offs_m[:, None] * D + cols[None, :], mask=rmask[:, None],
-                 other=0.0).to(DTYPE)
+    do = tl.load(_head_rows(DO, bh, H, T, D, sdo_h) + offs_m[:, None] * sdo_t + cols[None, :],
+                 mask=rmask[:, None], other=0.0).to(DTYPE)
     lse = tl.load(LSE + bh * T + offs_m, mask=rmask, other=float("inf"))
     delta = tl.load(DELTA + bh * T + offs_m, mask=rmask, other=0.0)
     K += bkv.to(tl.int64) * T * D
@@ -576,15 +589,18 @@ def _ds_setup_kernel(SEED, DONORM, DELTA, SGV, SGDS, KEYS, DSINV, T, sqrt_d,
 
 
 @triton.jit
-def _bwd_preprocess(O, DO, DELTA, DONORM, N, D: tl.constexpr, ROWS: tl.constexpr):
-    """Per row: D_i = rowsum(dO o O) (App. 11) and ||dO_i||, in one read of O and dO."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+def _bwd_preprocess(O, so_h, so_t, DO, sdo_h, sdo_t, DELTA, DONORM, N, T, H, D: tl.constexpr,
+                    ROWS: tl.constexpr):
+    """Per row: D_i = rowsum(dO o O) (App. 11) and ||dO_i||, in one read of O and dO (each stored
+    heads-outer or heads-inner: _head_rows)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)       # b * H * T + h * T + t
     cols = tl.arange(0, D)
     m = rows[:, None] < N
-    o = tl.load(O + rows[:, None].to(tl.int64) * D + cols[None, :], mask=m,
-                other=0.0).to(tl.float32)
-    do = tl.load(DO + rows[:, None].to(tl.int64) * D + cols[None, :], mask=m,
-                 other=0.0).to(tl.float32)
+    bh, t = rows // T, (rows % T).to(tl.int64)
+    o = tl.load(_head_rows(O, bh, H, T, D, so_h)[:, None] + t[:, None] * so_t + cols[None, :],
+                mask=m, other=0.0).to(tl.float32)
+    do = tl.load(_head_rows(DO, bh, H, T, D, sdo_h)[:, None] + t[:, None] * sdo_t + cols[None, :],
+                 mask=m, other=0.0).to(tl.float32)
     tl.store(DELTA + rows, tl.sum(o * do, 1), mask=rows < N)
     tl.store(DONORM + rows, tl.sqrt(tl.sum(do * do, 1)), mask=rows < N)
 
@@ -658,6 +674,19 @@ def _packed(*tensors):
             for x in ((None, None) if t is None else (t.codes.contiguous(), t.scales.contiguous()))]
 
 
+def heads_strides(x):
+    """x (B, H, T, D) with its (head stride, row stride) in elements where it is stored heads-outer
+    ((B, H, T, D) contiguous) or heads-inner ((B, T, H, D) contiguous: a linear layer's output seen
+    as heads), which the kernels read and write in place (_head_rows); in any other layout, a
+    heads-outer copy."""
+    B, H, T, D = x.shape
+    for sh, st in ((T * D, D), (D, H * D)):
+        if (x.stride(3) == 1 and (B == 1 or x.stride(0) == H * T * D)
+                and (H == 1 or x.stride(1) == sh) and (T == 1 or x.stride(2) == st)):
+            return x, sh, st
+    return x.contiguous(), T * D, D
+
+
 def ds_setup(seed, do_norm, delta, v_global_scale, D):
     """dS's SR quantization inputs (_ds_setup_kernel): seed, a 0-d int64 tensor on the device
     (nvfp4.sr_seed); do_norm (B, H, T) fp32: the row norms of the dO that enters dP; delta
@@ -682,11 +711,12 @@ def flash_forward(q, k, v, sg, causal, sm_scale, sg_p, dtype, packed=None):
     sg_p: P's global scale (a float) where P V quantizes P (fp4_pv, fp4_all), else None.
     packed: the NVFP4Tensors (Q, K, V) whose grid values q, k, v are, or None; on a GPU with FP4
     tensor cores (use_dot_scaled) Q K^T multiplies their codes and scales.
-    Returns o (B, H, T, D) in dtype and lse2 (B, H, T) fp32 (log2 domain)."""
+    Returns o (B, H, T, D) in dtype, stored heads-inner ((B, T, H, D) memory: the output projection
+    reads it as (B, T, H * D) without a copy), and lse2 (B, H, T) fp32 (log2 domain)."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    o = torch.empty(B, H, T, D, device=q.device, dtype=dtype)
+    o = torch.empty(B, T, H, D, device=q.device, dtype=dtype).transpose(1, 2)
     lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
     fp4_mma = packed is not None and use_dot_scaled(q.device)
     meta = _meta(dtype, "fwd", SM100_CONFIGS["fwd"] if fp4_mma else FWD_CONFIG, D)
@@ -705,7 +735,9 @@ def flash_forward(q, k, v, sg, causal, sm_scale, sg_p, dtype, packed=None):
 
 def flash_backward(q, k, v, sg, do, lse, delta, do_dov, do_pdo, ds, causal, sm_scale, dtype,
                    packed=None):
-    """dq (B, H, T, D), dk, dv (B, Hkv, T, D) in dtype. q, k, v: as flash_forward's; sg: their
+    """dq (B, H, T, D), dk, dv (B, Hkv, T, D) in dtype. q, k, v: as flash_forward's; do: dO,
+    heads-outer or heads-inner (heads_strides: read in place), as the output's gradient arrives;
+    sg: their
     global scales, then dO's in dO V^T and in P^T dO (None where unused), then P's in P^T dO (a
     float, None where unused). do_dov / do_pdo: dO's NVFP4 grid values (q * s_b) for dO V^T /
     P^T dO (fp4_dov, fp4_all), or None; ds: what ds_setup returns (dS's bounds, from which its
@@ -717,7 +749,8 @@ def flash_backward(q, k, v, sg, do, lse, delta, do_dov, do_pdo, ds, causal, sm_s
     their codes and scales."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
-    q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    do, sdo_h, sdo_t = heads_strides(do)
     dev = q.device
     quant_ds, quant_dov, quant_pdo = ds is not None, do_dov is not None, do_pdo is not None
     do_dov = do_dov.contiguous() if quant_dov else do
@@ -745,27 +778,30 @@ def flash_backward(q, k, v, sg, do, lse, delta, do_dov, do_pdo, ds, causal, sm_s
     _attn_bwd_dkdv[grid](q, k, v, sg_q, sg_k, sg_v, 1.0 if sg_p is None else sg_p, sg_dov, sg_pdo,
                          do, do_dov, do_pdo, lse, delta, ds_amax, ds_inv, keys,
                          dk, dv, T, H, G, sm_scale * LOG2E, sm_scale,
-                         *_packed(qp, kp, vp, dovp, pdop), kv_group, CAUSAL=causal,
+                         *_packed(qp, kp, vp, dovp, pdop), kv_group, sdo_t=sdo_t, CAUSAL=causal,
                          QUANT_DS=quant_ds, QUANT_DOV=quant_dov, QUANT_PDO=quant_pdo,
                          FP4_MMA=fp4_mma, **meta)
     meta = _meta(dtype, "dq", SM100_CONFIGS["dq"] if fp4_mma else
                  DQ_CONFIG_QUANT_DS if quant_ds else
                  DQ_CONFIG_100KB if 0 < targets.of(dev).shared <= 101376 else DQ_CONFIG, D)
     grid = (triton.cdiv(T, meta["BLOCK_M"]) * B * H,)
-    _attn_bwd_dq[grid](q, k, v, sg_q, sg_k, sg_v, sg_dov, do_dov, lse, delta, ds_amax, ds_inv,
-                       keys, dq, T, H, G, sm_scale * LOG2E, sm_scale,
+    # the dO of dP = dO V^T: its NVFP4 grid values (contiguous) for fp4_dov / fp4_all, else dO
+    sdov = (T * D, D) if quant_dov else (sdo_h, sdo_t)
+    _attn_bwd_dq[grid](q, k, v, sg_q, sg_k, sg_v, sg_dov, do_dov, *sdov, lse, delta, ds_amax,
+                       ds_inv, keys, dq, T, H, G, sm_scale * LOG2E, sm_scale,
                        *_packed(qp, kp, vp, dovp), G * kv_group, CAUSAL=causal, QUANT_DS=quant_ds,
                        QUANT_DOV=quant_dov, FP4_MMA=fp4_mma, **meta)
     return dq, dk, dv
 
 
 def bwd_preprocess(o, do):
-    """delta (B, H, T) = rowsum(dO o O) and ||dO|| per row (B, H, T), fp32."""
+    """delta (B, H, T) = rowsum(dO o O) and ||dO|| per row (B, H, T), fp32; o and do each
+    heads-outer or heads-inner (heads_strides: read in place)."""
     B, H, T, D = o.shape
-    o, do = o.contiguous(), do.contiguous()
+    (o, *so), (do, *sdo) = heads_strides(o), heads_strides(do)
     delta = torch.empty(B, H, T, device=o.device, dtype=torch.float32)
     donorm = torch.empty_like(delta)
     rows = 16 if _interpreting() else 64
-    _bwd_preprocess[(triton.cdiv(B * H * T, rows),)](o, do, delta, donorm, B * H * T, D=D,
-                                                     ROWS=rows)
+    _bwd_preprocess[(triton.cdiv(B * H * T, rows),)](o, *so, do, *sdo, delta, donorm, B * H * T, T,
+                                                     H, D=D, ROWS=rows)
     return delta, donorm

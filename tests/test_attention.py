@@ -156,15 +156,17 @@ def test_triton_equals_reference_in_head_groups(causal, monkeypatch):
 
 
 class _Dispatched(torch.utils._python_dispatch.TorchDispatchMode):
-    """The torch ops a call dispatches, by name."""
+    """The torch ops a call dispatches, by name, and the size of the tensor each returns."""
 
     def __enter__(self):
-        self.ops = []
+        self.ops, self.sizes = [], []
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
         self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
+        self.sizes.append(out.numel() if torch.is_tensor(out) else None)  # what it made
+        return out
 
 
 def test_fp4_kernels_route_makes_no_constants():
@@ -176,6 +178,36 @@ def test_fp4_kernels_route_makes_no_constants():
     with _Dispatched() as called:
         _run(lambda *x: attention.attention(*x, policy="fp4"), q, k, v, do, route="kernels")
     assert not [op for op in called.ops if op.startswith(made)], called.ops
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("policy", ["fp4", "fp4_dov"])
+def test_kernels_take_do_heads_inner_and_write_o_so(policy, device, monkeypatch):
+    # dO arrives from the output projection heads-inner ((B, T, H, D) memory seen as (B, H, T, D)):
+    # the kernels read it in place and give the bits a heads-outer dO gives; O comes out
+    # heads-inner, so the projection's (B, T, H * D) view of it is free. Copies of a tensor of dO's
+    # size, counted for each layout (on a CPU the interpreter copies every kernel argument back:
+    # the same for both): fp4 makes none more for a heads-inner dO, fp4_dov one (its quantization
+    # of dO takes a contiguous copy)
+    monkeypatch.setenv("NANOFP4_ROUTE", "kernels")
+    B, H, Hkv, T, D = 2, 2, 1, 40, 64
+    q, k, v, do = _inputs(B, H, Hkv, T, D, dtype=torch.bfloat16, seed=29, device=device)
+    do_inner = do.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not do_inner.is_contiguous()
+    res, copies = {}, {}
+    for layout, d in (("outer", do), ("inner", do_inner)):
+        xs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        torch.manual_seed(6)
+        with _Dispatched() as called:
+            o = attention.attention(*xs, policy=policy)
+            res[layout] = (o, *torch.autograd.grad(o, xs, d))
+        copies[layout] = sum(n == do.numel() and op.startswith(("aten.clone", "aten.copy_"))
+                             for op, n in zip(called.ops, called.sizes))
+    assert copies["inner"] - copies["outer"] == (policy == "fp4_dov"), copies
+    for a, b in zip(res["outer"], res["inner"]):
+        assert torch.equal(a, b)
+    o = res["inner"][0]
+    assert o.transpose(1, 2).is_contiguous() and not o.is_contiguous()
 
 
 def test_triton_equals_reference_bf16_inputs():
