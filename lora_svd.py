@@ -141,7 +141,7 @@ def lora_svd_linear(x, weight_res, L1, L2, beta=1.0, four_over_six=True):
         dX = Q1x16(dY) Q16x16(W_res) + beta (dY L2) L1,  dW = eq. 2's wgrad (fp32)
     as nvfp4.nvfp4_linear computes them (nvfp4.linear_forward / linear_backward: the direct layer's
     three GEMMs, the branch in BRANCH added before Y's and dX's one rounding; on CUDA the branch
-    rides the residual's GEMM, kernels/nvfp4_linear.py). L1 and L2 get zero gradients here; their
+    rides the residual's GEMM, kernels/nvfp4_linear.py). L1 and L2 get no gradient here; their
     true ones come from project_gradients (eqs. 3-4): App. 8 takes them from dW instead of from a
     second large GEMM with the high-precision X, which is why neither X nor X L1^T is saved. Under
     autocast X is cast to the autocast dtype."""

@@ -682,9 +682,9 @@ class LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        """-> grads of (x, weight, L1, L2, ...). L1 and L2 get zeros: they keep every parameter
-        "used" for DDP (no find_unused_parameters) and give lora_svd.project_gradients a grad to
-        add into; their true gradients come from dW there (App. 8, eqs. 3-4)."""
+        """-> grads of (x, weight, L1, L2, ...). L1 and L2 get none: their gradients come from dW
+        after the backward (lora_svd.project_gradients, App. 8, eqs. 3-4). DDP takes a missing
+        gradient as zero (tests/test_lora_svd.py)."""
         qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale, L1, L2 = ctx.saved_tensors
         need_dx, need_dw, need_l1, need_l2 = ctx.needs_input_grad[:4]
         body = linear_backward_op if torch.compiler.is_compiling() else linear_backward
@@ -692,9 +692,7 @@ class LinearFunction(torch.autograd.Function):
             dx, dw = body(dy, qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale, L1, L2,
                           ctx.beta, ctx.branch_dtype, ctx.four_over_six, ctx.dw_dtype, need_dx,
                           need_dw)
-        return (dx if need_dx else None, dw if need_dw else None,
-                torch.zeros_like(L1) if need_l1 else None,
-                torch.zeros_like(L2) if need_l2 else None, None, None, None)
+        return dx if need_dx else None, dw if need_dw else None, None, None, None, None, None
 
 
 # What torch.compile sees: the bodies as custom ops (schemas from their annotations), each with a

@@ -28,6 +28,13 @@ def digest(tensors):
     return h.hexdigest()[:16]
 
 
+def grads(module):
+    """Every parameter's gradient; one autograd gives none (LoRA-SVD's L1, L2: project_gradients
+    writes theirs) as the zeros the optimizer's zero_grad leaves, which older trees returned."""
+    import torch
+    return [torch.zeros_like(p) if p.grad is None else p.grad for p in module.parameters()]
+
+
 def parts(device):
     """(name, tensors) of each part, in a fixed order."""
     import torch
@@ -41,7 +48,7 @@ def parts(device):
         with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
             y = (fn or module)(x)
         y.float().square().sum().backward()
-        return [y, x.grad] + [p.grad for p in module.parameters()]
+        return [y, x.grad] + grads(module)
 
     T, n_in, n_out = 64, 128, 64
     layers = {"NVFP4Linear": lambda: nvfp4.NVFP4Linear(n_in, n_out),
@@ -75,7 +82,7 @@ def parts(device):
     with torch.autocast(device, dtype=torch.bfloat16):
         _, loss = model(idx, torch.roll(idx, -1, dims=1))
     loss.backward()
-    yield "GPT tiny fullstack micro-step", [loss] + [p.grad for p in model.parameters()]
+    yield "GPT tiny fullstack micro-step", [loss] + grads(model)
 
 
 def main():
