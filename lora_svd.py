@@ -135,7 +135,7 @@ def branch_dtype():
     return BRANCH_DTYPES[BRANCH]
 
 
-def lora_svd_linear(x, weight_res, L1, L2, beta=1.0, four_over_six=True):
+def lora_svd_linear(x, weight_res, L1, L2, beta=1.0, four_over_six=True, cache=None):
     """Functional LoRASVDLinear (no bias): x (..., in) -> (..., out), eq. 1's
         Y  = Q1x16(X) Q16x16(W_res)^T + beta (X L1^T) L2^T
         dX = Q1x16(dY) Q16x16(W_res) + beta (dY L2) L1,  dW = eq. 2's wgrad (fp32)
@@ -145,7 +145,7 @@ def lora_svd_linear(x, weight_res, L1, L2, beta=1.0, four_over_six=True):
     true ones come from project_gradients (eqs. 3-4): App. 8 takes them from dW instead of from a
     second large GEMM with the high-precision X, which is why neither X nor X L1^T is saved. Under
     autocast X is cast to the autocast dtype."""
-    return nvfp4.nvfp4_linear(x, weight_res, four_over_six, L1, L2, beta, branch_dtype())
+    return nvfp4.nvfp4_linear(x, weight_res, four_over_six, L1, L2, beta, branch_dtype(), cache)
 
 
 # -----------------------------------------------------------------------------
@@ -177,7 +177,11 @@ class LoRASVDLinear(nn.Module):
         self.L1 = nn.Parameter(torch.empty(rank, in_features, device=device))
         self.L2 = nn.Parameter(torch.empty(out_features, rank, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
+        self.weight_cache = nvfp4.WeightCache()
         self.set_weight(weight)
+
+    def quantized_weight(self):
+        return self.weight_cache.get(self.weight_res, self.L1, self.L2, self.four_over_six)
 
     @classmethod
     def from_linear(cls, linear, rank, beta=1.0, four_over_six=True):
@@ -209,7 +213,8 @@ class LoRASVDLinear(nn.Module):
         return W_res + self.beta * (L2 @ L1)
 
     def forward(self, x):
-        y = lora_svd_linear(x, self.weight_res, self.L1, self.L2, self.beta, self.four_over_six)
+        y = lora_svd_linear(x, self.weight_res, self.L1, self.L2, self.beta, self.four_over_six,
+                            self.weight_cache)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self):
@@ -236,6 +241,10 @@ class NaiveLoRALinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         nn.init.kaiming_uniform_(self.L1, a=math.sqrt(5))
+        self.weight_cache = nvfp4.WeightCache()
+
+    def quantized_weight(self):
+        return self.weight_cache.get(self.weight, None, None, self.four_over_six)
 
     @classmethod
     def from_linear(cls, linear, rank, four_over_six=True):
@@ -248,7 +257,7 @@ class NaiveLoRALinear(nn.Module):
         return layer
 
     def forward(self, x):
-        y = nvfp4.nvfp4_linear(x, self.weight, self.four_over_six)
+        y = nvfp4.nvfp4_linear(x, self.weight, self.four_over_six, cache=self.weight_cache)
         y = y + nvfp4.low_rank(x, self.L1, self.L2, branch_dtype()).to(y.dtype)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 

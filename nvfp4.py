@@ -598,30 +598,45 @@ def low_rank(x, A, B, dtype):
     return t.float() @ B.to(dtype).float().t()
 
 
+def quantized_weight(weight, L1, L2, four_over_six):
+    """Q16x16(W) as Y and dX multiply it (LINEAR's forward.w), three tensors: the packed codes,
+    scales and global scale, or on the Hopper kernels the bf16 grid values (with LoRA-SVD's
+    L1 (r, in), L2 (out, r): [W_hat | L2 ; L1 | unused]), an empty scales tensor and the global
+    scale."""
+    c = linear_contract(four_over_six)["forward.w"]
+    w, seed = weight.detach(), draws(c, weight.device)
+    if use_kernels(w):
+        return linear_kernels.weight(w, c, seed, L1, L2)
+    qw = quantize_as(w, c, seed, name="weight W")
+    return qw.codes, qw.scales, qw.global_scale
+
+
 def linear_forward(x: Tensor, weight: Tensor, L1: Optional[Tensor], L2: Optional[Tensor],
-                   beta: float, branch_dtype: torch.dtype, four_over_six: bool
+                   beta: float, branch_dtype: torch.dtype, four_over_six: bool,
+                   qw_data: Optional[Tensor] = None, qw_scales: Optional[Tensor] = None,
+                   qw_scale: Optional[Tensor] = None
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """eq. 1: Y = Q1x16(X) Q16x16(W)^T [+ beta (X L1^T) L2^T with LoRA-SVD's L1 (r, in), L2 (out,
     r); None: the direct layer], each operand as LINEAR says (read when it runs, 4/6 resolved).
-    x (..., in), weight (out, in) -> (Y (..., out) in x's dtype, then what the backward reads:
-    the packed Q1x16(X) (T, in) as qx_codes, qx_scales, qx_scale, and W's quantization as dX
-    multiplies it, qw_data, qw_scales, qw_scale: the packed Q16x16(W) likewise, or on the Hopper
-    kernels the bf16 grid values (with LoRA [W_hat | L2 ; L1 | unused]) and an empty scales
-    tensor). Leading dims are flattened into tokens T: Y is not a view (FSDP2 wants that)."""
+    x (..., in), weight (out, in); qw_*: quantized_weight's tensors where the caller keeps them
+    (WeightCache), else W is quantized here. -> (Y (..., out) in x's dtype, then what the backward
+    reads: the packed Q1x16(X) (T, in) as qx_codes, qx_scales, qx_scale, and W's quantization
+    (quantized_weight) as qw_data, qw_scales, qw_scale). Leading dims are flattened into tokens T:
+    Y is not a view (FSDP2 wants that)."""
     c = linear_contract(four_over_six)
     x2 = x.reshape(-1, x.shape[-1])                                                     # (T, in)
-    w = weight.detach()
-    seeds = draws(c["forward.x"], x2.device), draws(c["forward.w"], x2.device)
+    seed_x = draws(c["forward.x"], x2.device)
+    qw = ((qw_data, qw_scales, qw_scale) if qw_data is not None                         # Q16x16(W)
+          else quantized_weight(weight, L1, L2, four_over_six))
     if use_kernels(x2):  # LoRA's branch rides the residual's GEMM, Y is written once (App. 9)
-        y, qx, qw = linear_kernels.forward(x2, w, c["forward.x"], c["forward.w"], seeds, L1, L2,
-                                           beta, branch_dtype)
+        y, qx = linear_kernels.forward(x2, qw, c["forward.x"], seed_x, L1, L2, beta, branch_dtype)
     else:
-        qx = quantize_as(x2, c["forward.x"], seeds[0], name="activation X")             # Q1x16(X)
-        qw = quantize_as(w, c["forward.w"], seeds[1], name="weight W")                  # Q16x16(W)
-        y = nvfp4_matmul(qx, qw, out_dtype=x.dtype if L1 is None else torch.float32)    # (T, out)
+        qx = quantize_as(x2, c["forward.x"], seed_x, name="activation X")               # Q1x16(X)
+        y = nvfp4_matmul(qx, packed(*qw, (16, 16)),
+                         out_dtype=x.dtype if L1 is None else torch.float32)            # (T, out)
         if L1 is not None:
             y = (y + beta * low_rank(x2, L1, L2, branch_dtype)).to(x.dtype)
-        qx, qw = (qx.codes, qx.scales, qx.global_scale), (qw.codes, qw.scales, qw.global_scale)
+        qx = qx.codes, qx.scales, qx.global_scale
     return y.reshape(*x.shape[:-1], -1), *qx, *qw
 
 
@@ -670,11 +685,12 @@ class LinearFunction(torch.autograd.Function):
     (docs/performance.md measures it)."""
 
     @staticmethod
-    def forward(ctx, x, weight, L1, L2, beta, branch_dtype, four_over_six):
+    def forward(ctx, x, weight, L1, L2, beta, branch_dtype, four_over_six, qw=()):
+        """qw: W's quantization from a WeightCache (eager only), or () to quantize W here."""
         body = linear_op if torch.compiler.is_compiling() else linear_forward
         with torch.autocast(x.device.type, enabled=False):  # the contract's arithmetic
             y, qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale = body(
-                x, weight, L1, L2, beta, branch_dtype, four_over_six)
+                x, weight, L1, L2, beta, branch_dtype, four_over_six, *qw)
         ctx.save_for_backward(qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale, L1, L2)
         ctx.beta, ctx.branch_dtype, ctx.four_over_six = beta, branch_dtype, four_over_six
         ctx.dw_dtype = weight.dtype
@@ -692,7 +708,7 @@ class LinearFunction(torch.autograd.Function):
             dx, dw = body(dy, qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale, L1, L2,
                           ctx.beta, ctx.branch_dtype, ctx.four_over_six, ctx.dw_dtype, need_dx,
                           need_dw)
-        return dx if need_dx else None, dw if need_dw else None, None, None, None, None, None
+        return dx if need_dx else None, dw if need_dw else None, None, None, None, None, None, None
 
 
 # What torch.compile sees: the bodies as custom ops (schemas from their annotations), each with a
@@ -703,7 +719,8 @@ linear_backward_op = torch.library.custom_op("nanofp4::linear_backward", linear_
 
 
 @linear_op.register_fake
-def _(x, weight, L1, L2, beta, branch_dtype, four_over_six):
+def _(x, weight, L1, L2, beta, branch_dtype, four_over_six, qw_data=None, qw_scales=None,
+      qw_scale=None):
     """linear_forward's outputs, empty (W's tensors as the route makes them): what torch.compile
     plans with."""
     (K, N), e4m3 = (x.shape[-1], weight.shape[0]), torch.float8_e4m3fn
@@ -726,12 +743,55 @@ def _(dy, qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale, L1, L2, b
 
 
 def nvfp4_linear(x, weight, four_over_six=False, L1=None, L2=None, beta=1.0,
-                 branch_dtype=torch.bfloat16):
+                 branch_dtype=torch.bfloat16, cache=None):
     """Y = Q1x16(X) Q16x16(W)^T with the eq. 1-2 backward (LINEAR); with L1, L2 LoRA-SVD's
-    eq. 1 (lora_svd.lora_svd_linear). Under autocast X is cast to the autocast dtype."""
+    eq. 1 (lora_svd.lora_svd_linear). Under autocast X is cast to the autocast dtype. cache: the
+    layer's WeightCache (torch.compile quantizes W in its graph instead)."""
     if torch.is_autocast_enabled(x.device.type):
         x = x.to(torch.get_autocast_dtype(x.device.type))
-    return LinearFunction.apply(x, weight, L1, L2, float(beta), branch_dtype, four_over_six)
+    qw = () if cache is None or torch.compiler.is_compiling() else cache.get(weight, L1, L2,
+                                                                             four_over_six)
+    return LinearFunction.apply(x, weight, L1, L2, float(beta), branch_dtype, four_over_six, qw)
+
+
+class WeightCache:
+    """A layer's quantized_weight kept from one forward to the next while W (and L1, L2) stay as
+    they are: an optimizer step's micro-steps all multiply the same Q16x16(W) (forward.w is RTN:
+    the same bits every time), so W is quantized once a step instead of once a micro-step, as
+    Transformer Engine keeps its FP8 weights between micro-batches. Stale when any of them changed
+    in place (the optimizer, a checkpoint load or a realignment bumps its version counter) or
+    moved; refreshed in place, so a CUDA graph that reads it stays valid (train.GraphedMicroStep
+    refreshes before each replay: refresh_weights). An SR forward.w is drawn afresh each call."""
+
+    def __init__(self):
+        self.key, self.tensors = None, None
+
+    def get(self, weight, L1, L2, four_over_six):
+        entry = linear_contract(four_over_six)["forward.w"]
+        if entry.rounding != "rtn":
+            return ()
+        key = (use_kernels(weight), entry, *[(t.data_ptr(), t._version)
+                                             for t in (weight, L1, L2) if t is not None])
+        if key != self.key:  # the contract's arithmetic, as in LinearFunction.forward
+            with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
+                fresh = quantized_weight(weight, L1, L2, four_over_six)
+                if self.tensors is not None and all((a.shape, a.dtype, a.device) ==
+                                                    (b.shape, b.dtype, b.device)
+                                                    for a, b in zip(fresh, self.tensors)):
+                    for old, new in zip(self.tensors, fresh):
+                        old.copy_(new)
+                else:
+                    self.tensors = fresh
+            self.key = key
+        return self.tensors
+
+
+def refresh_weights(model):
+    """Bring every FP4 layer's WeightCache up to date with its weights (eagerly: before a CUDA
+    graph that reads them replays)."""
+    for m in model.modules():
+        if hasattr(m, "weight_cache"):
+            m.quantized_weight()
 
 
 class NVFP4Linear(nn.Module):
@@ -751,6 +811,10 @@ class NVFP4Linear(nn.Module):
         self.bias = (nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias
                      else None)
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Linear's default
+        self.weight_cache = WeightCache()
+
+    def quantized_weight(self):
+        return self.weight_cache.get(self.weight, None, None, self.four_over_six)
 
     @classmethod
     def from_linear(cls, linear, four_over_six=False):
@@ -763,7 +827,7 @@ class NVFP4Linear(nn.Module):
         return layer
 
     def forward(self, x):
-        y = nvfp4_linear(x, self.weight, self.four_over_six)
+        y = nvfp4_linear(x, self.weight, self.four_over_six, cache=self.weight_cache)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self):

@@ -970,6 +970,7 @@ class GraphedMicroStep(torch.nn.Module):
             torch.cuda.make_graphed_callables(self.loss, (x, x.clone()), allow_unused_input=True)
 
     def forward(self, x, y):
+        nvfp4.refresh_weights(self.loss)  # the graphs read each layer's quantized W in place
         return None, self.loss(x, y)
 
 

@@ -174,9 +174,13 @@ def linear_rows(device, dry):
         inputs = (x, *layer.parameters())
 
         def run():
+            # each call quantizes W, as a step's first micro-step does (nvfp4.WeightCache keeps it
+            # for the others): the row compares one call with nn.Linear's, casts included
+            torch.autograd.graph.increment_version(list(layer.parameters()))
             with autocast:
                 y = layer(x)
-            return torch.autograd.grad(y, inputs, dy)
+            # LoRA-SVD's L1, L2 get no gradient from autograd (lora_svd.project_gradients)
+            return torch.autograd.grad(y, inputs, dy, allow_unused=True)
         return run
 
     dense_ms = time_ms(fwd_bwd(layers.pop("nn.Linear")), device)

@@ -1,8 +1,9 @@
 """
 Where one micro-step's GPU time goes: torch.profiler over the forward and backward of one
 micro-batch through the public model API (model.GPT under bf16 autocast, as train.py runs it), per
-recipe, its CUDA kernels grouped by name. The once-per-step work (optimizer, LoRA-SVD projection)
-is not in it: bench/run.py's end-to-end rows have that.
+recipe, its CUDA kernels grouped by name. The once-per-step work (optimizer, LoRA-SVD projection,
+the FP4 layers' weight quantization: nvfp4.WeightCache) is not in it: bench/run.py's end-to-end rows
+have that.
 
     python bench/profile_step.py --config 1b --recipes bf16,fullstack     # 8 x 2048 tokens
     python bench/profile_step.py --config 1b --recipes bf16,fullstack --cuda_graphs

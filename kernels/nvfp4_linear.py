@@ -10,7 +10,8 @@ each operand quantized as its entry of nvfp4.LINEAR (the precision contract) say
 Hadamard, 4/6. W is LoRA-SVD's residual W_res where there is a branch; eq. 2's dW is the same for
 both (App. 8 takes the LoRA gradients from it later).
 
-nvfp4.py's ops call `forward` and `backward`; which route multiplies is decided here:
+nvfp4.py's ops call `weight` (W's quantization, which a layer keeps while W is unchanged:
+nvfp4.WeightCache), `forward` and `backward`; which route multiplies is decided here:
   * Hopper (no FP4 tensor cores): every quantize pass writes the bf16 grid values q * s_b (exact)
     and cuBLAS multiplies them (nvfp4_gemm.grid_values_mm). The forward keeps W's grid values for
     dX (2 bytes/param until the backward, like autocast's cached bf16 weight copies: no packed W,
@@ -91,40 +92,51 @@ def _operand(x, L, beta, rounding, four_over_six, seed, s_g_other, name, return_
     return buf, s_g, packed
 
 
-def forward(x, w, ex, ew, seeds=(0, 0), L1=None, L2=None, beta=1.0, branch_dtype=torch.bfloat16):
-    """x (T, in), w (out, in); ex, ew: the contract entries of X and W (nvfp4.LINEAR's forward.x,
-    forward.w); seeds: their SR seeds; L1 (r, in), L2 (out, r): LoRA-SVD's branch, or None.
-    -> (Y (T, out) in x's dtype, Q1x16(X) as (codes, scales, global_scale) for eq. 2, W's
-    quantization as dX multiplies it, three tensors on either route: (bf16 grid values (out, in),
-    with a branch [W_hat | L2 ; L1 | unused] (out + r, in + r), an empty scales tensor, global
-    scale), on Blackwell the packed Q16x16(W) (codes, scales, global scale))."""
-    ex, ew = _check(ex, "forward.x", (1, 16)), _check(ew, "forward.w", (16, 16))
-    _check_branch(L1, branch_dtype)
-    if use_dot_scaled(x.device):  # W's quantization kept packed for dX (Packed, not grid values)
-        if L1 is not None:
-            L1, L2 = L1.to(torch.bfloat16), L2.to(torch.bfloat16)
-        qx = Packed(*quantize(x, (1, 16), ex.rounding, ex.four_over_six, seeds[0],
-                              name="activation X"), x.shape, (1, 16))
-        qw = Packed(*quantize(w, (16, 16), ew.rounding, ew.four_over_six, seeds[1],
-                              name="weight W"), w.shape, (16, 16))
-        if L1 is None:
-            return nvfp4_gemm(qx, qw, x.dtype), qx[:3], qw[:3]
-        y = nvfp4_gemm(qx, qw, torch.float32) + beta * _branch(x, L1, L2)
-        return y.to(x.dtype), qx[:3], qw[:3]
+def weight(w, ew, seed=0, L1=None, L2=None):
+    """W's quantization as the forward and dX multiply it: three tensors on either route, the bf16
+    grid values (out, in), with a branch [W_hat | L2 ; L1 | unused] (out + r, in + r), an empty
+    scales tensor and the global scale; on Blackwell the packed Q16x16(W) (codes, scales, global
+    scale). w (out, in); ew: its contract entry (nvfp4.LINEAR's forward.w); seed: its SR seed;
+    L1 (r, in), L2 (out, r): LoRA-SVD's branch, or None."""
+    ew = _check(ew, "forward.w", (16, 16))
+    if use_dot_scaled(w.device):  # kept packed for dX (Packed, not grid values)
+        return quantize(w, (16, 16), ew.rounding, ew.four_over_six, seed, name="weight W")[:3]
     # W's one quantize pass writes W_hat into [W_hat | L2 ; L1 | unused] (out + r, K + r): the
     # forward multiplies its first `out` rows [W_hat | L2], dX its first K columns [W_hat ; L1]
     (N, K), r = w.shape, 0 if L2 is None else L2.shape[1]
     wbuf = torch.empty((N + r, K + r), device=w.device, dtype=torch.bfloat16)
-    _, s_gw = quantize_dequant(w, (16, 16), ew.rounding, ew.four_over_six, seeds[1],
-                               name="weight W", out=wbuf[:N, :K])
-    if L2 is not None:  # cast to bf16 in place; the branch's L1 is then the buffer's
+    _, s_gw = quantize_dequant(w, (16, 16), ew.rounding, ew.four_over_six, seed, name="weight W",
+                               out=wbuf[:N, :K])
+    if L2 is not None:  # cast to bf16 in place; the forward's branch reads L1 there
         wbuf[:N, K:].copy_(L2)
-        L1 = wbuf[N:, :K].copy_(L1)
-    # one pass writes the packed X (kept) and its bf16 grid values [X_hat | beta X L1^T / s_g]
-    abuf, s_gx, (xc, xs) = _operand(x, L1, beta, ex.rounding, ex.four_over_six, seeds[0], s_gw,
-                                    "activation X", return_tensor=True)
-    return (grid_values_mm(abuf, wbuf[:N].t(), s_gx, s_gw, x.dtype), (xc, xs, s_gx),
-            (wbuf, wbuf.new_empty(0, dtype=torch.float8_e4m3fn), s_gw))
+        wbuf[N:, :K].copy_(L1)
+    return wbuf, wbuf.new_empty(0, dtype=torch.float8_e4m3fn), s_gw
+
+
+def forward(x, qw, ex, seed=0, L1=None, L2=None, beta=1.0, branch_dtype=torch.bfloat16):
+    """x (T, in); qw: W's quantization (`weight`'s three tensors); ex: X's contract entry
+    (nvfp4.LINEAR's forward.x); seed: its SR seed; L1 (r, in), L2 (out, r): LoRA-SVD's branch, or
+    None. -> (Y (T, out) in x's dtype, Q1x16(X) as (codes, scales, global_scale) for eq. 2)."""
+    ex = _check(ex, "forward.x", (1, 16))
+    _check_branch(L1, branch_dtype)
+    if use_dot_scaled(x.device):
+        qx = Packed(*quantize(x, (1, 16), ex.rounding, ex.four_over_six, seed,
+                              name="activation X"), x.shape, (1, 16))
+        N = qw[0].shape[0]
+        qw = Packed(*qw, (N, x.shape[1]), (16, 16))
+        if L1 is None:
+            return nvfp4_gemm(qx, qw, x.dtype), qx[:3]
+        L1, L2 = L1.to(torch.bfloat16), L2.to(torch.bfloat16)
+        y = nvfp4_gemm(qx, qw, torch.float32) + beta * _branch(x, L1, L2)
+        return y.to(x.dtype), qx[:3]
+    wbuf, _, s_gw = qw
+    N, K = wbuf.shape[0] - (0 if L1 is None else L1.shape[0]), x.shape[1]
+    # one pass writes the packed X (kept) and its bf16 grid values [X_hat | beta X L1^T / s_g],
+    # L1 in bf16 from W's buffer
+    abuf, s_gx, (xc, xs) = _operand(x, None if L1 is None else wbuf[N:, :K], beta, ex.rounding,
+                                    ex.four_over_six, seed, s_gw, "activation X",
+                                    return_tensor=True)
+    return grid_values_mm(abuf, wbuf[:N].t(), s_gx, s_gw, x.dtype), (xc, xs, s_gx)
 
 
 def backward(dy, qx, w_used, c, need, seed_dx, hadamard, seeds_dw, dw_dtype, L1=None, L2=None,

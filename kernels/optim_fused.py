@@ -248,5 +248,8 @@ def fused_adamw_step(p, g, state, lr, beta1, beta2, eps, weight_decay, step, see
                        SR_M=rounding_m != "rtn", UP_M=rounding_m == "sr_up",
                        SR_V=rounding_v != "rtn", UP_V=rounding_v == "sr_up",
                        enable_fp_fusion=False)
+    # p was written behind torch's back: bump its version counter as an in-place op does (autograd's
+    # checks, and a layer's cached quantized weight, which a changed version makes stale)
+    torch.autograd.graph.increment_version(p)
     # views: no copy kernels
     state["m.global_scale"], state["v.global_scale"] = new_gs[0], new_gs[1]

@@ -294,6 +294,15 @@ def fsdp2_worker(rank, world, store):
         for p, q in zip(model.parameters(), ref.parameters()):
             assert p.to_local().shape[0] < q.shape[0]  # really sharded
             assert_close64(p.grad.full_tensor(), f64(q.grad), rel=1e-6)
+        # a step changes the sharded W in place: the next forward quantizes it again (WeightCache),
+        # as a reference with no cache does
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), ref.parameters()):
+                p.sub_(0.1 * p.grad)
+                q.sub_(0.1 * q.grad)
+        for m in ref[0], ref[2]:
+            m.weight_cache = nvfp4.WeightCache()
+        assert_close64(model(x), f64(ref(x)), rel=1e-6)
         W = [f64(m.effective_weight()) for m in (ref[0], ref[2])]
         lora_svd.realign_model(model)
         for m, w in zip((model[0], model[2]), W):

@@ -298,6 +298,60 @@ def test_linear_under_bf16_autocast_and_bad_token_count():
         layer(x).sum().backward()
 
 
+@pytest.mark.parametrize("route", ["reference", "kernels"])
+@pytest.mark.parametrize("lora", [False, True])
+def test_weight_cache_quantizes_w_once_while_it_stands_and_keeps_the_bits(route, lora,
+                                                                         monkeypatch):
+    # an optimizer step's micro-steps reuse one Q16x16(W) (nvfp4.WeightCache); a change of W in
+    # place (as the optimizer makes it) quantizes it again. Y and every gradient: the bits of the
+    # uncached call, before and after the change
+    import lora_svd
+    monkeypatch.setenv("NANOFP4_ROUTE", route)
+    calls, quantized_weight = [], nvfp4.quantized_weight
+    monkeypatch.setattr(nvfp4, "quantized_weight", lambda *a: calls.append(1) or quantized_weight(*a))
+    torch.manual_seed(0)
+    layer = (lora_svd.LoRASVDLinear(64, 32, 8) if lora else
+             nvfp4.NVFP4Linear(64, 32, four_over_six=True))
+    params = dict(layer.named_parameters())
+    uncached = (lambda x: lora_svd.lora_svd_linear(x, *params.values(), layer.beta)) if lora else \
+        (lambda x: nvfp4.nvfp4_linear(x, layer.weight, True))
+
+    def fwd_bwd(fn, seed):
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+        layer.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)  # the backward's SR and Hadamard draws
+        y = fn(x)
+        y.float().square().sum().backward()
+        return [y, x.grad] + [p.grad for p in params.values()]
+
+    for step in range(2):
+        for seed in (1, 2):  # two micro-steps
+            want = fwd_bwd(uncached, seed)
+            n = len(calls)
+            got = fwd_bwd(layer, seed)
+            assert len(calls) == n + (seed == 1), (step, seed)  # quantized on the first only
+            for a, b in zip(got, want):
+                assert (a is b is None) or torch.equal(a, b)
+        with torch.no_grad():  # the optimizer's step: W changes in place
+            for p in params.values():
+                p.add_(0.01 * torch.randn_like(p))
+
+
+def test_weight_cache_sees_the_fused_optimizer_step(monkeypatch):
+    # QuantizedAdamW's fused kernel writes W behind torch's back (kernels/optim_fused.py): it bumps
+    # W's version counter, so the next forward quantizes the new W (the uncached call's Y)
+    import optim
+    monkeypatch.setenv("NANOFP4_ROUTE", "kernels")
+    torch.manual_seed(0)
+    layer = nvfp4.NVFP4Linear(128, 64, four_over_six=True)
+    opt = optim.QuantizedAdamW(layer.parameters(), lr=0.1)
+    x = torch.randn(32, 128)
+    layer(x).float().square().sum().backward()
+    opt.step()
+    assert opt._fused(layer.weight) and "m.codes" in opt.state[layer.weight]  # the kernel ran
+    assert torch.equal(layer(x), nvfp4.nvfp4_linear(x, layer.weight, True))
+
+
 def test_quantization_mse_grows_linearly_with_hidden_dim():
     rows = nvfp4.matmul_quant_error((256, 1024, 4096), tokens=64, out_features=64)
     growth = rows[-1]["mse"] / rows[0]["mse"]
