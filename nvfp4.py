@@ -21,6 +21,7 @@ torch.compile, the module), App. 7's error analysis; plumbing last.
 
 import math
 import os
+import weakref
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -685,9 +686,14 @@ class LinearFunction(torch.autograd.Function):
     (docs/performance.md measures it)."""
 
     @staticmethod
-    def forward(ctx, x, weight, L1, L2, beta, branch_dtype, four_over_six, qw=()):
-        """qw: W's quantization from a WeightCache (eager only), or () to quantize W here."""
+    def forward(ctx, x, weight, L1, L2, beta, branch_dtype, four_over_six, qw=(), dtype=None):
+        """qw: W's quantization from a WeightCache (eager only), or () to quantize W here. dtype:
+        what X is cast to first (autocast's; the cast shared with the layers that read the same x:
+        _SHARED_INPUT), None: X as it is."""
         body = linear_op if torch.compiler.is_compiling() else linear_forward
+        ctx.x_dtype = x.dtype
+        if dtype is not None:
+            x = _SHARED_INPUT.cast(x, dtype)
         with torch.autocast(x.device.type, enabled=False):  # the contract's arithmetic
             y, qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale = body(
                 x, weight, L1, L2, beta, branch_dtype, four_over_six, *qw)
@@ -708,7 +714,9 @@ class LinearFunction(torch.autograd.Function):
             dx, dw = body(dy, qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale, L1, L2,
                           ctx.beta, ctx.branch_dtype, ctx.four_over_six, ctx.dw_dtype, need_dx,
                           need_dw)
-        return dx if need_dx else None, dw if need_dw else None, None, None, None, None, None, None
+        # dX back in x's dtype, as the autograd of the cast did
+        return (dx.to(ctx.x_dtype) if need_dx else None, dw if need_dw else None, None, None, None,
+                None, None, None, None)
 
 
 # What torch.compile sees: the bodies as custom ops (schemas from their annotations), each with a
@@ -747,11 +755,41 @@ def nvfp4_linear(x, weight, four_over_six=False, L1=None, L2=None, beta=1.0,
     """Y = Q1x16(X) Q16x16(W)^T with the eq. 1-2 backward (LINEAR); with L1, L2 LoRA-SVD's
     eq. 1 (lora_svd.lora_svd_linear). Under autocast X is cast to the autocast dtype. cache: the
     layer's WeightCache (torch.compile quantizes W in its graph instead)."""
-    if torch.is_autocast_enabled(x.device.type):
-        x = x.to(torch.get_autocast_dtype(x.device.type))
-    qw = () if cache is None or torch.compiler.is_compiling() else cache.get(weight, L1, L2,
-                                                                             four_over_six)
-    return LinearFunction.apply(x, weight, L1, L2, float(beta), branch_dtype, four_over_six, qw)
+    dtype = (torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type)
+             else None)
+    if torch.compiler.is_compiling():  # the cast in the graph, where inductor fuses it
+        x = x if dtype is None else x.to(dtype)
+        return LinearFunction.apply(x, weight, L1, L2, float(beta), branch_dtype, four_over_six)
+    qw = () if cache is None else cache.get(weight, L1, L2, four_over_six)
+    return LinearFunction.apply(x, weight, L1, L2, float(beta), branch_dtype, four_over_six, qw,
+                                dtype)
+
+
+class _SharedInput:
+    """The autocast copy of the last input a linear layer cast: q, k and v read one normalized x,
+    gate and up another, and each cast it to bf16 (as nn.Linear under autocast does), three copies
+    of the same bytes; now the first layer casts and the others read its copy. Keyed by the input
+    tensor itself (a weak reference; its memory held by a detached alias, so no other tensor can
+    take it and no autograd graph is kept) and its version counter. Each layer still returns its
+    own dX in x's dtype, so autograd adds them as it added the casts'."""
+
+    def __init__(self):
+        self.x = self.memory = self.version = self.cast_x = None
+
+    def cast(self, x, dtype):
+        if x.dtype == dtype:
+            return x
+        if x.is_inference():  # no version counter to key on
+            return x.to(dtype)
+        if not (self.x is not None and self.x() is x and x._version == self.version
+                and self.cast_x.dtype == dtype):
+            with torch.no_grad():
+                self.x, self.memory, self.version = weakref.ref(x), x.detach(), x._version
+                self.cast_x = x.to(dtype)
+        return self.cast_x
+
+
+_SHARED_INPUT = _SharedInput()
 
 
 class WeightCache:
@@ -768,8 +806,8 @@ class WeightCache:
 
     def get(self, weight, L1, L2, four_over_six):
         entry = linear_contract(four_over_six)["forward.w"]
-        if entry.rounding != "rtn":
-            return ()
+        if entry.rounding != "rtn" or torch.is_inference_mode_enabled():  # (inference tensors
+            return ()                                      # could not be saved for a backward)
         key = (use_kernels(weight), entry, *[(t.data_ptr(), t._version)
                                              for t in (weight, L1, L2) if t is not None])
         if key != self.key:  # the contract's arithmetic, as in LinearFunction.forward

@@ -352,6 +352,54 @@ def test_weight_cache_sees_the_fused_optimizer_step(monkeypatch):
     assert torch.equal(layer(x), nvfp4.nvfp4_linear(x, layer.weight, True))
 
 
+@pytest.mark.parametrize("route", ["reference", "kernels"])
+def test_layers_reading_one_input_share_its_autocast_copy(route, monkeypatch):
+    # q, k and v read one normalized x, fp32 under autocast: it is cast to bf16 once, not once a
+    # layer; Y and dX are the bits of three separate casts (each layer's dX goes back to fp32 and
+    # autograd adds the three as it added the casts' gradients)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Casts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if str(func).startswith("aten._to_copy") and out.dtype == torch.bfloat16 \
+                    and out.shape == x0.shape:
+                self.n += 1
+            return out
+
+    monkeypatch.setenv("NANOFP4_ROUTE", route)
+    torch.manual_seed(0)
+    layers = [nvfp4.NVFP4Linear(64, 32, four_over_six=True) for _ in range(3)]
+    x0 = torch.randn(32, 64)
+
+    def run(shared):
+        x = x0.clone().requires_grad_()
+        torch.manual_seed(1)  # the backward's draws
+        casts = Casts()
+        casts.n = 0
+        with casts, torch.autocast("cpu", dtype=torch.bfloat16):
+            ys = [layer(x if shared else x.to(torch.bfloat16)) for layer in layers]
+        sum(y.float().square().sum() for y in ys).backward()
+        return casts.n, ys, x.grad
+
+    (n_shared, ys, dx), (n_each, want_ys, want_dx) = run(True), run(False)
+    assert (n_shared, n_each) == (1, 3)
+    assert all(torch.equal(a, b) for a, b in zip(ys, want_ys)) and torch.equal(dx, want_dx)
+
+
+def test_an_inference_mode_call_leaves_nothing_training_cannot_save(monkeypatch):
+    # tensors made under torch.inference_mode have no version counter and cannot be saved for a
+    # backward: neither the weight cache nor the shared autocast copy keeps one
+    monkeypatch.setenv("NANOFP4_ROUTE", "reference")
+    layer = nvfp4.NVFP4Linear(64, 32)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(torch.randn(16, 64))
+    x = torch.randn(16, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(x).float().sum().backward()
+    assert x.grad is not None and layer.weight.grad is not None
+
+
 def test_quantization_mse_grows_linearly_with_hidden_dim():
     rows = nvfp4.matmul_quant_error((256, 1024, 4096), tokens=64, out_features=64)
     growth = rows[-1]["mse"] / rows[0]["mse"]
