@@ -615,12 +615,13 @@ def quantized_weight(weight, L1, L2, four_over_six):
 def linear_forward(x: Tensor, weight: Tensor, L1: Optional[Tensor], L2: Optional[Tensor],
                    beta: float, branch_dtype: torch.dtype, four_over_six: bool,
                    qw_data: Optional[Tensor] = None, qw_scales: Optional[Tensor] = None,
-                   qw_scale: Optional[Tensor] = None
+                   qw_scale: Optional[Tensor] = None, x_amax: Optional[Tensor] = None
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """eq. 1: Y = Q1x16(X) Q16x16(W)^T [+ beta (X L1^T) L2^T with LoRA-SVD's L1 (r, in), L2 (out,
     r); None: the direct layer], each operand as LINEAR says (read when it runs, 4/6 resolved).
     x (..., in), weight (out, in); qw_*: quantized_weight's tensors where the caller keeps them
-    (WeightCache), else W is quantized here. -> (Y (..., out) in x's dtype, then what the backward
+    (WeightCache), else W is quantized here; x_amax: max |x| if the caller has it (the kernels take
+    it; _SharedInput). -> (Y (..., out) in x's dtype, then what the backward
     reads: the packed Q1x16(X) (T, in) as qx_codes, qx_scales, qx_scale, and W's quantization
     (quantized_weight) as qw_data, qw_scales, qw_scale). Leading dims are flattened into tokens T:
     Y is not a view (FSDP2 wants that)."""
@@ -630,7 +631,8 @@ def linear_forward(x: Tensor, weight: Tensor, L1: Optional[Tensor], L2: Optional
     qw = ((qw_data, qw_scales, qw_scale) if qw_data is not None                         # Q16x16(W)
           else quantized_weight(weight, L1, L2, four_over_six))
     if use_kernels(x2):  # LoRA's branch rides the residual's GEMM, Y is written once (App. 9)
-        y, qx = linear_kernels.forward(x2, qw, c["forward.x"], seed_x, L1, L2, beta, branch_dtype)
+        y, qx = linear_kernels.forward(x2, qw, c["forward.x"], seed_x, L1, L2, beta, branch_dtype,
+                                       x_amax)
     else:
         qx = quantize_as(x2, c["forward.x"], seed_x, name="activation X")               # Q1x16(X)
         y = nvfp4_matmul(qx, packed(*qw, (16, 16)),
@@ -691,12 +693,13 @@ class LinearFunction(torch.autograd.Function):
         what X is cast to first (autocast's; the cast shared with the layers that read the same x:
         _SHARED_INPUT), None: X as it is."""
         body = linear_op if torch.compiler.is_compiling() else linear_forward
-        ctx.x_dtype = x.dtype
+        ctx.x_dtype, x_amax = x.dtype, None
         if dtype is not None:
             x = _SHARED_INPUT.cast(x, dtype)
+            x_amax = _SHARED_INPUT.amax(x)
         with torch.autocast(x.device.type, enabled=False):  # the contract's arithmetic
             y, qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale = body(
-                x, weight, L1, L2, beta, branch_dtype, four_over_six, *qw)
+                x, weight, L1, L2, beta, branch_dtype, four_over_six, *qw, x_amax=x_amax)
         ctx.save_for_backward(qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale, L1, L2)
         ctx.beta, ctx.branch_dtype, ctx.four_over_six = beta, branch_dtype, four_over_six
         ctx.dw_dtype = weight.dtype
@@ -728,7 +731,7 @@ linear_backward_op = torch.library.custom_op("nanofp4::linear_backward", linear_
 
 @linear_op.register_fake
 def _(x, weight, L1, L2, beta, branch_dtype, four_over_six, qw_data=None, qw_scales=None,
-      qw_scale=None):
+      qw_scale=None, x_amax=None):
     """linear_forward's outputs, empty (W's tensors as the route makes them): what torch.compile
     plans with."""
     (K, N), e4m3 = (x.shape[-1], weight.shape[0]), torch.float8_e4m3fn
@@ -771,10 +774,11 @@ class _SharedInput:
     of the same bytes; now the first layer casts and the others read its copy. Keyed by the input
     tensor itself (a weak reference; its memory held by a detached alias, so no other tensor can
     take it and no autograd graph is kept) and its version counter. Each layer still returns its
-    own dX in x's dtype, so autograd adds them as it added the casts'."""
+    own dX in x's dtype, so autograd adds them as it added the casts'. On the kernels the copy's
+    global amax (forward.x's, unrotated) is shared too: one amax pass, not three."""
 
     def __init__(self):
-        self.x = self.memory = self.version = self.cast_x = None
+        self.x = self.memory = self.version = self.cast_x = self.x_amax = None
 
     def cast(self, x, dtype):
         if x.dtype == dtype:
@@ -785,8 +789,19 @@ class _SharedInput:
                 and self.cast_x.dtype == dtype):
             with torch.no_grad():
                 self.x, self.memory, self.version = weakref.ref(x), x.detach(), x._version
-                self.cast_x = x.to(dtype)
+                self.cast_x, self.x_amax = x.to(dtype), None
         return self.cast_x
+
+    def amax(self, x):
+        """max |x| for the shared copy x on the kernels route (computed by the first layer that
+        reads it), else None: the layer's quantize pass computes its own."""
+        if x is not self.cast_x or not use_kernels(x):
+            return None
+        if self.x_amax is None:
+            with torch.no_grad():
+                self.x_amax = quant_kernels.global_amax(x.reshape(-1, x.shape[-1]),
+                                                        name="activation X")
+        return self.x_amax
 
 
 _SHARED_INPUT = _SharedInput()

@@ -113,15 +113,17 @@ def weight(w, ew, seed=0, L1=None, L2=None):
     return wbuf, wbuf.new_empty(0, dtype=torch.float8_e4m3fn), s_gw
 
 
-def forward(x, qw, ex, seed=0, L1=None, L2=None, beta=1.0, branch_dtype=torch.bfloat16):
+def forward(x, qw, ex, seed=0, L1=None, L2=None, beta=1.0, branch_dtype=torch.bfloat16,
+            x_amax=None):
     """x (T, in); qw: W's quantization (`weight`'s three tensors); ex: X's contract entry
     (nvfp4.LINEAR's forward.x); seed: its SR seed; L1 (r, in), L2 (out, r): LoRA-SVD's branch, or
-    None. -> (Y (T, out) in x's dtype, Q1x16(X) as (codes, scales, global_scale) for eq. 2)."""
+    None; x_amax: max |x| if the caller has it. -> (Y (T, out) in x's dtype, Q1x16(X) as (codes,
+    scales, global_scale) for eq. 2)."""
     ex = _check(ex, "forward.x", (1, 16))
     _check_branch(L1, branch_dtype)
     if use_dot_scaled(x.device):
         qx = Packed(*quantize(x, (1, 16), ex.rounding, ex.four_over_six, seed,
-                              name="activation X"), x.shape, (1, 16))
+                              global_amax=x_amax, name="activation X"), x.shape, (1, 16))
         N = qw[0].shape[0]
         qw = Packed(*qw, (N, x.shape[1]), (16, 16))
         if L1 is None:
@@ -135,7 +137,7 @@ def forward(x, qw, ex, seed=0, L1=None, L2=None, beta=1.0, branch_dtype=torch.bf
     # L1 in bf16 from W's buffer
     abuf, s_gx, (xc, xs) = _operand(x, None if L1 is None else wbuf[N:, :K], beta, ex.rounding,
                                     ex.four_over_six, seed, s_gw, "activation X",
-                                    return_tensor=True)
+                                    return_tensor=True, global_amax=x_amax)
     return grid_values_mm(abuf, wbuf[:N].t(), s_gx, s_gw, x.dtype), (xc, xs, s_gx)
 
 

@@ -337,15 +337,16 @@ def test_weight_cache_quantizes_w_once_while_it_stands_and_keeps_the_bits(route,
                 p.add_(0.01 * torch.randn_like(p))
 
 
-def test_weight_cache_sees_the_fused_optimizer_step(monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_weight_cache_sees_the_fused_optimizer_step(device, monkeypatch):
     # QuantizedAdamW's fused kernel writes W behind torch's back (kernels/optim_fused.py): it bumps
     # W's version counter, so the next forward quantizes the new W (the uncached call's Y)
     import optim
     monkeypatch.setenv("NANOFP4_ROUTE", "kernels")
     torch.manual_seed(0)
-    layer = nvfp4.NVFP4Linear(128, 64, four_over_six=True)
+    layer = nvfp4.NVFP4Linear(128, 64, four_over_six=True, device=device)
     opt = optim.QuantizedAdamW(layer.parameters(), lr=0.1)
-    x = torch.randn(32, 128)
+    x = torch.randn(32, 128, device=device)
     layer(x).float().square().sum().backward()
     opt.step()
     assert opt._fused(layer.weight) and "m.codes" in opt.state[layer.weight]  # the kernel ran
@@ -355,9 +356,11 @@ def test_weight_cache_sees_the_fused_optimizer_step(monkeypatch):
 @pytest.mark.parametrize("route", ["reference", "kernels"])
 def test_layers_reading_one_input_share_its_autocast_copy(route, monkeypatch):
     # q, k and v read one normalized x, fp32 under autocast: it is cast to bf16 once, not once a
-    # layer; Y and dX are the bits of three separate casts (each layer's dX goes back to fp32 and
-    # autograd adds the three as it added the casts' gradients)
+    # layer, and on the kernels its global amax found once; Y and dX are the bits of three separate
+    # casts (each layer's dX goes back to fp32 and autograd adds the three as it added the casts')
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kernels import nvfp4_quant
 
     class Casts(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -368,6 +371,9 @@ def test_layers_reading_one_input_share_its_autocast_copy(route, monkeypatch):
             return out
 
     monkeypatch.setenv("NANOFP4_ROUTE", route)
+    amaxes, global_amax = [], nvfp4_quant._global_amax  # X's (bf16), not W's (fp32)
+    monkeypatch.setattr(nvfp4_quant, "_global_amax", lambda x3, *a: amaxes.append(
+        getattr(x3, "dtype", None)) or global_amax(x3, *a))
     torch.manual_seed(0)
     layers = [nvfp4.NVFP4Linear(64, 32, four_over_six=True) for _ in range(3)]
     x0 = torch.randn(32, 64)
@@ -377,13 +383,15 @@ def test_layers_reading_one_input_share_its_autocast_copy(route, monkeypatch):
         torch.manual_seed(1)  # the backward's draws
         casts = Casts()
         casts.n = 0
+        amaxes.clear()
         with casts, torch.autocast("cpu", dtype=torch.bfloat16):
             ys = [layer(x if shared else x.to(torch.bfloat16)) for layer in layers]
+        n_amax = amaxes.count(torch.bfloat16)
         sum(y.float().square().sum() for y in ys).backward()
-        return casts.n, ys, x.grad
+        return (casts.n, n_amax), ys, x.grad
 
     (n_shared, ys, dx), (n_each, want_ys, want_dx) = run(True), run(False)
-    assert (n_shared, n_each) == (1, 3)
+    assert (n_shared, n_each) == (((1, 1), (3, 3)) if route == "kernels" else ((1, 0), (3, 0)))
     assert all(torch.equal(a, b) for a, b in zip(ys, want_ys)) and torch.equal(dx, want_dx)
 
 
