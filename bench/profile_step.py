@@ -66,7 +66,7 @@ def _site(event, forward_sites):
     forward site that made the node (autograd runs it with no Python above it); "(elsewhere)" if
     neither."""
     while event is not None:
-        m = FRAME.match(event.name) if getattr(event, "is_python_function", False) else None
+        m = FRAME.match(event.name)  # a Python frame (no torch op is named so)
         if m and os.path.isfile(os.path.join(ROOT, m.group(1))) and "bench/" not in m.group(1):
             return _qualname(*m.groups())
         if event.name.startswith(BACKWARD_NODE):
@@ -92,8 +92,7 @@ def time_by_function(events, on_gpu):
     each CUDA kernel's time under the op it was launched in (on_gpu), else each aten op's own CPU
     time, keyed by _site. Every kernel (op) is counted once: the keys' times add up to the
     profile's."""
-    ops = sorted((e for e in events if not getattr(e, "is_python_function", False)),
-                 key=lambda e: e.time_range.start)
+    ops = sorted((e for e in events if not FRAME.match(e.name)), key=lambda e: e.time_range.start)
     # a forward op records the sequence number autograd's next node will take: the last op to
     # record it is the one that made that node
     forward_sites = {e.sequence_nr: _site(e, {}) for e in ops
