@@ -337,6 +337,34 @@ def test_weight_cache_quantizes_w_once_while_it_stands_and_keeps_the_bits(route,
                 p.add_(0.01 * torch.randn_like(p))
 
 
+@pytest.mark.parametrize("route", ["reference", "kernels"])
+def test_refresh_weights_rewrites_the_cache_where_a_cuda_graph_reads_it(route, monkeypatch):
+    # --cuda_graphs captures a forward that reads each layer's cached W_hat by address, and
+    # train.GraphedMicroStep calls refresh_weights before each replay: after W changes, the cache
+    # holds the new quantization in the same memory
+    import lora_svd
+    monkeypatch.setenv("NANOFP4_ROUTE", route)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(nvfp4.NVFP4Linear(64, 64, four_over_six=True),
+                                lora_svd.LoRASVDLinear(64, 32, 8))
+    model(torch.randn(16, 64))
+    before = [[t.data_ptr() for t in m.weight_cache.tensors] for m in model]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    nvfp4.refresh_weights(model)
+    for m, ptrs in zip(model, before):
+        assert [t.data_ptr() for t in m.weight_cache.tensors] == ptrs
+        L = (m.L1, m.L2) if isinstance(m, lora_svd.LoRASVDLinear) else (None, None)
+        w = m.weight_res if L[0] is not None else m.weight
+        fresh = nvfp4.quantized_weight(w, *L, m.four_over_six)
+        (N, K), r = w.shape, 0 if L[0] is None else L[0].shape[0]
+        for a, b in zip(m.weight_cache.tensors, fresh):
+            if r and a.shape == (N + r, K + r):  # [W_hat | L2 ; L1 | unused]: the parts read
+                a, b = (torch.cat((t[:N].flatten(), t[N:, :K].flatten())) for t in (a, b))
+            assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_weight_cache_sees_the_fused_optimizer_step(device, monkeypatch):
     # QuantizedAdamW's fused kernel writes W behind torch's back (kernels/optim_fused.py): it bumps
