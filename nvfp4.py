@@ -821,8 +821,9 @@ class WeightCache:
 
     def get(self, weight, L1, L2, four_over_six):
         entry = linear_contract(four_over_six)["forward.w"]
-        if entry.rounding != "rtn" or torch.is_inference_mode_enabled():  # (inference tensors
-            return ()                                      # could not be saved for a backward)
+        # SR draws afresh each call; a tensor made in inference mode could not be saved for a backward
+        if entry.rounding != "rtn" or torch.is_inference_mode_enabled():
+            return ()
         key = (use_kernels(weight), entry, *[(t.data_ptr(), t._version)
                                              for t in (weight, L1, L2) if t is not None])
         if key != self.key:  # the contract's arithmetic, as in LinearFunction.forward
