@@ -298,9 +298,10 @@ def test_linear_under_bf16_autocast_and_bad_token_count():
         layer(x).sum().backward()
 
 
-@pytest.mark.parametrize("route", ["reference", "kernels"])
+@pytest.mark.parametrize("route,device", [("reference", "cpu"), ("kernels", "cpu"),
+                                          pytest.param("kernels", "cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("lora", [False, True])
-def test_weight_cache_quantizes_w_once_while_it_stands_and_keeps_the_bits(route, lora,
+def test_weight_cache_quantizes_w_once_while_it_stands_and_keeps_the_bits(route, device, lora,
                                                                          monkeypatch):
     # an optimizer step's micro-steps reuse one Q16x16(W) (nvfp4.WeightCache); a change of W in
     # place (as the optimizer makes it) quantizes it again. Y and every gradient: the bits of the
@@ -310,14 +311,15 @@ def test_weight_cache_quantizes_w_once_while_it_stands_and_keeps_the_bits(route,
     calls, quantized_weight = [], nvfp4.quantized_weight
     monkeypatch.setattr(nvfp4, "quantized_weight", lambda *a: calls.append(1) or quantized_weight(*a))
     torch.manual_seed(0)
-    layer = (lora_svd.LoRASVDLinear(64, 32, 8) if lora else
-             nvfp4.NVFP4Linear(64, 32, four_over_six=True))
+    layer = (lora_svd.LoRASVDLinear(64, 32, 8, device=device) if lora else
+             nvfp4.NVFP4Linear(64, 32, four_over_six=True, device=device))
     params = dict(layer.named_parameters())
     uncached = (lambda x: lora_svd.lora_svd_linear(x, *params.values(), layer.beta)) if lora else \
         (lambda x: nvfp4.nvfp4_linear(x, layer.weight, True))
 
     def fwd_bwd(fn, seed):
-        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(seed)).to(device)
+        x.requires_grad_()
         layer.zero_grad(set_to_none=True)
         torch.manual_seed(seed)  # the backward's SR and Hadamard draws
         y = fn(x)
@@ -381,8 +383,9 @@ def test_weight_cache_sees_the_fused_optimizer_step(device, monkeypatch):
     assert torch.equal(layer(x), nvfp4.nvfp4_linear(x, layer.weight, True))
 
 
-@pytest.mark.parametrize("route", ["reference", "kernels"])
-def test_layers_reading_one_input_share_its_autocast_copy(route, monkeypatch):
+@pytest.mark.parametrize("route,device", [("reference", "cpu"), ("kernels", "cpu"),
+                                          pytest.param("kernels", "cuda", marks=pytest.mark.gpu)])
+def test_layers_reading_one_input_share_its_autocast_copy(route, device, monkeypatch):
     # q, k and v read one normalized x, fp32 under autocast: it is cast to bf16 once, not once a
     # layer, and on the kernels its global amax found once; Y and dX are the bits of three separate
     # casts (each layer's dX goes back to fp32 and autograd adds the three as it added the casts')
@@ -403,8 +406,8 @@ def test_layers_reading_one_input_share_its_autocast_copy(route, monkeypatch):
     monkeypatch.setattr(nvfp4_quant, "_global_amax", lambda x3, *a: amaxes.append(
         getattr(x3, "dtype", None)) or global_amax(x3, *a))
     torch.manual_seed(0)
-    layers = [nvfp4.NVFP4Linear(64, 32, four_over_six=True) for _ in range(3)]
-    x0 = torch.randn(32, 64)
+    layers = [nvfp4.NVFP4Linear(64, 32, four_over_six=True, device=device) for _ in range(3)]
+    x0 = torch.randn(32, 64, device=device)
 
     def run(shared):
         x = x0.clone().requires_grad_()
@@ -412,7 +415,7 @@ def test_layers_reading_one_input_share_its_autocast_copy(route, monkeypatch):
         casts = Casts()
         casts.n = 0
         amaxes.clear()
-        with casts, torch.autocast("cpu", dtype=torch.bfloat16):
+        with casts, torch.autocast(device, dtype=torch.bfloat16):
             ys = [layer(x if shared else x.to(torch.bfloat16)) for layer in layers]
         n_amax = amaxes.count(torch.bfloat16)
         sum(y.float().square().sum() for y in ys).backward()
