@@ -612,35 +612,47 @@ def quantized_weight(weight, L1, L2, four_over_six):
     return qw.codes, qw.scales, qw.global_scale
 
 
+def quantized_input(x, four_over_six, r=0):
+    """Q1x16(X) as Y multiplies it (LINEAR's forward.x), four tensors: the packed codes, scales and
+    global scale (what eq. 2 reads in the backward) and, on the Hopper kernels, the bf16 GEMM
+    operand (T, in + r) of X_hat with r columns for LoRA-SVD's branch, else an empty tensor.
+    x (T, in)."""
+    c = linear_contract(four_over_six)["forward.x"]
+    seed = draws(c, x.device)
+    if use_kernels(x):
+        return linear_kernels.activation(x, c, seed, r)
+    qx = quantize_as(x, c, seed, name="activation X")
+    return qx.codes, qx.scales, qx.global_scale, x.new_empty(0)
+
+
 def linear_forward(x: Tensor, weight: Tensor, L1: Optional[Tensor], L2: Optional[Tensor],
                    beta: float, branch_dtype: torch.dtype, four_over_six: bool,
                    qw_data: Optional[Tensor] = None, qw_scales: Optional[Tensor] = None,
-                   qw_scale: Optional[Tensor] = None, x_amax: Optional[Tensor] = None
+                   qw_scale: Optional[Tensor] = None, qx_codes: Optional[Tensor] = None,
+                   qx_scales: Optional[Tensor] = None, qx_scale: Optional[Tensor] = None,
+                   qx_operand: Optional[Tensor] = None
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """eq. 1: Y = Q1x16(X) Q16x16(W)^T [+ beta (X L1^T) L2^T with LoRA-SVD's L1 (r, in), L2 (out,
     r); None: the direct layer], each operand as LINEAR says (read when it runs, 4/6 resolved).
     x (..., in), weight (out, in); qw_*: quantized_weight's tensors where the caller keeps them
-    (WeightCache), else W is quantized here; x_amax: max |x| if the caller has it (the kernels take
-    it; _SharedInput). -> (Y (..., out) in x's dtype, then what the backward
-    reads: the packed Q1x16(X) (T, in) as qx_codes, qx_scales, qx_scale, and W's quantization
-    (quantized_weight) as qw_data, qw_scales, qw_scale). Leading dims are flattened into tokens T:
-    Y is not a view (FSDP2 wants that)."""
-    c = linear_contract(four_over_six)
+    (WeightCache), qx_*: quantized_input's where the caller has them (_SharedInput), else each is
+    quantized here. -> (Y (..., out) in x's dtype, then what the backward reads: the packed
+    Q1x16(X) (T, in) as qx_codes, qx_scales, qx_scale, and W's quantization (quantized_weight) as
+    qw_data, qw_scales, qw_scale). Leading dims are flattened into tokens T: Y is not a view (FSDP2
+    wants that)."""
     x2 = x.reshape(-1, x.shape[-1])                                                     # (T, in)
-    seed_x = draws(c["forward.x"], x2.device)
+    qx = ((qx_codes, qx_scales, qx_scale, qx_operand) if qx_codes is not None           # Q1x16(X)
+          else quantized_input(x2, four_over_six, 0 if L1 is None else L1.shape[0]))
     qw = ((qw_data, qw_scales, qw_scale) if qw_data is not None                         # Q16x16(W)
           else quantized_weight(weight, L1, L2, four_over_six))
     if use_kernels(x2):  # LoRA's branch rides the residual's GEMM, Y is written once (App. 9)
-        y, qx = linear_kernels.forward(x2, qw, c["forward.x"], seed_x, L1, L2, beta, branch_dtype,
-                                       x_amax)
+        y = linear_kernels.forward(x2, qx, qw, L1, L2, beta, branch_dtype)
     else:
-        qx = quantize_as(x2, c["forward.x"], seed_x, name="activation X")               # Q1x16(X)
-        y = nvfp4_matmul(qx, packed(*qw, (16, 16)),
+        y = nvfp4_matmul(packed(*qx[:3], (1, 16)), packed(*qw, (16, 16)),
                          out_dtype=x.dtype if L1 is None else torch.float32)            # (T, out)
         if L1 is not None:
             y = (y + beta * low_rank(x2, L1, L2, branch_dtype)).to(x.dtype)
-        qx = qx.codes, qx.scales, qx.global_scale
-    return y.reshape(*x.shape[:-1], -1), *qx, *qw
+    return y.reshape(*x.shape[:-1], -1), *qx[:3], *qw
 
 
 def linear_backward(dy: Tensor, qx_codes: Tensor, qx_scales: Tensor, qx_scale: Tensor,
@@ -689,17 +701,18 @@ class LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, L1, L2, beta, branch_dtype, four_over_six, qw=(), dtype=None):
-        """qw: W's quantization from a WeightCache (eager only), or () to quantize W here. dtype:
-        what X is cast to first (autocast's; the cast shared with the layers that read the same x:
-        _SHARED_INPUT), None: X as it is."""
-        body = linear_op if torch.compiler.is_compiling() else linear_forward
-        ctx.x_dtype, x_amax = x.dtype, None
-        if dtype is not None:
-            x = _SHARED_INPUT.cast(x, dtype)
-            x_amax = _SHARED_INPUT.amax(x)
+        """qw: W's quantization from a WeightCache, or () to quantize W here. dtype: what X is cast
+        to first (autocast's), None: X as it is. Eager, the cast and X's quantization are shared
+        with the layers that read the same x (_SHARED_INPUT); compiled, the graph makes them."""
+        compiling = torch.compiler.is_compiling()
+        body = linear_op if compiling else linear_forward
+        ctx.x_dtype, qx = x.dtype, ()
         with torch.autocast(x.device.type, enabled=False):  # the contract's arithmetic
+            if not compiling:
+                x = _SHARED_INPUT.cast(x, dtype)
+                qx = _SHARED_INPUT.quantized(x, four_over_six, 0 if L1 is None else L1.shape[0])
             y, qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale = body(
-                x, weight, L1, L2, beta, branch_dtype, four_over_six, *qw, x_amax=x_amax)
+                x, weight, L1, L2, beta, branch_dtype, four_over_six, *(qw or [None] * 3), *qx)
         ctx.save_for_backward(qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale, L1, L2)
         ctx.beta, ctx.branch_dtype, ctx.four_over_six = beta, branch_dtype, four_over_six
         ctx.dw_dtype = weight.dtype
@@ -731,7 +744,7 @@ linear_backward_op = torch.library.custom_op("nanofp4::linear_backward", linear_
 
 @linear_op.register_fake
 def _(x, weight, L1, L2, beta, branch_dtype, four_over_six, qw_data=None, qw_scales=None,
-      qw_scale=None, x_amax=None):
+      qw_scale=None, qx_codes=None, qx_scales=None, qx_scale=None, qx_operand=None):
     """linear_forward's outputs, empty (W's tensors as the route makes them): what torch.compile
     plans with."""
     (K, N), e4m3 = (x.shape[-1], weight.shape[0]), torch.float8_e4m3fn
@@ -769,39 +782,47 @@ def nvfp4_linear(x, weight, four_over_six=False, L1=None, L2=None, beta=1.0,
 
 
 class _SharedInput:
-    """The autocast copy of the last input a linear layer cast: q, k and v read one normalized x,
-    gate and up another, and each cast it to bf16 (as nn.Linear under autocast does), three copies
-    of the same bytes; now the first layer casts and the others read its copy. Keyed by the input
-    tensor itself (a weak reference; its memory held by a detached alias, so no other tensor can
-    take it and no autograd graph is kept) and its version counter. Each layer still returns its
-    own dX in x's dtype, so autograd adds them as it added the casts'. On the kernels the copy's
-    global amax (forward.x's, unrotated) is shared too: one amax pass, not three."""
+    """What the layers that read one input share: q, k and v read one normalized x, gate and up
+    another. Each cast it to bf16 under autocast (as nn.Linear does) and quantized the copy by RTN
+    into the same codes (LINEAR's forward.x): three casts and three quantizations of the same
+    bytes. Now the first layer makes them and the others take them: the cast copy, keyed by the
+    input tensor itself, and its quantization (quantized_input), keyed by the tensor quantized;
+    each key a weak reference (the memory held by a detached alias, so no other tensor can take it
+    and no autograd graph is kept) and the version counter. The layers save the same packed
+    Q1x16(X) for eq. 2 (one copy in memory), and each still returns its own dX in x's dtype, so
+    autograd adds them as it added the casts'. An SR forward.x draws afresh each call."""
 
     def __init__(self):
-        self.x = self.memory = self.version = self.cast_x = self.x_amax = None
+        self.source = self.cast_x = self.quantized_of = self.key = self.qx = None
+
+    @staticmethod
+    def _holding(x):
+        return weakref.ref(x), x.detach(), x._version
+
+    @staticmethod
+    def _holds(held, x):
+        return held is not None and held[0]() is x and held[2] == x._version
 
     def cast(self, x, dtype):
-        if x.dtype == dtype:
+        if dtype is None or x.dtype == dtype:
             return x
         if x.is_inference():  # no version counter to key on
             return x.to(dtype)
-        if not (self.x is not None and self.x() is x and x._version == self.version
-                and self.cast_x.dtype == dtype):
-            with torch.no_grad():
-                self.x, self.memory, self.version = weakref.ref(x), x.detach(), x._version
-                self.cast_x, self.x_amax = x.to(dtype), None
+        if not (self._holds(self.source, x) and self.cast_x.dtype == dtype):
+            self.source, self.cast_x = self._holding(x), x.to(dtype)
         return self.cast_x
 
-    def amax(self, x):
-        """max |x| for the shared copy x on the kernels route (computed by the first layer that
-        reads it), else None: the layer's quantize pass computes its own."""
-        if x is not self.cast_x or not use_kernels(x):
-            return None
-        if self.x_amax is None:
-            with torch.no_grad():
-                self.x_amax = quant_kernels.global_amax(x.reshape(-1, x.shape[-1]),
-                                                        name="activation X")
-        return self.x_amax
+    def quantized(self, x, four_over_six, r):
+        """quantized_input of x (..., in) with r branch columns: made by the first layer that
+        reads x, taken by the next."""
+        x2, entry = x.reshape(-1, x.shape[-1]), linear_contract(four_over_six)["forward.x"]
+        if entry.rounding != "rtn" or x.is_inference():
+            return quantized_input(x2, four_over_six, r)
+        key = (entry, r, use_kernels(x2), use_dot_scaled(x2.device))
+        if not (self._holds(self.quantized_of, x) and self.key == key):
+            self.quantized_of, self.key = self._holding(x), key
+            self.qx = quantized_input(x2, four_over_six, r)
+        return self.qx
 
 
 _SHARED_INPUT = _SharedInput()

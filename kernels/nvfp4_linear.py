@@ -11,7 +11,8 @@ Hadamard, 4/6. W is LoRA-SVD's residual W_res where there is a branch; eq. 2's d
 both (App. 8 takes the LoRA gradients from it later).
 
 nvfp4.py's ops call `weight` (W's quantization, which a layer keeps while W is unchanged:
-nvfp4.WeightCache), `forward` and `backward`; which route multiplies is decided here:
+nvfp4.WeightCache), `activation` (X's, which the layers reading one x share:
+nvfp4._SharedInput), `forward` and `backward`; which route multiplies is decided here:
   * Hopper (no FP4 tensor cores): every quantize pass writes the bf16 grid values q * s_b (exact)
     and cuBLAS multiplies them (nvfp4_gemm.grid_values_mm). The forward keeps W's grid values for
     dX (2 bytes/param until the backward, like autocast's cached bf16 weight copies: no packed W,
@@ -73,23 +74,25 @@ def _branch(x, A, B):
     return _mm(_mm(x.to(torch.bfloat16), A.t()).to(torch.bfloat16), B.t())
 
 
-def _operand(x, L, beta, rounding, four_over_six, seed, s_g_other, name, return_tensor=False,
-             global_amax=None):
-    """The Hopper GEMM's left operand (T, K + r) in bf16: [X_hat | beta X L^T / (s_g s_g_other)]
-    with LoRA's L (r, K) in bf16, plain X_hat (T, K) with L None; X's s_g and, with return_tensor,
-    the packed Q1x16(X) (codes, scales) written by the same pass. X_hat is nvfp4_quant's
-    quantization of X (the same codes and, for SR, the same Philox draws given the seed); the
-    branch columns come from one GEMM with an fp32 result, scaled and rounded to bf16 once
-    (nvfp4_gemm.scale_into)."""
-    (T, K), r = x.shape, 0 if L is None else L.shape[0]
+def _operand(x, rounding, four_over_six, seed, name, r=0, return_tensor=False, global_amax=None):
+    """The Hopper GEMM's left operand (T, K + r) in bf16 with X_hat in its first K columns and r
+    left for LoRA's branch (_branch_columns); X's s_g and, with return_tensor, the packed Q1x16(X)
+    (codes, scales) written by the same pass. X_hat is nvfp4_quant's quantization of X (the same
+    codes and, for SR, the same Philox draws given the seed)."""
+    T, K = x.shape
     buf = torch.empty((T, K + r), device=x.device, dtype=torch.bfloat16)
     # X_hat into buf[:, :K] (rows K + r apart), the branch columns untouched
     _, s_g, *packed = quantize_dequant(x, (1, 16), rounding, four_over_six, seed=seed,
                                        global_amax=global_amax, return_tensor=return_tensor,
                                        name=name, out=buf[:, :K])
-    if L is not None:  # (T, r): fp32 steps as torch's x L^T * beta / (s_g s_g_other), RNE to bf16
-        scale_into(buf[:, K:], _mm(x.to(L.dtype), L.t()), beta, s_g, s_g_other)
     return buf, s_g, packed
+
+
+def _branch_columns(buf, x, L, beta, s_g, s_g_other):
+    """The operand's last r columns beta X L^T / (s_g s_g_other) for LoRA's L (r, K) in bf16, from
+    one GEMM with an fp32 result, the fp32 steps as torch's, rounded to bf16 once
+    (nvfp4_gemm.scale_into)."""
+    scale_into(buf[:, x.shape[1]:], _mm(x.to(L.dtype), L.t()), beta, s_g, s_g_other)  # (T, r)
 
 
 def weight(w, ew, seed=0, L1=None, L2=None):
@@ -113,32 +116,41 @@ def weight(w, ew, seed=0, L1=None, L2=None):
     return wbuf, wbuf.new_empty(0, dtype=torch.float8_e4m3fn), s_gw
 
 
-def forward(x, qw, ex, seed=0, L1=None, L2=None, beta=1.0, branch_dtype=torch.bfloat16,
-            x_amax=None):
-    """x (T, in); qw: W's quantization (`weight`'s three tensors); ex: X's contract entry
-    (nvfp4.LINEAR's forward.x); seed: its SR seed; L1 (r, in), L2 (out, r): LoRA-SVD's branch, or
-    None; x_amax: max |x| if the caller has it. -> (Y (T, out) in x's dtype, Q1x16(X) as (codes,
-    scales, global_scale) for eq. 2)."""
+def activation(x, ex, seed=0, r=0):
+    """X's quantization as the forward multiplies it (Q1x16(X)), four tensors: the packed codes,
+    scales and global scale (eq. 2 reads them in the backward) and, on Hopper, the bf16 GEMM
+    operand (T, in + r) with X_hat in its first `in` columns and r left for LoRA-SVD's branch
+    (`forward` writes them), on Blackwell an empty tensor. x (T, in); ex: its contract entry
+    (nvfp4.LINEAR's forward.x); seed: its SR seed. One quantization serves every layer that reads
+    the same x (nvfp4._SharedInput): each writes its own branch columns before its GEMM."""
     ex = _check(ex, "forward.x", (1, 16))
+    if use_dot_scaled(x.device):
+        return *quantize(x, (1, 16), ex.rounding, ex.four_over_six, seed,
+                         name="activation X")[:3], x.new_empty(0)
+    buf, s_g, (codes, scales) = _operand(x, ex.rounding, ex.four_over_six, seed, "activation X", r,
+                                         return_tensor=True)
+    return codes, scales, s_g, buf
+
+
+def forward(x, qx, qw, L1=None, L2=None, beta=1.0, branch_dtype=torch.bfloat16):
+    """x (T, in); qx: its quantization (`activation`'s four tensors, with r = L1's rank); qw: W's
+    (`weight`'s three tensors); L1 (r, in), L2 (out, r): LoRA-SVD's branch, or None.
+    -> Y (T, out) in x's dtype."""
     _check_branch(L1, branch_dtype)
     if use_dot_scaled(x.device):
-        qx = Packed(*quantize(x, (1, 16), ex.rounding, ex.four_over_six, seed,
-                              global_amax=x_amax, name="activation X"), x.shape, (1, 16))
+        qx = Packed(*qx[:3], x.shape, (1, 16))
         N = qw[0].shape[0]
         qw = Packed(*qw, (N, x.shape[1]), (16, 16))
         if L1 is None:
-            return nvfp4_gemm(qx, qw, x.dtype), qx[:3]
+            return nvfp4_gemm(qx, qw, x.dtype)
         L1, L2 = L1.to(torch.bfloat16), L2.to(torch.bfloat16)
         y = nvfp4_gemm(qx, qw, torch.float32) + beta * _branch(x, L1, L2)
-        return y.to(x.dtype), qx[:3]
-    wbuf, _, s_gw = qw
+        return y.to(x.dtype)
+    (_, _, s_gx, abuf), (wbuf, _, s_gw) = qx, qw
     N, K = wbuf.shape[0] - (0 if L1 is None else L1.shape[0]), x.shape[1]
-    # one pass writes the packed X (kept) and its bf16 grid values [X_hat | beta X L1^T / s_g],
-    # L1 in bf16 from W's buffer
-    abuf, s_gx, (xc, xs) = _operand(x, None if L1 is None else wbuf[N:, :K], beta, ex.rounding,
-                                    ex.four_over_six, seed, s_gw, "activation X",
-                                    return_tensor=True, global_amax=x_amax)
-    return grid_values_mm(abuf, wbuf[:N].t(), s_gx, s_gw, x.dtype), (xc, xs, s_gx)
+    if L1 is not None:  # [X_hat | beta X L1^T / s_g], L1 in bf16 from W's buffer
+        _branch_columns(abuf, x, wbuf[N:, :K], beta, s_gx, s_gw)
+    return grid_values_mm(abuf, wbuf[:N].t(), s_gx, s_gw, x.dtype)
 
 
 def backward(dy, qx, w_used, c, need, seed_dx, hadamard, seeds_dw, dw_dtype, L1=None, L2=None,
@@ -168,10 +180,11 @@ def backward(dy, qx, w_used, c, need, seed_dx, hadamard, seeds_dw, dw_dtype, L1=
     elif need[0]:
         # [dY_hat | beta dY L2 / s_g] times Q16x16(W) reused, [W_hat ; L1] with a branch; L2 in
         # bf16 is the forward buffer's [W_hat | L2] columns
-        L2_bf16 = None if L2 is None else w_used[0][:dy.shape[1], K:]
-        abuf, s_g, _ = _operand(dy, None if L2 is None else L2_bf16.t(), beta, edy.rounding,
-                                edy.four_over_six, seed_dx, w_used[2], "gradient dY",
+        r = 0 if L2 is None else L2.shape[1]
+        abuf, s_g, _ = _operand(dy, edy.rounding, edy.four_over_six, seed_dx, "gradient dY", r,
                                 global_amax=amax_dy)
+        if L2 is not None:
+            _branch_columns(abuf, dy, w_used[0][:dy.shape[1], K:].t(), beta, s_g, w_used[2])
         # the forward's W_hat (out, in), with a branch [W_hat ; L1] (out + r, in)
         dx = grid_values_mm(abuf, w_used[0][:, :K], s_g, w_used[2], dy.dtype)
     if need[1]:

@@ -627,13 +627,6 @@ def _global_amax(x3, hadamard, had_dim, block):
     return _amax_launch(x3, hadamard, had_dim, _tiles(block, x3), plain_too=False)[0]
 
 
-def global_amax(x, name="x"):
-    """max |x| as quantize(x, (1, 16), ...) computes it when given none (the rows kernel's amax
-    pass for a contiguous x): for a caller that quantizes one x for several layers."""
-    x3, block, had_dim, _ = _prepare(x, (1, 16), "rtn", None, name)
-    return _global_amax(x3, None, had_dim, block)
-
-
 def global_amax_pair(x, hadamard, name="x"):
     """(max |x|, max |H^T x| over groups of 16 rows) of a 2-D x in one read: the global amaxes of
     Q1x16(dY) (dX) and of eq. 2's Q16x1(H^T dY) (dW), which the backward would otherwise read dY

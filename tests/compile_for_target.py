@@ -162,12 +162,13 @@ def record_layers():
     dy = torch.zeros(64, 128, dtype=torch.bfloat16)
     H, need = nvfp4.random_hadamard(device="cpu"), (True, True)  # eq. 2's H: its launch recorded
     w_used = nvfp4_linear.weight(w, c["forward.w"], 2)
-    y, xq = nvfp4_linear.forward(x, w_used, c["forward.x"], 1)
-    xq = Packed(*xq, x.shape, (1, 16))
+    qx = nvfp4_linear.activation(x, c["forward.x"], 1)
+    nvfp4_linear.forward(x, qx, w_used)
+    xq = Packed(*qx[:3], x.shape, (1, 16))
     nvfp4_linear.backward(dy, xq, w_used, c, need, 3, H, (4, 5), torch.float32)
     L1, L2 = torch.zeros(16, 256), torch.zeros(128, 16)  # rank 16: [X_hat | branch] rows 16-aligned
     w_used = nvfp4_linear.weight(w, c["forward.w"], 2, L1, L2)
-    nvfp4_linear.forward(x, w_used, c["forward.x"], 1, L1, L2, 0.5)
+    nvfp4_linear.forward(x, nvfp4_linear.activation(x, c["forward.x"], 1, 16), w_used, L1, L2, 0.5)
     nvfp4_linear.backward(dy, xq, w_used, c, need, 3, H, (4, 5), torch.float32, L1, L2, 0.5)
 
 

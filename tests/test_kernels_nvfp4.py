@@ -627,8 +627,9 @@ def test_lora_operands_equal_the_concatenations_bit_for_bit(rounding):
     g = torch.Generator().manual_seed(19)
     x, L = _heavy_tailed((48, 64), g), torch.randn(5, 64, generator=g)
     gs_other, beta = torch.tensor(0.37), 0.5
-    buf, s_g, (codes, scales) = nvfp4_linear._operand(x, L, beta, rounding, True, 7, gs_other,
-                                                      "x", return_tensor=True)
+    buf, s_g, (codes, scales) = nvfp4_linear._operand(x, rounding, True, 7, "x", 5,
+                                                      return_tensor=True)
+    nvfp4_linear._branch_columns(buf, x, L, beta, s_g, gs_other)
     xv, s_g_cat, *_ = kq.quantize_dequant(x, (1, 16), rounding, True, seed=7, return_tensor=True)
     branch = (x.float() @ L.t().float() * beta / (s_g_cat * gs_other)).to(torch.bfloat16)
     assert torch.equal(s_g, s_g_cat)

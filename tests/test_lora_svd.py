@@ -429,7 +429,8 @@ def test_kernel_operand_is_grid_values_and_branch_columns(rounding):
     x = heavy_tailed((48, 96), gen)
     L = torch.randn(5, 96, generator=gen)
     gs_other = torch.tensor(0.37)
-    buf, s_g, (codes, scales) = nvfp4_linear._operand(x, L, 0.5, rounding, True, 7, gs_other, "x", return_tensor=True)
+    buf, s_g, (codes, scales) = nvfp4_linear._operand(x, rounding, True, 7, "x", 5, return_tensor=True)
+    nvfp4_linear._branch_columns(buf, x, L, 0.5, s_g, gs_other)
     ref = kernel_quantize(x, (1, 16), rounding, True, seed=7)
     same_nvfp4(nvfp4.NVFP4Tensor(codes, scales, s_g, x.shape, (1, 16)), ref)
     if rounding == "rtn":

@@ -383,14 +383,19 @@ def test_weight_cache_sees_the_fused_optimizer_step(device, monkeypatch):
     assert torch.equal(layer(x), nvfp4.nvfp4_linear(x, layer.weight, True))
 
 
+@pytest.mark.parametrize("kind", ["nvfp4", "lora_svd"])
 @pytest.mark.parametrize("route,device", [("reference", "cpu"), ("kernels", "cpu"),
                                           pytest.param("kernels", "cuda", marks=pytest.mark.gpu)])
-def test_layers_reading_one_input_share_its_autocast_copy(route, device, monkeypatch):
+def test_layers_reading_one_input_share_its_cast_and_quantization(kind, route, device,
+                                                                  monkeypatch):
     # q, k and v read one normalized x, fp32 under autocast: it is cast to bf16 once, not once a
-    # layer, and on the kernels its global amax found once; Y and dX are the bits of three separate
-    # casts (each layer's dX goes back to fp32 and autograd adds the three as it added the casts')
+    # layer, and its copy quantized once (one amax pass and one quantize pass on the kernels, each
+    # LoRA-SVD layer writing its own branch columns into the shared operand); Y and dX are the bits
+    # of three separate casts (each layer's dX goes back to fp32 and autograd adds the three as it
+    # added the casts'), and the three layers save one packed X
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    import lora_svd
     from kernels import nvfp4_quant
 
     class Casts(TorchDispatchMode):
@@ -402,11 +407,17 @@ def test_layers_reading_one_input_share_its_autocast_copy(route, device, monkeyp
             return out
 
     monkeypatch.setenv("NANOFP4_ROUTE", route)
-    amaxes, global_amax = [], nvfp4_quant._global_amax  # X's (bf16), not W's (fp32)
-    monkeypatch.setattr(nvfp4_quant, "_global_amax", lambda x3, *a: amaxes.append(
+    made, quantized_input = [], nvfp4.quantized_input
+    monkeypatch.setattr(nvfp4, "quantized_input", lambda x, *a: made.append("X") or
+                        quantized_input(x, *a))
+    global_amax = nvfp4_quant._global_amax  # X's amax pass (bf16), not W's (fp32)
+    monkeypatch.setattr(nvfp4_quant, "_global_amax", lambda x3, *a: made.append(
         getattr(x3, "dtype", None)) or global_amax(x3, *a))
     torch.manual_seed(0)
-    layers = [nvfp4.NVFP4Linear(64, 32, four_over_six=True, device=device) for _ in range(3)]
+    make = ((lambda: nvfp4.NVFP4Linear(64, 32, four_over_six=True, device=device))
+            if kind == "nvfp4" else (lambda: lora_svd.LoRASVDLinear.from_linear(
+                torch.nn.Linear(64, 32, bias=False, device=device), 8)))
+    layers = [make() for _ in range(3)]
     x0 = torch.randn(32, 64, device=device)
 
     def run(shared):
@@ -414,15 +425,18 @@ def test_layers_reading_one_input_share_its_autocast_copy(route, device, monkeyp
         torch.manual_seed(1)  # the backward's draws
         casts = Casts()
         casts.n = 0
-        amaxes.clear()
+        made.clear()
         with casts, torch.autocast(device, dtype=torch.bfloat16):
             ys = [layer(x if shared else x.to(torch.bfloat16)) for layer in layers]
-        n_amax = amaxes.count(torch.bfloat16)
+        counts = casts.n, made.count("X"), made.count(torch.bfloat16)
+        saved = {y.grad_fn.saved_tensors[0].data_ptr() for y in ys}  # the packed X's codes
         sum(y.float().square().sum() for y in ys).backward()
-        return (casts.n, n_amax), ys, x.grad
+        return counts, len(saved), ys, x.grad
 
-    (n_shared, ys, dx), (n_each, want_ys, want_dx) = run(True), run(False)
-    assert (n_shared, n_each) == (((1, 1), (3, 3)) if route == "kernels" else ((1, 0), (3, 0)))
+    (n_shared, saved, ys, dx), (n_each, saved_each, want_ys, want_dx) = run(True), run(False)
+    amaxes = route == "kernels"
+    assert (n_shared, n_each) == ((1, 1, 1 * amaxes), (3, 3, 3 * amaxes))
+    assert (saved, saved_each) == (1, 3)
     assert all(torch.equal(a, b) for a, b in zip(ys, want_ys)) and torch.equal(dx, want_dx)
 
 
