@@ -265,8 +265,11 @@ def _(q, k, v, causal, policy):
 @attention_backward_op.register_fake
 def _(do, o, lse, q_codes, q_scales, q_scale, k_codes, k_scales, k_scale, v_codes, v_scales,
       v_scale, q, k, v, causal, policy):
-    kv_shape = (o.shape[0], (k_codes if POLICIES[policy]["qkv"] else k).shape[1], *o.shape[2:])
-    return o.new_empty(o.shape), o.new_empty(kv_shape), o.new_empty(kv_shape)
+    (B, H, T, D), Hkv = o.shape, (k_codes if POLICIES[policy]["qkv"] else k).shape[1]
+    # the kernels write dV heads-inner (flash_backward)
+    dv = o.new_empty(B, T, Hkv, D).transpose(1, 2) if nvfp4.use_kernels(o) else o.new_empty(
+        B, Hkv, T, D)
+    return o.new_empty(o.shape), o.new_empty(B, Hkv, T, D), dv
 
 
 # The bodies: forward and backward of one policy, on the kernels or the reference

@@ -448,10 +448,12 @@ def _attn_bwd_dkdv(Q, K, V, SGQ, SGK, SGV, sg_p, SGDOV, SGPDO, DO, DOQ, DOT, LSE
     dk = dk * (sg_prev * sm_scale * sg_q)
     dv = dv * (sg_p * sg_pdo)                 # 1 unless QUANT_PDO
     cols = tl.arange(0, D)
-    out = bkv.to(tl.int64) * T * D + offs_n[:, None] * D + cols[None, :]
     nmask = offs_n[:, None] < T
-    tl.store(DK + out, _op(dk, DK.dtype.element_ty, EMU), mask=nmask)
-    tl.store(DV + out, _op(dv, DV.dtype.element_ty, EMU), mask=nmask)
+    tl.store(DK + bkv.to(tl.int64) * T * D + offs_n[:, None] * D + cols[None, :],
+             _op(dk, DK.dtype.element_ty, EMU), mask=nmask)
+    # dV heads-inner, as the (B, T, Hkv * D) gradient of the V projection's output: no copy there
+    tl.store(_head_rows(DV, bkv, Hkv, T, D, D) + offs_n[:, None] * (Hkv * D) + cols[None, :],
+             _op(dv, DV.dtype.element_ty, EMU), mask=nmask)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -735,7 +737,9 @@ def flash_forward(q, k, v, sg, causal, sm_scale, sg_p, dtype, packed=None):
 
 def flash_backward(q, k, v, sg, do, lse, delta, do_dov, do_pdo, ds, causal, sm_scale, dtype,
                    packed=None):
-    """dq (B, H, T, D), dk, dv (B, Hkv, T, D) in dtype. q, k, v: as flash_forward's; do: dO,
+    """dq (B, H, T, D), dk, dv (B, Hkv, T, D) in dtype, dv stored heads-inner ((B, T, Hkv, D)
+    memory: the V projection's backward reads it as (B, T, Hkv * D) without a copy). q, k, v: as
+    flash_forward's; do: dO,
     heads-outer or heads-inner (heads_strides: read in place), as the output's gradient arrives;
     sg: their
     global scales, then dO's in dO V^T and in P^T dO (None where unused), then P's in P^T dO (a
@@ -766,7 +770,7 @@ def flash_backward(q, k, v, sg, do, lse, delta, do_dov, do_pdo, ds, causal, sm_s
         ds_inv = ds_amax  # not read
     dq = torch.empty(B, H, T, D, device=dev, dtype=dtype)
     dk = torch.empty(B, Hkv, T, D, device=dev, dtype=dtype)
-    dv = torch.empty(B, Hkv, T, D, device=dev, dtype=dtype)
+    dv = torch.empty(B, T, Hkv, D, device=dev, dtype=dtype).transpose(1, 2)  # heads-inner
     fp4_mma = packed is not None and use_dot_scaled(dev)
     qp, kp, vp, dovp, pdop = packed if fp4_mma else (None,) * 5
     vp = vp if dovp is not None else None            # V's codes: only for dO V^T (fp4_dov, fp4_all)

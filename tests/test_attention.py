@@ -182,15 +182,16 @@ def test_fp4_kernels_route_makes_no_constants():
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("policy", ["fp4", "fp4_dov"])
-def test_kernels_take_do_heads_inner_and_write_o_so(policy, device, monkeypatch):
+def test_kernels_take_do_heads_inner_and_write_o_and_dv_so(policy, device, monkeypatch):
     # dO arrives from the output projection heads-inner ((B, T, H, D) memory seen as (B, H, T, D)):
-    # the kernels read it in place and give the bits a heads-outer dO gives; O comes out
-    # heads-inner, so the projection's (B, T, H * D) view of it is free. Copies of a tensor of dO's
+    # the kernels read it in place and give the bits a heads-outer dO gives; O and dV come out
+    # heads-inner, so the output projection's (B, T, H * D) view of O and the V projection's of dV
+    # are free. Copies of a tensor of dO's
     # size, counted for each layout (on a CPU the interpreter copies every kernel argument back:
     # the same for both): fp4 makes none more for a heads-inner dO, fp4_dov one (its quantization
     # of dO takes a contiguous copy)
     monkeypatch.setenv("NANOFP4_ROUTE", "kernels")
-    B, H, Hkv, T, D = 2, 2, 1, 40, 64
+    B, H, Hkv, T, D = 2, 4, 2, 40, 64
     q, k, v, do = _inputs(B, H, Hkv, T, D, dtype=torch.bfloat16, seed=29, device=device)
     do_inner = do.transpose(1, 2).contiguous().transpose(1, 2)
     assert not do_inner.is_contiguous()
@@ -206,8 +207,9 @@ def test_kernels_take_do_heads_inner_and_write_o_so(policy, device, monkeypatch)
     assert copies["inner"] - copies["outer"] == (policy == "fp4_dov"), copies
     for a, b in zip(res["outer"], res["inner"]):
         assert torch.equal(a, b)
-    o = res["inner"][0]
+    o, dv = res["inner"][0], res["inner"][3]
     assert o.transpose(1, 2).is_contiguous() and not o.is_contiguous()
+    assert dv.transpose(1, 2).is_contiguous() and not dv.is_contiguous()
 
 
 def test_triton_equals_reference_bf16_inputs():
