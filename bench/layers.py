@@ -174,9 +174,10 @@ def linear_rows(device, dry):
         inputs = (x, *layer.parameters())
 
         def run():
-            # each call quantizes W, as a step's first micro-step does (nvfp4.WeightCache keeps it
-            # for the others): the row compares one call with nn.Linear's, casts included
-            torch.autograd.graph.increment_version(list(layer.parameters()))
+            # each call quantizes X and W, as a layer that reads its input alone in a step's first
+            # micro-step does (nvfp4._SharedInput and WeightCache keep them for the layers and
+            # micro-steps after): the row compares one call with nn.Linear's, casts included
+            torch.autograd.graph.increment_version([x, *layer.parameters()])
             with autocast:
                 y = layer(x)
             # LoRA-SVD's L1, L2 get no gradient from autograd (lora_svd.project_gradients)

@@ -89,6 +89,23 @@ def test_profile_keys_tell_torchs_elementwise_kernels_apart():
     assert kernel_key("_quantize_rows_kernel") == "_quantize_rows_kernel"
 
 
+def test_linear_rows_quantize_x_and_w_in_every_call(monkeypatch):
+    """The layer rows time one call as a layer that reads its input alone makes it: X and W
+    quantized each time, not kept from the call before (the same x and W every call)."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import layers
+    import nvfp4
+    made = []
+    for name in ("quantized_input", "quantized_weight"):
+        monkeypatch.setattr(nvfp4, name, lambda *a, f=getattr(nvfp4, name), name=name:
+                            made.append(name) or f(*a))
+    monkeypatch.setattr(layers, "time_ms", lambda fn, device: [fn() for _ in range(2)] and 1.0)
+    monkeypatch.setattr(layers, "host_ms", lambda fn, device: 1.0)
+    layers.linear_rows("cpu", dry=True)
+    # three FP4 layers, two calls each
+    assert (made.count("quantized_input"), made.count("quantized_weight")) == (6, 6)
+
+
 def test_profile_by_function_puts_each_op_where_the_model_runs_it():
     """--by_function's table: an op lands in the repository function that ran it, an op of
     autograd's own backward node in the forward function that made the node (the last op to record
