@@ -357,7 +357,8 @@ def _cols_source(x_ptr, xs_ptr, xgs_ptr, pid_b, m0, n0, row, pair, col, mask, M,
 
 @triton.jit
 def _quantize_cols_kernel(x_ptr, xs_ptr, xgs_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr,
-                          scales_ptr, values_ptr, part_ptr, M, N, stride_xb, stride_xm, ld_values,
+                          scales_ptr, values_ptr, part_ptr, M, N: tl.constexpr, stride_xb,
+                          stride_xm: tl.constexpr, ld_values: tl.constexpr,
                           seed_ptr, C: tl.constexpr, FP8_BOUND: tl.constexpr,
                           FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr, SCALE_UP: tl.constexpr,
                           HADAMARD: tl.constexpr, WRITE_CODES: tl.constexpr,
@@ -373,7 +374,10 @@ def _quantize_cols_kernel(x_ptr, xs_ptr, xgs_ptr, h_ptr, amax_ptr, gs_out_ptr, c
     (same operations per element, same Philox counters: _column_random_words). AMAX_ONLY: the
     global-amax pre-pass over the same rotated values (with PLAIN_TOO also max |x|, stored after the
     rotated partials: dY's two global amaxes in one read). Values rows: ld_values apart.
-    PACKED_X, X_BF16, HW_BF16: x is read as a packed 1x16 tensor (_cols_source)."""
+    PACKED_X, X_BF16, HW_BF16: x is read as a packed 1x16 tensor (_cols_source). N and the row
+    strides are constants (one specialization per layer width, a handful a model): each of a
+    thread's 16 row loads and stores is then an immediate offset from one address, not its own
+    64-bit address arithmetic (docs/performance.md counts it)."""
     # rows on axis 0: no 65535 cap
     pid_m, pid_n, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m0, n0 = pid_m * 16, pid_n * (2 * C)
