@@ -447,13 +447,11 @@ def _attn_bwd_dkdv(Q, K, V, SGQ, SGK, SGV, sg_p, SGDOV, SGPDO, DO, DOQ, DOT, LSE
                              QUANT_DOV, QUANT_PDO, DTYPE, PREC, EMU, FP4_MMA)
     dk = dk * (sg_prev * sm_scale * sg_q)
     dv = dv * (sg_p * sg_pdo)                 # 1 unless QUANT_PDO
-    cols = tl.arange(0, D)
-    nmask = offs_n[:, None] < T
-    tl.store(DK + bkv.to(tl.int64) * T * D + offs_n[:, None] * D + cols[None, :],
-             _op(dk, DK.dtype.element_ty, EMU), mask=nmask)
-    # dV heads-inner, as the (B, T, Hkv * D) gradient of the V projection's output: no copy there
-    tl.store(_head_rows(DV, bkv, Hkv, T, D, D) + offs_n[:, None] * (Hkv * D) + cols[None, :],
-             _op(dv, DV.dtype.element_ty, EMU), mask=nmask)
+    cols, nmask = tl.arange(0, D), offs_n[:, None] < T
+    dk_rows = DK + bkv.to(tl.int64) * T * D + offs_n[:, None] * D
+    tl.store(dk_rows + cols[None, :], _op(dk, DK.dtype.element_ty, EMU), mask=nmask)
+    dv_rows = _head_rows(DV, bkv, Hkv, T, D, D) + offs_n[:, None] * (Hkv * D)  # heads-inner
+    tl.store(dv_rows + cols[None, :], _op(dv, DV.dtype.element_ty, EMU), mask=nmask)
 
 
 # --------------------------------------------------------------------------------------------------
