@@ -818,7 +818,8 @@ class _SharedInput:
         x2, entry = x.reshape(-1, x.shape[-1]), linear_contract(four_over_six)["forward.x"]
         if entry.rounding != "rtn" or x.is_inference():
             return quantized_input(x2, four_over_six, r)
-        key = (entry, r, use_kernels(x2), use_dot_scaled(x2.device))
+        kernels = use_kernels(x2)
+        key = (entry, r, kernels, kernels and use_dot_scaled(x2.device))
         if not (self._holds(self.quantized_of, x) and self.key == key):
             self.quantized_of, self.key = self._holding(x), key
             self.qx = quantized_input(x2, four_over_six, r)
