@@ -324,11 +324,15 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, sdo_t: tl.constexpr, DOQ, DOT, LSE, DELTA, 
     for start_m in range(start, end, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         rmask = offs_m < T
-        q = _load_tile(Q, offs_m, T, D, True, DTYPE)                                   # (M, D)
-        do = tl.load(DO + offs_m[:, None] * sdo_t + cols[None, :], mask=rmask[:, None],
-                     other=0.0).to(DTYPE)
-        lse = tl.load(LSE + offs_m, mask=rmask, other=float("inf"))  # rows >= T: P = 0
-        delta = tl.load(DELTA + offs_m, mask=rmask, other=0.0)
+        q = _load_tile(Q, offs_m, T, D, MASK, DTYPE)                                   # (M, D)
+        if MASK:  # rows >= T read as 0, lse as inf: P = 0
+            do = tl.load(DO + offs_m[:, None] * sdo_t + cols[None, :], mask=rmask[:, None],
+                         other=0.0).to(DTYPE)
+            lse = tl.load(LSE + offs_m, mask=rmask, other=float("inf"))
+            delta = tl.load(DELTA + offs_m, mask=rmask, other=0.0)
+        else:  # whole query tiles, all rows < T
+            do = tl.load(DO + offs_m[:, None] * sdo_t + cols[None, :]).to(DTYPE)
+            lse, delta = tl.load(LSE + offs_m), tl.load(DELTA + offs_m)
         if FP4_MMA:   # S^T = K Q^T on the FP4 MMA (both blocked along D, its contraction)
             qc, qs = _load_head(QC, QS, bh, offs_m, T, D, True)
             sT = _dot_fp4(kc, ks, qc, qs, T) * s_scale
