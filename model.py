@@ -288,8 +288,15 @@ def compile_model(model, mode=None):
     lies between them (norms, RoPE, SwiGLU, residuals, the loss) without re-tracing the Triton
     kernels inside. The ops' random draws are made when they run, in eager's order
     (tests/test_compile.py; docs/performance.md: what compiles, where bits can differ). mode:
-    torch.compile's ("reduce-overhead": CUDA graphs; the draws are on the device, nvfp4.sr_seed)."""
-    return torch.compile(model, mode=mode)
+    torch.compile's ("reduce-overhead": CUDA graphs; the draws are on the device, nvfp4.sr_seed).
+    Inductor's node reordering is off: the layers' backward ops depend on nothing of each other, so
+    its passes that lower peak memory or the number of CUDA graph partitions were free to run them
+    in another order than eager's and give each layer another layer's draws (seen on the H200)."""
+    if mode not in (None, "reduce-overhead"):
+        raise ValueError(f"compile mode {mode!r}: expected None or 'reduce-overhead'")
+    return torch.compile(model, options={"reorder_for_peak_memory": False,
+                                         "triton.reorder_for_reducing_graph_partitions": False,
+                                         "triton.cudagraphs": mode == "reduce-overhead"})
 
 
 def config_from_name(name, **overrides):
