@@ -64,15 +64,23 @@ def _site(event, forward_sites):
     """The innermost function of this repository that event ran in ("model.py:177
     Attention.forward"), or for an op of one of autograd's own backward nodes "backward of " the
     forward site that made the node (autograd runs it with no Python above it); "(elsewhere)" if
-    neither."""
+    neither. The Python frames are the op's parents where the profiler records them as events
+    (torch 2.13); else (torch 2.11 with CUDA) the op's recorded stack names them."""
+    op = event
     while event is not None:
-        m = FRAME.match(event.name)  # a Python frame (no torch op is named so)
-        if m and os.path.isfile(os.path.join(ROOT, m.group(1))) and "bench/" not in m.group(1):
-            return _qualname(*m.groups())
+        if _repo_frame(event.name):  # a Python frame (no torch op is named so)
+            return _qualname(*FRAME.match(event.name).groups())
         if event.name.startswith(BACKWARD_NODE):
             return "backward of " + forward_sites.get(event.sequence_nr, "(elsewhere)")
         event = event.cpu_parent
-    return "(elsewhere)"
+    frame = next((f for f in op.stack if _repo_frame(f)), None)  # innermost first
+    return _qualname(*FRAME.match(frame).groups()) if frame else "(elsewhere)"
+
+
+def _repo_frame(name):
+    """True for a Python frame's name in a file of this repository, outside bench/."""
+    m = FRAME.match(name)
+    return bool(m) and os.path.isfile(os.path.join(ROOT, m.group(1))) and "bench/" not in m.group(1)
 
 
 def _qualname(path, line, name):
@@ -116,6 +124,13 @@ def _in_backward(event):
     return False
 
 
+def stack_profile(activities):
+    """torch.profiler recording the ops' Python stacks: with_stack, and the verbose experimental
+    config, without which torch 2.11 records no stack in a CUDA profile (seen on the H200)."""
+    return profile(activities=activities, with_stack=True,
+                   experimental_config=torch.profiler._ExperimentalConfig(verbose=True))
+
+
 def profile_by_function(config, recipe, batch, seq_len, device):
     """time_by_function of one eager micro-step (fresh model, seed 0, after one warm-up), ms."""
     torch.manual_seed(0)
@@ -125,7 +140,7 @@ def profile_by_function(config, recipe, batch, seq_len, device):
     y = torch.roll(x, -1, dims=1)
     micro_step(model, x, y, device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=activities, with_stack=True) as prof:
+    with stack_profile(activities) as prof:
         micro_step(model, x, y, device)
         if device == "cuda":
             torch.cuda.synchronize()
