@@ -172,8 +172,8 @@ class Siblings(nn.Module):
 def test_inductor_keeps_the_draws_of_independent_layers(device, mode):
     """Under model.compile_model (inductor; "reduce-overhead": in CUDA graphs, as train.py
     --compile --cuda_graphs) the layers' output and weight gradients equal eager's bit for bit (the
-    dX sum of the three branches is inductor's own). Fails on the H200 with inductor's default
-    peak-memory reordering, which ran b's and a's backward in the other order."""
+    dX sum of the three branches is inductor's own). Failed on the H200 with inductor's default
+    reordering (a's and b's weight gradients: another order of their draws)."""
     torch.manual_seed(0)
     model = Siblings().to(device)
     eager = forward_backward(model, model, (), torch.float32, device=device, width=128)
