@@ -658,11 +658,12 @@ def linear_forward(x: Tensor, weight: Tensor, L1: Optional[Tensor], L2: Optional
 def linear_backward(dy: Tensor, qx_codes: Tensor, qx_scales: Tensor, qx_scale: Tensor,
                     qw_data: Tensor, qw_scales: Tensor, qw_scale: Tensor, L1: Optional[Tensor],
                     L2: Optional[Tensor], beta: float, branch_dtype: torch.dtype,
-                    four_over_six: bool, dw_dtype: torch.dtype, need_dx: bool, need_dw: bool
-                    ) -> tuple[Tensor, Tensor]:
-    """eq. 1's dX = Q1x16(dY) Q16x16(W) [+ beta (dY L2) L1] (the forward's W reused) and eq. 2's
-    dW = wgrad, in dw_dtype, from what linear_forward saved. -> (dX (..., in), dW (out, in)), each
-    an empty tensor where not needed (a custom op returns tensors)."""
+                    four_over_six: bool, dw_dtype: torch.dtype, dx_dtype: torch.dtype,
+                    need_dx: bool, need_dw: bool) -> tuple[Tensor, Tensor]:
+    """eq. 1's dX = Q1x16(dY) Q16x16(W) [+ beta (dY L2) L1] (the forward's W reused), rounded to
+    dY's dtype and returned in dx_dtype (x's, as the autograd of autocast's cast would return it),
+    and eq. 2's dW = wgrad, in dw_dtype, from what linear_forward saved. -> (dX (..., in),
+    dW (out, in)), each an empty tensor where not needed (a custom op returns tensors)."""
     c = linear_contract(four_over_six)
     dy2 = dy.reshape(-1, dy.shape[-1])                                                  # (T, out)
     qx = packed(qx_codes, qx_scales, qx_scale, (1, 16))
@@ -670,7 +671,8 @@ def linear_backward(dy: Tensor, qx_codes: Tensor, qx_scales: Tensor, qx_scale: T
     need = (need_dx, need_dw)
     if use_kernels(dy2):
         dx, dw = linear_kernels.backward(dy2, qx, (qw_data, qw_scales, qw_scale), c, need, seed_dx,
-                                         H, seeds_dw, dw_dtype, L1, L2, beta, branch_dtype)
+                                         H, seeds_dw, dw_dtype, L1, L2, beta, branch_dtype,
+                                         dx_dtype)
     else:
         dx = dw = None
         if need_dx:
@@ -679,6 +681,7 @@ def linear_backward(dy: Tensor, qx_codes: Tensor, qx_scales: Tensor, qx_scale: T
             dx = nvfp4_matmul(dyq, qw, dy.dtype if L1 is None else torch.float32, trans_b=True)
             if L1 is not None:
                 dx = (dx + beta * low_rank(dy2, L2.t(), L1.t(), branch_dtype)).to(dy.dtype)
+            dx = dx.to(dx_dtype)
         if need_dw:
             dw = wgrad(dy2, qx, c, H, seeds_dw, out_dtype=dw_dtype)                        # eq. 2
     return (dx.reshape(*dy.shape[:-1], -1) if need_dx else dy.new_empty(0),
@@ -728,10 +731,9 @@ class LinearFunction(torch.autograd.Function):
         body = linear_backward_op if torch.compiler.is_compiling() else linear_backward
         with torch.autocast(dy.device.type, enabled=False):
             dx, dw = body(dy, qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale, L1, L2,
-                          ctx.beta, ctx.branch_dtype, ctx.four_over_six, ctx.dw_dtype, need_dx,
-                          need_dw)
-        # dX back in x's dtype, as the autograd of the cast did
-        return (dx.to(ctx.x_dtype) if need_dx else None, dw if need_dw else None, None, None, None,
+                          ctx.beta, ctx.branch_dtype, ctx.four_over_six, ctx.dw_dtype, ctx.x_dtype,
+                          need_dx, need_dw)
+        return (dx if need_dx else None, dw if need_dw else None, None, None, None,
                 None, None, None, None)
 
 
@@ -760,9 +762,9 @@ def _(x, weight, L1, L2, beta, branch_dtype, four_over_six, qw_data=None, qw_sca
 
 @linear_backward_op.register_fake
 def _(dy, qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale, L1, L2, beta, branch_dtype,
-      four_over_six, dw_dtype, need_dx, need_dw):
+      four_over_six, dw_dtype, dx_dtype, need_dx, need_dw):
     N, K = dy.shape[-1], 2 * qx_codes.shape[1]
-    return (dy.new_empty((*dy.shape[:-1], K)) if need_dx else dy.new_empty(0),
+    return (dy.new_empty((*dy.shape[:-1], K), dtype=dx_dtype) if need_dx else dy.new_empty(0),
             dy.new_empty((N, K), dtype=dw_dtype) if need_dw else dy.new_empty(0))
 
 

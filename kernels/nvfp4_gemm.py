@@ -156,27 +156,32 @@ def _gemm_sm100(a, b, out_dtype, trans_a=False, trans_b=False):
 
 
 @triton.jit
-def _scale_kernel(x_ptr, gs_a_ptr, gs_b_ptr, n, BLOCK: tl.constexpr, OUT_BF16: tl.constexpr):
-    """x *= s_ga * s_gb in place (x bf16 or fp32; the scales fp32 0-d tensors, their product
+def _scale_kernel(x_ptr, out_ptr, gs_a_ptr, gs_b_ptr, n, BLOCK: tl.constexpr,
+                  ROUND_BF16: tl.constexpr):
+    """out = x * (s_ga * s_gb) for x bf16 or fp32 (the scales fp32 0-d tensors, their product
     rounded to fp32 as torch's s_ga * s_gb): the product in fp32, rounded once to x's dtype, as
-    torch's x.mul_(s_ga * s_gb) computes it. torch's own kernel takes a slow, non-vectorized
-    path for a 0-d CUDA operand of another dtype."""
+    torch's x.mul_(s_ga * s_gb) computes it, then stored in out's dtype (x's, or fp32 for a bf16
+    x: exact). torch's own kernel takes a slow, non-vectorized path for a 0-d CUDA operand of
+    another dtype."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     v = tl.load(x_ptr + offs, mask=mask).to(tl.float32) * (tl.load(gs_a_ptr) * tl.load(gs_b_ptr))
-    if OUT_BF16:
+    if ROUND_BF16:
         v = _round_to_bf16(v)  # exact in the interpreter too (its fp32 -> bf16 cast truncates)
-    tl.store(x_ptr + offs, v.to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def scale_(x, gs_a, gs_b):
-    """x *= gs_a * gs_b in place for a contiguous bf16/fp32 CUDA tensor x and fp32 0-d tensors
-    gs_a, gs_b (the two operands' global scales: no separate torch kernel for their product);
-    returns x."""
+def scale_(x, gs_a, gs_b, out=None):
+    """x * (gs_a * gs_b) rounded to x's dtype, for a contiguous bf16/fp32 CUDA tensor x and fp32
+    0-d tensors gs_a, gs_b (the two operands' global scales: no separate torch kernel for their
+    product), written into out: x itself (in place), or a contiguous fp32 tensor of x's shape
+    for a bf16 x (the bf16 values widened in the same pass, what x.to(torch.float32) would
+    return after the in-place scaling, with one pass over x less). Returns out."""
+    out = x if out is None else out
     n, BLOCK = x.numel(), 4096
-    _scale_kernel[(triton.cdiv(n, BLOCK),)](x, gs_a, gs_b, n, BLOCK=BLOCK,
-                                            OUT_BF16=x.dtype == torch.bfloat16, num_warps=8)
-    return x
+    _scale_kernel[(triton.cdiv(n, BLOCK),)](x, out, gs_a, gs_b, n, BLOCK=BLOCK,
+                                            ROUND_BF16=x.dtype == torch.bfloat16, num_warps=8)
+    return out
 
 
 @triton.jit
@@ -222,22 +227,28 @@ def mm_fp32(A, B):
     return None
 
 
-def grid_values_mm(A, B, gs_a, gs_b, out_dtype=torch.bfloat16):
+def grid_values_mm(A, B, gs_a, gs_b, out_dtype=torch.bfloat16, result_dtype=None):
     """(A @ B) * (gs_a * gs_b) for bf16 grid values A (M, K), B (K, N) (any strides) and the
     operands' global scales (fp32 0-d): the GEMM of the grid-value route, usable directly on
-    nvfp4_quant.quantize_dequant's output."""
+    nvfp4_quant.quantize_dequant's output. Rounded to out_dtype; result_dtype (fp32 for a bf16
+    out_dtype): returned in that wider dtype, the same values (dX for an fp32 x, which the layer
+    returns in x's dtype), converted in the scale pass rather than by a copy after it."""
     if A.device.type == "cpu":  # tests: the reference's fp32 accumulation
-        return (A.float() @ B.float()).mul_(gs_a * gs_b).to(out_dtype)
+        out = (A.float() @ B.float()).mul_(gs_a * gs_b).to(out_dtype)
+        return out if result_dtype is None else out.to(result_dtype)
     if out_dtype == torch.float32:
         out = mm_fp32(A, B)  # the fp32 accumulator out, then the scales
         if out is not None:
             return scale_(out, gs_a, gs_b)
-    # bf16 out of cuBLAS, then the global scales in place (one pass over the output): one extra
-    # rounding (<= 1 ulp) vs the reference's single rounding of acc * s_g
-    out = torch.mm(A, B)
-    if out_dtype == torch.bfloat16:
-        return scale_(out, gs_a, gs_b)
-    return out.float().mul_(gs_a * gs_b).to(out_dtype)
+    # bf16 out of cuBLAS, then the global scales (one pass over the output): one extra rounding
+    # (<= 1 ulp) vs the reference's single rounding of acc * s_g
+    y = torch.mm(A, B)
+    if out_dtype == torch.bfloat16 and result_dtype in (None, torch.bfloat16):
+        return scale_(y, gs_a, gs_b)
+    if out_dtype == torch.bfloat16 and result_dtype == torch.float32:
+        return scale_(y, gs_a, gs_b, out=torch.empty_like(y, dtype=torch.float32))
+    y = y.float().mul_(gs_a * gs_b).to(out_dtype)
+    return y if result_dtype is None else y.to(result_dtype)
 
 
 # --------------------------------------------------------------------------------------------

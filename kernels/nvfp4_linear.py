@@ -154,12 +154,13 @@ def forward(x, qx, qw, L1=None, L2=None, beta=1.0, branch_dtype=torch.bfloat16):
 
 
 def backward(dy, qx, w_used, c, need, seed_dx, hadamard, seeds_dw, dw_dtype, L1=None, L2=None,
-             beta=1.0, branch_dtype=torch.bfloat16):
+             beta=1.0, branch_dtype=torch.bfloat16, dx_dtype=None):
     """dy (T, out); qx the forward's packed Q1x16(X) (codes, scales, global_scale, shape, block: an
     nvfp4.NVFP4Tensor); w_used the forward's W as forward returned it (three tensors); c the
     resolved contract (nvfp4.linear_contract); need: (dX, dW) wanted; seed_dx, hadamard, seeds_dw:
-    the draws (nvfp4.backward_draws); L1, L2, beta: the branch, as forward took it. -> (dX in dY's
-    dtype, dW in dw_dtype)."""
+    the draws (nvfp4.backward_draws); L1, L2, beta: the branch, as forward took it. -> (dX rounded
+    to dY's dtype and returned in dx_dtype (x's: fp32 under autocast where x is, the same values),
+    dW in dw_dtype)."""
     edy = _check(c["dgrad.dy"], "dgrad.dy", (1, 16))
     _check_branch(L1, branch_dtype)
     K, fp4_mma = qx.shape[1], use_dot_scaled(dy.device)  # the route of dX and dW alike
@@ -177,6 +178,7 @@ def backward(dy, qx, w_used, c, need, seed_dx, hadamard, seeds_dw, dw_dtype, L1=
             L1, L2 = L1.to(torch.bfloat16), L2.to(torch.bfloat16)
             dx = nvfp4_gemm(dyq, qw, torch.float32, trans_b=True)
             dx = (dx + beta * _branch(dy, L2.t(), L1.t())).to(dy.dtype)
+        dx = dx if dx_dtype is None else dx.to(dx_dtype)
     elif need[0]:
         # [dY_hat | beta dY L2 / s_g] times Q16x16(W) reused, [W_hat ; L1] with a branch; L2 in
         # bf16 is the forward buffer's [W_hat | L2] columns
@@ -186,7 +188,7 @@ def backward(dy, qx, w_used, c, need, seed_dx, hadamard, seeds_dw, dw_dtype, L1=
         if L2 is not None:
             _branch_columns(abuf, dy, w_used[0][:dy.shape[1], K:].t(), beta, s_g, w_used[2])
         # the forward's W_hat (out, in), with a branch [W_hat ; L1] (out + r, in)
-        dx = grid_values_mm(abuf, w_used[0][:, :K], s_g, w_used[2], dy.dtype)
+        dx = grid_values_mm(abuf, w_used[0][:, :K], s_g, w_used[2], dy.dtype, dx_dtype)
     if need[1]:
         dw = wgrad(dy, qx, c, hadamard, seeds_dw, amax_dyh, dw_dtype, fp4_mma)
     return dx, dw

@@ -117,6 +117,7 @@ def record_quantize_launches():
         for dtype in (torch.float32, torch.bfloat16):
             nvfp4_dequant.dequantize(codes, scales, s_g, (64, 256), block, dtype)
     nvfp4_gemm.scale_(torch.zeros(100, dtype=torch.bfloat16), s_g, s_g)
+    nvfp4_gemm.scale_(torch.zeros(100, dtype=torch.bfloat16), s_g, s_g, out=torch.zeros(100))  # dX
 
 
 def _packed(stored, block):

@@ -765,7 +765,7 @@ def test_gemm_transposed_operands():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_scale_kernel_rounds_like_torch_mul(dtype):
     """The grid-value route's global-scale pass: x * s_g in fp32, rounded once to x's dtype
-    (ties to even), in place."""
+    (ties to even), in place or widened into an fp32 out."""
     g = torch.Generator().manual_seed(11)
     # not a multiple of the block: the masked tail
     x = (torch.randn(5000, generator=g) * 100).to(dtype)
@@ -774,6 +774,11 @@ def test_scale_kernel_rounds_like_torch_mul(dtype):
     want = (x.float() * (gs_a * gs_b)).to(dtype)
     got = kg.scale_(x.clone(), gs_a, gs_b)
     assert torch.equal(got, want)
+    if dtype == torch.bfloat16:  # dX for an fp32 x: rounded to bf16, returned in fp32, x kept
+        kept = x.clone()
+        wide = kg.scale_(x, gs_a, gs_b, out=torch.full(x.shape, float("nan")))
+        assert wide.dtype == torch.float32 and torch.equal(wide, want.float())
+        assert torch.equal(x, kept)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -965,6 +970,19 @@ def test_gpu_gemm_layouts_and_fp32_out_4096():
     _check_gemm(gemm(a, b, trans_b=True).to(od), a, b, trans_b=True, out_dtype=od)
     _check_gemm(gemm(c, d, True, True).to(od), c, d, trans_a=True, trans_b=True, out_dtype=od)
     _check_gemm(kg.nvfp4_gemm(a, b, torch.bfloat16), a, b, out_dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_grid_values_mm_widens_in_the_scale_pass():
+    """dX for an fp32 x (nvfp4_linear.backward's dx_dtype): the bf16 result, scaled and rounded as
+    ever, returned in fp32 by the scale pass itself, bit for bit the bf16 result's .float()."""
+    g = torch.Generator(device="cuda").manual_seed(9)
+    A = torch.randn(1000, 1040, device="cuda", generator=g).to(torch.bfloat16)
+    B = torch.randn(1040, 3008, device="cuda", generator=g).to(torch.bfloat16)
+    gs_a, gs_b = (torch.rand((), device="cuda", generator=g) * 1e-3 for _ in "ab")
+    want = kg.grid_values_mm(A, B, gs_a, gs_b, torch.bfloat16)
+    got = kg.grid_values_mm(A, B, gs_a, gs_b, torch.bfloat16, torch.float32)
+    assert got.dtype == torch.float32 and torch.equal(got, want.float())
 
 
 @pytest.mark.gpu
