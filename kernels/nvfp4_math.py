@@ -267,13 +267,14 @@ def _sr_e2m1_value(a, r):
     and so is y - u: at y >= 1 both are multiples of y's ulp (>= 2^-23) below 4; at y < 1 only its
     sign matters. So ceil(y - u) is floor(y) + 1 exactly when u < y - floor(y), else floor(y): the
     reference's decision for every 16-bit u, bit for bit (tested on every half-word, at u = f too,
-    where "up" must not be taken). + 0.0 turns ceil's -0.0 (y < u < 1) into 0. At a = 6: never
-    up."""
+    where "up" must not be taken). Times the step plus 0.0 in one fma: ceil's -0.0 (y < u < 1)
+    comes out +0.0 (-0 + 0 is +0), every other product is exact (so the fma rounds nothing, in the
+    interpreter's two steps too). At a = 6: never up."""
     pbits = _binade_bits(a)
     y = a * ((255 << 23) - pbits).to(tl.float32, bitcast=True)                        # 2 / p
     u = ((r >> 9) | 0x3F800000).to(tl.float32, bitcast=True) - 1.0                   # exact
     step = (pbits - (1 << 23)).to(tl.float32, bitcast=True)                          # p / 2
-    return (tl.ceil(y - u) + 0.0) * step
+    return tl.fma(tl.ceil(y - u), step, 0.0)
 
 
 # SR's random bits (nvfp4.sr_uniforms): 16 per element, one Philox4x32-10 call (tl.randint4x,
