@@ -187,8 +187,8 @@ def _fmix32(x):
 
 @triton.jit
 def _ds_random_words(key, rows, c0, T, R: tl.constexpr, C: tl.constexpr, QUERY_PAIRS: tl.constexpr):
-    """(R, C) random words for SR (nvfp4_math._sr_e2m1_value's: the uniform is
-    (word >> 16) * 2^-16, the low half zero) for a dS tile whose rows are `rows` and whose last
+    """(R, C) random words for SR (nvfp4_math._sr_word's: 16 random bits h, the uniform
+    h * 2^-16) for a dS tile whose rows are `rows` and whose last
     dim runs over c0 + arange(C) (c0 even), of the head whose stream key is `key` (uint32). 16
     random bits per element: the elements 2j and 2j + 1 along the last dim share one hash of the
     pair's (query, key) counter, the even one taking its low half and the odd one its high half
@@ -211,7 +211,8 @@ def _fake_quant_rows16(x, s_enc, s_dec, r, R: tl.constexpr, C: tl.constexpr, SR:
     """NVFP4 quantize-dequantize of an (R, C) fp32 tile in 1x16 blocks along its last dim, with
     global scales (S_enc, S_dec): returns q * s_b (the caller applies S_dec). nvfp4_math's block
     scaling and E2M1 rounding (nvfp4.quantize's formulas, bit for bit): RTN ties-to-even, or SR
-    from the random words r (R, C) (up iff (r >> 16) * 2^-16 < the fractional distance).
+    from the random words r (R, C) (nvfp4_math._sr_word's: up iff h * 2^-16 < the fractional
+    distance).
     SIGNED: x may be negative (dS; P >= 0 is not): x's sign bit is set on q * s_b >= 0, one bit
     operation instead of a compare and select (docs/performance.md), so an x < 0 that rounds to
     zero gives -0.0 where the reference gives +0.0: the same products in the dots the tile feeds.

@@ -260,9 +260,9 @@ def _pack_codes(q, sign, S0: tl.constexpr, S1: tl.constexpr, N: tl.constexpr):
 @triton.jit
 def _sr_e2m1_value(a, r):
     """Stochastic rounding of a in [0, 6] to an E2M1 magnitude (nvfp4.sr_e2m1's grid value, as
-    fp32: up to the next grid value iff u < (a - lo) / step), for the SR contract's words: 16
-    random bits in the high half of a uint32 r, low half zero (_word_halves), u = (r >> 16) 2^-16,
-    nvfp4.sr_uniforms' u. u is built from the bits (1 + u as an fp32's mantissa, minus 1: exact).
+    fp32: up to the next grid value iff u < (a - lo) / step), for the SR contract's words r: 16
+    random bits h as the fp32 1 + h 2^-23 (_sr_word), and u = h 2^-16, nvfp4.sr_uniforms' u, is
+    (r - 1) 2^7 in one fma, exact (128 + h 2^-16 has 24 significant bits).
     In units of the step p / 2 (_binade_bits), y = a / (p / 2) in [0, 4) is exact (a power of two),
     and so is y - u: at y >= 1 both are multiples of y's ulp (>= 2^-23) below 4; at y < 1 only its
     sign matters. So ceil(y - u) is floor(y) + 1 exactly when u < y - floor(y), else floor(y): the
@@ -272,7 +272,7 @@ def _sr_e2m1_value(a, r):
     interpreter's two steps too). At a = 6: never up."""
     pbits = _binade_bits(a)
     y = a * ((255 << 23) - pbits).to(tl.float32, bitcast=True)                        # 2 / p
-    u = ((r >> 9) | 0x3F800000).to(tl.float32, bitcast=True) - 1.0                   # exact
+    u = tl.fma(r.to(tl.float32, bitcast=True), 128.0, -128.0)                        # exact
     step = (pbits - (1 << 23)).to(tl.float32, bitcast=True)                          # p / 2
     return tl.fma(tl.ceil(y - u), step, 0.0)
 
@@ -284,12 +284,18 @@ def _sr_e2m1_value(a, r):
 # (_word_halves), reshape straight into element order in registers.
 
 @triton.jit
+def _sr_word(h):
+    """16 random bits h (uint32 below 2^16) -> the SR word _sr_e2m1_value reads: the fp32 bit
+    pattern of 1 + h 2^-23, one bit operation (u is then one fma away)."""
+    return h | 0x3F800000
+
+
+@triton.jit
 def _word_halves(w):
-    """uint32 words (any shape S) -> S + (2,): [..., 0] the low half's 16 bits, [..., 1] the high
-    half's, each in the high half of a word with the low half zero, where _sr_e2m1_value reads them:
-    one shift or one mask per element. Every SR draw splits its words here (Philox's, and
+    """uint32 words (any shape S) -> S + (2,) SR words (_sr_word): [..., 0] of the low half's 16
+    bits, [..., 1] of the high half's. Every SR draw splits its words here (Philox's, and
     flash_attention's hashed dS words)."""
-    return tl.join(w << 16, w & 0xFFFF0000)
+    return tl.join(_sr_word(w & 0xFFFF), _sr_word(w >> 16))
 
 
 @triton.jit

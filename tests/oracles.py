@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 import nvfp4
+from kernels import nvfp4_math
 
 
 def transposed(t):
@@ -24,6 +25,6 @@ def uniforms16(shape, generator=None, device=None):
 
 @triton.jit
 def noise_bits(u):
-    """Given uniforms u = h * 2^-16 (uniforms16) -> the random word nvfp4_math._sr_e2m1_value reads:
-    h in the high half, exactly (the same decisions as the reference's u)."""
-    return (u * 2.0 ** 16).to(tl.uint32) << 16
+    """Given uniforms u = h * 2^-16 (uniforms16) -> the random word nvfp4_math._sr_e2m1_value reads
+    (nvfp4_math._sr_word of h), exactly: the same decisions as the reference's u."""
+    return nvfp4_math._sr_word((u * 2.0 ** 16).to(tl.uint32))

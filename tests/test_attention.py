@@ -308,14 +308,15 @@ def _quant_tile_kernel(X, U, OUT, AMAX, R: tl.constexpr, C: tl.constexpr, SR: tl
 
 @triton.jit
 def _uniform_kernel(KEY, OUT, T, R: tl.constexpr, C: tl.constexpr, QUERY_PAIRS: tl.constexpr):
-    # the tile (R, C) is (queries, keys), or (keys, queries) with QUERY_PAIRS; u read from 24
-    # bits, (word >> 8) * 2^-24: the reference's 16-bit u only if the low half is zero, as
-    # _sr_e2m1_value needs
+    # the tile (R, C) is (queries, keys), or (keys, queries) with QUERY_PAIRS; u read as
+    # (word - 0x3F800000) * 2^-16: the reference's 16-bit u only if the word is the SR word
+    # _sr_e2m1_value needs (nvfp4_math._sr_word: 16 bits under the fp32 1.0's)
     word = fa._ds_random_words(tl.load(KEY).to(tl.uint32, bitcast=True), tl.arange(0, R), 0, T,
                                R, C, QUERY_PAIRS)
     i = tl.arange(0, R)
     j = tl.arange(0, C)
-    tl.store(OUT + i[:, None] * C + j[None, :], (word >> 8).to(tl.float32) * 5.960464477539063e-08)
+    u = (word - 0x3F800000).to(tl.float32) * 1.52587890625e-05
+    tl.store(OUT + i[:, None] * C + j[None, :], u)
 
 
 def _hard_tile(R=8, C=64, seed=0, device="cpu"):

@@ -440,23 +440,23 @@ def _words_probe(out_ptr, seed, M, N, WHICH: tl.constexpr, BM: tl.constexpr, BN:
 
 @pytest.mark.parametrize("which, block", [(0, (1, 16)), (1, (1, 16)), (2, (16, 1))])
 def test_sr_words_are_the_references_half_words(which, block):
-    """Every SR helper draws nvfp4.sr_uniforms' 16 bits per element, in the high half of its word
-    (the low half zero: _sr_e2m1_value reads u = (r >> 16) * 2^-16 from bits 31..9)."""
+    """Every SR helper draws nvfp4.sr_uniforms' 16 bits per element, as the SR word
+    _sr_e2m1_value reads (_sr_word: the bits h in the low half under the fp32 1.0's, u = h 2^-16)."""
     M, N, seed = 32, 64, 424242
     out = torch.zeros(M, N, dtype=torch.int32)
     _words_probe[(1,)](out, seed, M, N, which, M, N)
     r = out.long() & 0xFFFFFFFF
-    assert ((r & 0xFFFF) == 0).all()
-    assert torch.equal((r >> 16).float() * 2.0**-16, nvfp4.sr_uniforms(seed, (M, N), block))
+    assert ((r >> 16) == 0x3F80).all()
+    assert torch.equal((r & 0xFFFF).float() * 2.0**-16, nvfp4.sr_uniforms(seed, (M, N), block))
 
 
 @triton.jit
 def _sr_probe(a_ptr, idx_ptr):
     """_sr_e2m1_value's index of one a (per program) with every 16-bit half-word h, placed as the
-    SR helpers place it (h << 16)."""
+    SR helpers place it (_sr_word)."""
     h = tl.arange(0, 65536)
     a = tl.load(a_ptr + tl.program_id(0) + h * 0)
-    r = h.to(tl.uint32) << 16
+    r = nm._sr_word(h.to(tl.uint32))
     tl.store(idx_ptr + tl.program_id(0) * 65536 + h, nm._e2m1_index(nm._sr_e2m1_value(a, r)))
 
 
