@@ -311,8 +311,8 @@ def _random_words(seed, rows, n0, N, BM: tl.constexpr, BN: tl.constexpr):
     """(BM, BN) random words (for _sr_e2m1_value) for the elements (rows[i], n0 + j) of a row-major
     tensor with N columns, for 1x16 blocks: counter = element index // 8, so an eighth of tl.rand's
     Philox work and a draw that does not depend on the tiling. Raw bits, not tl.rand's floats
-    (_sr_e2m1_value builds its exact u from each word's high half). n0 and N are multiples of 8 (of
-    16, in fact)."""
+    (SR words, _sr_word: _sr_e2m1_value builds its exact u from them). n0 and N are multiples of 8
+    (of 16, in fact)."""
     offs8 = rows[:, None] * (N // 8) + (n0 // 8 + tl.arange(0, BN // 8))[None, :]
     return _philox_halves(seed, offs8).reshape(BM, BN)
 
