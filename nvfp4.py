@@ -612,15 +612,15 @@ def quantized_weight(weight, L1, L2, four_over_six):
     return qw.codes, qw.scales, qw.global_scale
 
 
-def quantized_input(x, four_over_six, r=0):
+def quantized_input(x, four_over_six, r=0, global_amax=None):
     """Q1x16(X) as Y multiplies it (LINEAR's forward.x), four tensors: the packed codes, scales and
     global scale (what eq. 2 reads in the backward) and, on the Hopper kernels, the bf16 GEMM
     operand (T, in + r) of X_hat with r columns for LoRA-SVD's branch, else an empty tensor.
-    x (T, in)."""
+    x (T, in); global_amax: max |x| where the kernels have it already (_cast), else None."""
     c = linear_contract(four_over_six)["forward.x"]
     seed = draws(c, x.device)
     if use_kernels(x):
-        return linear_kernels.activation(x, c, seed, r)
+        return linear_kernels.activation(x, c, seed, r, global_amax)
     qx = quantize_as(x, c, seed, name="activation X")
     return qx.codes, qx.scales, qx.global_scale, x.new_empty(0)
 
@@ -792,10 +792,12 @@ class _SharedInput:
     each key a weak reference (the memory held by a detached alias, so no other tensor can take it
     and no autograd graph is kept) and the version counter. The layers save the same packed
     Q1x16(X) for eq. 2 (one copy in memory), and each still returns its own dX in x's dtype, so
-    autograd adds them as it added the casts'. An SR forward.x draws afresh each call."""
+    autograd adds them as it added the casts'. An SR forward.x draws afresh each call. On the
+    kernels the cast also gives the copy's global amax, from the same read (_cast), which the
+    quantization then takes instead of reading the copy again."""
 
     def __init__(self):
-        self.source = self.cast_x = self.quantized_of = self.key = self.qx = None
+        self.source = self.cast_x = self.cast_amax = self.quantized_of = self.key = self.qx = None
 
     @staticmethod
     def _holding(x):
@@ -811,21 +813,33 @@ class _SharedInput:
         if x.is_inference():  # no version counter to key on
             return x.to(dtype)
         if not (self._holds(self.source, x) and self.cast_x.dtype == dtype):
-            self.source, self.cast_x = self._holding(x), x.to(dtype)
+            self.source = self._holding(x)
+            self.cast_x, self.cast_amax = _cast(x, dtype)
         return self.cast_x
 
     def quantized(self, x, four_over_six, r):
         """quantized_input of x (..., in) with r branch columns: made by the first layer that
         reads x, taken by the next."""
         x2, entry = x.reshape(-1, x.shape[-1]), linear_contract(four_over_six)["forward.x"]
+        amax = self.cast_amax if x is self.cast_x else None  # the copy's, from its cast
         if entry.rounding != "rtn" or x.is_inference():
-            return quantized_input(x2, four_over_six, r)
+            return quantized_input(x2, four_over_six, r, amax)
         kernels = use_kernels(x2)
         key = (entry, r, kernels, kernels and use_dot_scaled(x2.device))
         if not (self._holds(self.quantized_of, x) and self.key == key):
             self.quantized_of, self.key = self._holding(x), key
-            self.qx = quantized_input(x2, four_over_six, r)
+            self.qx = quantized_input(x2, four_over_six, r, amax)
         return self.qx
+
+
+def _cast(x, dtype):
+    """Autocast's cast of a linear layer's input -> (the copy, its global amax or None). On the
+    kernels an fp32 x goes to bf16 through quant_kernels.cast_bf16_amax: the same copy, and the
+    amax its Q1x16 quantization reads, from one read of x."""
+    if (use_kernels(x) and dtype == torch.bfloat16 and x.dtype == torch.float32
+            and x.is_contiguous() and x.shape[-1] % 16 == 0):
+        return quant_kernels.cast_bf16_amax(x)
+    return x.to(dtype), None
 
 
 _SHARED_INPUT = _SharedInput()

@@ -116,19 +116,20 @@ def weight(w, ew, seed=0, L1=None, L2=None):
     return wbuf, wbuf.new_empty(0, dtype=torch.float8_e4m3fn), s_gw
 
 
-def activation(x, ex, seed=0, r=0):
+def activation(x, ex, seed=0, r=0, global_amax=None):
     """X's quantization as the forward multiplies it (Q1x16(X)), four tensors: the packed codes,
     scales and global scale (eq. 2 reads them in the backward) and, on Hopper, the bf16 GEMM
     operand (T, in + r) with X_hat in its first `in` columns and r left for LoRA-SVD's branch
     (`forward` writes them), on Blackwell an empty tensor. x (T, in); ex: its contract entry
-    (nvfp4.LINEAR's forward.x); seed: its SR seed. One quantization serves every layer that reads
-    the same x (nvfp4._SharedInput): each writes its own branch columns before its GEMM."""
+    (nvfp4.LINEAR's forward.x); seed: its SR seed; global_amax: max |x| if the caller has it (from
+    its cast: nvfp4_quant.cast_bf16_amax). One quantization serves every layer that reads the same
+    x (nvfp4._SharedInput): each writes its own branch columns before its GEMM."""
     ex = _check(ex, "forward.x", (1, 16))
     if use_dot_scaled(x.device):
-        return *quantize(x, (1, 16), ex.rounding, ex.four_over_six, seed,
+        return *quantize(x, (1, 16), ex.rounding, ex.four_over_six, seed, global_amax=global_amax,
                          name="activation X")[:3], x.new_empty(0)
     buf, s_g, (codes, scales) = _operand(x, ex.rounding, ex.four_over_six, seed, "activation X", r,
-                                         return_tensor=True)
+                                         return_tensor=True, global_amax=global_amax)
     return codes, scales, s_g, buf
 
 

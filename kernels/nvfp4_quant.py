@@ -50,7 +50,7 @@ from kernels.nvfp4_math import (
     E4M3_MAX, E4M3_MAX_46, TRITON_VERSION, _amax_nan, _block_random_words, _column_random_words,
     _decode_e2m1, _e4m3_value, _global_scales, _hadamard16, _load_tile, _max_nan, _pack_codes,
     _random_words, _rotate, _round_to_bf16, _scale_blocks, _sign_bits, _sr_e2m1_value, _with_sign,
-    on_gpu)
+    ON_GPU, on_gpu)
 
 # The block shapes these kernels lay out and the roundings they take: the spec's nvfp4.BLOCKS and
 # nvfp4.ROUNDINGS (nvfp4.quantize checks the rounding; the input's shape and values are checked
@@ -266,7 +266,7 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
                           FOUR_OVER_SIX: tl.constexpr, SR: tl.constexpr, SCALE_UP: tl.constexpr,
                           HADAMARD: tl.constexpr, WRITE_CODES: tl.constexpr,
                           WRITE_VALUES: tl.constexpr, ROW_BLOCKS: tl.constexpr,
-                          AMAX_ONLY: tl.constexpr):
+                          AMAX_ONLY: tl.constexpr, CAST_BF16: tl.constexpr):
     """_quantize_kernel's arithmetic for the common case, 1x16 blocks of a contiguous x: CHUNKS
     chunks of NB consecutive blocks per program, each held as an (NB, 2, 8) tile (the two 8-element
     halves of each block) so that the compiler puts one block on each thread: both halves of a block
@@ -276,7 +276,9 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
     before this chunk's arithmetic (arithmetic-bound: the loads' latency hides behind it), the
     global scale's two divisions once per program. Same bits (same operations per element; SR: the
     same Philox counters, element index // 8). AMAX_ONLY: the global-amax pre-pass over the same
-    (rotated) values. ROW_BLOCKS, ld_values: where the values go (_rows_values_at)."""
+    (rotated) values; with CAST_BF16 it also writes x rounded to bf16 into values_ptr (flat, as x)
+    and takes the maximum of that copy (cast_bf16_amax). ROW_BLOCKS, ld_values: where the values go
+    (_rows_values_at)."""
     pid = tl.program_id(0)
     blk = tl.arange(0, NB)
     # (NB, 2, 8) element offsets: the blocks over the threads (_load_by_blocks), both halves of a
@@ -298,6 +300,9 @@ def _quantize_rows_kernel(x_ptr, h_ptr, amax_ptr, gs_out_ptr, codes_ptr, scales_
         bmask = blk < n_blocks - base
         mask = bmask[:, None, None]
         x = x_next.to(tl.float32)
+        if CAST_BF16:  # autocast's cast on the way (RNE; the interpreter's own cast truncates)
+            x = _round_to_bf16(x, ON_GPU)
+            _store_by_blocks(values_ptr + base * 16, offs, x.to(tl.bfloat16), mask)
         # prefetch the next chunk (none after the last: an all-false mask moves no data)
         x_next = _load_by_blocks(x_ptr + (base + NB) * 16, offs,
                                  ((blk < n_blocks - base - NB) & (c + 1 < CHUNKS))[:, None, None],
@@ -543,9 +548,9 @@ def _fp8_bound(four_over_six):
 
 
 def _rows_launch(x3, amax, hadamard, four_over_six, seed, rounding="rtn", codes=None,
-                 scales=None, values=None, gs_out=None, amax_only=False):
+                 scales=None, values=None, gs_out=None, amax_only=False, cast=None):
     """_quantize_rows_kernel over x3's B*M*N/16 blocks (or its amax pre-pass: returns the global
-    amax)."""
+    amax; cast: a bf16 tensor like x3 that the pre-pass writes x3's bf16 copy into)."""
     NB, warps, chunks = ROWS_LAUNCH_SR if rounding in SR_MODES or four_over_six else ROWS_LAUNCH
     n_blocks = x3.numel() // 16
     grid = (triton.cdiv(n_blocks, NB * chunks),)
@@ -557,7 +562,8 @@ def _rows_launch(x3, amax, hadamard, four_over_six, seed, rounding="rtn", codes=
         amax if amax is not None else dummy, gs_out if gs_out is not None else dummy,
         codes.view(torch.int32) if codes is not None else dummy,
         scales if scales is not None else dummy,
-        values if values is not None else dummy, partial if partial is not None else dummy,
+        values if values is not None else cast if cast is not None else dummy,
+        partial if partial is not None else dummy,
         n_blocks, ld, _seed_arg(seed, rounding, x3.device, dummy),
         NB=NB, CHUNKS=chunks, FP8_BOUND=_fp8_bound(four_over_six),
         FOUR_OVER_SIX=bool(four_over_six),
@@ -566,8 +572,23 @@ def _rows_launch(x3, amax, hadamard, four_over_six, seed, rounding="rtn", codes=
         WRITE_CODES=codes is not None, WRITE_VALUES=values is not None,
         ROW_BLOCKS=0 if ld == N else N // 16,
         # no FMA contraction: roundings as the reference
-        AMAX_ONLY=amax_only, num_warps=warps, enable_fp_fusion=False)
+        AMAX_ONLY=amax_only, CAST_BF16=cast is not None, num_warps=warps, enable_fp_fusion=False)
     return partial.amax() if amax_only else None
+
+
+def cast_bf16_amax(x):
+    """(x.to(torch.bfloat16), max |x| of that copy as a 0-d fp32 tensor) for a contiguous fp32 x
+    whose last dim is a multiple of 16, in one read of x: autocast's cast of a linear layer's input
+    and the global amax its Q1x16 quantization (RTN, no rotation) needs, which the quantize pass's
+    own amax pass would otherwise read the copy again for (the same maximum: of the same values).
+    The rows kernel's amax pass, writing the copy on the way."""
+    if x.dtype != torch.float32 or not x.is_contiguous() or x.shape[-1] % 16:
+        raise ValueError(f"cast_bf16_amax: a contiguous fp32 x with its last dim a multiple of 16, "
+                         f"got {x.dtype} {tuple(x.shape)}")
+    cast = torch.empty_like(x, dtype=torch.bfloat16)
+    amax = _rows_launch(x.view(1, -1, x.shape[-1]), None, None, False, 0, amax_only=True,
+                        cast=cast)
+    return cast, amax
 
 
 def _cols_launch(x3, amax, hadamard, four_over_six, seed, rounding="rtn", codes=None, scales=None,

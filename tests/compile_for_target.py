@@ -105,6 +105,7 @@ def record_quantize_launches():
         nvfp4_quant.quantize(x, (1, 16), "sr", fos, seed=1, hadamard=H)       # rows + amax pass
         nvfp4_quant.quantize(x.t(), (1, 16), "rtn", fos)                      # the tile kernel
     nvfp4_quant.global_amax_pair(x, H)
+    nvfp4_quant.cast_bf16_amax(x.float())                                 # a shared input's cast
     buf = torch.zeros(64, 256 + 8, dtype=torch.bfloat16)  # LoRA-SVD's [X_hat | branch]
     for fos in (False, True):
         qd(x, (1, 16), "rtn", fos, return_tensor=True, out=buf[:, :256])

@@ -782,6 +782,23 @@ def test_scale_kernel_rounds_like_torch_mul(dtype):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_cast_bf16_amax_is_autocasts_cast_and_its_amax(device):
+    """A shared input's cast on the kernels (nvfp4._cast): x.to(bf16) bit for bit, ties to even
+    (half the values sit exactly between two bf16 values), and max |.| of that copy, in one pass;
+    a NaN anywhere gives a NaN amax, as torch's amax does."""
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(3, 37, 48, generator=g) * 10  # 333 blocks: a program takes 512, a masked tail
+    ties = ((x.view(torch.int32) & -65536) | 0x8000).view(torch.float32)
+    x = torch.where(torch.rand(x.shape, generator=g) < 0.5, x, ties).to(device)
+    cast, amax = kq.cast_bf16_amax(x)
+    want = x.to(torch.bfloat16)
+    assert cast.dtype == torch.bfloat16 and torch.equal(cast, want)
+    assert amax.dtype == torch.float32 and torch.equal(amax, want.float().abs().amax())
+    x[1, 5, 7] = float("nan")
+    assert torch.isnan(kq.cast_bf16_amax(x)[1])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_scale_into_is_torchs_branch_arithmetic(device):
     """LoRA-SVD's branch columns: x * beta / (s_ga * s_gb) with each step rounded to fp32 as torch
     rounds it, then once to bf16, into the left operand's last columns (rows a buffer's width
