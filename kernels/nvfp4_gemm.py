@@ -157,13 +157,14 @@ def _gemm_sm100(a, b, out_dtype, trans_a=False, trans_b=False):
 
 @triton.jit
 def _scale_kernel(x_ptr, out_ptr, gs_a_ptr, gs_b_ptr, n, BLOCK: tl.constexpr,
-                  ROUND_BF16: tl.constexpr):
+                  ROUND_BF16: tl.constexpr, VEC: tl.constexpr):
     """out = x * (s_ga * s_gb) for x bf16 or fp32 (the scales fp32 0-d tensors, their product
     rounded to fp32 as torch's s_ga * s_gb): the product in fp32, rounded once to x's dtype, as
     torch's x.mul_(s_ga * s_gb) computes it, then stored in out's dtype (x's, or fp32 for a bf16
     x: exact). torch's own kernel takes a slow, non-vectorized path for a 0-d CUDA operand of
-    another dtype."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    another dtype. VEC: elements a thread loads and stores at once (16 bytes of the wider dtype),
+    so that loads and stores share one layout (no conversion through shared memory)."""
+    offs = tl.max_contiguous(tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK), VEC)
     mask = offs < n
     v = tl.load(x_ptr + offs, mask=mask).to(tl.float32) * (tl.load(gs_a_ptr) * tl.load(gs_b_ptr))
     if ROUND_BF16:
@@ -180,7 +181,9 @@ def scale_(x, gs_a, gs_b, out=None):
     out = x if out is None else out
     n, BLOCK = x.numel(), 4096
     _scale_kernel[(triton.cdiv(n, BLOCK),)](x, out, gs_a, gs_b, n, BLOCK=BLOCK,
-                                            ROUND_BF16=x.dtype == torch.bfloat16, num_warps=8)
+                                            ROUND_BF16=x.dtype == torch.bfloat16,
+                                            VEC=16 // max(x.element_size(), out.element_size()),
+                                            num_warps=8)
     return out
 
 

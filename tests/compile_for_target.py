@@ -117,8 +117,8 @@ def record_quantize_launches():
         scales = torch.zeros(n_scales, dtype=torch.uint8).view(torch.float8_e4m3fn)
         for dtype in (torch.float32, torch.bfloat16):
             nvfp4_dequant.dequantize(codes, scales, s_g, (64, 256), block, dtype)
-    nvfp4_gemm.scale_(torch.zeros(100, dtype=torch.bfloat16), s_g, s_g)
-    nvfp4_gemm.scale_(torch.zeros(100, dtype=torch.bfloat16), s_g, s_g, out=torch.zeros(100))  # dX
+    nvfp4_gemm.scale_(torch.zeros(4096, dtype=torch.bfloat16), s_g, s_g)  # GEMM outputs: n % 16 == 0
+    nvfp4_gemm.scale_(torch.zeros(4096, dtype=torch.bfloat16), s_g, s_g, out=torch.zeros(4096))  # dX
 
 
 def _packed(stored, block):
