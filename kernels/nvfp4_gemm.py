@@ -236,22 +236,21 @@ def grid_values_mm(A, B, gs_a, gs_b, out_dtype=torch.bfloat16, result_dtype=None
     nvfp4_quant.quantize_dequant's output. Rounded to out_dtype; result_dtype (fp32 for a bf16
     out_dtype): returned in that wider dtype, the same values (dX for an fp32 x, which the layer
     returns in x's dtype), converted in the scale pass rather than by a copy after it."""
+    wide = result_dtype not in (None, out_dtype)
     if A.device.type == "cpu":  # tests: the reference's fp32 accumulation
         out = (A.float() @ B.float()).mul_(gs_a * gs_b).to(out_dtype)
-        return out if result_dtype is None else out.to(result_dtype)
+        return out.to(result_dtype) if wide else out
     if out_dtype == torch.float32:
         out = mm_fp32(A, B)  # the fp32 accumulator out, then the scales
         if out is not None:
             return scale_(out, gs_a, gs_b)
-    # bf16 out of cuBLAS, then the global scales (one pass over the output): one extra rounding
-    # (<= 1 ulp) vs the reference's single rounding of acc * s_g
+    # bf16 out of cuBLAS, then the global scales (one pass over the output, widening where asked):
+    # one extra rounding (<= 1 ulp) vs the reference's single rounding of acc * s_g
     y = torch.mm(A, B)
-    if out_dtype == torch.bfloat16 and result_dtype in (None, torch.bfloat16):
-        return scale_(y, gs_a, gs_b)
-    if out_dtype == torch.bfloat16 and result_dtype == torch.float32:
-        return scale_(y, gs_a, gs_b, out=torch.empty_like(y, dtype=torch.float32))
+    if out_dtype == torch.bfloat16:
+        return scale_(y, gs_a, gs_b, out=torch.empty_like(y, dtype=result_dtype) if wide else None)
     y = y.float().mul_(gs_a * gs_b).to(out_dtype)
-    return y if result_dtype is None else y.to(result_dtype)
+    return y.to(result_dtype) if wide else y
 
 
 # --------------------------------------------------------------------------------------------
