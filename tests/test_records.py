@@ -113,6 +113,15 @@ def test_readme_tables_are_the_records():
     assert readme_tables.render(readme) == readme, "run python tools/readme_tables.py"
 
 
+def test_speed_ratios_do_not_round_up_to_a_goal_they_miss():
+    """0.776 against a 0.78 goal prints three decimals; a ratio that meets its goal, or has none,
+    prints two."""
+    assert readme_tables.times(0.776, 0.78) == "0.776×"
+    assert readme_tables.times(0.7801, 0.78) == "0.78×"
+    assert readme_tables.times(0.7749, 0.78) == "0.77×"
+    assert readme_tables.times(0.776) == "0.78×"
+
+
 def test_table3_prints_the_records_digits():
     """The Table 3 block from a record: each cell is the rows' mean ± std and gap at the printed
     digits; a missing record says so."""
