@@ -222,3 +222,18 @@ def test_fingerprint_is_stable_and_sees_a_changed_bit(monkeypatch):
     after = hashes()
     assert after["NVFP4Linear fp32"] != before["NVFP4Linear fp32"]
     assert after["attention fp4"] == before["attention fp4"]
+
+
+def test_quantize_tiles_keep_every_bit_and_bad_configs_give_one_line():
+    """bench/quantize_tiles.py's dry run (the interpreter, tiny shapes): other launch configurations
+    of the rows kernel's SR passes give the committed configuration's outputs bit for bit (the
+    script exits 1 where one does not); a malformed candidate is one line and exit 2."""
+    run = lambda *flags: subprocess.run([sys.executable, "bench/quantize_tiles.py", "--dry_run",
+                                         *flags], cwd=ROOT, capture_output=True, text=True,
+                                        timeout=600)
+    proc = run("--kernel", "rows_sr", "--configs", "128x4x1,64x2x2")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| (")]
+    assert len(rows) == 2 and all(line.endswith("| same |") for line in rows)
+    proc = run("--kernel", "cols", "--configs", "4r168,fast")
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "fast" in proc.stderr
