@@ -12,8 +12,8 @@ stay its own).
     python bench/quantize_tiles.py --kernel cols --configs 4r168,8r168
     python bench/quantize_tiles.py --dry_run               # CPU smoke run, no timing
 
-A rows configuration is NBxWARPSxCHUNKS (blocks a chunk, warps, chunks a program), a cols one
-WARPS[rMAXNREG] (Triton's register cap; without r: none).
+A rows configuration is NBxWARPSxCHUNKS[rMAXNREG] (blocks a chunk, warps, chunks a program, and
+Triton's register cap: without r none), a cols one WARPS[rMAXNREG].
 """
 
 import argparse
@@ -35,19 +35,21 @@ from layers import kernel_ms  # noqa: E402
 # the module constant each kernel's configuration lives in, and its candidates
 CANDIDATES = {
     "rows": ("ROWS_LAUNCH", "128x4x4,128x4x8,128x4x2,256x8x4,64x2x4"),  # amax pre-passes (RTN)
-    "rows_sr": ("ROWS_LAUNCH_SR", "128x4x1,128x4x2,64x2x1,256x8x1,256x4x1"),  # 4/6 and SR passes
-    "cols": (("COLS_WARPS", "COLS_MAXNREG"), "4r168,4,4r128,2r168,8r168,2"),
+    # 4/6 and SR passes; register caps that fit 5 and 6 programs an SM
+    "rows_sr": ("ROWS_LAUNCH_SR", "128x4x1,128x4x1r96,128x4x1r80,128x4x2,64x2x1,256x8x1"),
+    "cols": (("COLS_WARPS", "COLS_MAXNREG"), "4r168,4,4r128,2,8,8r128"),
 }
 KERNEL = {"rows": "_quantize_rows_kernel", "rows_sr": "_quantize_rows_kernel",
           "cols": "_quantize_cols_kernel"}
 
 
 def parse(kernel, spec):
+    shape, r, cap = spec.partition("r")
+    cap = int(cap) if r else None
     if kernel == "cols":
-        warps, r, cap = spec.partition("r")
-        return int(warps), int(cap) if r else None
-    nb, warps, chunks = (int(v) for v in spec.split("x"))
-    return nb, warps, chunks
+        return int(shape), cap
+    nb, warps, chunks = (int(v) for v in shape.split("x"))
+    return nb, warps, chunks, cap
 
 
 def passes(T, widths, device):
@@ -125,7 +127,7 @@ def main(argv=None):
     p.add_argument("--kernel", default=None, choices=sorted(CANDIDATES),
                    help="one kernel's candidates (default: every kernel's)")
     p.add_argument("--configs", default=None, help="comma-separated candidates of --kernel "
-                   "(rows: NBxWARPSxCHUNKS, cols: WARPS[rMAXNREG])")
+                   "(rows: NBxWARPSxCHUNKS[rMAXNREG], cols: WARPS[rMAXNREG])")
     p.add_argument("--dry_run", action="store_true", help="tiny shapes on the CPU's interpreter: "
                    "checks the script, no timing claim")
     args = p.parse_args(argv)
@@ -137,8 +139,8 @@ def main(argv=None):
         configs = {k: [parse(k, s) for s in (args.configs or CANDIDATES[k][1]).split(",")]
                    for k in kernels}
     except ValueError:
-        print(f"quantize_tiles.py: --configs {args.configs!r} is not NBxWARPSxCHUNKS,... (rows) "
-              "or WARPS[rMAXNREG],... (cols)", file=sys.stderr)
+        print(f"quantize_tiles.py: --configs {args.configs!r} is not "
+              "NBxWARPSxCHUNKS[rMAXNREG],... (rows) or WARPS[rMAXNREG],... (cols)", file=sys.stderr)
         sys.exit(2)
     device = "cpu" if args.dry_run else "cuda"
     if device == "cuda" and not torch.cuda.is_available():

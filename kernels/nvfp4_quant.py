@@ -437,11 +437,11 @@ def _quantize_cols_kernel(x_ptr, xs_ptr, xgs_ptr, h_ptr, amax_ptr, gs_out_ptr, c
 
 # global amaxes the kernels read as they are (no conversion op)
 AMAX_DTYPES = (torch.float32, torch.bfloat16)
-# _quantize_rows_kernel: (blocks per chunk, num_warps, chunks per program). RTN hides its loads
-# behind four unrolled chunks; SR and 4/6 keep one chunk (their longer code per element would spill
-# with more).
-ROWS_LAUNCH = (128, 4, 4)
-ROWS_LAUNCH_SR = (128, 4, 1)
+# _quantize_rows_kernel: (blocks per chunk, num_warps, chunks per program, register cap or None).
+# RTN hides its loads behind four unrolled chunks; SR and 4/6 keep one chunk (their longer code per
+# element would spill with more).
+ROWS_LAUNCH = (128, 4, 4, None)
+ROWS_LAUNCH_SR = (128, 4, 1, None)
 COLS_WARPS = 4  # _quantize_cols_kernel: (16, 64 * warps) tiles, 2 column blocks per thread
 COLS_MAXNREG = 168  # the register cap that fits 3 programs of SR + Hadamard per SM without spilling
 
@@ -551,7 +551,8 @@ def _rows_launch(x3, amax, hadamard, four_over_six, seed, rounding="rtn", codes=
                  scales=None, values=None, gs_out=None, amax_only=False, cast=None):
     """_quantize_rows_kernel over x3's B*M*N/16 blocks (or its amax pre-pass: returns the global
     amax; cast: a bf16 tensor like x3 that the pre-pass writes x3's bf16 copy into)."""
-    NB, warps, chunks = ROWS_LAUNCH_SR if rounding in SR_MODES or four_over_six else ROWS_LAUNCH
+    NB, warps, chunks, maxnreg = (ROWS_LAUNCH_SR if rounding in SR_MODES or four_over_six
+                                  else ROWS_LAUNCH)
     n_blocks = x3.numel() // 16
     grid = (triton.cdiv(n_blocks, NB * chunks),)
     partial = torch.empty(grid[0], device=x3.device, dtype=torch.float32) if amax_only else None
@@ -572,7 +573,8 @@ def _rows_launch(x3, amax, hadamard, four_over_six, seed, rounding="rtn", codes=
         WRITE_CODES=codes is not None, WRITE_VALUES=values is not None,
         ROW_BLOCKS=0 if ld == N else N // 16,
         # no FMA contraction: roundings as the reference
-        AMAX_ONLY=amax_only, CAST_BF16=cast is not None, num_warps=warps, enable_fp_fusion=False)
+        AMAX_ONLY=amax_only, CAST_BF16=cast is not None, num_warps=warps, maxnreg=maxnreg,
+        enable_fp_fusion=False)
     return partial.amax() if amax_only else None
 
 
