@@ -437,13 +437,18 @@ def _quantize_cols_kernel(x_ptr, xs_ptr, xgs_ptr, h_ptr, amax_ptr, gs_out_ptr, c
 
 # global amaxes the kernels read as they are (no conversion op)
 AMAX_DTYPES = (torch.float32, torch.bfloat16)
+# The launch configurations, chosen by bench/quantize_tiles.py at the 1b step's shapes (every
+# candidate gives the same bits: a configuration moves blocks between programs, not arithmetic).
 # _quantize_rows_kernel: (blocks per chunk, num_warps, chunks per program, register cap or None).
-# RTN hides its loads behind four unrolled chunks; SR and 4/6 keep one chunk (their longer code per
-# element would spill with more).
+# The unrolled chunk loop issues the next chunk's load before this chunk's arithmetic: four chunks for
+# RTN (the amax pre-passes), two for SR and 4/6, whose longer code per element runs slower with more.
 ROWS_LAUNCH = (128, 4, 4, None)
-ROWS_LAUNCH_SR = (128, 4, 1, None)
+ROWS_LAUNCH_SR = (128, 4, 2, None)
 COLS_WARPS = 4  # _quantize_cols_kernel: (16, 64 * warps) tiles, 2 column blocks per thread
-COLS_MAXNREG = 168  # the register cap that fits 3 programs of SR + Hadamard per SM without spilling
+# Its register cap: 128 fits four programs of 4 warps an SM where the 4/6 passes would take 144-168
+# (three); faster under Triton 3.6 though X_hat's pass spills a little. Later Tritons spill under it
+# (unmeasured there): no cap.
+COLS_MAXNREG = 128 if TRITON_VERSION < (3, 7) else None
 
 
 def _tiles(block, x):
