@@ -3,9 +3,9 @@ The quantize kernels' launch configurations, timed: how kernels/nvfp4_quant.ROWS
 ROWS_LAUNCH_SR and COLS_WARPS / COLS_MAXNREG are chosen. Each pass a 1b `fullstack` micro-step
 makes (8 x 2048 tokens, 4/6 on every linear operand), through nvfp4_quant's calls as
 kernels/nvfp4_linear makes them (public ones, and _global_amax for an unshared input's amax
-pre-pass, which quantize would otherwise time with its quantize pass), at the step's shapes, once per candidate configuration of the
-kernel it runs in; the kernel time of a micro-step is each pass's time times how often a
-micro-step makes it. Every candidate's outputs must equal the committed configuration's bit for
+pre-pass, which quantize would otherwise time with its quantize pass), at the step's shapes,
+once per candidate configuration of the kernel it runs in; the kernel time of a micro-step is
+each pass's time times how often a micro-step makes it. Every candidate's outputs must equal the committed configuration's bit for
 bit (a launch configuration moves blocks between programs; each element's arithmetic and SR draw
 stay its own).
 
