@@ -3,11 +3,11 @@ The quantize kernels' launch configurations, timed: how kernels/nvfp4_quant.ROWS
 ROWS_LAUNCH_SR and COLS_WARPS / COLS_MAXNREG are chosen. Each pass a 1b `fullstack` micro-step
 makes (8 x 2048 tokens, 4/6 on every linear operand), through nvfp4_quant's calls as
 kernels/nvfp4_linear makes them (public ones, and _global_amax for an unshared input's amax
-pre-pass, which quantize would otherwise time with its quantize pass), at the step's shapes,
-once per candidate configuration of the kernel it runs in; the kernel time of a micro-step is
-each pass's time times how often a micro-step makes it. Every candidate's outputs must equal the committed configuration's bit for
-bit (a launch configuration moves blocks between programs; each element's arithmetic and SR draw
-stay its own).
+pre-pass, which quantize would otherwise time with its quantize pass), at the step's shapes, once
+per candidate configuration of the kernel it runs in; the kernel time of a micro-step is each pass's
+time times how often a micro-step makes it. Every candidate's outputs must equal the committed
+configuration's bit for bit (a launch configuration moves blocks between programs; each element's
+arithmetic and SR draw stay its own).
 
     python bench/quantize_tiles.py                         # every kernel's candidates
     python bench/quantize_tiles.py --kernel cols --configs 4r168,8r168
@@ -133,7 +133,8 @@ def main(argv=None):
                    "checks the script, no timing claim")
     args = p.parse_args(argv)
     if args.configs and not args.kernel:
-        print("quantize_tiles.py: --configs needs --kernel (rows, rows_sr or cols)", file=sys.stderr)
+        print("quantize_tiles.py: --configs needs --kernel (rows, rows_sr or cols)",
+              file=sys.stderr)
         sys.exit(2)
     kernels = [args.kernel] if args.kernel else list(CANDIDATES)
     try:
@@ -156,7 +157,8 @@ def main(argv=None):
         base = committed(kernel)
         want = {name: outputs(fn) for name, _, fn in work[kernel]}
         names = [name for name, _, _ in work[kernel]]
-        print(f"\n| {kernel} ({CANDIDATES[kernel][0]}) | total | " + " | ".join(names) + " | bits |")
+        print(f"\n| {kernel} ({CANDIDATES[kernel][0]}) | total | " + " | ".join(names)
+              + " | bits |")
         print("|---" * (len(names) + 3) + "|")
         try:
             for cfg in configs[kernel]:
