@@ -145,7 +145,8 @@ def lora_svd_linear(x, weight_res, L1, L2, beta=1.0, four_over_six=True, cache=N
     true ones come from project_gradients (eqs. 3-4): App. 8 takes them from dW instead of from a
     second large GEMM with the high-precision X, which is why neither X nor X L1^T is saved. Under
     autocast X is cast to the autocast dtype."""
-    return nvfp4.nvfp4_linear(x, weight_res, four_over_six, L1, L2, beta, branch_dtype(), cache)
+    return nvfp4.nvfp4_linear(x, weight_res, four_over_six, L1, L2, beta, branch_dtype(), cache,
+                              sum_dx=True)
 
 
 # -----------------------------------------------------------------------------

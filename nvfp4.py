@@ -659,20 +659,24 @@ def linear_backward(dy: Tensor, qx_codes: Tensor, qx_scales: Tensor, qx_scale: T
                     qw_data: Tensor, qw_scales: Tensor, qw_scale: Tensor, L1: Optional[Tensor],
                     L2: Optional[Tensor], beta: float, branch_dtype: torch.dtype,
                     four_over_six: bool, dw_dtype: torch.dtype, dx_dtype: torch.dtype,
-                    need_dx: bool, need_dw: bool) -> tuple[Tensor, Tensor]:
+                    need_dx: bool, need_dw: bool, dx_into: Optional[Tensor] = None
+                    ) -> tuple[Tensor, Tensor]:
     """eq. 1's dX = Q1x16(dY) Q16x16(W) [+ beta (dY L2) L1] (the forward's W reused), rounded to
     dY's dtype and returned in dx_dtype (x's, as the autograd of autocast's cast would return it),
     and eq. 2's dW = wgrad, in dw_dtype, from what linear_forward saved. -> (dX (..., in),
-    dW (out, in)), each an empty tensor where not needed (a custom op returns tensors)."""
+    dW (out, in)), each an empty tensor where not needed (a custom op returns tensors). dx_into:
+    where the layers reading one input sum their dX (_GradientSum): dX is added into it instead,
+    and returned empty."""
     c = linear_contract(four_over_six)
     dy2 = dy.reshape(-1, dy.shape[-1])                                                  # (T, out)
     qx = packed(qx_codes, qx_scales, qx_scale, (1, 16))
     seed_dx, H, seeds_dw = backward_draws(c, need_dx, need_dw, dy2.device)
     need = (need_dx, need_dw)
+    into = None if dx_into is None else dx_into.view(-1, dx_into.shape[-1])            # (T, in)
     if use_kernels(dy2):
         dx, dw = linear_kernels.backward(dy2, qx, (qw_data, qw_scales, qw_scale), c, need, seed_dx,
                                          H, seeds_dw, dw_dtype, L1, L2, beta, branch_dtype,
-                                         dx_dtype)
+                                         dx_dtype, into)
     else:
         dx = dw = None
         if need_dx:
@@ -681,10 +685,10 @@ def linear_backward(dy: Tensor, qx_codes: Tensor, qx_scales: Tensor, qx_scale: T
             dx = nvfp4_matmul(dyq, qw, dy.dtype if L1 is None else torch.float32, trans_b=True)
             if L1 is not None:
                 dx = (dx + beta * low_rank(dy2, L2.t(), L1.t(), branch_dtype)).to(dy.dtype)
-            dx = dx.to(dx_dtype)
+            dx = dx.to(dx_dtype) if into is None else into.add_(dx.to(dx_dtype))
         if need_dw:
             dw = wgrad(dy2, qx, c, H, seeds_dw, out_dtype=dw_dtype)                        # eq. 2
-    return (dx.reshape(*dy.shape[:-1], -1) if need_dx else dy.new_empty(0),
+    return (dx.reshape(*dy.shape[:-1], -1) if need_dx and into is None else dy.new_empty(0),
             dw if need_dw else dy.new_empty(0))
 
 
@@ -703,10 +707,12 @@ class LinearFunction(torch.autograd.Function):
     (docs/performance.md measures it)."""
 
     @staticmethod
-    def forward(ctx, x, weight, L1, L2, beta, branch_dtype, four_over_six, qw=(), dtype=None):
+    def forward(ctx, x, weight, L1, L2, beta, branch_dtype, four_over_six, qw=(), dtype=None,
+                dx_sum=None):
         """qw: W's quantization from a WeightCache, or () to quantize W here. dtype: what X is cast
         to first (autocast's), None: X as it is. Eager, the cast and X's quantization are shared
-        with the layers that read the same x (_SHARED_INPUT); compiled, the graph makes them."""
+        with the layers that read the same x (_SHARED_INPUT), and dx_sum is where their dX are
+        summed (_GradientSum; None: returned to autograd); compiled, the graph makes them."""
         compiling = torch.compiler.is_compiling()
         body = linear_op if compiling else linear_forward
         ctx.x_dtype, qx = x.dtype, ()
@@ -718,7 +724,7 @@ class LinearFunction(torch.autograd.Function):
                 x, weight, L1, L2, beta, branch_dtype, four_over_six, *(qw or [None] * 3), *qx)
         ctx.save_for_backward(qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale, L1, L2)
         ctx.beta, ctx.branch_dtype, ctx.four_over_six = beta, branch_dtype, four_over_six
-        ctx.dw_dtype = weight.dtype
+        ctx.dw_dtype, ctx.dx_sum = weight.dtype, dx_sum
         return y
 
     @staticmethod
@@ -729,19 +735,23 @@ class LinearFunction(torch.autograd.Function):
         qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale, L1, L2 = ctx.saved_tensors
         need_dx, need_dw, need_l1, need_l2 = ctx.needs_input_grad[:4]
         body = linear_backward_op if torch.compiler.is_compiling() else linear_backward
+        # (create_graph: autograd's sum, whose own graph the double backward needs)
+        summing = need_dx and ctx.dx_sum is not None and not torch.is_grad_enabled()
+        total = ctx.dx_sum.so_far() if summing else None
         with torch.autocast(dy.device.type, enabled=False):
             dx, dw = body(dy, qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale, L1, L2,
                           ctx.beta, ctx.branch_dtype, ctx.four_over_six, ctx.dw_dtype, ctx.x_dtype,
-                          need_dx, need_dw)
+                          need_dx, need_dw, total)
+        dx = ctx.dx_sum.returned(dx if total is None else None) if summing else dx
         return (dx if need_dx else None, dw if need_dw else None, None, None, None,
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 # What torch.compile sees: the bodies as custom ops (schemas from their annotations), each with a
 # fake that gives its outputs' shapes and dtypes (tests: torch.library.opcheck)
 linear_op = torch.library.custom_op("nanofp4::linear", linear_forward, mutates_args=())
 linear_backward_op = torch.library.custom_op("nanofp4::linear_backward", linear_backward,
-                                             mutates_args=())
+                                             mutates_args=("dx_into",))
 
 
 @linear_op.register_fake
@@ -762,25 +772,30 @@ def _(x, weight, L1, L2, beta, branch_dtype, four_over_six, qw_data=None, qw_sca
 
 @linear_backward_op.register_fake
 def _(dy, qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale, L1, L2, beta, branch_dtype,
-      four_over_six, dw_dtype, dx_dtype, need_dx, need_dw):
+      four_over_six, dw_dtype, dx_dtype, need_dx, need_dw, dx_into=None):
     N, K = dy.shape[-1], 2 * qx_codes.shape[1]
-    return (dy.new_empty((*dy.shape[:-1], K), dtype=dx_dtype) if need_dx else dy.new_empty(0),
+    return (dy.new_empty((*dy.shape[:-1], K), dtype=dx_dtype) if need_dx and dx_into is None
+            else dy.new_empty(0),
             dy.new_empty((N, K), dtype=dw_dtype) if need_dw else dy.new_empty(0))
 
 
 def nvfp4_linear(x, weight, four_over_six=False, L1=None, L2=None, beta=1.0,
-                 branch_dtype=torch.bfloat16, cache=None):
+                 branch_dtype=torch.bfloat16, cache=None, sum_dx=False):
     """Y = Q1x16(X) Q16x16(W)^T with the eq. 1-2 backward (LINEAR); with L1, L2 LoRA-SVD's
     eq. 1 (lora_svd.lora_svd_linear). Under autocast X is cast to the autocast dtype. cache: the
-    layer's WeightCache (torch.compile quantizes W in its graph instead)."""
+    layer's WeightCache (torch.compile quantizes W in its graph instead). sum_dx: the layers that
+    read this x sum their dX in place (_GradientSum) rather than leave the sum to autograd: the
+    same bits where x feeds nothing else (the blocks' q, k, v and gate, up), the same sum in
+    another order where it does."""
     dtype = (torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type)
              else None)
     if torch.compiler.is_compiling():  # the cast in the graph, where inductor fuses it
         x = x if dtype is None else x.to(dtype)
         return LinearFunction.apply(x, weight, L1, L2, float(beta), branch_dtype, four_over_six)
     qw = () if cache is None else cache.get(weight, L1, L2, four_over_six)
+    x, dx_sum = _SHARED_INPUT.summing(x) if sum_dx else (x, None)
     return LinearFunction.apply(x, weight, L1, L2, float(beta), branch_dtype, four_over_six, qw,
-                                dtype)
+                                dtype, dx_sum)
 
 
 class _SharedInput:
@@ -798,6 +813,7 @@ class _SharedInput:
 
     def __init__(self):
         self.source = self.cast_x = self.cast_amax = self.quantized_of = self.key = self.qx = None
+        self.summed_of = self.point = self.dx_sum = None
 
     @staticmethod
     def _holding(x):
@@ -830,6 +846,62 @@ class _SharedInput:
             self.quantized_of, self.key = self._holding(x), key
             self.qx = quantized_input(x2, four_over_six, r, amax)
         return self.qx
+
+    def summing(self, x):
+        """(what the layers reading x take as their input, where they sum their dX): a view of x
+        made by the first of them (its autograd node's only readers are these layers, so that the
+        sum in place cannot miss a gradient from elsewhere) and its _GradientSum; (x, None) where
+        no gradient flows to x. The view is held until a layer reads another input, as the next
+        layer of a block does (held longer, it would keep the autograd graph behind it)."""
+        if not (torch.is_grad_enabled() and x.requires_grad):
+            return x, None
+        if not self._holds(self.summed_of, x):
+            self.summed_of, self.dx_sum = self._holding(x), _GradientSum()
+            self.point = _SumPoint.apply(x)
+        self.dx_sum.layers += 1
+        return self.point, self.dx_sum
+
+
+class _SumPoint(torch.autograd.Function):
+    """x as the input of the layers that sum their dX in place (_SharedInput.summing)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dx):
+        return dx
+
+
+class _GradientSum:
+    """The dX of the layers that read one input, summed. Autograd sums the dX each layer returns
+    in the input's buffer: for every layer after the first, a write, then two reads and a write
+    an element (fp32 where x is: 3 x 4 x 16,384 x 2,048 bytes each for k, v and up in a 1b
+    micro-step). Instead the first layer of a backward pass returns its dX and each later one adds
+    its own into that tensor, in the pass that scales its GEMM's output (kernels/nvfp4_gemm.scale_)
+    and returns none. They add in the order they run, the order autograd adds in: the same sum
+    bit for bit. One sum per backward pass (autograd's graph task: retain_graph runs it again)."""
+
+    def __init__(self):
+        self.layers, self.task, self.total, self.left = 0, None, None, 0
+
+    def so_far(self):
+        """The sum of this backward pass so far; None: the calling layer is its first."""
+        task = torch._C._current_graph_task_id()
+        if task != self.task:
+            self.task, self.total, self.left = task, None, self.layers
+        return self.total
+
+    def returned(self, dx):
+        """What a layer returns to autograd after its backward: dx, its dX for the first layer
+        (the sum the others add into), None for the others (theirs added)."""
+        if dx is not None:
+            self.total = dx
+        self.left -= 1
+        if self.left == 0:  # all added: autograd has the sum, this need not keep it
+            self.total = None
+        return dx
 
 
 def _cast(x, dtype):
@@ -919,7 +991,8 @@ class NVFP4Linear(nn.Module):
         return layer
 
     def forward(self, x):
-        y = nvfp4_linear(x, self.weight, self.four_over_six, cache=self.weight_cache)
+        # x feeds only this layer's product (and the other layers' that read it)
+        y = nvfp4_linear(x, self.weight, self.four_over_six, cache=self.weight_cache, sum_dx=True)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self):

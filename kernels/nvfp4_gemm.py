@@ -157,33 +157,44 @@ def _gemm_sm100(a, b, out_dtype, trans_a=False, trans_b=False):
 
 @triton.jit
 def _scale_kernel(x_ptr, out_ptr, gs_a_ptr, gs_b_ptr, n, BLOCK: tl.constexpr,
-                  ROUND_BF16: tl.constexpr, VEC: tl.constexpr):
+                  ROUND_BF16: tl.constexpr, VEC: tl.constexpr, ACCUMULATE: tl.constexpr):
     """out = x * (s_ga * s_gb) for x bf16 or fp32 (the scales fp32 0-d tensors, their product
     rounded to fp32 as torch's s_ga * s_gb): the product in fp32, rounded once to x's dtype, as
     torch's x.mul_(s_ga * s_gb) computes it, then stored in out's dtype (x's, or fp32 for a bf16
-    x: exact). torch's own kernel takes a slow, non-vectorized path for a 0-d CUDA operand of
-    another dtype. VEC: elements a thread loads and stores at once (16 bytes of the wider dtype),
-    so that loads and stores share one layout (no conversion through shared memory)."""
+    x: exact). ACCUMULATE: out += that value instead, the sum in fp32 rounded once to out's dtype
+    (torch's out.add_(value), as autograd sums two gradients). torch's own kernel takes a slow,
+    non-vectorized path for a 0-d CUDA operand of another dtype. VEC: elements a thread loads and
+    stores at once (16 bytes of the wider dtype), so that loads and stores share one layout (no
+    conversion through shared memory)."""
     offs = tl.max_contiguous(tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK), VEC)
     mask = offs < n
     v = tl.load(x_ptr + offs, mask=mask).to(tl.float32) * (tl.load(gs_a_ptr) * tl.load(gs_b_ptr))
     if ROUND_BF16:
         v = _round_to_bf16(v)  # exact in the interpreter too (its fp32 -> bf16 cast truncates)
+    if ACCUMULATE:
+        v += tl.load(out_ptr + offs, mask=mask).to(tl.float32)
+        if out_ptr.dtype.element_ty == tl.bfloat16:
+            v = _round_to_bf16(v)
     tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def scale_(x, gs_a, gs_b, out=None):
+def scale_(x, gs_a, gs_b, out=None, accumulate=False):
     """x * (gs_a * gs_b) rounded to x's dtype, for a contiguous bf16/fp32 CUDA tensor x and fp32
     0-d tensors gs_a, gs_b (the two operands' global scales: no separate torch kernel for their
     product), written into out: x itself (in place), or a contiguous fp32 tensor of x's shape
     for a bf16 x (the bf16 values widened in the same pass, what x.to(torch.float32) would
-    return after the in-place scaling, with one pass over x less). Returns out."""
+    return after the in-place scaling, with one pass over x less). accumulate: added into out
+    (contiguous, x's shape, x's dtype or fp32) instead, as out.add_(that value) would: the sum of
+    the gradients of the layers sharing an input, without writing each and reading it back.
+    Returns out."""
     out = x if out is None else out
     n, BLOCK = x.numel(), 4096
+    # no fused multiply-add: the product is rounded before the sum, as torch's two ops round it
     _scale_kernel[(triton.cdiv(n, BLOCK),)](x, out, gs_a, gs_b, n, BLOCK=BLOCK,
                                             ROUND_BF16=x.dtype == torch.bfloat16,
                                             VEC=16 // max(x.element_size(), out.element_size()),
-                                            num_warps=8)
+                                            ACCUMULATE=accumulate, num_warps=8,
+                                            enable_fp_fusion=False)
     return out
 
 
@@ -230,27 +241,32 @@ def mm_fp32(A, B):
     return None
 
 
-def grid_values_mm(A, B, gs_a, gs_b, out_dtype=torch.bfloat16, result_dtype=None):
+def grid_values_mm(A, B, gs_a, gs_b, out_dtype=torch.bfloat16, result_dtype=None, add_to=None):
     """(A @ B) * (gs_a * gs_b) for bf16 grid values A (M, K), B (K, N) (any strides) and the
     operands' global scales (fp32 0-d): the GEMM of the grid-value route, usable directly on
     nvfp4_quant.quantize_dequant's output. Rounded to out_dtype; result_dtype (fp32 for a bf16
     out_dtype): returned in that wider dtype, the same values (dX for an fp32 x, which the layer
-    returns in x's dtype), converted in the scale pass rather than by a copy after it."""
-    wide = result_dtype not in (None, out_dtype)
+    returns in x's dtype), converted in the scale pass rather than by a copy after it. add_to: a
+    contiguous (M, N) tensor of the result's dtype that the result is added into, in the same
+    pass (add_to.add_(result)'s bits), and returned."""
+    result_dtype = out_dtype if result_dtype is None else result_dtype
     if A.device.type == "cpu":  # tests: the reference's fp32 accumulation
-        out = (A.float() @ B.float()).mul_(gs_a * gs_b).to(out_dtype)
-        return out.to(result_dtype) if wide else out
+        out = (A.float() @ B.float()).mul_(gs_a * gs_b).to(out_dtype).to(result_dtype)
+        return out if add_to is None else add_to.add_(out)
     if out_dtype == torch.float32:
         out = mm_fp32(A, B)  # the fp32 accumulator out, then the scales
         if out is not None:
-            return scale_(out, gs_a, gs_b)
+            return scale_(out, gs_a, gs_b, out=add_to, accumulate=add_to is not None)
     # bf16 out of cuBLAS, then the global scales (one pass over the output, widening where asked):
     # one extra rounding (<= 1 ulp) vs the reference's single rounding of acc * s_g
     y = torch.mm(A, B)
     if out_dtype == torch.bfloat16:
+        if add_to is not None:
+            return scale_(y, gs_a, gs_b, out=add_to, accumulate=True)
+        wide = result_dtype != out_dtype
         return scale_(y, gs_a, gs_b, out=torch.empty_like(y, dtype=result_dtype) if wide else None)
-    y = y.float().mul_(gs_a * gs_b).to(out_dtype)
-    return y.to(result_dtype) if wide else y
+    y = y.float().mul_(gs_a * gs_b).to(out_dtype).to(result_dtype)
+    return y if add_to is None else add_to.add_(y)
 
 
 # --------------------------------------------------------------------------------------------

@@ -155,13 +155,14 @@ def forward(x, qx, qw, L1=None, L2=None, beta=1.0, branch_dtype=torch.bfloat16):
 
 
 def backward(dy, qx, w_used, c, need, seed_dx, hadamard, seeds_dw, dw_dtype, L1=None, L2=None,
-             beta=1.0, branch_dtype=torch.bfloat16, dx_dtype=None):
+             beta=1.0, branch_dtype=torch.bfloat16, dx_dtype=None, dx_into=None):
     """dy (T, out); qx the forward's packed Q1x16(X) (codes, scales, global_scale, shape, block: an
     nvfp4.NVFP4Tensor); w_used the forward's W as forward returned it (three tensors); c the
     resolved contract (nvfp4.linear_contract); need: (dX, dW) wanted; seed_dx, hadamard, seeds_dw:
     the draws (nvfp4.backward_draws); L1, L2, beta: the branch, as forward took it. -> (dX rounded
     to dY's dtype and returned in dx_dtype (x's: fp32 under autocast where x is, the same values),
-    dW in dw_dtype)."""
+    dW in dw_dtype). dx_into: a contiguous (T, in) tensor of dX's dtype that dX is added into
+    instead (in the scale pass on the grid-value route), returned as dX."""
     edy = _check(c["dgrad.dy"], "dgrad.dy", (1, 16))
     _check_branch(L1, branch_dtype)
     K, fp4_mma = qx.shape[1], use_dot_scaled(dy.device)  # the route of dX and dW alike
@@ -180,6 +181,7 @@ def backward(dy, qx, w_used, c, need, seed_dx, hadamard, seeds_dw, dw_dtype, L1=
             dx = nvfp4_gemm(dyq, qw, torch.float32, trans_b=True)
             dx = (dx + beta * _branch(dy, L2.t(), L1.t())).to(dy.dtype)
         dx = dx if dx_dtype is None else dx.to(dx_dtype)
+        dx = dx if dx_into is None else dx_into.add_(dx)
     elif need[0]:
         # [dY_hat | beta dY L2 / s_g] times Q16x16(W) reused, [W_hat ; L1] with a branch; L2 in
         # bf16 is the forward buffer's [W_hat | L2] columns
@@ -189,7 +191,7 @@ def backward(dy, qx, w_used, c, need, seed_dx, hadamard, seeds_dw, dw_dtype, L1=
         if L2 is not None:
             _branch_columns(abuf, dy, w_used[0][:dy.shape[1], K:].t(), beta, s_g, w_used[2])
         # the forward's W_hat (out, in), with a branch [W_hat ; L1] (out + r, in)
-        dx = grid_values_mm(abuf, w_used[0][:, :K], s_g, w_used[2], dy.dtype, dx_dtype)
+        dx = grid_values_mm(abuf, w_used[0][:, :K], s_g, w_used[2], dy.dtype, dx_dtype, dx_into)
     if need[1]:
         dw = wgrad(dy, qx, c, hadamard, seeds_dw, amax_dyh, dw_dtype, fp4_mma)
     return dx, dw

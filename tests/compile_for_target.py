@@ -119,6 +119,8 @@ def record_quantize_launches():
             nvfp4_dequant.dequantize(codes, scales, s_g, (64, 256), block, dtype)
     nvfp4_gemm.scale_(torch.zeros(4096, dtype=torch.bfloat16), s_g, s_g)  # GEMM outputs: n % 16 == 0
     nvfp4_gemm.scale_(torch.zeros(4096, dtype=torch.bfloat16), s_g, s_g, out=torch.zeros(4096))  # dX
+    nvfp4_gemm.scale_(torch.zeros(4096, dtype=torch.bfloat16), s_g, s_g, out=torch.zeros(4096),
+                      accumulate=True)  # dX added into the sum of the layers reading one input
 
 
 def _packed(stored, block):

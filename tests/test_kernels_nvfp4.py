@@ -765,7 +765,7 @@ def test_gemm_transposed_operands():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_scale_kernel_rounds_like_torch_mul(dtype):
     """The grid-value route's global-scale pass: x * s_g in fp32, rounded once to x's dtype
-    (ties to even), in place or widened into an fp32 out."""
+    (ties to even), in place, widened into an fp32 out, or added into one."""
     g = torch.Generator().manual_seed(11)
     # not a multiple of the block: the masked tail
     x = (torch.randn(5000, generator=g) * 100).to(dtype)
@@ -779,6 +779,12 @@ def test_scale_kernel_rounds_like_torch_mul(dtype):
         wide = kg.scale_(x, gs_a, gs_b, out=torch.full(x.shape, float("nan")))
         assert wide.dtype == torch.float32 and torch.equal(wide, want.float())
         assert torch.equal(x, kept)
+    # accumulate: out.add_(x * s_g rounded to x's dtype), as autograd sums the dX of the layers
+    # reading one input (nvfp4._GradientSum): into x's dtype, and into fp32 for a bf16 x
+    for out_dtype in {dtype, torch.float32}:
+        acc = (torch.randn(5000, generator=g) * 100).to(out_dtype)
+        summed = kg.scale_(x.clone(), gs_a, gs_b, out=acc.clone(), accumulate=True)
+        assert summed.dtype == out_dtype and torch.equal(summed, acc + want.to(out_dtype))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -445,6 +445,53 @@ def test_layers_reading_one_input_share_its_cast_and_quantization(kind, route, d
     assert all(torch.equal(a, b) for a, b in zip(ys, want_ys)) and torch.equal(dx, want_dx)
 
 
+@pytest.mark.parametrize("kind", ["nvfp4", "lora_svd"])
+@pytest.mark.parametrize("route,device", [("reference", "cpu"), ("kernels", "cpu"),
+                                          pytest.param("kernels", "cuda", marks=pytest.mark.gpu)])
+def test_layers_reading_one_input_sum_their_dx_in_place(kind, route, device, monkeypatch):
+    # the layers reading one x: the first of a backward pass returns its dX, the others add theirs
+    # into it (on the kernels in the GEMM's scale pass) and return none; x's gradient has the bits
+    # of autograd's own sum of three returned dX, and again in a second backward of the same graph
+    # (retain_graph: a new sum, not added to the first's). Where x also feeds another op, nothing
+    # is lost (the sum in another order)
+    import lora_svd
+    monkeypatch.setenv("NANOFP4_ROUTE", route)
+    returned, gradient_sum = [], nvfp4._GradientSum.returned
+    monkeypatch.setattr(nvfp4._GradientSum, "returned",
+                        lambda self, dx: returned.append(dx is not None) or gradient_sum(self, dx))
+    torch.manual_seed(0)
+    make = ((lambda: nvfp4.NVFP4Linear(64, 32, four_over_six=True, device=device))
+            if kind == "nvfp4" else (lambda: lora_svd.LoRASVDLinear.from_linear(
+                torch.nn.Linear(64, 32, bias=False, device=device), 8)))
+    layers = [make() for _ in range(3)]
+    x0, w = torch.randn(32, 64, device=device), torch.randn(32, 32, device=device)
+
+    def run(also=False):
+        x = x0.clone().requires_grad_()
+        for layer in layers:
+            layer.zero_grad(set_to_none=True)
+        torch.manual_seed(1)  # the backward's draws
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = sum((layer(x).float() * w).sum() for layer in layers)
+        loss = loss + (x * 3).square().sum() if also else loss
+        loss.backward(retain_graph=True)
+        first = x.grad.clone()
+        loss.backward()
+        return first, x.grad, [p.grad.clone() for layer in layers for p in layer.parameters()
+                               if p.grad is not None]
+
+    got = run()
+    assert returned == [True, False, False] * 2
+    monkeypatch.setattr(nvfp4._SharedInput, "summing", lambda self, x: (x, None))
+    want = run()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert all(torch.equal(a, b) for a, b in zip(got[2], want[2]))
+    assert not torch.equal(got[1], 2 * got[0])  # the second backward's draws are new
+    monkeypatch.undo()
+    monkeypatch.setenv("NANOFP4_ROUTE", route)
+    assert torch.allclose(run(also=True)[0], want[0] + 18 * x0, rtol=1e-5, atol=1e-6)
+
+
 def test_an_inference_mode_call_leaves_nothing_training_cannot_save(monkeypatch):
     # tensors made under torch.inference_mode have no version counter and cannot be saved for a
     # backward: neither the weight cache nor the shared autocast copy keeps one
