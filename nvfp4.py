@@ -857,29 +857,17 @@ class _SharedInput:
             return x, None
         if not self._holds(self.summed_of, x):
             self.summed_of, self.dx_sum = self._holding(x), _GradientSum()
-            self.point = _SumPoint.apply(x)
+            self.point = x.view_as(x)  # an autograd node of its own, the layers its only readers
         self.dx_sum.layers += 1
         return self.point, self.dx_sum
 
 
-class _SumPoint(torch.autograd.Function):
-    """x as the input of the layers that sum their dX in place (_SharedInput.summing)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, dx):
-        return dx
-
-
 class _GradientSum:
     """The dX of the layers that read one input, summed. Autograd sums the dX each layer returns
-    in the input's buffer: for every layer after the first, a write, then two reads and a write
-    an element (fp32 where x is: 3 x 4 x 16,384 x 2,048 bytes each for k, v and up in a 1b
-    micro-step). Instead the first layer of a backward pass returns its dX and each later one adds
-    its own into that tensor, in the pass that scales its GEMM's output (kernels/nvfp4_gemm.scale_)
+    in the input's buffer: for every layer after the first, its dX written, then read with the sum
+    and the sum written (16 bytes an element in fp32, k, v and up's in a 1b micro-step). Instead
+    the first layer of a backward pass returns its dX and each later one adds its own into that
+    tensor in the pass that scales its GEMM's output (kernels/nvfp4_gemm.scale_: 4 bytes more read)
     and returns none. They add in the order they run, the order autograd adds in: the same sum
     bit for bit. One sum per backward pass (autograd's graph task: retain_graph runs it again)."""
 

@@ -156,7 +156,8 @@ def switches(files):
 def test_a_lora_svd_layer_reads_in_few_files(monkeypatch):
     """A reader follows a LoRA-SVD layer (256 -> 256, rank 32, 64 x 256 bf16 tokens) through few
     files: its reference forward is lora_svd.py then nvfp4.py (one switch), its kernel-route backward
-    (host side) nvfp4.py down into kernels/ without climbing back and forth (at most 16 switches)."""
+    (host side) nvfp4.py down into kernels/ without climbing back and forth (at most 17 switches,
+    the last back to nvfp4.py, where the layers reading one input keep the sum of their dX)."""
     import torch
 
     import lora_svd
@@ -171,5 +172,5 @@ def test_a_lora_svd_layer_reads_in_few_files(monkeypatch):
     layer(x).float().sum().backward()  # the kernels compile (interpreter: a no-op) outside the count
     y = layer(x).float().sum()
     backward = files_called(y.backward)
-    assert backward[0] == "nvfp4.py" and switches(backward) <= 16, " -> ".join(backward)
+    assert backward[0] == "nvfp4.py" and switches(backward) <= 17, " -> ".join(backward)
     assert "lora_svd.py" not in backward  # the branch rides the direct layer's kernels
