@@ -11,6 +11,9 @@
 #             trees, or a bisection of several, in one call; PROFILE_ROUNDS=N: N rounds of this tree
 #             then each base, rounds after the first into *_r<round>.json: the host's speed wanders
 #             between runs, so an A/B of eager host time wants its trees interleaved)
+#   fingerprint  python tools/fingerprint.py: a hash of each FP4 part's bits into OUT_DIR/fingerprint.txt, and
+#             the same in each tree of PROFILE_BASE into fingerprint_base_<its folder name>.txt, diffed
+#             against this tree's in the log (a refactor that should move no bit, checked on the GPU)
 #   ablation  python tools/ablation.py over every visible GPU into results/ablation/ (ABLATION_ARGS: its flags)
 # Each stage writes OUT_DIR/<stage>.log; the bench packs results/speed/ into OUT_DIR/speed.tgz, the ablation
 # its records and finished runs (results/ablation/, results/scale/, runs/ablation*/, runs/scale/, without
@@ -22,7 +25,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -lt 1 ]; then
-  echo "usage: bash tools/gpu_check.sh OUT_DIR [tests] [bench] [profile] [ablation]" >&2
+  echo "usage: bash tools/gpu_check.sh OUT_DIR [tests] [bench] [profile] [fingerprint] [ablation]" >&2
   exit 2
 fi
 OUT_DIR=$1; shift
@@ -76,7 +79,19 @@ for stage in ${*:-tests bench}; do
                     --out "$out") >> "$log" 2>&1; rc=$(( rc || $? ))
                done
              done ;;
-    *) echo "unknown stage $stage (expected tests, bench, profile or ablation)" | tee -a "$log" >&2; exit 2 ;;
+    fingerprint) timeout "$(left)" python tools/fingerprint.py > "$OUT_DIR/fingerprint.txt" 2>> "$log"; rc=$?
+                 for base in ${PROFILE_BASE:-}; do
+                   out=$(cd "$OUT_DIR" && pwd)/fingerprint_base_$(basename "$base").txt
+                   (cd "$base" && timeout "$(left)" python tools/fingerprint.py > "$out" 2>> "$log")
+                   # the header line names the tree's torch and route: compare the hashes
+                   if diff <(tail -n +2 "$out") <(tail -n +2 "$OUT_DIR/fingerprint.txt") >> "$log"; then
+                     echo "fingerprints equal to $base's" >> "$log"
+                   else
+                     echo "fingerprints DIFFER from $base's" >> "$log"; rc=1
+                   fi
+                 done ;;
+    *) echo "unknown stage $stage (expected tests, bench, profile, fingerprint or ablation)" | tee -a "$log" >&2
+       exit 2 ;;
   esac
   echo "== $stage exit $rc ($(left)s left)" | tee -a "$log"
 done
