@@ -659,14 +659,15 @@ def linear_backward(dy: Tensor, qx_codes: Tensor, qx_scales: Tensor, qx_scale: T
                     qw_data: Tensor, qw_scales: Tensor, qw_scale: Tensor, L1: Optional[Tensor],
                     L2: Optional[Tensor], beta: float, branch_dtype: torch.dtype,
                     four_over_six: bool, dw_dtype: torch.dtype, dx_dtype: torch.dtype,
-                    need_dx: bool, need_dw: bool, dx_into: Optional[Tensor] = None
+                    need_dx: bool, need_dw: bool, dx_into: Optional[Tensor]
                     ) -> tuple[Tensor, Tensor]:
     """eq. 1's dX = Q1x16(dY) Q16x16(W) [+ beta (dY L2) L1] (the forward's W reused), rounded to
     dY's dtype and returned in dx_dtype (x's, as the autograd of autocast's cast would return it),
     and eq. 2's dW = wgrad, in dw_dtype, from what linear_forward saved. -> (dX (..., in),
     dW (out, in)), each an empty tensor where not needed (a custom op returns tensors). dx_into:
     where the layers reading one input sum their dX (_GradientSum): dX is added into it instead,
-    and returned empty."""
+    and returned empty; None: dX returned. (Passed always, never left to a default: torch 2.11's
+    in-place bookkeeping drops a mutable argument left at its default and then indexes it.)"""
     c = linear_contract(four_over_six)
     dy2 = dy.reshape(-1, dy.shape[-1])                                                  # (T, out)
     qx = packed(qx_codes, qx_scales, qx_scale, (1, 16))
@@ -772,7 +773,7 @@ def _(x, weight, L1, L2, beta, branch_dtype, four_over_six, qw_data=None, qw_sca
 
 @linear_backward_op.register_fake
 def _(dy, qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale, L1, L2, beta, branch_dtype,
-      four_over_six, dw_dtype, dx_dtype, need_dx, need_dw, dx_into=None):
+      four_over_six, dw_dtype, dx_dtype, need_dx, need_dw, dx_into):
     N, K = dy.shape[-1], 2 * qx_codes.shape[1]
     return (dy.new_empty((*dy.shape[:-1], K), dtype=dx_dtype) if need_dx and dx_into is None
             else dy.new_empty(0),

@@ -214,10 +214,12 @@ def _op_cases():
     o, lse, *att_made = attention.attention_op(q, k, k, True, "fp4")
     none = [x[:0] for _ in "qkv"]
     return [(lin, (x, w, None, None, 1.0, bf16, True)),
-            (lin_bwd, (dy, *lin_made, None, None, 1.0, bf16, True, fp32, fp32, True, True)),
-            (lin_bwd, (dy, *lin_made, None, None, 1.0, bf16, True, fp32, bf16, True, False)),
+            (lin_bwd, (dy, *lin_made, None, None, 1.0, bf16, True, fp32, fp32, True, True, None)),
+            (lin_bwd, (dy, *lin_made, None, None, 1.0, bf16, True, fp32, bf16, True, False, None)),
+            (lin_bwd, (dy, *lin_made, None, None, 1.0, bf16, True, fp32, fp32, True, True,
+                       torch.randn(2, 16, 64))),  # dX summed into a tensor (_GradientSum)
             (lin, (x, w, L1, L2, 0.5, bf16, True)),
-            (lin_bwd, (dy, *lora_made, L1, L2, 0.5, bf16, True, fp32, fp32, True, True)),
+            (lin_bwd, (dy, *lora_made, L1, L2, 0.5, bf16, True, fp32, fp32, True, True, None)),
             (attention.attention_op, (q, k, k, True, "fp4")),
             (attention.attention_op, (q, k, k, True, "bf16")),
             (attention.attention_backward_op, (q, o, lse, *att_made, *none, True, "fp4"))]
