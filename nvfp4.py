@@ -736,6 +736,8 @@ class LinearFunction(torch.autograd.Function):
         qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale, L1, L2 = ctx.saved_tensors
         need_dx, need_dw, need_l1, need_l2 = ctx.needs_input_grad[:4]
         body = linear_backward_op if torch.compiler.is_compiling() else linear_backward
+        if ctx.dx_sum is not None:
+            _SHARED_INPUT.release(ctx.dx_sum)
         # (create_graph: autograd's sum, whose own graph the double backward needs)
         summing = need_dx and ctx.dx_sum is not None and not torch.is_grad_enabled()
         total = ctx.dx_sum.so_far() if summing else None
@@ -853,7 +855,7 @@ class _SharedInput:
         made by the first of them (its autograd node's only readers are these layers, so that the
         sum in place cannot miss a gradient from elsewhere) and its _GradientSum; (x, None) where
         no gradient flows to x. The view is held until a layer reads another input, as the next
-        layer of a block does (held longer, it would keep the autograd graph behind it)."""
+        layer of a block does, or a backward pass reaches these layers (release)."""
         if not (torch.is_grad_enabled() and x.requires_grad):
             return x, None
         if not self._holds(self.summed_of, x):
@@ -861,6 +863,15 @@ class _SharedInput:
             self.point = x.view_as(x)  # an autograd node of its own, the layers its only readers
         self.dx_sum.layers += 1
         return self.point, self.dx_sum
+
+    def release(self, dx_sum):
+        """Drops the view that the layers summing into dx_sum read, as a backward pass reaches
+        them. Held past its backward, the view would keep the forward's autograd graph alive, the
+        parameters' gradient accumulators with it, and the next forward would reuse those: a CUDA
+        graph captured after an eager step then waits on the eager run's stream at the end of its
+        backward, and the capture fails."""
+        if self.dx_sum is dx_sum:
+            self.summed_of = self.point = self.dx_sum = None
 
 
 class _GradientSum:

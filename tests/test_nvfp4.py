@@ -492,6 +492,28 @@ def test_layers_reading_one_input_sum_their_dx_in_place(kind, route, device, mon
     assert torch.allclose(run(also=True)[0], want[0] + 18 * x0, rtol=1e-5, atol=1e-6)
 
 
+def test_a_finished_backward_keeps_nothing_of_its_forward(monkeypatch):
+    # the view the layers reading one x share (their in-place dX sum) is let go once a backward
+    # reaches them: held on, it kept x and the whole autograd graph behind it alive, with the
+    # parameters' gradient accumulators, which the next forward reused (a CUDA graph captured
+    # after an eager step then failed: tests/test_graphs.py)
+    import gc
+    import weakref
+    monkeypatch.setenv("NANOFP4_ROUTE", "reference")
+    layers = [nvfp4.NVFP4Linear(64, 32) for _ in range(3)]
+
+    def step():
+        x = torch.randn(16, 64, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = sum(layer(x).float().sum() for layer in layers)
+        loss.backward()
+        return weakref.ref(x), x.grad
+
+    x, dx = step()
+    gc.collect()
+    assert dx is not None and x() is None
+
+
 def test_an_inference_mode_call_leaves_nothing_training_cannot_save(monkeypatch):
     # tensors made under torch.inference_mode have no version counter and cannot be saved for a
     # backward: neither the weight cache nor the shared autocast copy keeps one
