@@ -225,6 +225,17 @@ def _op_cases():
             (attention.attention_backward_op, (q, o, lse, *att_made, *none, True, "fp4"))]
 
 
+def test_no_op_leaves_an_argument_it_writes_to_a_default():
+    """An argument an op writes (linear_backward's dx_into) is passed by every call: torch 2.11's
+    in-place bookkeeping (the device's torch) drops one left at its default and then indexes it,
+    failing every --compile run; CI's torch does not, so the schema is checked here."""
+    ops = {op for op, _ in _op_cases()}
+    writes = [(op, a) for op in ops for a in op._opoverload._schema.arguments
+              if a.alias_info is not None and a.alias_info.is_write]
+    assert writes  # linear_backward's dx_into
+    assert not [f"{op}: {a.name}" for op, a in writes if a.has_default_value()]
+
+
 @pytest.mark.parametrize("route", ["reference", "kernels"])
 def test_fake_ops_match_the_real_ones(route, monkeypatch):
     """torch.library.opcheck: each op's register_fake gives the real outputs' shapes, dtypes and
