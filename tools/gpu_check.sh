@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check in one script, from the repo root on a CUDA machine:
 #   bash tools/gpu_check.sh OUT_DIR [stage ...]          (stages default: tests bench)
-#   tests     python -m pytest -q -m gpu: every kernel against the reference at full size, two processes side by
-#             side (TEST_ARGS: files, -k ...: one process)
+#   tests     python -m pytest -q -m gpu: every kernel against the reference at full size, three processes side
+#             by side (TEST_ARGS: files, -k ...: one process)
 #   bench     python bench/run.py: the speed table into results/speed/ (BENCH_ARGS: e.g. "--only attention,linear")
 #   profile   python bench/profile_step.py: one micro-step's kernels per recipe into OUT_DIR/profile.json
 #             (PROFILE_ARGS: default the 1b config, bf16 and fullstack, 8 x 2048 tokens; PROFILE_BASE: the
@@ -50,17 +50,19 @@ for stage in ${*:-tests bench}; do
     tests) if [ -n "${TEST_ARGS:-}" ]; then
              timeout "$(left)" python -m pytest -q -m gpu $TEST_ARGS -p no:cacheprovider \
                --durations=15 >> "$log" 2>&1; rc=$?
-           else  # two pytest processes (test files a-j, k-z: attention, compile and graphs beside the
-             # kernels): a fresh machine spends much of the check compiling kernels on the host's
-             # cores, which one process leaves idle (--durations: where the time goes)
-             one=(tests/test_[a-j]*.py); two=(tests/test_[k-z]*.py)
-             timeout "$(left)" python -m pytest -q -m gpu "${one[@]}" -p no:cacheprovider \
-               --durations=10 > "$OUT_DIR/tests.1" 2>&1 & first=$!
-             timeout "$(left)" python -m pytest -q -m gpu "${two[@]}" -p no:cacheprovider \
-               --durations=10 > "$OUT_DIR/tests.2" 2>&1; r2=$?
-             wait $first; r1=$?
-             cat "$OUT_DIR/tests.1" "$OUT_DIR/tests.2" >> "$log"; rm -f "$OUT_DIR/tests.1" "$OUT_DIR/tests.2"
-             rc=$(( r1 || r2 ))
+           else  # three pytest processes (test files a-f, g-m, n-z: attention and compile, graphs and
+             # the kernels, the train runs): a fresh machine spends much of the check compiling kernels
+             # on the host's cores, which one process leaves idle (--durations: where the time goes)
+             pids=(); rc=0
+             for files in "tests/test_[a-f]*.py" "tests/test_[g-m]*.py" "tests/test_[n-z]*.py"; do
+               part="$OUT_DIR/tests.${#pids[@]}"
+               timeout "$(left)" python -m pytest -q -m gpu $files -p no:cacheprovider \
+                 --durations=10 > "$part" 2>&1 & pids+=($!)
+             done
+             for i in "${!pids[@]}"; do
+               wait "${pids[$i]}" || rc=1
+               cat "$OUT_DIR/tests.$i" >> "$log"; rm -f "$OUT_DIR/tests.$i"
+             done
            fi ;;
     bench) timeout "$(left)" python bench/run.py --deadline $(( $(left) - 120 )) ${BENCH_ARGS:-} >> "$log" 2>&1; rc=$?
            tar czf "$OUT_DIR/speed.tgz" results/speed ;;
