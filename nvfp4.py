@@ -736,11 +736,12 @@ class LinearFunction(torch.autograd.Function):
         qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale, L1, L2 = ctx.saved_tensors
         need_dx, need_dw, need_l1, need_l2 = ctx.needs_input_grad[:4]
         body = linear_backward_op if torch.compiler.is_compiling() else linear_backward
+        summing, total = False, None
         if ctx.dx_sum is not None:
             _SHARED_INPUT.release(ctx.dx_sum)
-        # (create_graph: autograd's sum, whose own graph the double backward needs)
-        summing = need_dx and ctx.dx_sum is not None and not torch.is_grad_enabled()
-        total = ctx.dx_sum.so_far() if summing else None
+            # (create_graph: autograd's sum, whose own graph the double backward needs)
+            summing = need_dx and not torch.is_grad_enabled()
+            total = ctx.dx_sum.so_far() if summing else None
         with torch.autocast(dy.device.type, enabled=False):
             dx, dw = body(dy, qx_codes, qx_scales, qx_scale, qw_data, qw_scales, qw_scale, L1, L2,
                           ctx.beta, ctx.branch_dtype, ctx.four_over_six, ctx.dw_dtype, ctx.x_dtype,
