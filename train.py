@@ -884,7 +884,10 @@ def begin(run, ckpt, settings):
     else:
         torch.manual_seed(args.seed + 1000 * run.rank)  # per-rank SR / Hadamard streams
         if run.master:  # a fresh run (--overwrite, or a --resume with no checkpoint: old files go)
-            os.makedirs(args.out_dir, exist_ok=True)
+            try:  # check_out_dir's permission test passes for root wherever mkdir may still fail
+                os.makedirs(args.out_dir, exist_ok=True)
+            except OSError as e:
+                die(f"--out_dir {args.out_dir}: cannot be created ({e.strerror})")
             for name in existing_run_files(args.out_dir):
                 os.remove(os.path.join(args.out_dir, name))
             with open(run.metrics_path, "w") as f:

@@ -362,6 +362,21 @@ def test_an_out_dir_that_is_a_file_and_a_bad_route_are_one_line(byte_data, micro
     assert "--route 'bogus': expected one of auto, reference, kernels" in err, err
 
 
+def test_an_out_dir_that_cannot_be_made_is_one_line(byte_data, micro, tmp_path, capsys,
+                                                   monkeypatch):
+    # root passes check_out_dir's permission test wherever mkdir may still fail (/proc, a
+    # read-only mount): the failure the fresh run meets when it makes the folder
+    out, makedirs = tmp_path / "ro" / "run", os.makedirs
+
+    def refuse(path, *a, **k):
+        if os.path.abspath(path) == str(out):
+            raise PermissionError(13, "Permission denied")
+        return makedirs(path, *a, **k)
+    monkeypatch.setattr(train.os, "makedirs", refuse)
+    err = refused(byte_data, out, capsys, "--max_steps", "1")
+    assert f"--out_dir {out}: cannot be created (Permission denied)" in err, err
+
+
 def test_a_long_step_shows_its_micro_steps_and_an_estimate(byte_data, micro, tmp_path, capsys,
                                                            monkeypatch):
     """A step of minutes (1b on a CPU) shows progress inside the step. Here the interval is forced
