@@ -125,14 +125,18 @@ def test_the_check_sees_function_local_imports(tmp_path):
 def files_called(step):
     """The project files a call runs through, in order (sys.setprofile's call events in product code
     and kernels/ host code; Triton kernel bodies, run by the interpreter, excluded)."""
-    files = []
+    files, project = [], {}  # project: a code file's path relative to ROOT, or None (not ours)
 
     def profile(frame, event, arg):
-        path = frame.f_code.co_filename
-        if event != "call" or not path.startswith(ROOT):
+        if event != "call":
             return
-        rel = os.path.relpath(path, ROOT)
-        if rel.startswith(".") or rel.startswith("tests" + os.sep):  # the project's (no .venv)
+        path = frame.f_code.co_filename
+        if path not in project:  # once per file: this hook sees every torch and Triton call
+            rel = os.path.relpath(path, ROOT) if path.startswith(ROOT) else "."
+            ours = not rel.startswith((".", "tests" + os.sep))  # not .venv's, not the tests'
+            project[path] = rel if ours else None
+        rel = project[path]
+        if rel is None:
             return
         f = frame
         while f is not None:

@@ -842,7 +842,7 @@ def test_wgrad_averages_to_the_unquantized_product():
     c = nvfp4.linear_contract(False)
     exact = dy.double().t() @ xq.dequantize(torch.bfloat16).double()
     dws = [kl.wgrad(dy, xq, c, nvfp4.random_hadamard(g),
-                    (2 * i, 2 * i + 1)).double() for i in range(48)]
+                    (2 * i, 2 * i + 1)).double() for i in range(32)]  # the mean: ~1/32 of one
     assert nvfp4.relative_mse(exact, sum(dws) / len(dws)) < nvfp4.relative_mse(exact, dws[0]) / 10
 
 
