@@ -26,6 +26,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -289,8 +290,10 @@ def check_out_dir(out_dir):
         path = os.path.dirname(path)
     if not os.path.isdir(path):
         die(f"--out_dir {out_dir}: {path} is a file, not a directory")
-    if not os.access(path, os.W_OK | os.X_OK):
-        die(f"--out_dir {out_dir}: {path} is not writable")
+    try:  # a folder made there and removed: os.access says yes to root where mkdir fails (/proc)
+        os.rmdir(tempfile.mkdtemp(dir=path))
+    except OSError as e:
+        die(f"--out_dir {out_dir}: cannot make a folder in {path} ({e.strerror})")
 
 
 def unread_numerics(spec, recipe, args):
@@ -884,10 +887,7 @@ def begin(run, ckpt, settings):
     else:
         torch.manual_seed(args.seed + 1000 * run.rank)  # per-rank SR / Hadamard streams
         if run.master:  # a fresh run (--overwrite, or a --resume with no checkpoint: old files go)
-            try:  # check_out_dir's permission test passes for root wherever mkdir may still fail
-                os.makedirs(args.out_dir, exist_ok=True)
-            except OSError as e:
-                die(f"--out_dir {args.out_dir}: cannot be created ({e.strerror})")
+            os.makedirs(args.out_dir, exist_ok=True)
             for name in existing_run_files(args.out_dir):
                 os.remove(os.path.join(args.out_dir, name))
             with open(run.metrics_path, "w") as f:
