@@ -216,6 +216,22 @@ def test_cholesky_failure_falls_back_to_householder(monkeypatch):
         lora_svd.orthonormal_basis(layer.L2)
 
 
+def test_an_ill_conditioned_basis_that_cholesky_factors_falls_back_too(monkeypatch):
+    """cond(A) = 1e6: the fp64 Gram matrix (cond 1e12) still factors, but Cholesky-QR's Q loses
+    orthogonality like eps * cond(A)^2 (~2e-5 here): the check catches it and Householder QR gives
+    an orthonormal basis of A's span."""
+    monkeypatch.setattr(lora_svd, "_warned_householder", False)
+    gen = torch.Generator().manual_seed(0)
+    U, _ = torch.linalg.qr(torch.randn(96, 8, generator=gen, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(8, 8, generator=gen, dtype=torch.float64))
+    A = ((U * torch.logspace(0, -6, 8, dtype=torch.float64)) @ V.t()).float()       # (96, 8)
+    with pytest.warns(UserWarning, match="Householder"):
+        Q = lora_svd.orthonormal_basis(A).double()
+    assert (Q.t() @ Q - torch.eye(8, dtype=torch.float64)).abs().max() < 1e-6
+    A64 = A.double()
+    assert (Q @ (Q.t() @ A64) - A64).abs().max() < 1e-6 * A64.abs().max()  # A's span
+
+
 # ---------------------------------------------------------------------------------------------------- realign
 
 def test_realign_preserves_effective_weight_and_finds_new_subspace():

@@ -69,6 +69,13 @@ def test_first_moment_sr_is_unbiased():
     # independent draws: the error of the mean shrinks like 1/sqrt(n) (12x); a biased rounding
     # would not
     assert (mean - m).norm() < 3 * err_single / n**0.5
+    # two levels (Root's momentum layout; SR here) from explicit seeds, as the optimizers pass
+    # them: the second level's uniforms must be independent of the first's. Reusing them, it rounds
+    # the first level's error up with probability d2/d1 instead of d2, and the mean keeps ~40% of
+    # one draw's error
+    two = lambda seed: optim.decode_first_moment(optim.encode_first_moment(m, seed=seed, levels=2))
+    mean = sum(two(2 * i) for i in range(n)) / n
+    assert (mean - m).norm() < 3 * (two(2 * n) - m).norm() / n**0.5
 
 
 def test_second_moment_never_negative_and_positive_never_zero():
@@ -266,6 +273,26 @@ def test_newton_schulz_orthogonalizes(quantized, shape):
     assert s.min() > lo and s.max() < hi, (s.min(), s.max())
     assert singular_values(G / G.norm()).max() < 0.2  # it really moved them
     assert polar_error(X, G) < (0.25 if quantized else 0.3)
+
+
+@pytest.mark.parametrize("shape", [(32, 96), (96, 32)])
+def test_newton_schulz_iterates_on_the_wide_orientation(monkeypatch, shape):
+    """NS forms A = X X^T on the wide orientation, (min, min). The tall one gives the same
+    polynomial in exact arithmetic (X p(X^T X) = p(X X^T) X), but its Gram matrix is (max, max):
+    NVFP4 GEMMs (max/min)^2 as large, each quantized along another dim."""
+    products = []  # the shapes of the real NVFP4 GEMMs' outputs, in order
+
+    def recording(a, b, *args, matmul=nvfp4.nvfp4_matmul, **kwargs):
+        out = matmul(a, b, *args, **kwargs)
+        products.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(nvfp4, "nvfp4_matmul", recording)
+    G = torch.randn(*shape, generator=gen(15))
+    X = optim.newton_schulz(G, steps=2, coefficients=STABLE_NVFP4, generator=gen(16))
+    small, large = min(shape), max(shape)
+    assert X.shape == G.shape
+    assert products == [(small, small), (small, small), (small, large)] * 2  # A, A^2, B X a step
 
 
 def test_muon_coefficients_blow_up_in_nvfp4_and_fitted_ones_do_not():
