@@ -79,6 +79,10 @@ def test_rope_scores_depend_only_on_relative_position():
     assert torch.diagonal(S, 0)[0] != pytest.approx(torch.diagonal(S, 5)[0].item(), abs=1e-3)  # not constant
     torch.testing.assert_close(qr.norm(dim=-1), q.norm().expand(T))  # a rotation
     torch.testing.assert_close(qr[0], q)  # position 0 is the identity
+    # RoFormer's frequencies: position t turns channel pair i by t * theta^(-2i/D)
+    angles = torch.arange(T, dtype=torch.float64)[:, None] * 10000.0 ** (-torch.arange(0, D, 2) / D)
+    torch.testing.assert_close(cos.double(), angles.cos(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(sin.double(), angles.sin(), atol=1e-5, rtol=0)
 
 
 def test_param_counts_of_named_configs_on_meta_device():
@@ -113,9 +117,12 @@ def test_make_linear_follows_the_recipe_and_init():
     assert isinstance(kinds["lora_naive"], lora_svd.NaiveLoRALinear)
     assert isinstance(kinds["lora_svd"], lora_svd.LoRASVDLinear)
     assert isinstance(kinds["fullstack"], lora_svd.LoRASVDLinear)
-    # residual projections get the GPT-2 1/sqrt(2L) scaling
+    # the residual projections (o_proj, down_proj) get GPT-2's 0.02 / sqrt(2L), the others 0.02
     model = GPT(small_config(n_layer=8, n_embd=128, ffn_hidden=512))
-    assert model.blocks[0].mlp.down_proj.weight.std().item() < 0.5 * model.blocks[0].mlp.up_proj.weight.std().item()
+    for block in model.blocks:
+        for name, layer in [*block.attn.named_children(), *block.mlp.named_children()]:
+            std = 0.02 / math.sqrt(2 * 8) if name in ("o_proj", "down_proj") else 0.02
+            assert abs(layer.weight.std().item() / std - 1) < 0.1, name
 
 
 PAPER_ROWS = {  # Table 3's rows (and App. 13's baseline): linear, 4/6, attention, optimizer states
