@@ -176,6 +176,33 @@ def test_verdicts_follow_the_numbers():
     assert verdict == "not resolvable at this scale"
 
 
+def test_gaps_pair_by_seed_verdicts_need_two_ses_and_collapse_is_judged_per_optimizer():
+    """gaps() pairs each seed with bf16's same seed (its init and batches cancel: a recipe 1% over
+    bf16 on every seed has a 1% gap on each, however far the seeds scatter); a paired difference
+    resolves only beyond SIGNIFICANT_SES standard errors; a run collapses against bf16's val loss
+    under its own optimizer."""
+    base = {0: 3.0, 1: 3.3, 2: 3.6}
+    rows = [{"recipe": recipe, "optimizer": "adamw", "seed": s, "val_loss": v * f}
+            for recipe, f in (("bf16", 1.0), ("nvfp4", 1.01)) for s, v in base.items()]
+    assert ablation.gaps(rows, "nvfp4", "adamw") == pytest.approx({0: 1.0, 1: 1.0, 2: 1.0})
+
+    def at(ses):  # three differences, sample std 1 (SE 1/sqrt(3)), their mean ses SEs
+        mean = ses / math.sqrt(3)
+        return {0: mean - 1, 1: mean, 2: mean + 1}
+
+    assert ablation.SIGNIFICANT_SES == 2.0
+    assert ablation.verdict_of_difference(at(1.5), "costs")[0] == "within noise"
+    assert ablation.verdict_of_difference(at(2.5), "costs")[0] == "costs"
+    assert ablation.verdict_of_difference(at(-2.5), "costs")[0] == "not costs (the reverse)"
+    # bf16 at 3.0 with AdamW, 5.0 with Root: a Root run 0.5 above Root's bf16 has not collapsed
+    # (though 1.5 above the two's mean), one 1.5 above it has
+    rows = [{"recipe": recipe, "optimizer": opt, "seed": 0, "val_loss": v, "train_loss": v,
+             "best_train_loss": v, "status": "ok"}
+            for recipe, opt, v in (("bf16", "adamw", 3.0), ("bf16", "root", 5.0),
+                                   ("nvfp4", "root", 5.5), ("nvfp4", "root", 6.5))]
+    assert [r["status"] for r in ablation.mark_collapsed(rows)[2:]] == ["ok", "collapsed"]
+
+
 def test_grid_time_adds_startup_and_steps():
     rows = [{"recipe": r, "optimizer": o, "seed": s, "status": "ok", "tokens": 100, "steps": 10,
              "tokens_per_s": 10.0 * (2 if r == "bf16" else 1), "wall_s": 15.0}

@@ -1,6 +1,7 @@
 """train.py end to end on CPU, on a byte-level corpus (vocab 256) and a `micro` config so each run
 takes seconds."""
 import argparse
+import contextlib
 import dataclasses
 import glob
 import io
@@ -109,6 +110,28 @@ def test_loss_falls_and_outputs_are_written(byte_data, micro, tmp_path):
     assert os.path.getsize(tmp_path / "loss.png") > 1000
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=False)
     assert ckpt["step"] == 40 and ckpt["config"]["vocab_size"] == 256
+
+
+def test_evals_read_the_same_batches_and_leave_the_training_streams(byte_data, contracts,
+                                                                   monkeypatch):
+    """evaluate(): every eval reads the same val batches (a fixed seed, not the step's), and an
+    eval takes nothing from the training RNG streams (forked): with SR in the forward, so that an
+    eval's forward draws seeds, the RNG state after it is the state before, and the same model at
+    another step evaluates to the same loss."""
+    monkeypatch.setitem(nvfp4.LINEAR, "forward.x", nvfp4.Quant((1, 16), "sr"))
+    torch.manual_seed(0)
+    cfg = model.GPTConfig(n_layer=1, n_embd=64, n_head=1, n_kv_head=1, ffn_hidden=128,
+                          block_size=32, vocab_size=256, recipe=model.RECIPES["nvfp4"])
+    args = train.parse_args(["--batch_size", "2", "--seq_len", "32", "--eval_iters", "2",
+                             "--device", "cpu"])
+    run = argparse.Namespace(args=args, val_path=os.path.join(byte_data, "val.bin"), rank=0,
+                             world_size=1, model=model.GPT(cfg), device="cpu", step=3,
+                             distributed=False, autocast=contextlib.nullcontext)
+    rng = torch.get_rng_state()
+    first = train.evaluate(run)
+    assert torch.equal(torch.get_rng_state(), rng)
+    run.step = 40
+    assert train.evaluate(run) == first
 
 
 def test_lr_schedule_warmup_cosine_floor():
