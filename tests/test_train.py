@@ -134,6 +134,14 @@ def test_evals_read_the_same_batches_and_leave_the_training_streams(byte_data, c
     assert train.evaluate(run) == first
 
 
+def test_clip_zero_is_off(byte_data, micro1, tmp_path):
+    """--clip 0 turns clipping off: the run trains as under a bound no gradient reaches (clipping
+    to a norm of 0 would zero every gradient)."""
+    flags = ["--recipe", "bf16", "--max_steps", "3", "--eval_every", "0", "--save_every", "-1"]
+    off = run(byte_data, tmp_path / "off", *flags, "--clip", "0")
+    assert train_losses(off) == train_losses(run(byte_data, tmp_path / "far", *flags, "--clip", "1e30"))
+
+
 def test_lr_schedule_warmup_cosine_floor():
     args = train.parse_args(["--lr", "1e-3", "--min_lr", "1e-4"])
     args.warmup, args.lr_decay_steps = 10, 110
@@ -496,6 +504,10 @@ def test_sample_samples_the_run_it_is_given(byte_data, micro1, tmp_path, monkeyp
         assert lines[0] == f"# loading {tmp_path / recipe / 'ckpt.pt'} onto cpu", lines
         assert lines[1] == f"# building the model: config micro, recipe {recipe}, step 2", lines
         assert lines[2].startswith("# generating 2 x 5 tokens on cpu"), lines
+    # --top_k 0: no top-k, the whole softmax
+    sample.main(["--out_dir", str(tmp_path / "bf16"), "--prompt", "def main():", "--max_new_tokens",
+                 "5", "--num_samples", "1", "--top_k", "0", "--device", "cpu"])
+    assert capsys.readouterr().out.count("def main():") == 1
 
 
 def damaged_checkpoints(good):
