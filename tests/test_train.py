@@ -189,6 +189,23 @@ def test_lora_svd_projects_every_layer_once_a_step(byte_data, micro1, tmp_path, 
     assert calls and all(calls.count(c) == 2 for c in calls), calls
 
 
+def test_lora_svd_realigns_after_every_realign_every_th_step(byte_data, micro1, tmp_path,
+                                                            monkeypatch):
+    """§3.2's periodic re-split runs after optimizer steps k, 2k, ... (--realign_every k), each
+    time on the model and the optimizer the loop steps: 5 steps at k = 2 realign after steps 2 and
+    4 (the step counted by the optimizer state of the embedding, which realign never resets)."""
+    after, realign = [], lora_svd.realign_model
+
+    def recording(model, optimizer=None, **kwargs):
+        after.append(max(int(s["step"]) for s in optimizer.state.values() if "step" in s))
+        return realign(model, optimizer, **kwargs)
+
+    monkeypatch.setattr(lora_svd, "realign_model", recording)
+    run(byte_data, tmp_path, "--recipe", "lora_svd", "--max_steps", "5", "--realign_every", "2",
+        "--lora_rank", "8", "--eval_every", "0")
+    assert after == [2, 4]
+
+
 @pytest.mark.parametrize("recipe,steps", [("bf16", 8), ("fullstack", 6)])
 def test_resume_is_exact(byte_data, micro1, tmp_path, recipe, steps):
     """N steps in one go == N/2, then --resume to N: identical losses. Covers SR, random Hadamards,
