@@ -326,7 +326,9 @@ def test_weight_cache_quantizes_w_once_while_it_stands_and_keeps_the_bits(route,
         y.float().square().sum().backward()
         return [y, x.grad] + [p.grad for p in params.values()]
 
-    for step in range(2):
+    # after each step one parameter changes in place (W, then L1, then L2: LoRA-SVD's branch rides
+    # W's GEMM operand on the Hopper kernels, so a change of L1 or L2 alone quantizes again)
+    for step in range(len(params) + 1):
         for seed in (1, 2):  # two micro-steps
             want = fwd_bwd(uncached, seed)
             n = len(calls)
@@ -334,9 +336,19 @@ def test_weight_cache_quantizes_w_once_while_it_stands_and_keeps_the_bits(route,
             assert len(calls) == n + (seed == 1), (step, seed)  # quantized on the first only
             for a, b in zip(got, want):
                 assert (a is b is None) or torch.equal(a, b)
-        with torch.no_grad():  # the optimizer's step: W changes in place
-            for p in params.values():
-                p.add_(0.01 * torch.randn_like(p))
+        with torch.no_grad():  # the optimizer's step
+            p = list(params.values())[step % len(params)]
+            p.add_(0.01 * torch.randn_like(p))
+
+
+def test_an_sr_weight_is_drawn_afresh_each_call(monkeypatch):
+    # the cache keeps RTN weights only: under an SR forward.w every call draws new bits
+    monkeypatch.setitem(nvfp4.LINEAR, "forward.w", nvfp4.Quant((16, 16), "sr"))
+    torch.manual_seed(0)
+    layer = nvfp4.NVFP4Linear(64, 32)
+    x = randn(32, 64, seed=19)
+    with torch.no_grad():
+        assert not torch.equal(layer(x), layer(x))
 
 
 @pytest.mark.parametrize("route", ["reference", "kernels"])
