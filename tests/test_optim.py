@@ -280,9 +280,9 @@ def test_newton_schulz_iterates_on_the_wide_orientation(monkeypatch, shape):
     """NS forms A = X X^T on the wide orientation, (min, min). The tall one gives the same
     polynomial in exact arithmetic (X p(X^T X) = p(X X^T) X), but its Gram matrix is (max, max):
     NVFP4 GEMMs (max/min)^2 as large, each quantized along another dim."""
-    products = []  # the shapes of the real NVFP4 GEMMs' outputs, in order
+    products, matmul = [], nvfp4.nvfp4_matmul  # the shapes of the real GEMMs' outputs, in order
 
-    def recording(a, b, *args, matmul=nvfp4.nvfp4_matmul, **kwargs):
+    def recording(a, b, *args, **kwargs):
         out = matmul(a, b, *args, **kwargs)
         products.append(tuple(out.shape))
         return out
