@@ -247,8 +247,12 @@ def test_loader_exact_resume(shard):
     for x_ref, y_ref in reference[4:]:
         x, y = resumed.next_batch()
         assert torch.equal(x, x_ref) and torch.equal(y, y_ref)
-    with pytest.raises(ValueError, match="batch_size"):
-        data.TokenLoader(path, 5, 20, seed=5).load_state_dict(state)
+    # a state from another stream is refused, whichever of its settings differs
+    for other, key in ((data.TokenLoader(path, 5, 20, seed=5), "batch_size"),
+                       (data.TokenLoader(path, 3, 21, seed=5), "seq_len"),
+                       (data.TokenLoader(path, 3, 20, seed=6), "seed")):
+        with pytest.raises(ValueError, match=key):
+            other.load_state_dict(state)
 
 
 def test_loader_bad_arguments(shard):

@@ -132,6 +132,12 @@ def test_evals_read_the_same_batches_and_leave_the_training_streams(byte_data, c
     assert torch.equal(torch.get_rng_state(), rng)
     run.step = 40
     assert train.evaluate(run) == first
+    # and they are val.bin's: the mean loss of the first eval_iters batches of its seed-1234 stream
+    loader = data.TokenLoader(run.val_path, 2, 32, seed=1234)
+    run.model.eval()
+    with torch.no_grad(), torch.random.fork_rng():
+        losses = [run.model(*loader.next_batch())[1] for _ in range(2)]
+    assert torch.stack(losses).mean().item() == first
 
 
 def test_clip_zero_is_off(byte_data, micro1, tmp_path):
