@@ -247,6 +247,18 @@ def test_realign_preserves_effective_weight_and_finds_new_subspace():
     assert_close64(layer.L2.t() @ layer.L2, torch.diag(S[:R] / layer.beta), rel=1e-4)
 
 
+def test_realign_without_a_generator_splits_alike_whatever_the_global_rng():
+    """realign's default sketch is seeded on its own: DDP / FSDP ranks, whose global RNGs train.py
+    seeds differently, split the same weight into the same W_res, L1, L2."""
+    splits = []
+    for rank_seed in (0, 1):
+        layer = make_layer(beta=2.0, seed=7)
+        torch.manual_seed(rank_seed)
+        lora_svd.realign(layer)
+        splits.append([t.detach().clone() for t in (layer.weight_res, layer.L1, layer.L2)])
+    assert all(torch.equal(a, b) for a, b in zip(*splits))
+
+
 class ResettingOptimizer(torch.optim.SGD):
     """Stands in for optim.py's optimizers, which expose reset_state(param)."""
     def __init__(self, params):

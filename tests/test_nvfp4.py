@@ -457,6 +457,20 @@ def test_layers_reading_one_input_share_its_cast_and_quantization(kind, route, d
     assert all(torch.equal(a, b) for a, b in zip(ys, want_ys)) and torch.equal(dx, want_dx)
 
 
+@pytest.mark.parametrize("route", ["reference", "kernels"])
+def test_an_input_changed_in_place_between_its_readers_is_quantized_again(route, monkeypatch):
+    """The shared quantization is keyed by x's version counter: a layer that reads x after an
+    in-place change multiplies the new x's quantization (as a fresh copy of it would), not the
+    one the previous layer made."""
+    monkeypatch.setenv("NANOFP4_ROUTE", route)
+    torch.manual_seed(0)
+    first, second = nvfp4.NVFP4Linear(64, 32), nvfp4.NVFP4Linear(64, 32)
+    x = torch.randn(16, 64)
+    first(x)
+    x.add_(torch.randn(16, 64))
+    assert torch.equal(second(x), second(x.clone()))
+
+
 @pytest.mark.parametrize("kind", ["nvfp4", "lora_svd"])
 @pytest.mark.parametrize("route,device", [("reference", "cpu"), ("kernels", "cpu"),
                                           pytest.param("kernels", "cuda", marks=pytest.mark.gpu)])

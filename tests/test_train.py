@@ -797,7 +797,8 @@ def test_ctrl_c_after_a_checkpoint_then_resume_continues(byte_data, micro, tmp_p
     monkeypatch.undo()
     monkeypatch.setitem(model.CONFIGS, "micro", MICRO)
     monkeypatch.setitem(train.CONFIG_DEFAULTS, "micro", MICRO_DEFAULTS)
-    assert train_losses(run(byte_data, tmp_path / "x", *flags, "--resume")) == full
+    # --resume alone: the run's flags (its length among them) come from its checkpoint
+    assert train_losses(run(byte_data, tmp_path / "x", "--resume")) == full
     assert "resumed from" in capsys.readouterr().out
 
 
@@ -958,6 +959,9 @@ def test_resume_refuses_other_numerics(byte_data, micro1, tmp_path, capsys, cont
         assert err.startswith(f"train.py: error: {flag} {value!r}: the checkpoint"), err
     assert len(train_losses(resume(*flags))) == 3  # its own flags continue it to step 3
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    torch.save({**ckpt, "world_size": 2}, tmp_path / "ckpt.pt")  # as two ranks wrote it
+    err = refused_call(capsys, lambda: train_run(*flags, "--max_steps", "4", "--resume"))
+    assert "--resume: checkpoint has 2 ranks, this run has 1" in err, err
     del ckpt["numerics"]  # as an older train.py wrote it: its numbers cannot be checked
     torch.save(ckpt, tmp_path / "ckpt.pt")
     err = refused_call(capsys, lambda: train_run(*flags, "--max_steps", "4", "--resume"))
