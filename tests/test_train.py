@@ -532,6 +532,16 @@ def test_sample_samples_the_run_it_is_given(byte_data, micro1, tmp_path, monkeyp
     sample.main(["--out_dir", str(tmp_path / "bf16"), "--prompt", "def main():", "--max_new_tokens",
                  "5", "--num_samples", "1", "--top_k", "0", "--device", "cpu"])
     assert capsys.readouterr().out.count("def main():") == 1
+    # the run's autocast (none: a CPU run trains in float32), and one --seed's samples twice alike
+    autocast, generate = [], model.GPT.generate
+    monkeypatch.setattr(model.GPT, "generate", lambda self, *a, **k: autocast.append(
+        torch.is_autocast_enabled("cpu")) or generate(self, *a, **k))
+    texts = []
+    for _ in range(2):
+        sample.main(["--out_dir", str(tmp_path / "bf16"), "--max_new_tokens", "8", "--seed", "3",
+                     "--temperature", "1", "--device", "cpu"])
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and autocast == [False, False]
 
 
 def damaged_checkpoints(good):
