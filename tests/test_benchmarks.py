@@ -160,8 +160,8 @@ def test_ratios_are_taken_within_one_call():
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import end_to_end
 
-    def row(recipe, tokens_per_s, compile=False, cuda_graphs=False):
-        return {"section": "train", "config": "1b", "recipe": recipe, "optimizer": "adamw",
+    def row(recipe, tokens_per_s, compile=False, cuda_graphs=False, optimizer="adamw"):
+        return {"section": "train", "config": "1b", "recipe": recipe, "optimizer": optimizer,
                 "compile": compile, "cuda_graphs": cuda_graphs, "tokens_per_s": tokens_per_s}
     first = end_to_end.add_ratios([row("bf16", 100.0), row("fullstack", 60.0),
                                    row("bf16", 150.0, compile=True)])
@@ -171,6 +171,10 @@ def test_ratios_are_taken_within_one_call():
     assert second[1]["vs_bf16"] == 70.0 / 90.0 and "vs_bf16_compile" not in second[1]
     alone = end_to_end.add_ratios([row("fullstack", 70.0, cuda_graphs=True)])
     assert "vs_bf16" not in alone[0]  # no bf16 in its call: no ratio
+    # the baseline is what a user runs: bf16 AdamW, eager, whatever else the call measured
+    others = end_to_end.add_ratios([row("bf16", 80.0), row("bf16", 95.0, cuda_graphs=True),
+                                    row("bf16", 85.0, optimizer="root"), row("fullstack", 60.0)])
+    assert others[3]["bf16_tokens_per_s"] == 80.0 and others[3]["vs_bf16"] == 0.75
 
 
 def test_attention_tiles_gives_each_candidate_the_same_draws_and_rejects_bad_tiles():

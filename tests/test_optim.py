@@ -450,6 +450,13 @@ def test_routing():
     naive = nn.Sequential(lora_svd.NaiveLoRALinear(64, 128, rank=4))
     routes = {k: [n for n, _ in v] for k, v in optim.route_parameters(naive, "root").items()}
     assert routes["root"] == ["0.weight"] and routes["lora"] == ["0.L1", "0.L2"]
+    # the bounds: an aspect of exactly MAX_ROOT_ASPECT is Root's, a wider one and a dim off the
+    # 16-grid (NS quantizes in 16-element blocks along both) are AdamW's
+    shapes = {"at_max": (16, 128), "wider": (16, 144), "off_grid_in": (32, 40),
+              "off_grid_out": (40, 32)}
+    edge = nn.ModuleDict({k: nn.Linear(i, o, bias=False) for k, (o, i) in shapes.items()})
+    routes = {k: [n for n, _ in v] for k, v in optim.route_parameters(edge, "root").items()}
+    assert routes["root"] == ["at_max.weight"] and len(routes["adamw"]) == 3
 
 
 def test_hallway_optim_imports_only_nvfp4_and_kernels():
