@@ -34,6 +34,26 @@ def test_forward_shapes_loss_and_gqa_projections():
         model(torch.zeros(1, cfg.block_size + 1, dtype=torch.long))
 
 
+def test_logits_are_lm_head_of_the_normed_last_block_and_loss_their_cross_entropy():
+    """Pre-norm GPT: the last block's output goes through the final RMSNorm (its gain trained) and
+    then lm_head; the loss is the mean cross-entropy of those logits in fp32."""
+    torch.manual_seed(0)
+    cfg = small_config(tie_embeddings=False)
+    model = GPT(cfg)
+    with torch.no_grad():
+        model.norm.weight.uniform_(0.5, 2.0)
+    out = {}
+    model.blocks[-1].register_forward_hook(lambda m, args, y: out.update(last=y))
+    idx = torch.randint(0, cfg.vocab_size, (2, 12))
+    targets = torch.randint(0, cfg.vocab_size, (2, 12))
+    logits, loss = model(idx, targets)
+    h = out["last"]  # (B, T, C)
+    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * model.norm.weight
+    torch.testing.assert_close(logits, normed @ model.lm_head.weight.t())
+    torch.testing.assert_close(loss, F.cross_entropy(logits.reshape(-1, cfg.vocab_size),
+                                                     targets.reshape(-1)))
+
+
 def test_attention_matches_explicit_gqa_with_repeated_kv_heads():
     """Query head h must attend with K/V head h // (n_head / n_kv_head), causally."""
     torch.manual_seed(1)
@@ -104,6 +124,10 @@ def test_tied_and_untied_embeddings():
     assert tied.lm_head.weight is tied.wte.weight
     assert untied.lm_head.weight is not untied.wte.weight
     assert untied.num_params() - tied.num_params() == 97 * 64
+    # an untied lm_head starts as the embedding does, N(0, 0.02) (not nn.Linear's uniform init)
+    big = GPT(small_config(tie_embeddings=False, vocab_size=4096, n_layer=1))
+    assert abs(big.lm_head.weight.std().item() - 0.02) < 0.0005
+    assert abs(big.lm_head.weight.mean().item()) < 0.0005
 
 
 def test_make_linear_follows_the_recipe_and_init():
