@@ -6,8 +6,10 @@ import math
 import os
 import shlex
 
+import numpy as np
 import pytest
 
+import data
 from tools import ablation
 
 TINY = ["--config", "tiny", "--lr", "3e-3", "--max_steps", "3", "--batch_size", "2", "--seq_len",
@@ -131,6 +133,35 @@ def test_a_diverged_run_is_a_finished_result(tmp_path, capsys):
     capsys.readouterr()
     ablation.main(argv)
     assert "1 finished earlier (skipped)" in capsys.readouterr().out
+
+
+def test_a_runs_losses_windows_collapse_and_record_merge(tmp_path):
+    """The pieces collect_rows and aggregate rest on: train loss over windows of at least 5 logged
+    steps (TAIL of a short run is one noisy batch); collapse once the final window is
+    COLLAPSE_NATS above the run's best, or a finished run's val loss is not finite; --merge keeps
+    each run once, its own folder's row first, a recorded collapse re-judged but a divergence
+    kept; the corpus size from the shard's header; a paired difference's SE std / sqrt(n)."""
+    assert ablation.window_means([float(v) for v in range(10)]) == [2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+    assert ablation.window_means([1.0, 2.0, 3.0]) == [2.0]
+
+    def row(seed, train, best, val, status="ok"):
+        return {"recipe": "nvfp4", "optimizer": "adamw", "seed": seed, "val_loss": val,
+                "train_loss": train, "best_train_loss": best, "status": status}
+    rows = ablation.mark_collapsed([row(0, 3.9, 3.0, 3.9), row(1, 4.1, 3.0, 4.1),
+                                    row(2, 3.0, 3.0, float("nan"))])
+    assert [r["status"] for r in rows] == ["ok", "collapsed", "collapsed"]
+
+    recorded = [row(0, 9.0, 3.0, 9.0, "collapsed"), row(1, None, None, None, "diverged"),
+                row(2, 3.5, 3.5, 3.5, "ok")]
+    (tmp_path / "summary.json").write_text(json.dumps(recorded))
+    merged = ablation.with_recorded([row(2, 3.2, 3.2, 3.2)], tmp_path / "summary.json")
+    assert [(r["seed"], r["status"], r["val_loss"]) for r in merged] == [
+        (0, "ok", 9.0), (1, "diverged", None), (2, "ok", 3.2)]
+
+    data.write_shard(str(tmp_path / "train.bin"), np.arange(1234, dtype=np.uint16))
+    assert ablation.corpus_train_tokens(str(tmp_path)) == 1234
+    mean, se, n = ablation.difference({0: 1.0, 1: 2.0, 2: 3.0}, {0: 0.0, 1: 0.0, 2: 0.0, 3: 5.0})
+    assert (mean, n) == (2.0, 3) and se == pytest.approx(1 / math.sqrt(3))
 
 
 def synthetic_rows(val):
