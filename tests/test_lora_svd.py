@@ -114,6 +114,43 @@ def test_forward_backward_match_float64_eqs_1_2(four_over_six, sr, monkeypatch):
     assert layer.L1.grad is None and layer.L2.grad is None
 
 
+def bf16_ulps(actual, exact):
+    """max |actual - exact| in units of the bf16 spacing at exact (2^(e - 8) for |exact| in
+    [2^(e-1), 2^e)), over the entries |exact| >= 1/16: there fp32's accumulation error is a few
+    hundredths of a spacing on any CPU, where a cancelling sum could make it any number of them."""
+    _, e = torch.frexp(exact.float())
+    ulps = (f64(actual) - exact).abs() / torch.ldexp(torch.ones_like(exact), e - 8)
+    return ulps[exact.abs() >= 1 / 16].max().item()
+
+
+def test_bf16_y_and_dx_are_the_fp32_sum_rounded_once():
+    """Under bf16 autocast, Y and dX sum the NVFP4 product and beta times the branch in fp32 and
+    round once: within half a bf16 spacing of the exact sum (and fp32's accumulation error).
+    Rounding the product to bf16 before adding the branch errs by up to a whole one. (The Hopper
+    kernels round the branch's intermediate elsewhere, kernels/nvfp4_linear.py says where; their
+    tests compare them with the reference.)"""
+    beta = 0.5
+    layer = make_layer(beta=beta, seed=2)
+    x = torch.randn(T, IN, requires_grad=True)
+    dy = torch.randn(T, OUT).bfloat16()
+    torch.manual_seed(123)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    y.backward(dy)
+    assert y.dtype == torch.bfloat16
+    xb = x.detach().bfloat16().float()  # autocast's copy, what the layer quantizes
+    qx = nvfp4.quantize(xb, (1, 16), "rtn", True)
+    qw = nvfp4.quantize(layer.weight_res.detach(), (16, 16), "rtn", True)
+    bf = lambda t: t.detach().bfloat16().float()
+    branch = lambda a, A, B: f64((bf(a) @ bf(A).t()).bfloat16()) @ f64(bf(B)).t()
+    y_exact = f64(qx.dequantize()) @ f64(qw.dequantize()).t() + beta * branch(xb, layer.L1, layer.L2)
+    torch.manual_seed(123)
+    q_dy = nvfp4.quantize(dy.float(), (1, 16), "sr", True, seed=nvfp4.sr_seed())
+    dx_exact = (f64(q_dy.dequantize()) @ f64(qw.dequantize())
+                + beta * branch(dy, layer.L2.t(), layer.L1.t()))
+    assert bf16_ulps(y, y_exact) <= 0.53 and bf16_ulps(x.grad, dx_exact) <= 0.53
+
+
 def test_bias_and_input_grad_flags():
     layer = make_layer(seed=3, bias=True)
     x = torch.randn(T, IN)  # no grad needed for x
