@@ -75,6 +75,31 @@ def test_fig3_on_a_lora_svd_checkpoint_uses_effective_weights(tmp_path, monkeypa
     assert sum(r["reduction"] for r in layers) / len(layers) > 0.02
 
 
+def test_a_naive_lora_checkpoint_densifies_and_only_block_linears_go_nvfp4(tmp_path):
+    """Naive LoRA's effective weight is W + L2 L1 (no beta); figures quantize the blocks' linears
+    only (embeddings, norms and lm_head stay dense, as the paper's recipes keep them) and put the
+    dense layers back after."""
+    from model import GPT, RECIPES, config_from_name
+    torch.manual_seed(0)
+    cfg = config_from_name("tiny", recipe=RECIPES["lora_naive"], lora_rank=8, n_layer=1,
+                           vocab_size=1024)
+    model = GPT(cfg)
+    with torch.no_grad():  # a branch that is not zero
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    path = str(tmp_path / "ckpt.pt")
+    torch.save({"model": model.state_dict(), "config": asdict(cfg)}, path)
+    dense, _, _ = figures.dense_model_from_checkpoint(path, "cpu")
+    up = model.blocks[0].mlp.up_proj
+    torch.testing.assert_close(dense.blocks[0].mlp.up_proj.weight, up.weight + up.L2 @ up.L1)
+    linears = figures.block_linears(dense)
+    with figures.nvfp4_linears(dense):
+        assert all(isinstance(getattr(dense.blocks[0].attn, n), figures.NVFP4Forward)
+                   for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        assert type(dense.lm_head) is torch.nn.Linear
+    assert figures.block_linears(dense) == linears
+
+
 def test_fig4a_pipeline_beats_direct(tmp_path, monkeypatch):
     res = run_fig(tmp_path, "4a", monkeypatch=monkeypatch, fig4a_shape=(128, 512))
     d, p = res["direct"], res["pipeline"]
