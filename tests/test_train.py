@@ -301,6 +301,8 @@ BAD_FLAGS = [
     (["--seq_len", "65"], "--seq_len 65: above the context"),
     (["--recipe", "nvfp4", "--seq_len", "40"],
      "--seq_len 40: recipe nvfp4 quantizes in 16-element blocks"),
+    (["--recipe", "bf16", "--attn_policy", "fp4", "--seq_len", "40"],  # FP4 attention alone
+     "--seq_len 40: recipe bf16 quantizes in 16-element blocks"),
     (["--batch_size", "0"], "--batch_size 0: must be >= 1"),
     (["--max_steps", "abc"], "--max_steps: invalid int value"),
     (["--data", "/nonexistent/dir"], "--data /nonexistent/dir: token shard"),
@@ -324,6 +326,8 @@ BAD_FLAGS = [
      "--n_embd 128 / --n_head 4: head dim 32; recipe attention fp4 takes 64 or 128"),
     (["--recipe", "nvfp4", "--ffn_hidden", "200"],
      "--ffn_hidden: a layer dim of 200; recipe nvfp4's linear layers quantize in 16-element"),
+    (["--recipe", "nvfp4", "--n_head", "16", "--n_kv_head", "1"],  # k_proj, v_proj: 1 x 8 outputs
+     "--n_kv_head: a layer dim of 8; recipe nvfp4's linear layers quantize in 16-element"),
 ]
 
 
