@@ -1146,6 +1146,26 @@ def test_model_py_prints_the_count_of_each_recipe_kind():
         "fullstack;" in tiny, tiny
 
 
+def test_throughput_leaves_out_the_first_tenth_of_the_steps(monkeypatch):
+    """The summary's tokens/s is over the steps after the first tenth (at least one: compilation
+    and warm-up would understate a long run's rate); the logged interval rates count every step.
+    Timed on a clock the test advances: steps 1-2 take 10 s, step 3 3 s, the rest 1 s."""
+    now = [0.0]
+    monkeypatch.setattr(train.time, "perf_counter", lambda: now[0])
+    run = argparse.Namespace(step=0, tokens_per_step=100,
+                             args=argparse.Namespace(max_steps=20, device="cpu"))
+    clock, intervals = train.Throughput(run), []
+    for step in range(20):
+        clock.tic()
+        now[0] += 10.0 if step < 2 else 3.0 if step == 2 else 1.0
+        run.step += 1
+        clock.toc()
+        if run.step % 5 == 0:
+            intervals.append(clock.interval_rate())
+    assert clock.rate() == 1800 / 20  # steps 3-20: 18 x 100 tokens in 3 + 17 s
+    assert intervals == [500 / 25, 100.0, 100.0, 100.0]
+
+
 def test_mfu_is_against_this_gpus_own_peak_or_none(monkeypatch, tmp_path, capsys):
     peaks = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12,
              "NVIDIA H100 NVL": 835e12, "NVIDIA A100-SXM4-80GB": 312e12,
