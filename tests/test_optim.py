@@ -516,6 +516,10 @@ def test_state_dict_round_trip_continues_bit_for_bit():
     train_steps(resumed, opt2, 2, seed=3)
     for a, b in zip(model.parameters(), resumed.parameters()):
         assert torch.equal(a, b)
+    # an AdamW-only state (one optimizer) does not load into Root + AdamW (two) by halves
+    adamw_only = optim.build_optimizer(resumed, "adamw", "nvfp4", lr=1e-3).state_dict()
+    with pytest.raises(ValueError, match="checkpoint has 1 optimizers, this one 2"):
+        opt2.load_state_dict(adamw_only)
 
 
 # --------------------------------------------------------------------------------------------------
