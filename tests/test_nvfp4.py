@@ -166,6 +166,8 @@ def test_bad_input_errors():
         quantize(torch.randn(8, 32), block=(16, 16))
     with pytest.raises(ValueError, match="last two dims"):
         quantize(torch.randn(32))
+    with pytest.raises(ValueError, match=r"multiples of \(16, 2\)"):  # two codes a byte
+        quantize(torch.randn(16, 3), block=(16, 1))
     bad = torch.randn(4, 32)
     bad[1, 3] = float("nan")
     with pytest.raises(ValueError, match=r"grad.*non-finite"):
@@ -177,6 +179,18 @@ def test_bad_input_errors():
         quantize(torch.randn(4, 32), rounding="nearest")
     with pytest.raises(ValueError, match="multiples of 16"):
         nvfp4.NVFP4Linear(24, 32)
+
+
+def test_matmul_applies_the_global_scales_once_after_the_block_products():
+    """As a native NVFP4 GEMM: the products of grid values (E2M1 x E4M3) accumulate unscaled and
+    s_g(A) s_g(B) multiplies the sum once. With K = 16, one block of each operand, that sum is
+    exact in fp32, so each output is it times fl(s_g(A) s_g(B)), rounded once."""
+    torch.manual_seed(0)
+    a = quantize(torch.randn(32, 16) * 3, (1, 16))
+    b = quantize(torch.randn(48, 16) / 7, (16, 16))
+    exact = a.grid_values().double() @ b.grid_values().double().t()
+    scale = (a.global_scale * b.global_scale).double()
+    assert torch.equal(nvfp4.nvfp4_matmul(a, b), (exact * scale).float())
 
 
 def test_bf16_input_and_grid_values_exact_in_bf16():
