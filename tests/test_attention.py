@@ -487,7 +487,9 @@ def test_app10_simplex_violation_and_ds_error():
     _, p = attention.exact_attention(q, k, v)
     assert torch.allclose(p.sum(-1), torch.ones(()).double())
     sv = attention.simplex_violation(p)
-    # quantized rows leave the simplex
+    # quantized rows leave the simplex: |1 - the row's sum| after the fp4_pv quantization
+    p_hat = attention.fake_quantize_rows(p.float(), 1.0).double()
+    assert sv["row_sum_dev_mean"] == pytest.approx((1 - p_hat.sum(-1)).abs().mean().item())
     assert sv["row_sum_dev_mean"] > 1e-3 and sv["zeroed_mass"] > 0
     err = attention.ds_error(q, k, v, do)
     assert err["nvfp4"]["rel_mse"] > 100 * err["bf16"]["rel_mse"]
@@ -502,6 +504,16 @@ def test_fig5_policy_errors_order():
     assert e["fp4_pv"]["o"] > e["fp4"]["o"]             # quantizing P for PV costs forward accuracy
     assert e["fp4_dov"]["dq"] > e["fp4"]["dq"]          # quantizing dO V^T costs dS accuracy
     assert e["fp4_all"]["dv"] > e["fp4"]["dv"]
+    # each error is its own tensor's: the fp4 policy's dQ and dK, redrawn from the same RNG state
+    torch.manual_seed(7)
+    e = attention.policy_errors(q, k, v, do, policies=("fp4",))["fp4"]
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = torch.autograd.grad(attention.exact_attention(*leaves)[0], leaves, do.double())
+    torch.manual_seed(7)
+    xs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    ours = torch.autograd.grad(attention.attention(*xs, policy="fp4"), xs, do)
+    assert (e["dq"], e["dk"]) == (nvfp4.relative_mse(ref[0], ours[0]),
+                                  nvfp4.relative_mse(ref[1], ours[1]))
 
 
 # --------------------------------------------------------------------------------------------------
