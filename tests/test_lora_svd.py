@@ -24,6 +24,13 @@ def assert_close64(actual, expected, rel=2e-6):
     assert err <= rel * expected.abs().max().item(), f"max error {err:.3g} vs scale {expected.abs().max().item():.3g}"
 
 
+def branch(a, A, B):
+    """(a A^T) B^T as lora_svd.BRANCH "bf16" computes it: bf16 operands, the rank-r intermediate
+    accumulated in fp32 and rounded to bf16; the last product in float64 (the exact sum)."""
+    bf = lambda t: t.detach().bfloat16().float()
+    return f64((bf(a) @ bf(A).t()).bfloat16()) @ f64(bf(B)).t()
+
+
 def make_layer(beta=1.0, seed=0, bias=False):
     torch.manual_seed(seed)
     return lora_svd.LoRASVDLinear.from_linear(nn.Linear(IN, OUT, bias=bias), R, beta=beta)
@@ -89,9 +96,6 @@ def test_forward_backward_match_float64_eqs_1_2(four_over_six, sr, monkeypatch):
     fos = four_over_six
     qx = nvfp4.quantize(x2, (1, 16), "rtn", fos)
     qw = nvfp4.quantize(layer.weight_res.detach(), (16, 16), "rtn", fos)
-    # the branch (lora_svd.BRANCH "bf16"): bf16 operands and intermediate, fp32 accumulation
-    bf = lambda t: t.detach().bfloat16().float()
-    branch = lambda a, A, B: f64((bf(a) @ bf(A).t()).bfloat16()) @ f64(bf(B)).t()
     # eq. 1, Y: NVFP4 GEMM on the residual + the branch
     y_ref = f64(qx.dequantize()) @ f64(qw.dequantize()).t() + beta * branch(x2, layer.L1, layer.L2)
     assert_close64(y.reshape(T, OUT), y_ref)
@@ -141,9 +145,8 @@ def test_bf16_y_and_dx_are_the_fp32_sum_rounded_once():
     xb = x.detach().bfloat16().float()  # autocast's copy, what the layer quantizes
     qx = nvfp4.quantize(xb, (1, 16), "rtn", True)
     qw = nvfp4.quantize(layer.weight_res.detach(), (16, 16), "rtn", True)
-    bf = lambda t: t.detach().bfloat16().float()
-    branch = lambda a, A, B: f64((bf(a) @ bf(A).t()).bfloat16()) @ f64(bf(B)).t()
-    y_exact = f64(qx.dequantize()) @ f64(qw.dequantize()).t() + beta * branch(xb, layer.L1, layer.L2)
+    y_exact = (f64(qx.dequantize()) @ f64(qw.dequantize()).t()
+               + beta * branch(xb, layer.L1, layer.L2))
     torch.manual_seed(123)
     q_dy = nvfp4.quantize(dy.float(), (1, 16), "sr", True, seed=nvfp4.sr_seed())
     dx_exact = (f64(q_dy.dequantize()) @ f64(qw.dequantize())
