@@ -495,6 +495,17 @@ def test_app10_simplex_violation_and_ds_error():
     assert err["nvfp4"]["rel_mse"] > 100 * err["bf16"]["rel_mse"]
     # eq. 6: the noise lands on the peaks
     assert err["nvfp4"]["rel_mse_peaks"] > err["nvfp4"]["rel_mse_tail"]
+    # its dP is dO V^T from the forward's operands: V RTN (no draw), dO SR, redrawn from one RNG state
+    torch.manual_seed(5)
+    err = attention.ds_error(q, k, v, do)["nvfp4"]["rel_mse"]
+    torch.manual_seed(5)
+    v_fp4 = nvfp4.fake_quantize(v, (1, 16), "rtn").double().repeat_interleave(2, 1)
+    do_fp4 = nvfp4.fake_quantize(do, (1, 16), "sr").double()
+    o = attention.exact_attention(q, k, v)[0]
+    delta = (o * do.double()).sum(-1, keepdim=True)
+    v64 = v.double().repeat_interleave(2, 1)
+    ds = p * (do.double() @ v64.transpose(-1, -2) - delta)
+    assert err == nvfp4.relative_mse(ds, p * (do_fp4 @ v_fp4.transpose(-1, -2) - delta))
 
 
 def test_fig5_policy_errors_order():

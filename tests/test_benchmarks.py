@@ -226,11 +226,21 @@ def test_fingerprint_is_stable_and_sees_a_changed_bit(monkeypatch):
     monkeypatch.setenv("NANOFP4_ROUTE", "reference")
     before = hashes()
     assert hashes() == before
-    monkeypatch.setitem(nvfp4.LINEAR, "forward.x",
-                        replace(nvfp4.LINEAR["forward.x"], rounding="sr"))
-    after = hashes(last="attention fp4")
+    with monkeypatch.context() as m:
+        m.setitem(nvfp4.LINEAR, "forward.x", replace(nvfp4.LINEAR["forward.x"], rounding="sr"))
+        after = hashes(last="attention fp4")
     assert after["NVFP4Linear fp32"] != before["NVFP4Linear fp32"]
     assert after["attention fp4"] == before["attention fp4"]
+    # the backward's bits are hashed too: a contract that moves only dX, or only dW, moves the hash
+    # (4/6 on one operand: the same draws from the RNG, other bits)
+    assert hashes(last="NVFP4Linear fp32")["NVFP4Linear fp32"] == before["NVFP4Linear fp32"]
+    for name in ("dgrad.dy", "wgrad.dy"):
+        with monkeypatch.context() as m:
+            m.setitem(nvfp4.LINEAR, name, replace(nvfp4.LINEAR[name], four_over_six=True))
+            assert hashes(last="NVFP4Linear fp32")["NVFP4Linear fp32"] != before["NVFP4Linear fp32"]
+    # and every fp32 bit: one ulp apart hash apart
+    x = torch.randn(64)
+    assert fingerprint.digest([x]) != fingerprint.digest([torch.nextafter(x, x + 1)])
 
 
 def test_quantize_tiles_keep_every_bit_and_bad_configs_give_one_line():

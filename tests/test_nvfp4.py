@@ -672,20 +672,25 @@ def test_the_capability_table_routes_every_generation(monkeypatch):
     (integer E4M3 where the fp8 type is missing), the FP4 MMA on 10.x and 12.x (12.x's tiles), and
     nvfp4.use_kernels follows it on a CUDA tensor."""
     from kernels import nvfp4_gemm, targets
-    want = {(7, 5): ("reference", False, None), (8, 0): ("grid-values", False, None),
-            (8, 6): ("grid-values", False, None), (8, 9): ("grid-values", True, None),
-            (9, 0): ("grid-values", True, None), (10, 0): ("fp4-mma", True, "sm100"),
-            (10, 3): ("fp4-mma", True, "sm100"), (12, 0): ("fp4-mma", True, "sm120"),
-            (12, 1): ("fp4-mma", True, "sm120")}
+    # shared: the opt-in bytes a block may use, the CUDA guide's per-capability table (163, 99, 227 KB)
+    want = {(7, 5): ("reference", False, None, 0), (8, 0): ("grid-values", False, None, 166912),
+            (8, 6): ("grid-values", False, None, 101376), (8, 9): ("grid-values", True, None, 101376),
+            (9, 0): ("grid-values", True, None, 232448), (10, 0): ("fp4-mma", True, "sm100", 232448),
+            (10, 3): ("fp4-mma", True, "sm100", 232448), (12, 0): ("fp4-mma", True, "sm120", 101376),
+            (12, 1): ("fp4-mma", True, "sm120", 101376)}
     for cap, row in want.items():
         t = targets.target(cap)
-        assert (t.route, t.hw_e4m3, t.tiles) == row, cap
-        assert t.route == "reference" or t.shared >= 101376
+        assert (t.route, t.hw_e4m3, t.tiles, t.shared) == row, cap
     assert targets.target(None).route == "reference"
+    # a minor takes its major's row at or below it; a major the table does not know, nothing it was
+    # not built for (no FP4 MMA, the smallest shared memory)
+    assert targets.target((8, 7))[1:] == targets.target((8, 6))[1:]
+    for cap in ((11, 0), (13, 0)):
+        assert targets.target(cap)[1:] == ("grid-values", True, 101376, None), cap
     x = torch.zeros(1, device="meta")  # stands in for a CUDA tensor: is_cuda is all use_kernels reads
     monkeypatch.setattr(type(x), "is_cuda", property(lambda self: True))
     monkeypatch.setenv("NANOFP4_ROUTE", "auto")
-    for cap, (route, _, _) in want.items():
+    for cap, (route, *_) in want.items():
         monkeypatch.setattr(targets, "capability", lambda device, cap=cap: cap)
         assert nvfp4.use_kernels(x) == (route != "reference"), cap
         assert nvfp4_gemm.use_dot_scaled(x.device) == (route == "fp4-mma"), cap
