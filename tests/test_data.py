@@ -2,6 +2,7 @@
 # All on small temp files; the full default corpus is built by `python data.py`, not here.
 import argparse
 import json
+import json.tool  # its source file is one of the tail split's texts
 import os
 import re
 
@@ -322,6 +323,33 @@ def test_per_source_val_fractions():
         assert share < 0.05 + max(map(len, mine)) / sum(map(len, mine))
 
 
+def test_per_source_val_fractions_take_the_closest_whole_documents():
+    """Documents go to val in hash order while that brings the held-out characters strictly closer
+    to the goal, and a source of two or more holds out at least one (lengths of 1024 in all: every
+    goal below is exact in binary)."""
+    texts = [f"{i}" + "x" * (n - 1) for i, n in enumerate((32, 32, 64, 128, 256, 512))]
+    docs = [("s", t) for t in texts]
+    order = sorted(texts, key=data.document_hash)
+    l0, l1 = len(order[0]), len(order[1])
+    held = lambda target: [data.is_val_document(t, data.per_source_val_fractions(
+        docs, target)["s"]) for t in order]
+    assert held(1e-9) == [True] + [False] * 5  # a goal far below one document: still one
+    assert held((l0 + l1 / 2) / 1024) == [True] + [False] * 5  # a tie: not closer, not taken
+    assert held((l0 + l1 / 2 + 1) / 1024) == [True] * 2 + [False] * 4
+    assert held(1.0) == [True] * 5 + [False]  # train keeps a document
+
+
+def test_too_few_documents_for_a_whole_document_split():
+    """--input falls back to each document's tail when the hash split cannot hold out whole
+    documents: fewer than 1 / val_fraction of them, or no document (or every one) hashing to val."""
+    docs = [("s", f"document {i}") for i in range(400)]  # 4 of them hash below 0.01
+    val = [d for d in docs if data.is_val_document(d[1], 0.01)]
+    assert 0 < len(val) < 100 and not data.too_few_documents(docs, 0.01)
+    assert data.too_few_documents(val + docs[:95], 0.01)  # 99 documents
+    assert data.too_few_documents([d for d in docs if d not in val][:100], 0.01)  # no val one
+    assert data.too_few_documents(val * 25, 0.01)  # every one val
+
+
 def test_empty_val_split_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="no document landed in the val split"):
         data.write_splits([("s", "just one document")], str(tmp_path), val_fraction=0.01,
@@ -387,14 +415,15 @@ def test_one_plain_text_file_becomes_train_and_val(tmp_path, enc, capsys):
 
 def test_a_handful_of_text_files_hold_out_each_tail(tmp_path, enc, capsys):
     texts = []
-    for i, module in enumerate((json.decoder, json.encoder, json.scanner)):
+    # (json.tool's tail is 0.8 of a token past a whole one: the cut rounds, not truncates)
+    for i, module in enumerate((json.decoder, json.encoder, json.scanner, json.tool)):
         with open(module.__file__, encoding="utf-8") as f:
             texts.append(f.read().strip())
         (tmp_path / f"{i}.txt").write_text(texts[-1], encoding="utf-8")
-    files = [str(tmp_path / f"{i}.txt") for i in range(3)]
+    files = [str(tmp_path / f"{i}.txt") for i in range(4)]
     assert data.main(["--input", *files, "--out_dir", str(tmp_path / "out"), "--num_proc",
                       "2"]) == 0
-    assert "3 document(s) are too few" in capsys.readouterr().out
+    assert "4 document(s) are too few" in capsys.readouterr().out
     docs = [[data.EOT] + enc.encode_ordinary(t) for t in texts]
     total = sum(map(len, docs))
     share = min(data.MIN_VAL_TOKENS / total, 0.1)
@@ -404,6 +433,15 @@ def test_a_handful_of_text_files_hold_out_each_tail(tmp_path, enc, capsys):
     assert list(data.read_shard(paths["val"])) == [t for d, c in zip(docs, cuts) for t in d[c:]]
     with pytest.raises(ValueError, match="too few to make both a train and a val split"):
         data.write_tail_splits([("s", "hi")], str(tmp_path / "tiny"), num_proc=1)
+    # max_tokens cuts the last documents first: the first whole, 100 tokens of the second, nothing
+    # of the rest, and a document counts where it left tokens
+    cap = len(docs[0]) + 100
+    paths, share = data.write_tail_splits([(str(i), t) for i, t in enumerate(texts)],
+                                          str(tmp_path / "capped"), max_tokens=cap, num_proc=1)
+    assert sum(len(data.read_shard(p)) for p in paths.values()) == cap
+    meta = json.load(open(tmp_path / "capped" / "meta.json"))
+    assert meta["documents"] == {"train": 2, "val": 2}
+    assert meta["sources"]["1"]["val"]["tokens"] == round(share * 100)
 
 
 def test_local_file_errors(tmp_path, capsys):
