@@ -381,6 +381,24 @@ def test_root_steps_from_zero_state_are_roots_formula():
         torch.testing.assert_close(W.detach().double(), p, atol=2e-6, rtol=0)
 
 
+def test_root_stores_its_momentum_as_the_contract_says():
+    """states="nvfp4": after one step buf = g, stored as CONTRACT["root.momentum"] (H16, RTN, 4/6)
+    in CONTRACT["root.momentum.levels"] levels: the second holds the first's error, so the stored
+    momentum is several times closer to g than one level (RTN: no seed enters)."""
+    g = torch.randn(32, 128, generator=gen(41)) * torch.exp(torch.randn(32, 1, generator=gen(42)))
+    W = nn.Parameter(torch.randn(32, 128, generator=gen(43)))
+    opt = optim.Root([W], states="nvfp4")
+    W.grad = g
+    opt.step()
+    stored = optim.decode_first_moment(optim._prefixed(opt.state[W], "m"), entry="root.momentum")
+    levels = optim.CONTRACT["root.momentum.levels"]
+    assert levels == 2
+    code = lambda n: optim.decode_first_moment(
+        optim.encode_first_moment(g, entry="root.momentum", levels=n), entry="root.momentum")
+    assert torch.equal(stored, code(levels))
+    assert (stored - g).norm() < (code(1) - g).norm() / 4
+
+
 def test_root_converges_on_regression():
     X, Y = regression_problem(1)
     for quantized in (False, True):
