@@ -99,6 +99,13 @@ def test_rope_scores_depend_only_on_relative_position():
     assert torch.diagonal(S, 0)[0] != pytest.approx(torch.diagonal(S, 5)[0].item(), abs=1e-3)  # not constant
     torch.testing.assert_close(qr.norm(dim=-1), q.norm().expand(T))  # a rotation
     torch.testing.assert_close(qr[0], q)  # position 0 is the identity
+    # the turn's sense (Llama's rotate_half layout: pair i is channels i and i + D/2): the first
+    # channel's unit vector at position t goes to (cos, sin) of t * theta^0
+    e = torch.zeros(1, 1, T, D, dtype=torch.float64)
+    e[..., 0] = 1.0
+    turned = apply_rope(e, cos.double(), sin.double())[0, 0]
+    torch.testing.assert_close(turned[:, 0], cos.double()[:, 0])
+    torch.testing.assert_close(turned[:, D // 2], sin.double()[:, 0])
     # RoFormer's frequencies: position t turns channel pair i by t * theta^(-2i/D)
     angles = torch.arange(T, dtype=torch.float64)[:, None] * 10000.0 ** (-torch.arange(0, D, 2) / D)
     torch.testing.assert_close(cos.double(), angles.cos(), atol=1e-5, rtol=0)
@@ -128,6 +135,21 @@ def test_tied_and_untied_embeddings():
     big = GPT(small_config(tie_embeddings=False, vocab_size=4096, n_layer=1))
     assert abs(big.lm_head.weight.std().item() - 0.02) < 0.0005
     assert abs(big.lm_head.weight.mean().item()) < 0.0005
+    assert abs(big.wte.weight.std().item() - 0.02) < 0.0005  # GPT-2's N(0, 0.02) embedding
+
+
+def test_each_block_reads_its_own_norms_and_swiglu_gates_through_silu():
+    """Pre-norm blocks: the MLP reads mlp_norm(x) (not the attention's norm: both gains start at 1,
+    so only a gradient tells them apart), SwiGLU = down(silu(gate x) * up x), and the loss reaches
+    every parameter."""
+    torch.manual_seed(0)
+    model = GPT(small_config())
+    idx = torch.randint(0, 97, (2, 16))
+    model(idx, torch.roll(idx, -1, dims=1))[1].backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+    mlp, x = model.blocks[0].mlp, torch.randn(2, 16, 64)
+    torch.testing.assert_close(mlp(x), mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x)))
 
 
 def test_make_linear_follows_the_recipe_and_init():
@@ -215,6 +237,9 @@ def test_generate_greedy_is_deterministic_and_extends():
     assert out1.shape == (2, 10) and torch.equal(out1, out2) and torch.equal(out1[:, :4], idx)
     sampled = model.generate(idx, 40, temperature=1.0, top_k=3)  # crops to block_size past 32 tokens
     assert sampled.shape == (2, 44) and int(sampled.max()) < 97
+    # past block_size the context is the last block_size tokens
+    nxt = model.generate(sampled, 1, temperature=0)[:, -1]
+    torch.testing.assert_close(nxt, model(sampled[:, -32:])[0][:, -1].argmax(-1))
 
 
 def _compiled_vs_eager(device):
