@@ -75,6 +75,21 @@ def test_quantize_rtn_bit_exact(block, four_over_six, dtype):
     assert (k.scales.float() < 2**-6).any()  # subnormal scales kept
 
 
+# the interpreter's numpy says so when 1 / (s_b * S_dec) overflows, before the cap
+@pytest.mark.filterwarnings("ignore:overflow encountered in divide:RuntimeWarning")
+@pytest.mark.parametrize("four_over_six", [False, True])
+def test_quantize_at_the_bottom_of_fp32s_range(four_over_six):
+    """A tensor near 1e-38: S_enc saturates at FLT_MAX, so s_b * S_dec is subnormal and its
+    reciprocal overflows; the element scale is capped at FLT_MAX there, as in the reference (and
+    Transformer Engine), not infinite."""
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(5)) * 1e-38
+    assert (nvfp4.element_scale(nvfp4.to_e4m3(torch.tensor([0.5])), torch.tensor(1 / 3.4e38))
+            == nvfp4.FLT_MAX).all()
+    for block in BLOCKS:
+        _same(kquantize(x, block, "rtn", four_over_six),
+              nvfp4.quantize_reference(x, block, "rtn", four_over_six))
+
+
 def test_quantize_batched_and_transposed_views():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(3, 32, 48, generator=g)
