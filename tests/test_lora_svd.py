@@ -44,6 +44,14 @@ def planted_weight(out_f, in_f, rank, gen, gap=20.0):
     return (U * s) @ V.t() + torch.randn(out_f, in_f, generator=gen)
 
 
+def with_spectrum(s, rows, cols, gen):
+    """A float32 (rows, cols) matrix U diag(s) V^T, U and V random with orthonormal columns
+    (float64 QR): a chosen spectrum, hence a chosen condition number."""
+    U, _ = torch.linalg.qr(torch.randn(rows, len(s), generator=gen, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(cols, len(s), generator=gen, dtype=torch.float64))
+    return ((U * s) @ V.t()).float()
+
+
 # ---------------------------------------------------------------------------------------------------------- init
 
 @pytest.mark.parametrize("beta", [1.0, 0.25])
@@ -237,10 +245,8 @@ def test_orthonormal_basis_is_cholesky_qr():
     torch.testing.assert_close(Q @ R, A, atol=1e-5, rtol=1e-5)
     # cond(A) = 1e3: Cholesky-QR from the fp64 Gram matrix stays orthonormal (from an fp32 one it
     # loses ~3e-3 and falls back)
-    gen = torch.Generator().manual_seed(1)
-    U, _ = torch.linalg.qr(torch.randn(96, 8, generator=gen, dtype=torch.float64))
-    V, _ = torch.linalg.qr(torch.randn(8, 8, generator=gen, dtype=torch.float64))
-    A = ((U * torch.logspace(0, -3, 8, dtype=torch.float64)) @ V.t()).float()
+    A = with_spectrum(torch.logspace(0, -3, 8, dtype=torch.float64), 96, 8,
+                      torch.Generator().manual_seed(1))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Q = lora_svd.orthonormal_basis(A)
@@ -271,10 +277,8 @@ def test_an_ill_conditioned_basis_that_cholesky_factors_falls_back_too(monkeypat
     orthogonality like eps * cond(A)^2 (~2e-5 here): the check catches it and Householder QR gives
     an orthonormal basis of A's span."""
     monkeypatch.setattr(lora_svd, "_warned_householder", False)
-    gen = torch.Generator().manual_seed(0)
-    U, _ = torch.linalg.qr(torch.randn(96, 8, generator=gen, dtype=torch.float64))
-    V, _ = torch.linalg.qr(torch.randn(8, 8, generator=gen, dtype=torch.float64))
-    A = ((U * torch.logspace(0, -6, 8, dtype=torch.float64)) @ V.t()).float()       # (96, 8)
+    A = with_spectrum(torch.logspace(0, -6, 8, dtype=torch.float64), 96, 8,
+                      torch.Generator().manual_seed(0))                             # (96, 8)
     with pytest.warns(UserWarning, match="Householder"):
         Q = lora_svd.orthonormal_basis(A).double()
     assert (Q.t() @ Q - torch.eye(8, dtype=torch.float64)).abs().max() < 1e-6
@@ -299,13 +303,10 @@ def test_realign_preserves_effective_weight_and_finds_new_subspace():
 
 def test_randomized_svd_finds_a_slowly_decaying_top_r():
     """A trained weight's spectrum decays slowly (here s_i = 1 / (1 + i / 20)): the sketch's
-    oversampling and power iterations are what bring the top-r values within 2% of s_r (without
-    oversampling ~6%, without power iterations ~30%)."""
-    gen = torch.Generator().manual_seed(0)
-    U, _ = torch.linalg.qr(torch.randn(256, 256, generator=gen, dtype=torch.float64))
-    V, _ = torch.linalg.qr(torch.randn(512, 256, generator=gen, dtype=torch.float64))
+    oversampling and power iterations are what bring the top-r values within 2% of s_r (~0.02%
+    here; without oversampling ~5%, without power iterations ~26%)."""
     S = 1 / (1 + 0.05 * torch.arange(256, dtype=torch.float64))
-    W = ((U * S) @ V.t()).float()                                                   # (256, 512)
+    W = with_spectrum(S, 256, 512, torch.Generator().manual_seed(0))                 # (256, 512)
     _, s, _ = lora_svd.randomized_svd(W, R, generator=torch.Generator().manual_seed(1))
     assert (s.double() - S[:R]).abs().max() < 0.02 * S[R - 1]
 
