@@ -570,6 +570,19 @@ def test_dequantize_bitwise_every_block(block):
         assert torch.equal(bits(kdequantize(r, dtype)), bits(r.dequantize(dtype)))
 
 
+def test_dequantize_reads_1x16_codes_that_start_off_a_word():
+    """The 1x16 kernel reads a block's codes as two int32 words: codes that are a view starting one
+    byte into their storage (a slice of a larger buffer) decode as the reference does, not refused
+    by the int32 view and not read from the wrong bytes."""
+    r = nvfp4.quantize_reference(_heavy_tailed((32, 48), torch.Generator().manual_seed(12)))
+    storage = torch.zeros(r.codes.numel() + 1, dtype=torch.uint8)
+    storage[1:] = r.codes.flatten()
+    codes = storage[1:].view(r.codes.shape)
+    assert codes.storage_offset() == 1
+    t = nvfp4.NVFP4Tensor(codes, r.scales, r.global_scale, r.shape, r.block)
+    assert torch.equal(kdequantize(t, torch.float32), r.dequantize(torch.float32))
+
+
 # --------------------------------------------------------------------------------------------------
 # values written into a wider buffer (LoRA-SVD's GEMM operands, kernels/nvfp4_linear.py)
 
