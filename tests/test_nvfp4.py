@@ -485,6 +485,32 @@ def test_an_input_changed_in_place_between_its_readers_is_quantized_again(route,
     assert torch.equal(second(x), second(x.clone()))
 
 
+@pytest.mark.parametrize("route", ["reference", "kernels"])
+def test_layers_that_quantize_one_input_differently_each_get_their_own(route, monkeypatch):
+    """The shared cast is keyed by its dtype and the shared quantization by what makes it (4/6, a
+    LoRA-SVD branch's columns), and an SR forward.x is drawn afresh by every reader: a layer that
+    reads x after another one made these for other settings multiplies what a fresh copy of x gets."""
+    import dataclasses
+
+    import lora_svd
+    monkeypatch.setenv("NANOFP4_ROUTE", route)
+    torch.manual_seed(0)
+    plain, four_six = nvfp4.NVFP4Linear(64, 32), nvfp4.NVFP4Linear(64, 32, four_over_six=True)
+    branch = lora_svd.LoRASVDLinear.from_linear(torch.nn.Linear(64, 32, bias=False), 8)
+    x = torch.randn(16, 64)
+    for first, second in [(plain, four_six), (four_six, branch)]:
+        first(x)
+        assert torch.equal(second(x), second(x.clone()))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain(x)
+    with torch.autocast("cpu", dtype=torch.float16):
+        y, want = plain(x), plain(x.clone())
+    assert y.dtype == torch.float16 and torch.equal(y, want)
+    sr = dataclasses.replace(nvfp4.LINEAR["forward.x"], rounding="sr")
+    monkeypatch.setitem(nvfp4.LINEAR, "forward.x", sr)
+    assert not torch.equal(plain(x), plain(x))
+
+
 @pytest.mark.parametrize("kind", ["nvfp4", "lora_svd"])
 @pytest.mark.parametrize("route,device", [("reference", "cpu"), ("kernels", "cpu"),
                                           pytest.param("kernels", "cuda", marks=pytest.mark.gpu)])
