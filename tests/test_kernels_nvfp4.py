@@ -90,6 +90,15 @@ def test_quantize_at_the_bottom_of_fp32s_range(four_over_six):
               nvfp4.quantize_reference(x, block, "rtn", four_over_six))
 
 
+@pytest.mark.parametrize("block", BLOCKS)
+def test_quantize_fp16_input_as_the_reference(block):
+    """An fp16 x (10 mantissa bits, 3 more than bf16's) is quantized from its own values widened
+    to fp32, as the reference quantizes it, not from a bf16 rounding of them."""
+    x = _heavy_tailed((32, 64), torch.Generator().manual_seed(21)).to(torch.float16)
+    assert not torch.equal(x.bfloat16().float(), x.float())
+    _same(kquantize(x, block, "rtn", True), nvfp4.quantize_reference(x, block, "rtn", True))
+
+
 def test_quantize_batched_and_transposed_views():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(3, 32, 48, generator=g)
@@ -883,8 +892,9 @@ def test_bad_inputs_raise_clear_errors():
         kquantize(torch.randn(24, 64), (16, 1))
     with pytest.raises(ValueError, match="does not fit NVFP4 block"):
         kquantize(torch.randn(32, 40), (1, 16))
-    with pytest.raises(ValueError, match="non-finite"):
-        kquantize(torch.tensor([[float("nan")] * 16] * 2), (1, 16))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(ValueError, match="non-finite"):
+            kquantize(torch.tensor([[1.0] * 15 + [bad]] * 2), (1, 16))
     with pytest.raises(ValueError, match="1-D block"):
         kquantize(x, (16, 16), hadamard=torch.eye(16))
     with pytest.raises(ValueError, match=r"\(16, 16\) matrix"):
