@@ -899,8 +899,14 @@ def test_bad_inputs_raise_clear_errors():
         kquantize(x, (16, 16), hadamard=torch.eye(16))
     with pytest.raises(ValueError, match=r"\(16, 16\) matrix"):
         kquantize(x, (1, 16), hadamard=torch.eye(8))
-    with pytest.raises(ValueError, match="rounding"):
-        kquantize(x, (1, 16), rounding="nearest")
+    for rounding in ("nearest", "rtz", "sr_down"):  # only the spec's (nvfp4.ROUNDINGS)
+        with pytest.raises(ValueError, match="rounding"):
+            kquantize(x, (1, 16), rounding=rounding)
+    overlapping = torch.empty(31 * 48 + 64, dtype=torch.bfloat16).as_strided((32, 64), (48, 1))
+    with pytest.raises(ValueError, match="out must be"):  # rows 48 apart, 64 wide: they overlap
+        kq.quantize_dequant(x, out=overlapping)
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        kq.cast_bf16_amax(torch.randn(64, 32).t())
     a, b = nvfp4.quantize(x, (1, 16)), nvfp4.quantize(torch.randn(16, 48), (1, 16))
     with pytest.raises(ValueError, match="contraction dims differ"):
         kg.nvfp4_gemm(a, b)
