@@ -64,12 +64,19 @@ def run_one(config, recipe, optimizer, compile, steps, runs_dir, timeout, cuda_g
     with open(summary_path) as f:
         s = json.load(f)
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        rates = [row["tokens_per_s"] for row in map(json.loads, f)
-                 if "tokens_per_s" in row and row["step"] > WARMUP_STEPS]
-    return {**result, "tokens_per_s": statistics.median(rates), "step_rates": rates,
+        tokens_per_s, rates = steady_rate(map(json.loads, f))
+    return {**result, "tokens_per_s": tokens_per_s, "step_rates": rates,
             "step_tokens": s["tokens"] // s["steps"],
             "steps": s["steps"], "params": s["params"], "peak_mem_gib": s["peak_mem_bytes"] / 2**30,
             "optimizer_bytes_per_param": s["optimizer_bytes_per_param"], "mfu": s.get("mfu")}
+
+
+def steady_rate(metrics):
+    """(the row's tokens/s, the rates it is taken from) over a run's metrics.jsonl rows: the median
+    of the steps after WARMUP_STEPS, not their best (a fast outlier step must not flatter a row)."""
+    rates = [row["tokens_per_s"] for row in metrics
+             if "tokens_per_s" in row and row["step"] > WARMUP_STEPS]
+    return statistics.median(rates), rates
 
 
 def add_ratios(rows):

@@ -177,6 +177,19 @@ def test_ratios_are_taken_within_one_call():
     assert others[3]["bf16_tokens_per_s"] == 80.0 and others[3]["vs_bf16"] == 0.75
 
 
+def test_a_train_rows_rate_is_the_median_of_its_timed_steps():
+    """The warm-up steps (compilation, autotuning) are not timed, and the row reports the median of
+    the rest, not the fastest step."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import end_to_end
+
+    assert end_to_end.WARMUP_STEPS == 2
+    metrics = [{"step": 1, "tokens_per_s": 10.0}, {"step": 2, "tokens_per_s": 20.0},
+               {"step": 2, "eval": True}, {"step": 3, "tokens_per_s": 50.0},
+               {"step": 4, "tokens_per_s": 30.0}, {"step": 5, "tokens_per_s": 40.0}]
+    assert end_to_end.steady_rate(metrics) == (40.0, [50.0, 30.0, 40.0])
+
+
 def test_attention_tiles_gives_each_candidate_the_same_draws_and_rejects_bad_tiles():
     """bench/attention_tiles.py times each candidate dK/dV (or dQ) tiling with the same dS draws
     (the interpreter runs its own tiles: every candidate's gradients equal the committed run's),
