@@ -657,6 +657,14 @@ def test_resume_with_more_steps_keeps_the_schedule(byte_data, micro, tmp_path, c
     args = train.parse_args(["--lr", "3e-3", "--min_lr", "3e-4"])
     args.warmup, args.lr_decay_steps = 2, 30
     assert rows[-1]["lr"] == pytest.approx(3e-3 * train.lr_factor(23, args))
+    # an explicit --lr takes over from the checkpoint's: the optimizer steps with the lr the log
+    # shows, not with the one its saved param groups carried
+    rows = run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "25", "--eval_every", "0",
+               "--save_every", "0", "--resume", "--lr", "1e-3")
+    saved = train.load_checkpoint(str(tmp_path / "ckpt.pt"))["optimizer"]["optimizers"]
+    groups = [g for opt in saved for g in opt["param_groups"]]
+    assert groups and all(g["base_lr"] == 1e-3 and g["lr"] == pytest.approx(rows[-1]["lr"])
+                          for g in groups)
 
 
 def test_no_progress_prints_a_line_per_logged_step_and_the_evals(byte_data, micro, tmp_path,
