@@ -657,6 +657,12 @@ def test_resume_with_more_steps_keeps_the_schedule(byte_data, micro, tmp_path, c
     args = train.parse_args(["--lr", "3e-3", "--min_lr", "3e-4"])
     args.warmup, args.lr_decay_steps = 2, 30
     assert rows[-1]["lr"] == pytest.approx(3e-3 * train.lr_factor(23, args))
+    # the note names the steps past the cosine from the first one on, and none when there are none
+    saved = {flag: getattr(args, flag) for flag in train.SCHEDULE_FLAGS}
+    for max_steps, past in ((30, None), (31, "steps 31-31 run at min_lr")):
+        args.max_steps = max_steps
+        note = train.resume_schedule(args, saved, explicit=set())
+        assert (past in note) if past else "min_lr" not in note, note
     # an explicit --lr takes over from the checkpoint's: the optimizer steps with the lr the log
     # shows, not with the one its saved param groups carried
     rows = run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "25", "--eval_every", "0",
