@@ -495,8 +495,9 @@ def test_bad_flag_subprocess_has_no_traceback(tmp_path):
 @pytest.mark.slow
 def test_torchrun_ddp_and_fsdp2_on_cpu_agree(byte_data, tmp_path):
     """2 ranks on CPU (gloo): DDP, FSDP2 and one process see the same global batches (data.py's
-    loader does not depend on the world size), so their losses agree; FSDP2 resumes."""
-    def torchrun(out, *flags, ranks=2):
+    loader does not depend on the world size), so their losses agree; FSDP2 resumes. A batch the
+    ranks cannot split is refused in one line, exit 2."""
+    def torchrun(out, *flags, ranks=2, fails=False):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={ranks}",
                "train.py", "--device", "cpu", "--config", "tiny", "--recipe", "bf16",
@@ -504,8 +505,12 @@ def test_torchrun_ddp_and_fsdp2_on_cpu_agree(byte_data, tmp_path):
                "--out_dir", str(out), "--no_progress", *flags]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
-        assert p.returncode == 0, p.stderr[-3000:]
-        return train_losses(train.read_metrics(os.path.join(out, "metrics.jsonl")))
+        assert (p.returncode != 0) == fails, p.stderr[-3000:]
+        return p if fails else train_losses(train.read_metrics(os.path.join(out, "metrics.jsonl")))
+    bad = torchrun(tmp_path / "bad", "--max_steps", "1", "--batch_size", "3", fails=True)
+    # a rank's one line and exit 2 (torchrun then stops the other rank, and reports in its own way)
+    assert "train.py: error: --batch_size 3: does not divide across 2 ranks" in bad.stderr
+    assert "exitcode: 2" in bad.stderr
     ddp = torchrun(tmp_path / "ddp", "--max_steps", "3")
     one = torchrun(tmp_path / "one", "--max_steps", "3", ranks=1)
     torchrun(tmp_path / "fsdp", "--max_steps", "2", "--lr_decay_steps", "3", "--fsdp")
