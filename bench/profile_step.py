@@ -192,8 +192,10 @@ def profile_recipe(config, recipe, batch, seq_len, iters, device, graphs=False):
     stats = torch.cuda.memory_stats() if device == "cuda" else {}
     allocator = {k: stats.get(k, 0)
                  for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")}
-    del model  # a graphed model's graphs reference it in a cycle: collected, or their memory
-    gc.collect()  # pool stays held through the next recipe's capture (an 80 GB card runs out)
+    # a graphed model and its graphs reference each other: without the collection their memory pool
+    # stays held through the next recipe's capture (an 80 GB card runs out)
+    del model
+    gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
     return {"wall_ms": wall_ms, "busy": busy, "kernels": dict(kernels.most_common()), "host": host,

@@ -678,8 +678,8 @@ def test_resume_with_more_steps_keeps_the_schedule(byte_data, micro, tmp_path, c
     # shows, not with the one its saved param groups carried
     rows = run(byte_data, tmp_path, "--recipe", "bf16", "--max_steps", "25", "--eval_every", "0",
                "--save_every", "0", "--resume", "--lr", "1e-3")
-    saved = train.load_checkpoint(str(tmp_path / "ckpt.pt"))["optimizer"]["optimizers"]
-    groups = [g for opt in saved for g in opt["param_groups"]]
+    optimizers = train.load_checkpoint(str(tmp_path / "ckpt.pt"))["optimizer"]["optimizers"]
+    groups = [g for opt in optimizers for g in opt["param_groups"]]
     assert groups and all(g["base_lr"] == 1e-3 and g["lr"] == pytest.approx(rows[-1]["lr"])
                           for g in groups)
 
